@@ -1,0 +1,167 @@
+//! The Proxmox backend: maps providerkit's slot lifecycle onto a
+//! [`Substrate`] (the real Proxmox API or the in-memory fake).
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use bigfleet_proto::v1alpha1 as pb;
+use providerkit::{
+    Backend, BackendError, ConfigureCtx, CreateCtx, DeleteCtx, DrainCtx, SlotSpec, SubstrateHost,
+};
+
+use crate::catalog::{self, InstanceType, Pricing, Slot};
+use crate::substrate::{CloneRequest, Substrate, SubstrateError, VmRef};
+
+pub struct ProxmoxBackend {
+    slots: Vec<Slot>,
+    types: BTreeMap<String, InstanceType>,
+    pricing: Pricing,
+    substrate: Arc<dyn Substrate>,
+}
+
+fn be(e: SubstrateError) -> BackendError {
+    BackendError::new(e.0)
+}
+
+fn parse_host(host_ref: &str) -> Result<VmRef, BackendError> {
+    VmRef::parse(host_ref).map_err(be)
+}
+
+impl ProxmoxBackend {
+    pub fn new(
+        slots: Vec<Slot>,
+        types: BTreeMap<String, InstanceType>,
+        pricing: Pricing,
+        substrate: Arc<dyn Substrate>,
+    ) -> ProxmoxBackend {
+        ProxmoxBackend {
+            slots,
+            types,
+            pricing,
+            substrate,
+        }
+    }
+
+    fn spec(slot: &Slot, host: Option<SubstrateHost>) -> SlotSpec {
+        SlotSpec {
+            id: slot.id.clone(),
+            instance_type: slot.instance_type.clone(),
+            zone: slot.zone.clone(),
+            capacity_type: pb::CapacityType::OnDemand,
+            price_per_hour: slot.price_per_hour,
+            interruption_probability: 0.0,
+            resources: slot.resources.clone(),
+            allocatable: slot.allocatable.clone(),
+            labels: slot.labels.clone(),
+            host,
+        }
+    }
+
+    /// A marked VM whose slot no longer exists (offering shrunk or removed)
+    /// is surfaced under its machine id so it can still be drained and
+    /// deleted. Its type is read back from the id when it follows our scheme.
+    fn orphan_spec(&self, machine_id: &str, vm: &VmRef) -> SlotSpec {
+        let parts: Vec<&str> = machine_id.split('/').collect();
+        let instance_type = match parts.as_slice() {
+            [_, _, t, _, _] if !t.is_empty() => t.to_string(),
+            _ => "unknown".to_string(),
+        };
+        let t = self.types.get(&instance_type);
+        let allocatable = t.map(catalog::allocatable).unwrap_or_default();
+        SlotSpec {
+            id: machine_id.to_string(),
+            price_per_hour: self.pricing.price(&instance_type, t),
+            instance_type,
+            zone: vm.node.clone(),
+            capacity_type: pb::CapacityType::OnDemand,
+            interruption_probability: 0.0,
+            resources: allocatable.clone(),
+            allocatable,
+            labels: HashMap::new(),
+            host: Some(SubstrateHost {
+                host_ref: vm.host_ref(),
+            }),
+        }
+    }
+}
+
+#[async_trait]
+impl Backend for ProxmoxBackend {
+    async fn describe(&self) -> Result<Vec<SlotSpec>, BackendError> {
+        let managed = self.substrate.describe_managed().await.map_err(be)?;
+        let mut by_machine: HashMap<String, VmRef> = HashMap::with_capacity(managed.len());
+        for vm in managed {
+            by_machine.insert(vm.machine_id, vm.vm);
+        }
+        let mut specs = Vec::with_capacity(self.slots.len());
+        for slot in &self.slots {
+            let host = by_machine.remove(&slot.id).map(|vm| SubstrateHost {
+                host_ref: vm.host_ref(),
+            });
+            specs.push(Self::spec(slot, host));
+        }
+        let mut orphans: Vec<(String, VmRef)> = by_machine.into_iter().collect();
+        orphans.sort_by(|a, b| a.0.cmp(&b.0));
+        specs.extend(orphans.iter().map(|(id, vm)| self.orphan_spec(id, vm)));
+        Ok(specs)
+    }
+
+    async fn create(&self, ctx: CreateCtx) -> Result<SubstrateHost, BackendError> {
+        let t = self.types.get(&ctx.instance_type).ok_or_else(|| {
+            BackendError::new(format!(
+                "instance type {:?} is not in the catalog",
+                ctx.instance_type
+            ))
+        })?;
+        let req = CloneRequest {
+            machine_id: ctx.machine_id,
+            operation_id: ctx.operation_id,
+            instance_type: ctx.instance_type.clone(),
+            node: ctx.zone,
+            template_vmid: t.template_vmid,
+            vcpu: t.vcpu,
+            memory_mib: t.memory_mib,
+        };
+        let vm = self.substrate.clone_vm(&req).await.map_err(be)?;
+        Ok(SubstrateHost {
+            host_ref: vm.host_ref(),
+        })
+    }
+
+    async fn configure(&self, ctx: ConfigureCtx) -> Result<(), BackendError> {
+        let vm = parse_host(&ctx.host_ref)?;
+        self.substrate.ensure_running(&vm).await.map_err(be)?;
+        self.substrate
+            .configure(&vm, &ctx.bootstrap_blob)
+            .await
+            .map_err(be)
+    }
+
+    async fn drain(&self, ctx: DrainCtx) -> Result<(), BackendError> {
+        let vm = parse_host(&ctx.host_ref)?;
+        self.substrate.ensure_running(&vm).await.map_err(be)?;
+        self.substrate
+            .drain(&vm, ctx.grace_period)
+            .await
+            .map_err(be)
+    }
+
+    fn supports_delete(&self) -> bool {
+        true
+    }
+
+    async fn delete(&self, ctx: DeleteCtx) -> Result<(), BackendError> {
+        let vm = parse_host(&ctx.host_ref)?;
+        self.substrate.delete_vm(&vm).await.map_err(be)
+    }
+
+    fn supports_readiness(&self) -> bool {
+        self.substrate.readiness_gate()
+    }
+
+    async fn node_ready(&self, ctx: &ConfigureCtx) -> Result<bool, BackendError> {
+        let vm = parse_host(&ctx.host_ref)?;
+        self.substrate.node_ready(&vm).await.map_err(be)
+    }
+}

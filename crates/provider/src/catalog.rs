@@ -1,0 +1,397 @@
+//! Instance types, offerings and pricing: the slots this provider offers.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
+
+use serde::Deserialize;
+
+/// One instance type: the template to clone and the clone's size.
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct InstanceType {
+    pub vcpu: u32,
+    pub memory_mib: u64,
+    #[serde(default)]
+    pub template_vmid: u32,
+}
+
+/// One offering: `count` slots of one type on one node.
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Offering {
+    pub instance_type: String,
+    pub zone: String,
+    #[serde(default)]
+    pub capacity_type: String,
+    pub count: i64,
+    #[serde(default)]
+    pub resources: BTreeMap<String, String>,
+    #[serde(default)]
+    pub labels: BTreeMap<String, String>,
+}
+
+/// A fully resolved slot.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Slot {
+    pub id: String,
+    pub instance_type: String,
+    pub zone: String,
+    pub price_per_hour: f64,
+    pub resources: HashMap<String, String>,
+    pub allocatable: HashMap<String, String>,
+    pub labels: HashMap<String, String>,
+}
+
+pub fn builtin_instance_types(template_vmid: u32) -> BTreeMap<String, InstanceType> {
+    [
+        ("pve.small", 2, 4),
+        ("pve.medium", 4, 8),
+        ("pve.large", 8, 16),
+        ("pve.xlarge", 16, 32),
+    ]
+    .into_iter()
+    .map(|(name, vcpu, gib)| {
+        (
+            name.to_string(),
+            InstanceType {
+                vcpu,
+                memory_mib: gib * 1024,
+                template_vmid,
+            },
+        )
+    })
+    .collect()
+}
+
+pub fn load_instance_types(
+    path: &Path,
+    template_vmid: u32,
+) -> Result<BTreeMap<String, InstanceType>, String> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| format!("cannot read --instance-types {}: {e}", path.display()))?;
+    let mut types: BTreeMap<String, InstanceType> = serde_json::from_str(&text)
+        .map_err(|e| format!("--instance-types {} is not valid: {e}", path.display()))?;
+    if types.is_empty() {
+        return Err(format!(
+            "--instance-types {} defines no types",
+            path.display()
+        ));
+    }
+    for (name, t) in types.iter_mut() {
+        if name.trim().is_empty() {
+            return Err("--instance-types has an entry with an empty name".into());
+        }
+        if t.vcpu == 0 {
+            return Err(format!("instance type {name}: vcpu must be > 0"));
+        }
+        if t.memory_mib == 0 {
+            return Err(format!("instance type {name}: memory_mib must be > 0"));
+        }
+        if t.template_vmid == 0 {
+            t.template_vmid = template_vmid;
+        }
+    }
+    Ok(types)
+}
+
+/// Two sizes across two zones, `seed_count` slots spread evenly.
+pub fn builtin_offerings(zones: &[String], seed_count: usize) -> Vec<Offering> {
+    let zones: Vec<&String> = zones.iter().take(2).collect();
+    let cells: Vec<(&str, &String)> = ["pve.small", "pve.medium"]
+        .iter()
+        .flat_map(|t| zones.iter().map(move |z| (*t, *z)))
+        .collect();
+    if cells.is_empty() {
+        return Vec::new();
+    }
+    let per = seed_count / cells.len();
+    let extra = seed_count % cells.len();
+    cells
+        .iter()
+        .enumerate()
+        .map(|(i, (t, z))| Offering {
+            instance_type: t.to_string(),
+            zone: z.to_string(),
+            capacity_type: String::new(),
+            count: (per + usize::from(i < extra)) as i64,
+            resources: BTreeMap::new(),
+            labels: BTreeMap::new(),
+        })
+        .filter(|o| o.count > 0)
+        .collect()
+}
+
+pub fn load_offerings(path: &Path) -> Result<Vec<Offering>, String> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| format!("cannot read --offerings {}: {e}", path.display()))?;
+    serde_json::from_str(&text)
+        .map_err(|e| format!("--offerings {} is not valid: {e}", path.display()))
+}
+
+/// `type=usd,type=usd`.
+pub fn parse_prices(text: &str) -> Result<HashMap<String, f64>, String> {
+    let mut prices = HashMap::new();
+    for entry in text.split(',').map(str::trim).filter(|e| !e.is_empty()) {
+        let (name, usd) = entry
+            .split_once('=')
+            .ok_or_else(|| format!("--prices entry {entry:?} is not type=usd"))?;
+        let usd: f64 = usd
+            .trim()
+            .parse()
+            .map_err(|_| format!("--prices entry {entry:?}: {usd:?} is not a number"))?;
+        if !usd.is_finite() || usd < 0.0 {
+            return Err(format!("--prices entry {entry:?}: price must be >= 0"));
+        }
+        prices.insert(name.trim().to_string(), usd);
+    }
+    Ok(prices)
+}
+
+pub struct Pricing {
+    pub explicit: HashMap<String, f64>,
+    pub per_vcpu_hour: f64,
+    pub per_gib_hour: f64,
+}
+
+impl Pricing {
+    pub fn price(&self, name: &str, t: Option<&InstanceType>) -> f64 {
+        if let Some(p) = self.explicit.get(name) {
+            return *p;
+        }
+        match t {
+            Some(t) => {
+                t.vcpu as f64 * self.per_vcpu_hour
+                    + (t.memory_mib as f64 / 1024.0) * self.per_gib_hour
+            }
+            None => 0.0,
+        }
+    }
+}
+
+/// `<n>Gi` for a whole number of GiB, else `<n>Mi`.
+pub fn render_memory(memory_mib: u64) -> String {
+    if memory_mib.is_multiple_of(1024) {
+        format!("{}Gi", memory_mib / 1024)
+    } else {
+        format!("{memory_mib}Mi")
+    }
+}
+
+pub fn allocatable(t: &InstanceType) -> HashMap<String, String> {
+    HashMap::from([
+        ("cpu".to_string(), t.vcpu.to_string()),
+        ("memory".to_string(), render_memory(t.memory_mib)),
+    ])
+}
+
+fn capacity_type_ok(text: &str) -> bool {
+    matches!(
+        text.trim().to_ascii_lowercase().as_str(),
+        "" | "on_demand" | "on-demand" | "ondemand"
+    )
+}
+
+/// Label keys that would smuggle a top-level field into labels.
+fn reserved_label(key: &str) -> bool {
+    let last = key.rsplit('/').next().unwrap_or(key).to_ascii_lowercase();
+    matches!(
+        last.as_str(),
+        "instance-type" | "instance_type" | "zone" | "capacity-type" | "capacity_type"
+    )
+}
+
+/// Validate offerings against the catalog and the allowed zones, and expand
+/// them into slots with stable ids `<provider>/OnDemand/<type>/<zone>/<NNN>`.
+pub fn expand_slots(
+    provider: &str,
+    offerings: &[Offering],
+    types: &BTreeMap<String, InstanceType>,
+    zones: Option<&[String]>,
+    pricing: &Pricing,
+) -> Result<Vec<Slot>, String> {
+    if offerings.is_empty() {
+        return Err("no offerings: the provider would have no capacity to offer".into());
+    }
+    let mut next_index: HashMap<(String, String), usize> = HashMap::new();
+    let mut slots = Vec::new();
+    for o in offerings {
+        if o.instance_type.trim().is_empty() {
+            return Err("an offering has an empty instance_type".into());
+        }
+        if o.zone.trim().is_empty() {
+            return Err(format!("offering {} has an empty zone", o.instance_type));
+        }
+        let Some(t) = types.get(&o.instance_type) else {
+            let known: Vec<&str> = types.keys().map(String::as_str).collect();
+            return Err(format!(
+                "offering {} names an instance type not in the catalog ({})",
+                o.instance_type,
+                known.join(", ")
+            ));
+        };
+        if o.count <= 0 {
+            return Err(format!(
+                "offering {} on {}: count must be > 0, got {}",
+                o.instance_type, o.zone, o.count
+            ));
+        }
+        if !capacity_type_ok(&o.capacity_type) {
+            return Err(format!(
+                "offering {} has capacity_type {:?}: Proxmox VMs are on-demand only \
+                 (spot, reserved and bare_metal are not offered)",
+                o.instance_type, o.capacity_type
+            ));
+        }
+        if let Some(zones) = zones {
+            if !zones.contains(&o.zone) {
+                return Err(format!(
+                    "offering {} is placed on node {:?}, which is not in --nodes ({})",
+                    o.instance_type,
+                    o.zone,
+                    zones.join(",")
+                ));
+            }
+        }
+        if let Some(key) = o.labels.keys().find(|k| reserved_label(k)) {
+            return Err(format!(
+                "offering {} has label {key:?}: instance type, zone and capacity type are \
+                 top-level fields, not labels",
+                o.instance_type
+            ));
+        }
+        let alloc = allocatable(t);
+        let resources: HashMap<String, String> = if o.resources.is_empty() {
+            alloc.clone()
+        } else {
+            o.resources.clone().into_iter().collect()
+        };
+        let price = pricing.price(&o.instance_type, Some(t));
+        let counter = next_index
+            .entry((o.instance_type.clone(), o.zone.clone()))
+            .or_insert(0);
+        for _ in 0..o.count {
+            slots.push(Slot {
+                id: format!(
+                    "{provider}/OnDemand/{}/{}/{:03}",
+                    o.instance_type, o.zone, *counter
+                ),
+                instance_type: o.instance_type.clone(),
+                zone: o.zone.clone(),
+                price_per_hour: price,
+                resources: resources.clone(),
+                allocatable: alloc.clone(),
+                labels: o.labels.clone().into_iter().collect(),
+            });
+            *counter += 1;
+        }
+    }
+    Ok(slots)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pricing() -> Pricing {
+        Pricing {
+            explicit: HashMap::new(),
+            per_vcpu_hour: 0.003,
+            per_gib_hour: 0.0008,
+        }
+    }
+
+    #[test]
+    fn builtin_spreads_seed_evenly() {
+        let zones = vec!["pve-a".to_string(), "pve-b".to_string()];
+        let offerings = builtin_offerings(&zones, 10);
+        let counts: Vec<i64> = offerings.iter().map(|o| o.count).collect();
+        assert_eq!(counts, vec![3, 3, 2, 2]);
+        let types = builtin_instance_types(9000);
+        let slots = expand_slots("proxmox", &offerings, &types, None, &pricing()).unwrap();
+        assert_eq!(slots.len(), 10);
+        assert_eq!(slots[0].id, "proxmox/OnDemand/pve.small/pve-a/000");
+        assert_eq!(slots[9].id, "proxmox/OnDemand/pve.medium/pve-b/001");
+        let unique: std::collections::HashSet<_> = slots.iter().map(|s| &s.id).collect();
+        assert_eq!(unique.len(), 10);
+    }
+
+    #[test]
+    fn pricing_and_allocatable() {
+        let types = builtin_instance_types(9000);
+        let medium = &types["pve.medium"];
+        let p = pricing().price("pve.medium", Some(medium));
+        assert!((p - (4.0 * 0.003 + 8.0 * 0.0008)).abs() < 1e-12);
+        let mut explicit = pricing();
+        explicit.explicit = parse_prices("pve.medium=0.5, pve.small=0").unwrap();
+        assert_eq!(explicit.price("pve.medium", Some(medium)), 0.5);
+        assert_eq!(explicit.price("unknown", None), 0.0);
+        assert_eq!(render_memory(8192), "8Gi");
+        assert_eq!(render_memory(1536), "1536Mi");
+        assert_eq!(allocatable(medium)["cpu"], "4");
+        assert!(parse_prices("pve.medium").is_err());
+        assert!(parse_prices("pve.medium=-1").is_err());
+    }
+
+    #[test]
+    fn offering_validation_names_the_problem() {
+        let types = builtin_instance_types(9000);
+        let nodes = vec!["pve1".to_string()];
+        let mk = |t: &str, z: &str, c: i64, cap: &str| Offering {
+            instance_type: t.into(),
+            zone: z.into(),
+            capacity_type: cap.into(),
+            count: c,
+            resources: BTreeMap::new(),
+            labels: BTreeMap::new(),
+        };
+        let err =
+            |o: Offering| expand_slots("p", &[o], &types, Some(&nodes), &pricing()).unwrap_err();
+        assert!(err(mk("", "pve1", 1, "")).contains("empty instance_type"));
+        assert!(err(mk("pve.small", "", 1, "")).contains("empty zone"));
+        assert!(err(mk("pve.huge", "pve1", 1, "")).contains("not in the catalog"));
+        assert!(err(mk("pve.small", "pve1", 0, "")).contains("count must be > 0"));
+        assert!(err(mk("pve.small", "pve1", 1, "spot")).contains("on-demand only"));
+        assert!(err(mk("pve.small", "pve1", 1, "reserved")).contains("on-demand only"));
+        assert_eq!(
+            err(mk("pve.small", "pve9", 1, "")),
+            "offering pve.small is placed on node \"pve9\", which is not in --nodes (pve1)"
+        );
+        for ok in ["on-demand", "on_demand", "OnDemand", ""] {
+            assert!(expand_slots(
+                "p",
+                &[mk("pve.small", "pve1", 1, ok)],
+                &types,
+                Some(&nodes),
+                &pricing()
+            )
+            .is_ok());
+        }
+        let mut labelled = mk("pve.small", "pve1", 1, "");
+        labelled
+            .labels
+            .insert("topology.kubernetes.io/zone".into(), "x".into());
+        assert!(err(labelled).contains("top-level fields"));
+        assert!(expand_slots("p", &[], &types, None, &pricing()).is_err());
+    }
+
+    #[test]
+    fn offerings_file_rejects_unknown_fields() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("o.json");
+        std::fs::write(
+            &path,
+            r#"[{"instance_type":"pve.small","zone":"a","count":1,"cnt":2}]"#,
+        )
+        .unwrap();
+        assert!(load_offerings(&path).unwrap_err().contains("unknown field"));
+        std::fs::write(&path, r#"{"pve.x":{"vcpu":0,"memory_mib":1}}"#).unwrap();
+        assert!(load_instance_types(&path, 9000)
+            .unwrap_err()
+            .contains("vcpu must be > 0"));
+        std::fs::write(&path, r#"{"pve.x":{"vcpu":2,"memory_mib":1024}}"#).unwrap();
+        assert_eq!(
+            load_instance_types(&path, 9001).unwrap()["pve.x"].template_vmid,
+            9001
+        );
+    }
+}

@@ -1,0 +1,238 @@
+//! Command-line flags and their validation. Every check here runs before
+//! anything listens, and each failure is one clear line naming the problem.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{Parser, ValueEnum};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum BackendChoice {
+    Auto,
+    Proxmox,
+    Fake,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+/// BigFleet capacity provider for Proxmox VE.
+#[derive(Parser, Debug, Clone)]
+#[command(name = "bigfleet-proxmox", version, about, long_about = None)]
+pub struct Args {
+    /// gRPC listen address (CapacityProvider + grpc.health.v1 + reflection).
+    #[arg(long, default_value = ":9000")]
+    pub addr: String,
+
+    /// Label stamped on every HostRef.provider.
+    #[arg(long, default_value = "proxmox")]
+    pub provider: String,
+
+    /// Backend: proxmox | fake | auto (proxmox when --proxmox-api-url is set).
+    #[arg(long, value_enum, default_value = "auto")]
+    pub proxmox_backend: BackendChoice,
+
+    /// Explicitly select the in-memory simulator (testing/certification only).
+    #[arg(long)]
+    pub use_fake_backend: bool,
+
+    /// Proxmox API base URL, e.g. https://host:8006/api2/json.
+    #[arg(long)]
+    pub proxmox_api_url: Option<String>,
+
+    /// API token id, USER@REALM!TOKENID.
+    #[arg(long)]
+    pub proxmox_token_id: Option<String>,
+
+    /// API token secret inline (prefer --proxmox-token-file).
+    #[arg(long, hide_env_values = true)]
+    pub proxmox_token_secret: Option<String>,
+
+    /// File holding the API token secret; wins over the inline form.
+    #[arg(long)]
+    pub proxmox_token_file: Option<PathBuf>,
+
+    /// PEM CA bundle the API certificate must chain to (hostname checked).
+    #[arg(long)]
+    pub proxmox_ca_file: Option<PathBuf>,
+
+    /// Pinned SHA-256 of the API leaf certificate (AB:CD:... or hex; comma list).
+    #[arg(long)]
+    pub proxmox_tls_fingerprint: Option<String>,
+
+    /// Resource pool clones are placed in.
+    #[arg(long)]
+    pub proxmox_pool: Option<String>,
+
+    /// Comma list of node names (zones); required for the real backend.
+    #[arg(long, value_delimiter = ',')]
+    pub nodes: Vec<String>,
+
+    /// Fake backend: two synthetic zones <seed>-a and <seed>-b.
+    #[arg(long, default_value = "pve")]
+    pub default_zone: String,
+
+    /// JSON offerings file (default: built-in, sized by --seed-count).
+    #[arg(long)]
+    pub offerings: Option<PathBuf>,
+
+    /// Slots in the built-in offerings (ignored with --offerings).
+    #[arg(long, default_value_t = 32)]
+    pub seed_count: usize,
+
+    /// JSON instance-type catalog: name -> {vcpu, memory_mib, template_vmid}.
+    #[arg(long)]
+    pub instance_types: Option<PathBuf>,
+
+    /// Default template VMID for the built-in catalog and zero entries.
+    #[arg(long, default_value_t = 9000)]
+    pub template_vmid: u32,
+
+    /// Explicit USD/hour per type: type=usd,type=usd.
+    #[arg(long)]
+    pub prices: Option<String>,
+
+    /// Synthetic price per vCPU-hour (USD).
+    #[arg(long, default_value_t = 0.0030)]
+    pub price_per_vcpu_hour: f64,
+
+    /// Synthetic price per GiB-hour (USD).
+    #[arg(long, default_value_t = 0.0008)]
+    pub price_per_gib_hour: f64,
+
+    /// In-guest path the bootstrap blob is written to.
+    #[arg(long, default_value = "/run/bigfleet-bootstrap")]
+    pub bootstrap_path: String,
+
+    /// Comma-separated argv run in the guest; the blob path is appended.
+    #[arg(long, default_value = "/bin/sh")]
+    pub bootstrap_exec: String,
+
+    /// Shell command run in the guest that succeeds once the node is Ready;
+    /// empty turns the readiness gate off.
+    #[arg(
+        long,
+        default_value = "kubectl --kubeconfig /etc/kubernetes/kubelet.conf get node \"$(hostname)\" -o jsonpath='{.status.conditions[?(@.type==\"Ready\")].status}' | grep -qx True"
+    )]
+    pub readiness_command: String,
+
+    /// Shell command run in the guest to drain the node; the grace period
+    /// is passed as --grace-period=<seconds>.
+    #[arg(
+        long,
+        default_value = "kubectl drain \"$(hostname)\" --ignore-daemonsets --delete-emptydir-data"
+    )]
+    pub drain_command: String,
+
+    /// Concurrent clones per node (lock contention on local storage).
+    #[arg(long, default_value_t = 2)]
+    pub max_parallel_clones: usize,
+
+    /// Background reconcile period (0 = off).
+    #[arg(long, default_value = "2m", value_parser = parse_duration)]
+    pub reconcile_interval: Duration,
+
+    /// Durable state location; empty = in memory.
+    #[arg(long, default_value = "")]
+    pub state: String,
+
+    /// Metrics and probes listener (/metrics, /healthz, /readyz); empty = off.
+    #[arg(long, default_value = ":9090")]
+    pub metrics_addr: String,
+
+    /// Serve gRPC server reflection.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    pub reflection: bool,
+
+    /// TLS certificate (PEM) for the gRPC listener.
+    #[arg(long)]
+    pub tls_cert: Option<PathBuf>,
+
+    /// TLS private key (PEM) for the gRPC listener.
+    #[arg(long)]
+    pub tls_key: Option<PathBuf>,
+
+    /// Client CA (PEM): enables mTLS, a verified client certificate is required.
+    #[arg(long)]
+    pub tls_ca: Option<PathBuf>,
+
+    /// Create transition timeout.
+    #[arg(long, default_value = "8m", value_parser = parse_duration)]
+    pub create_timeout: Duration,
+
+    /// Configure transition timeout (includes the readiness gate).
+    #[arg(long, default_value = "8m", value_parser = parse_duration)]
+    pub configure_timeout: Duration,
+
+    /// Drain transition timeout.
+    #[arg(long, default_value = "15m", value_parser = parse_duration)]
+    pub drain_timeout: Duration,
+
+    /// Delete transition timeout.
+    #[arg(long, default_value = "5m", value_parser = parse_duration)]
+    pub delete_timeout: Duration,
+
+    /// Fake backend: simulated duration of each transition.
+    #[arg(long, default_value = "50ms", value_parser = parse_duration)]
+    pub fake_latency: Duration,
+
+    /// Log line format on stderr.
+    #[arg(long, value_enum, default_value = "text")]
+    pub log_format: LogFormat,
+
+    /// Minimum log level (error, warn, info, debug, trace).
+    #[arg(long, default_value = "info")]
+    pub log_level: String,
+}
+
+/// `0` means zero; otherwise humantime (`50ms`, `2m`, `1h30m`).
+pub fn parse_duration(text: &str) -> Result<Duration, String> {
+    let text = text.trim();
+    if text == "0" {
+        return Ok(Duration::ZERO);
+    }
+    humantime::parse_duration(text).map_err(|e| format!("invalid duration {text:?}: {e}"))
+}
+
+/// Go-style `:9000` means every interface.
+pub fn parse_listen_addr(flag: &str, value: &str) -> Result<SocketAddr, String> {
+    let full = if value.starts_with(':') {
+        format!("0.0.0.0{value}")
+    } else {
+        value.to_string()
+    };
+    full.parse()
+        .map_err(|_| format!("{flag} {value:?} is not a host:port listen address"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("0"), Ok(Duration::ZERO));
+        assert_eq!(parse_duration("2m"), Ok(Duration::from_secs(120)));
+        assert_eq!(parse_duration("50ms"), Ok(Duration::from_millis(50)));
+        assert!(parse_duration("soon").is_err());
+    }
+
+    #[test]
+    fn listen_addrs() {
+        assert_eq!(
+            parse_listen_addr("--addr", ":9000").unwrap().to_string(),
+            "0.0.0.0:9000"
+        );
+        assert_eq!(
+            parse_listen_addr("--addr", "127.0.0.1:1")
+                .unwrap()
+                .to_string(),
+            "127.0.0.1:1"
+        );
+        assert!(parse_listen_addr("--addr", "nope").is_err())
+    }
+}

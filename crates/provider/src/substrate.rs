@@ -1,0 +1,169 @@
+//! The Proxmox-shaped substrate client the backend drives, and the metrics
+//! decorator every implementation (real or fake) is wrapped in.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+
+/// A VM on one node: `HostRef.ref` is `<node>/<vmid>`.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct VmRef {
+    pub node: String,
+    pub vmid: u32,
+}
+
+impl VmRef {
+    pub fn host_ref(&self) -> String {
+        format!("{}/{}", self.node, self.vmid)
+    }
+
+    pub fn parse(host_ref: &str) -> Result<VmRef, SubstrateError> {
+        let bad = || SubstrateError::new(format!("host ref {host_ref:?} is not <node>/<vmid>"));
+        let (node, vmid) = host_ref.rsplit_once('/').ok_or_else(bad)?;
+        if node.is_empty() {
+            return Err(bad());
+        }
+        Ok(VmRef {
+            node: node.to_string(),
+            vmid: vmid.parse().map_err(|_| bad())?,
+        })
+    }
+}
+
+impl std::fmt::Display for VmRef {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{}", self.node, self.vmid)
+    }
+}
+
+/// What a Create asks the substrate for.
+#[derive(Clone, Debug)]
+pub struct CloneRequest {
+    pub machine_id: String,
+    pub operation_id: String,
+    pub instance_type: String,
+    pub node: String,
+    pub template_vmid: u32,
+    pub vcpu: u32,
+    pub memory_mib: u64,
+}
+
+/// A VM carrying our marker.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ManagedVm {
+    pub vm: VmRef,
+    pub machine_id: String,
+    pub running: bool,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct SubstrateError(pub String);
+
+impl SubstrateError {
+    pub fn new(message: impl Into<String>) -> SubstrateError {
+        SubstrateError(message.into())
+    }
+}
+
+#[async_trait]
+pub trait Substrate: Send + Sync + 'static {
+    /// Clone, size, mark, start and wait for the guest agent. A VM already
+    /// marked for this machine id is adopted (and powered on) instead.
+    async fn clone_vm(&self, req: &CloneRequest) -> Result<VmRef, SubstrateError>;
+    /// Stop and destroy with disks; an already-gone VM is success.
+    async fn delete_vm(&self, vm: &VmRef) -> Result<(), SubstrateError>;
+    /// Every VM carrying our marker.
+    async fn describe_managed(&self) -> Result<Vec<ManagedVm>, SubstrateError>;
+    /// Power on if stopped and wait for the agent; no-op when running.
+    async fn ensure_running(&self, vm: &VmRef) -> Result<(), SubstrateError>;
+    /// Deliver the bootstrap blob and run the hook.
+    async fn configure(&self, vm: &VmRef, blob: &[u8]) -> Result<(), SubstrateError>;
+    /// Whether Configure must wait for [`Substrate::node_ready`].
+    fn readiness_gate(&self) -> bool;
+    async fn node_ready(&self, vm: &VmRef) -> Result<bool, SubstrateError>;
+    /// Drain the node inside the guest within the grace period.
+    async fn drain(&self, vm: &VmRef, grace: Duration) -> Result<(), SubstrateError>;
+}
+
+/// Receives one observation per substrate call.
+pub trait ApiObserver: Send + Sync + 'static {
+    fn observe(&self, op: &'static str, ok: bool, elapsed: Duration);
+}
+
+/// Wraps a substrate and reports every call (`op`, outcome, duration).
+pub struct Metered {
+    inner: Arc<dyn Substrate>,
+    observer: Arc<dyn ApiObserver>,
+}
+
+impl Metered {
+    pub fn new(inner: Arc<dyn Substrate>, observer: Arc<dyn ApiObserver>) -> Metered {
+        Metered { inner, observer }
+    }
+
+    async fn timed<T>(
+        &self,
+        op: &'static str,
+        call: impl std::future::Future<Output = Result<T, SubstrateError>>,
+    ) -> Result<T, SubstrateError> {
+        let started = Instant::now();
+        let result = call.await;
+        self.observer.observe(op, result.is_ok(), started.elapsed());
+        result
+    }
+}
+
+#[async_trait]
+impl Substrate for Metered {
+    async fn clone_vm(&self, req: &CloneRequest) -> Result<VmRef, SubstrateError> {
+        self.timed("CloneVM", self.inner.clone_vm(req)).await
+    }
+    async fn delete_vm(&self, vm: &VmRef) -> Result<(), SubstrateError> {
+        self.timed("DeleteVM", self.inner.delete_vm(vm)).await
+    }
+    async fn describe_managed(&self) -> Result<Vec<ManagedVm>, SubstrateError> {
+        self.timed("DescribeManaged", self.inner.describe_managed())
+            .await
+    }
+    async fn ensure_running(&self, vm: &VmRef) -> Result<(), SubstrateError> {
+        self.timed("EnsureRunning", self.inner.ensure_running(vm))
+            .await
+    }
+    async fn configure(&self, vm: &VmRef, blob: &[u8]) -> Result<(), SubstrateError> {
+        self.timed("Configure", self.inner.configure(vm, blob))
+            .await
+    }
+    fn readiness_gate(&self) -> bool {
+        self.inner.readiness_gate()
+    }
+    async fn node_ready(&self, vm: &VmRef) -> Result<bool, SubstrateError> {
+        // Readiness probes are part of the Configure step.
+        self.timed("Configure", self.inner.node_ready(vm)).await
+    }
+    async fn drain(&self, vm: &VmRef, grace: Duration) -> Result<(), SubstrateError> {
+        self.timed("Drain", self.inner.drain(vm, grace)).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn host_ref_round_trip() {
+        let vm = VmRef::parse("pve1/104").unwrap();
+        assert_eq!(
+            vm,
+            VmRef {
+                node: "pve1".into(),
+                vmid: 104
+            }
+        );
+        assert_eq!(vm.host_ref(), "pve1/104");
+        assert!(VmRef::parse("pve1").is_err());
+        assert!(VmRef::parse("/104").is_err());
+        assert!(VmRef::parse("pve1/x").is_err());
+    }
+}

@@ -1,0 +1,32 @@
+//! `providerkit`: the substrate-agnostic engine behind a BigFleet
+//! `CapacityProvider`.
+//!
+//! A backend implements [`Backend`] (describe inventory, create, configure,
+//! drain, optionally delete and a node-readiness probe); the [`Engine`] owns
+//! every cross-cutting rule of the wire contract — fencing, idempotency, the
+//! position matrix, async dispatch with timeouts, metadata, the revision
+//! cursor and durability through a [`Store`] — and [`service::CapacityService`]
+//! exposes it over gRPC.
+
+pub mod backend;
+pub mod cursor;
+pub mod engine;
+pub mod error;
+pub mod fence;
+pub mod model;
+pub mod service;
+pub mod store;
+
+pub use backend::{
+    Backend, BackendError, ConfigureCtx, CreateCtx, DeleteCtx, DrainCtx, SlotSpec, SubstrateHost,
+};
+#[cfg(feature = "mutants")]
+pub use engine::Mutants;
+pub use engine::{
+    Ack, Engine, EngineOptions, Limits, ListPage, ReconcileError, ReconcileReport, StartError,
+    Timeouts,
+};
+pub use error::KitError;
+pub use fence::Token;
+pub use model::{MachineRecord, State, TransitionKind};
+pub use store::{Change, FenceMark, Loaded, MemoryStore, Store, StoreError, Ticket};
