@@ -1,0 +1,31 @@
+//! Typed async client for the subset of the Proxmox VE API the BigFleet
+//! provider uses (see `proxmox-api.md` in the specs).
+//!
+//! * [`PveClient`] — one method per endpoint, PVE token auth, per-request
+//!   timeout, safe-only retries ([`RetryPolicy`]) and an [`ApiObserver`] hook.
+//! * [`tls`] — CA-chain and/or SHA-256 leaf-pin verification; there is no
+//!   way to turn verification off.
+//! * [`PveError`] — API/transport/task errors with classifiers
+//!   (`is_lock_timeout`, `is_already_exists`, `is_node_unreachable`, ...).
+//! * [`Upid`], [`normalize_tags`], [`sanitize_tag`], [`form::Params`],
+//!   [`types::lenient`] — the wire formats' helpers.
+
+pub mod client;
+pub mod error;
+pub mod form;
+pub mod tags;
+pub mod tls;
+pub mod types;
+pub mod upid;
+
+pub use client::{
+    ApiCall, ApiObserver, PveClient, PveConfig, RetryPolicy, MAX_EXEC_INPUT, MAX_FILE_WRITE_CONTENT,
+};
+pub use error::PveError;
+pub use tags::{is_valid_tag, join_tags, machine_tag, normalize_tags, sanitize_tag};
+pub use tls::{cert_fingerprint, format_fingerprint, parse_fingerprint, parse_fingerprints};
+pub use types::{
+    exit_ok, CloneParams, ClusterVm, ConfigParams, ExecStatus, FileEncoding, NodeInfo, PoolMember,
+    TaskLogLine, TaskState, TaskStatus, VmConfig, VmStatus,
+};
+pub use upid::Upid;

@@ -1,0 +1,282 @@
+//! Error type for every client operation, with classifiers for the PVE
+//! failure modes callers must react to (lock timeouts, VMID collisions,
+//! unreachable nodes, agent not ready, ...).
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+/// Everything a [`crate::PveClient`] call can fail with.
+#[derive(Debug, thiserror::Error)]
+pub enum PveError {
+    /// The client configuration is unusable (bad URL, missing trust material, ...).
+    #[error("invalid PVE client configuration: {0}")]
+    Config(String),
+
+    /// An argument the caller passed cannot be sent (too large, not UTF-8, malformed UPID, ...).
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+
+    /// The TLS handshake failed: wrong CA, wrong hostname, pin mismatch, bad signature.
+    /// Never retried: it does not heal by itself.
+    #[error("TLS verification of the PVE API failed for {op}: {message}")]
+    Tls { op: &'static str, message: String },
+
+    /// The request could not be completed at the transport level. `connect` is true
+    /// when no connection was established, so the request cannot have been applied.
+    #[error("transport error calling PVE {op}: {message}")]
+    Transport {
+        op: &'static str,
+        message: String,
+        connect: bool,
+    },
+
+    /// No complete response within the per-request timeout.
+    #[error("PVE {op} timed out after {timeout:?}")]
+    Timeout { op: &'static str, timeout: Duration },
+
+    /// The API answered with a non-2xx status.
+    #[error("PVE API error {status}: {message}{}", fmt_params(param_errors))]
+    Api {
+        status: u16,
+        message: String,
+        /// Per-parameter reasons from a 400 `{"errors":{...}}` body.
+        param_errors: BTreeMap<String, String>,
+    },
+
+    /// A 2xx response whose body does not have the documented shape.
+    #[error("unexpected PVE response for {op}: {message}")]
+    Decode { op: &'static str, message: String },
+
+    /// A worker task ended with an exit status other than `OK` / `WARNINGS: N`.
+    #[error("PVE task {upid} failed: {exitstatus}")]
+    TaskFailed { upid: String, exitstatus: String },
+
+    /// A task was still running (or could not be read) when the caller's deadline passed.
+    #[error("PVE task {upid} did not finish before the deadline{}", last_error.as_ref().map(|e| format!(" (last poll error: {e})")).unwrap_or_default())]
+    TaskDeadline {
+        upid: String,
+        last_error: Option<String>,
+    },
+
+    /// A looked-up object (e.g. a pool) is absent from an otherwise successful answer.
+    #[error("{0} does not exist")]
+    NotFound(String),
+}
+
+fn fmt_params(p: &BTreeMap<String, String>) -> String {
+    if p.is_empty() {
+        return String::new();
+    }
+    let parts: Vec<String> = p.iter().map(|(k, v)| format!("{k}: {v}")).collect();
+    format!(" ({})", parts.join("; "))
+}
+
+impl PveError {
+    /// The API status code, if the server answered.
+    pub fn status(&self) -> Option<u16> {
+        match self {
+            PveError::Api { status, .. } => Some(*status),
+            _ => None,
+        }
+    }
+
+    /// The server- or task-provided message this error carries, if any.
+    fn server_text(&self) -> Option<&str> {
+        match self {
+            PveError::Api { message, .. } => Some(message),
+            PveError::TaskFailed { exitstatus, .. } => Some(exitstatus),
+            _ => None,
+        }
+    }
+
+    /// A lock could not be acquired in time (`can't lock file '...' - got timeout`, or
+    /// a cluster-filesystem `cfs-lock ... got lock request timeout`). For an API
+    /// error this means nothing was applied, so the call is safe to retry. Also true
+    /// for a task that failed that way (e.g. `clone failed: can't lock file ...`).
+    pub fn is_lock_timeout(&self) -> bool {
+        self.server_text().is_some_and(is_lock_timeout_text)
+    }
+
+    /// The object to create already exists (`VM 104 already exists`, clone target
+    /// VMID taken, ...). On a retried clone this means an earlier attempt got there.
+    pub fn is_already_exists(&self) -> bool {
+        self.server_text()
+            .is_some_and(|m| m.to_ascii_lowercase().contains("already exists"))
+    }
+
+    /// pveproxy could not reach the node owning the call (595/596).
+    pub fn is_node_unreachable(&self) -> bool {
+        matches!(self.status(), Some(595 | 596))
+    }
+
+    /// The token was rejected (401).
+    pub fn is_auth(&self) -> bool {
+        self.status() == Some(401)
+    }
+
+    /// The object does not exist: 404, a `... does not exist` message (e.g. 500
+    /// `Configuration file 'nodes/pve1/qemu-server/104.conf' does not exist`),
+    /// `no such VM/task`, or [`PveError::NotFound`].
+    pub fn is_not_found(&self) -> bool {
+        match self {
+            PveError::NotFound(_) => true,
+            PveError::Api {
+                status, message, ..
+            } => {
+                let m = message.to_ascii_lowercase();
+                *status == 404
+                    || m.contains("does not exist")
+                    || m.starts_with("no such vm")
+                    || m.starts_with("no such task")
+            }
+            _ => false,
+        }
+    }
+
+    /// The guest agent cannot answer yet: `QEMU guest agent is not running`,
+    /// `No QEMU guest agent configured`, or a guest-agent command timing out
+    /// (`qmp command 'guest-ping' failed - got timeout`). Callers waiting for boot
+    /// keep polling through these until their deadline.
+    pub fn is_agent_not_running(&self) -> bool {
+        let Some(m) = self.server_text() else {
+            return false;
+        };
+        let m = m.to_ascii_lowercase();
+        m.contains("guest agent is not running")
+            || m.contains("no qemu guest agent configured")
+            || (m.contains("qmp command 'guest-") && m.contains("got timeout"))
+    }
+
+    /// The VM itself is not running (`VM 104 is not running`).
+    pub fn is_vm_not_running(&self) -> bool {
+        self.server_text().is_some_and(|m| {
+            let m = m.to_ascii_lowercase();
+            m.starts_with("vm ") && m.contains(" is not running") && !m.contains("agent")
+        })
+    }
+
+    /// Transport-level failure (no usable HTTP answer).
+    pub fn is_transport(&self) -> bool {
+        matches!(self, PveError::Transport { .. })
+    }
+
+    /// Per-request timeout elapsed.
+    pub fn is_timeout(&self) -> bool {
+        matches!(self, PveError::Timeout { .. })
+    }
+
+    /// TLS verification failed.
+    pub fn is_tls(&self) -> bool {
+        matches!(self, PveError::Tls { .. })
+    }
+}
+
+pub(crate) fn is_lock_timeout_text(m: &str) -> bool {
+    let m = m.to_ascii_lowercase();
+    (m.contains("can't lock file") && m.contains("got timeout"))
+        || (m.contains("cfs-lock") && m.contains("timeout"))
+}
+
+/// Walks an error's source chain for a rustls error. `io::Error::source()` skips
+/// the wrapped error itself, so wrapped payloads are followed via `get_ref()`.
+pub(crate) fn find_rustls_error<'a>(
+    e: &'a (dyn std::error::Error + 'static),
+) -> Option<&'a rustls::Error> {
+    let mut cur: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(err) = cur {
+        if let Some(r) = err.downcast_ref::<rustls::Error>() {
+            return Some(r);
+        }
+        cur = match err.downcast_ref::<std::io::Error>() {
+            Some(io) => io
+                .get_ref()
+                .map(|inner| inner as &(dyn std::error::Error + 'static)),
+            None => err.source(),
+        };
+    }
+    None
+}
+
+/// Renders an error and its sources on one line.
+pub(crate) fn chain_message(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut out = e.to_string();
+    let mut cur = e.source();
+    while let Some(s) = cur {
+        let text = s.to_string();
+        if !out.contains(&text) {
+            out.push_str(": ");
+            out.push_str(&text);
+        }
+        cur = s.source();
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn api(status: u16, msg: &str) -> PveError {
+        PveError::Api {
+            status,
+            message: msg.into(),
+            param_errors: BTreeMap::new(),
+        }
+    }
+
+    #[test]
+    fn classifiers() {
+        let lock = api(
+            500,
+            "can't lock file '/var/lock/qemu-server/lock-104.conf' - got timeout",
+        );
+        assert!(lock.is_lock_timeout());
+        assert!(!lock.is_not_found());
+        assert!(api(
+            500,
+            "cfs-lock 'storage-nfs' error: got lock request timeout"
+        )
+        .is_lock_timeout());
+        assert!(
+            !api(500, "VM 104 qmp command 'guest-ping' failed - got timeout").is_lock_timeout()
+        );
+        assert!(
+            api(500, "VM 104 qmp command 'guest-ping' failed - got timeout").is_agent_not_running()
+        );
+        assert!(api(400, "VM 104 already exists").is_already_exists());
+        assert!(api(595, "Connection refused").is_node_unreachable());
+        assert!(api(596, "Connection timed out").is_node_unreachable());
+        assert!(!api(500, "x").is_node_unreachable());
+        assert!(api(401, "authentication failure").is_auth());
+        assert!(api(
+            500,
+            "Configuration file 'nodes/pve1/qemu-server/104.conf' does not exist"
+        )
+        .is_not_found());
+        assert!(api(404, "whatever").is_not_found());
+        assert!(api(500, "QEMU guest agent is not running").is_agent_not_running());
+        assert!(api(500, "No QEMU guest agent configured").is_agent_not_running());
+        assert!(!api(500, "VM 104 is not running").is_agent_not_running());
+        assert!(api(500, "VM 104 is not running").is_vm_not_running());
+        let task = PveError::TaskFailed {
+            upid: "u".into(),
+            exitstatus: "clone failed: can't lock file '/var/lock/pve-manager/pve-storage-local-lvm' - got timeout".into(),
+        };
+        assert!(task.is_lock_timeout());
+    }
+
+    #[test]
+    fn display_includes_param_errors() {
+        let mut p = BTreeMap::new();
+        p.insert("newid".to_string(), "invalid format".to_string());
+        let e = PveError::Api {
+            status: 400,
+            message: "Parameter verification failed.".into(),
+            param_errors: p,
+        };
+        assert_eq!(
+            e.to_string(),
+            "PVE API error 400: Parameter verification failed. (newid: invalid format)"
+        );
+    }
+}

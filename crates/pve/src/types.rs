@@ -1,0 +1,535 @@
+//! Request parameters and response shapes of the endpoints the provider uses,
+//! plus lenient decoders for PVE's loosely typed JSON (booleans as `0`/`1`,
+//! numbers as strings).
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Deserializer};
+use serde_json::Value;
+
+use crate::tags::normalize_tags;
+
+/// Lenient scalar decoding, usable directly or via `#[serde(deserialize_with)]`.
+pub mod lenient {
+    use super::*;
+    use serde::de::Error;
+
+    /// `true`/`false`, `0`/`1` (number or string), `"true"`/`"false"`, `"yes"`/`"no"`,
+    /// `"on"`/`"off"`. Anything else is `None`.
+    pub fn as_bool(v: &Value) -> Option<bool> {
+        match v {
+            Value::Bool(b) => Some(*b),
+            Value::Number(n) => {
+                let x = n.as_f64()?;
+                if x == 0.0 {
+                    Some(false)
+                } else if x == 1.0 {
+                    Some(true)
+                } else {
+                    None
+                }
+            }
+            Value::String(s) => match s.trim().to_ascii_lowercase().as_str() {
+                "1" | "true" | "yes" | "on" => Some(true),
+                "0" | "false" | "no" | "off" => Some(false),
+                _ => None,
+            },
+            _ => None,
+        }
+    }
+
+    /// A non-negative integer as a JSON number (integral) or a numeric string.
+    pub fn as_u64(v: &Value) -> Option<u64> {
+        match v {
+            Value::Number(n) => n.as_u64().or_else(|| {
+                n.as_f64()
+                    .filter(|x| x.fract() == 0.0 && *x >= 0.0 && *x <= u64::MAX as f64)
+                    .map(|x| x as u64)
+            }),
+            Value::String(s) => s.trim().parse().ok(),
+            _ => None,
+        }
+    }
+
+    /// A signed integer as a JSON number (integral) or a numeric string.
+    pub fn as_i64(v: &Value) -> Option<i64> {
+        match v {
+            Value::Number(n) => n.as_i64().or_else(|| {
+                n.as_f64()
+                    .filter(|x| x.fract() == 0.0 && x.abs() <= i64::MAX as f64)
+                    .map(|x| x as i64)
+            }),
+            Value::String(s) => s.trim().parse().ok(),
+            _ => None,
+        }
+    }
+
+    /// A float as a JSON number or a numeric string.
+    pub fn as_f64(v: &Value) -> Option<f64> {
+        match v {
+            Value::Number(n) => n.as_f64(),
+            Value::String(s) => s.trim().parse().ok(),
+            _ => None,
+        }
+    }
+
+    fn describe(v: &Value) -> String {
+        let s = v.to_string();
+        if s.chars().count() > 40 {
+            format!("{}...", s.chars().take(40).collect::<String>())
+        } else {
+            s
+        }
+    }
+
+    fn opt<'de, D, T>(d: D, what: &str, f: fn(&Value) -> Option<T>) -> Result<Option<T>, D::Error>
+    where
+        D: Deserializer<'de>,
+    {
+        let v = Option::<Value>::deserialize(d)?;
+        match v {
+            None | Some(Value::Null) => Ok(None),
+            Some(Value::String(s)) if s.trim().is_empty() => Ok(None),
+            Some(v) => f(&v)
+                .map(Some)
+                .ok_or_else(|| D::Error::custom(format!("expected {what}, got {}", describe(&v)))),
+        }
+    }
+
+    pub fn bool<'de, D: Deserializer<'de>>(d: D) -> Result<bool, D::Error> {
+        Ok(opt(d, "a boolean", as_bool)?.unwrap_or(false))
+    }
+    pub fn opt_bool<'de, D: Deserializer<'de>>(d: D) -> Result<Option<bool>, D::Error> {
+        opt(d, "a boolean", as_bool)
+    }
+    pub fn u64<'de, D: Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
+        opt(d, "an unsigned integer", as_u64)?
+            .ok_or_else(|| D::Error::custom("expected an unsigned integer, got nothing"))
+    }
+    pub fn opt_u64<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
+        opt(d, "an unsigned integer", as_u64)
+    }
+    pub fn u32<'de, D: Deserializer<'de>>(d: D) -> Result<u32, D::Error> {
+        let v = u64(d)?;
+        u32::try_from(v).map_err(|_| D::Error::custom(format!("{v} is out of range for u32")))
+    }
+    pub fn opt_u32<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u32>, D::Error> {
+        match opt_u64(d)? {
+            None => Ok(None),
+            Some(v) => u32::try_from(v)
+                .map(Some)
+                .map_err(|_| D::Error::custom(format!("{v} is out of range for u32"))),
+        }
+    }
+    pub fn opt_i64<'de, D: Deserializer<'de>>(d: D) -> Result<Option<i64>, D::Error> {
+        opt(d, "an integer", as_i64)
+    }
+    pub fn opt_f64<'de, D: Deserializer<'de>>(d: D) -> Result<Option<f64>, D::Error> {
+        opt(d, "a number", as_f64)
+    }
+    /// A string; numbers are rendered (PVE sometimes sends numeric names/ids as numbers).
+    pub fn opt_string<'de, D: Deserializer<'de>>(d: D) -> Result<Option<String>, D::Error> {
+        let v = Option::<Value>::deserialize(d)?;
+        match v {
+            None | Some(Value::Null) => Ok(None),
+            Some(Value::String(s)) => Ok(Some(s)),
+            Some(Value::Number(n)) => Ok(Some(n.to_string())),
+            Some(v) => Err(D::Error::custom(format!(
+                "expected a string, got {}",
+                describe(&v)
+            ))),
+        }
+    }
+    /// A PVE tag list string (`a;b`) normalised with [`crate::normalize_tags`].
+    pub fn tags<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<String>, D::Error> {
+        Ok(opt_string(d)?
+            .map(|s| normalize_tags(&s))
+            .unwrap_or_default())
+    }
+    /// `memory` in a VM config: an integer, a numeric string, or a property string
+    /// like `current=4096,...` (newer PVE). MiB.
+    pub fn opt_memory<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
+        let Some(s) = opt_string(d)? else {
+            return Ok(None);
+        };
+        let s = s.trim();
+        if s.is_empty() {
+            return Ok(None);
+        }
+        if let Ok(v) = s.parse() {
+            return Ok(Some(v));
+        }
+        for part in s.split(',') {
+            if let Some(v) = part.strip_prefix("current=") {
+                if let Ok(v) = v.trim().parse() {
+                    return Ok(Some(v));
+                }
+            }
+        }
+        Err(D::Error::custom(format!("unrecognised memory value {s:?}")))
+    }
+}
+
+/// Parameters of `POST /nodes/{node}/qemu/{template}/clone`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CloneParams {
+    pub newid: u32,
+    /// DNS name of the new VM.
+    pub name: Option<String>,
+    pub description: Option<String>,
+    pub pool: Option<String>,
+    /// `Some(true)` for a full clone (templates default to a linked clone).
+    pub full: Option<bool>,
+    /// Target storage (full clones only).
+    pub storage: Option<String>,
+    /// Target node (only allowed when the template's disks are on shared storage).
+    pub target: Option<String>,
+}
+
+/// Parameters of `PUT`/`POST /nodes/{node}/qemu/{vmid}/config`. Unset fields are not sent.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ConfigParams {
+    pub cores: Option<u32>,
+    /// MiB.
+    pub memory: Option<u64>,
+    /// At most 8 KiB.
+    pub description: Option<String>,
+    /// Sent joined with `;`; PVE normalises them (see [`crate::normalize_tags`]).
+    pub tags: Option<Vec<String>>,
+    /// Optimistic concurrency: fail if the config changed since this digest was read.
+    pub digest: Option<String>,
+}
+
+/// `GET /nodes/{node}/qemu/{vmid}/config`.
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+pub struct VmConfig {
+    #[serde(default, deserialize_with = "lenient::opt_string")]
+    pub name: Option<String>,
+    #[serde(default, deserialize_with = "lenient::opt_string")]
+    pub description: Option<String>,
+    /// Normalised tag list.
+    #[serde(default, deserialize_with = "lenient::tags")]
+    pub tags: Vec<String>,
+    #[serde(default, deserialize_with = "lenient::opt_u32")]
+    pub cores: Option<u32>,
+    #[serde(default, deserialize_with = "lenient::opt_u32")]
+    pub sockets: Option<u32>,
+    /// MiB.
+    #[serde(default, deserialize_with = "lenient::opt_memory")]
+    pub memory: Option<u64>,
+    /// Raw agent property string, e.g. `1` or `enabled=1,fstrim_cloned_disks=1`.
+    #[serde(default, deserialize_with = "lenient::opt_string")]
+    pub agent: Option<String>,
+    #[serde(default, deserialize_with = "lenient::opt_string")]
+    pub lock: Option<String>,
+    #[serde(default, deserialize_with = "lenient::opt_string")]
+    pub digest: Option<String>,
+    #[serde(default, deserialize_with = "lenient::opt_bool")]
+    pub template: Option<bool>,
+    /// Every other key, untouched.
+    #[serde(flatten)]
+    pub other: BTreeMap<String, Value>,
+}
+
+impl VmConfig {
+    /// Whether the guest agent is enabled in the config (`agent: 1` or `enabled=1,...`).
+    pub fn agent_enabled(&self) -> bool {
+        let Some(a) = self.agent.as_deref() else {
+            return false;
+        };
+        for part in a.split(',') {
+            let (k, v) = match part.split_once('=') {
+                Some((k, v)) => (k.trim(), v.trim()),
+                None => ("enabled", part.trim()),
+            };
+            if k == "enabled" {
+                return lenient::as_bool(&Value::String(v.to_string())).unwrap_or(false);
+            }
+        }
+        false
+    }
+}
+
+/// `GET /nodes/{node}/qemu/{vmid}/status/current`.
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+pub struct VmStatus {
+    /// `running` or `stopped`.
+    pub status: String,
+    #[serde(default, deserialize_with = "lenient::opt_u32")]
+    pub vmid: Option<u32>,
+    #[serde(default, deserialize_with = "lenient::opt_string")]
+    pub qmpstatus: Option<String>,
+    /// e.g. `clone` while a clone worker holds the config.
+    #[serde(default, deserialize_with = "lenient::opt_string")]
+    pub lock: Option<String>,
+    /// Agent configured.
+    #[serde(default, deserialize_with = "lenient::bool")]
+    pub agent: bool,
+    /// HA manager status object (e.g. `{"managed":1,"state":"started"}`).
+    #[serde(default)]
+    pub ha: Value,
+    #[serde(default, deserialize_with = "lenient::tags")]
+    pub tags: Vec<String>,
+    #[serde(default, deserialize_with = "lenient::bool")]
+    pub template: bool,
+    #[serde(default, deserialize_with = "lenient::opt_string")]
+    pub name: Option<String>,
+}
+
+impl VmStatus {
+    pub fn is_running(&self) -> bool {
+        self.status == "running"
+    }
+    /// True if the HA manager manages this VM (start/stop only queue requests).
+    pub fn ha_managed(&self) -> bool {
+        self.ha
+            .get("managed")
+            .and_then(lenient::as_bool)
+            .unwrap_or(false)
+    }
+}
+
+/// `running` / `stopped` of a worker task.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TaskState {
+    Running,
+    Stopped,
+}
+
+/// `GET /nodes/{node}/tasks/{upid}/status`.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+pub struct TaskStatus {
+    pub status: TaskState,
+    /// `OK`, `WARNINGS: N` or the error text; only once stopped.
+    #[serde(default, deserialize_with = "lenient::opt_string")]
+    pub exitstatus: Option<String>,
+    #[serde(default, deserialize_with = "lenient::opt_string")]
+    pub upid: Option<String>,
+    #[serde(default, rename = "type", deserialize_with = "lenient::opt_string")]
+    pub task_type: Option<String>,
+    #[serde(default, deserialize_with = "lenient::opt_string")]
+    pub node: Option<String>,
+}
+
+impl TaskStatus {
+    pub fn is_running(&self) -> bool {
+        self.status == TaskState::Running
+    }
+    /// Stopped with `OK` or `WARNINGS: N`.
+    pub fn succeeded(&self) -> bool {
+        self.status == TaskState::Stopped && self.exitstatus.as_deref().is_some_and(exit_ok)
+    }
+}
+
+/// `OK` and `WARNINGS: N` are both success.
+pub fn exit_ok(exitstatus: &str) -> bool {
+    let s = exitstatus.trim();
+    s == "OK" || s.starts_with("WARNINGS:")
+}
+
+/// One line of `GET /nodes/{node}/tasks/{upid}/log`.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+pub struct TaskLogLine {
+    #[serde(deserialize_with = "lenient::u64")]
+    pub n: u64,
+    #[serde(default)]
+    pub t: String,
+}
+
+/// One VM from `GET /cluster/resources?type=vm` (may be seconds stale; no description).
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+pub struct ClusterVm {
+    /// e.g. `qemu/101`.
+    #[serde(default)]
+    pub id: String,
+    /// `qemu` or `lxc`.
+    #[serde(default, rename = "type")]
+    pub kind: String,
+    #[serde(deserialize_with = "lenient::u32")]
+    pub vmid: u32,
+    #[serde(default)]
+    pub node: String,
+    #[serde(default, deserialize_with = "lenient::opt_string")]
+    pub name: Option<String>,
+    /// `running`, `stopped`, or `unknown` for VMs on offline nodes.
+    #[serde(default)]
+    pub status: String,
+    #[serde(default, deserialize_with = "lenient::bool")]
+    pub template: bool,
+    #[serde(default, deserialize_with = "lenient::tags")]
+    pub tags: Vec<String>,
+    #[serde(default, deserialize_with = "lenient::opt_string")]
+    pub pool: Option<String>,
+    #[serde(default, deserialize_with = "lenient::opt_string")]
+    pub lock: Option<String>,
+    #[serde(default, deserialize_with = "lenient::opt_string")]
+    pub hastate: Option<String>,
+    /// Bytes.
+    #[serde(default, deserialize_with = "lenient::opt_u64")]
+    pub maxmem: Option<u64>,
+    #[serde(default, deserialize_with = "lenient::opt_f64")]
+    pub maxcpu: Option<f64>,
+}
+
+/// One node from `GET /nodes`.
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+pub struct NodeInfo {
+    pub node: String,
+    /// `online`, `offline` or `unknown`.
+    #[serde(default)]
+    pub status: String,
+    #[serde(default, deserialize_with = "lenient::opt_f64")]
+    pub cpu: Option<f64>,
+    #[serde(default, deserialize_with = "lenient::opt_f64")]
+    pub maxcpu: Option<f64>,
+    #[serde(default, deserialize_with = "lenient::opt_u64")]
+    pub mem: Option<u64>,
+    #[serde(default, deserialize_with = "lenient::opt_u64")]
+    pub maxmem: Option<u64>,
+    #[serde(default, deserialize_with = "lenient::opt_u64")]
+    pub uptime: Option<u64>,
+    /// `AB:CD:...` SHA-256 of the node's certificate.
+    #[serde(default, deserialize_with = "lenient::opt_string")]
+    pub ssl_fingerprint: Option<String>,
+}
+
+/// One pool member.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+pub struct PoolMember {
+    /// e.g. `qemu/101`.
+    #[serde(default)]
+    pub id: String,
+    /// `qemu`, `lxc`, `openvz` or `storage`.
+    #[serde(default, rename = "type")]
+    pub kind: String,
+    #[serde(default)]
+    pub node: String,
+    #[serde(default, deserialize_with = "lenient::opt_u32")]
+    pub vmid: Option<u32>,
+    #[serde(default, deserialize_with = "lenient::opt_string")]
+    pub storage: Option<String>,
+}
+
+/// `GET .../agent/exec-status?pid=N`. Output is present only once `exited`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+pub struct ExecStatus {
+    #[serde(deserialize_with = "lenient::bool")]
+    pub exited: bool,
+    #[serde(default, deserialize_with = "lenient::opt_i64")]
+    pub exitcode: Option<i64>,
+    #[serde(default, deserialize_with = "lenient::opt_i64")]
+    pub signal: Option<i64>,
+    #[serde(default, rename = "out-data")]
+    pub out_data: Option<String>,
+    #[serde(default, rename = "err-data")]
+    pub err_data: Option<String>,
+    #[serde(default, rename = "out-truncated", deserialize_with = "lenient::bool")]
+    pub out_truncated: bool,
+    #[serde(default, rename = "err-truncated", deserialize_with = "lenient::bool")]
+    pub err_truncated: bool,
+}
+
+/// How [`crate::PveClient::agent_file_write`] sends content.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FileEncoding {
+    /// `encode=1`: content is sent as text and PVE base64-encodes it for the agent.
+    /// The content must be UTF-8.
+    PveEncodes,
+    /// `encode=0`: the client base64-encodes the bytes itself (safe for binary).
+    Base64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn lenient_scalars() {
+        for (v, want) in [
+            (json!(1), Some(true)),
+            (json!(0), Some(false)),
+            (json!("1"), Some(true)),
+            (json!("0"), Some(false)),
+            (json!(true), Some(true)),
+            (json!("false"), Some(false)),
+            (json!(2), None),
+            (json!("maybe"), None),
+        ] {
+            assert_eq!(lenient::as_bool(&v), want, "{v}");
+        }
+        assert_eq!(lenient::as_u64(&json!("123")), Some(123));
+        assert_eq!(lenient::as_u64(&json!(123)), Some(123));
+        assert_eq!(lenient::as_u64(&json!(4.0)), Some(4));
+        assert_eq!(lenient::as_u64(&json!(4.5)), None);
+        assert_eq!(lenient::as_u64(&json!("x")), None);
+        assert_eq!(lenient::as_f64(&json!("0.25")), Some(0.25));
+    }
+
+    #[test]
+    fn cluster_vm_lenient() {
+        let v: ClusterVm = serde_json::from_value(json!({
+            "id": "qemu/101", "type": "qemu", "vmid": "101", "node": "pve1", "name": 5,
+            "status": "running", "template": "1", "tags": "BigFleet;b,a", "maxmem": "4294967296",
+            "maxcpu": 2, "hastate": "started"
+        }))
+        .unwrap();
+        assert_eq!(v.vmid, 101);
+        assert!(v.template);
+        assert_eq!(v.tags, vec!["a", "b", "bigfleet"]);
+        assert_eq!(v.name.as_deref(), Some("5"));
+        assert_eq!(v.maxmem, Some(4294967296));
+        assert_eq!(v.maxcpu, Some(2.0));
+        assert_eq!(v.pool, None);
+
+        let err = serde_json::from_value::<ClusterVm>(json!({"vmid": "abc"})).unwrap_err();
+        assert!(
+            err.to_string().contains("expected an unsigned integer"),
+            "{err}"
+        );
+        let err = serde_json::from_value::<ClusterVm>(json!({"vmid": 1, "template": "perhaps"}))
+            .unwrap_err();
+        assert!(err.to_string().contains("expected a boolean"), "{err}");
+    }
+
+    #[test]
+    fn vm_config_and_status() {
+        let c: VmConfig = serde_json::from_value(json!({
+            "cores": "4", "memory": "8192", "agent": "enabled=1,fstrim_cloned_disks=1",
+            "digest": "abc", "tags": "b;a", "scsi0": "local-lvm:vm-1-disk-0"
+        }))
+        .unwrap();
+        assert_eq!(c.cores, Some(4));
+        assert_eq!(c.memory, Some(8192));
+        assert!(c.agent_enabled());
+        assert_eq!(c.tags, vec!["a", "b"]);
+        assert!(c.other.contains_key("scsi0"));
+        let c: VmConfig =
+            serde_json::from_value(json!({"memory": "current=2048", "agent": "0"})).unwrap();
+        assert_eq!(c.memory, Some(2048));
+        assert!(!c.agent_enabled());
+
+        let s: VmStatus = serde_json::from_value(json!({
+            "status": "running", "agent": 1, "ha": {"managed": 1}, "template": "", "lock": "clone"
+        }))
+        .unwrap();
+        assert!(s.is_running() && s.agent && s.ha_managed() && !s.template);
+        assert_eq!(s.lock.as_deref(), Some("clone"));
+    }
+
+    #[test]
+    fn exec_status_and_task() {
+        let e: ExecStatus = serde_json::from_value(json!({
+            "exited": 1, "exitcode": 3, "out-data": "hi", "err-truncated": "1"
+        }))
+        .unwrap();
+        assert!(e.exited && e.err_truncated && !e.out_truncated);
+        assert_eq!(e.exitcode, Some(3));
+        assert!(exit_ok("OK") && exit_ok("WARNINGS: 2") && !exit_ok("clone failed: x"));
+        let t: TaskStatus =
+            serde_json::from_value(json!({"status": "stopped", "exitstatus": "WARNINGS: 1"}))
+                .unwrap();
+        assert!(t.succeeded());
+    }
+}
