@@ -1,0 +1,385 @@
+//! A Proxmox VE API simulator for tests of the real Proxmox backend.
+//!
+//! It serves the subset of `/api2/json` the provider uses over HTTPS (with a CA
+//! generated at startup), checks token auth, validates every request against the
+//! PVE API schema, runs worker tasks with UPIDs, models config/storage locks, HA
+//! and the guest agent (exec runs real processes in a per-VM scratch dir), and
+//! offers fault injection. See `/work/shared/spec/proxmox-api.md` for the facts
+//! it reproduces.
+//!
+//! ```no_run
+//! # async fn demo() -> anyhow::Result<()> {
+//! let sim = pve_sim::PveSim::start(pve_sim::SimConfig::default()).await?;
+//! println!("{} {}", sim.base_url(), sim.fingerprint());
+//! sim.shutdown().await;
+//! # Ok(()) }
+//! ```
+
+pub mod agent;
+pub mod config;
+pub mod faults;
+mod guest_api;
+mod inventory;
+mod lifecycle;
+pub mod params;
+pub mod schema;
+pub mod server;
+pub mod sim;
+pub mod state;
+pub mod tasks;
+pub mod tls;
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use anyhow::{Context, Result};
+use tokio::task::JoinHandle;
+
+pub use agent::{GuestExec, GuestHandler, GuestOutput, GUEST_ROOT_ENV};
+pub use config::{SimConfig, TemplateSpec};
+pub use faults::Faults;
+pub use params::Params;
+pub use sim::RecordedRequest;
+pub use state::Vm;
+
+/// Endpoint names for counters and fault injection (`"METHOD /template"`).
+pub mod endpoints {
+    pub const NEXTID: &str = "GET /cluster/nextid";
+    pub const RESOURCES: &str = "GET /cluster/resources";
+    pub const NODES: &str = "GET /nodes";
+    pub const POOLS: &str = "GET /pools";
+    pub const POOL: &str = "GET /pools/{poolid}";
+    pub const NODE_VMS: &str = "GET /nodes/{node}/qemu";
+    pub const CLONE: &str = "POST /nodes/{node}/qemu/{vmid}/clone";
+    pub const CONFIG_GET: &str = "GET /nodes/{node}/qemu/{vmid}/config";
+    pub const CONFIG_PUT: &str = "PUT /nodes/{node}/qemu/{vmid}/config";
+    pub const CONFIG_POST: &str = "POST /nodes/{node}/qemu/{vmid}/config";
+    pub const START: &str = "POST /nodes/{node}/qemu/{vmid}/status/start";
+    pub const STOP: &str = "POST /nodes/{node}/qemu/{vmid}/status/stop";
+    pub const SHUTDOWN: &str = "POST /nodes/{node}/qemu/{vmid}/status/shutdown";
+    pub const STATUS: &str = "GET /nodes/{node}/qemu/{vmid}/status/current";
+    pub const DESTROY: &str = "DELETE /nodes/{node}/qemu/{vmid}";
+    pub const TASK_STATUS: &str = "GET /nodes/{node}/tasks/{upid}/status";
+    pub const TASK_LOG: &str = "GET /nodes/{node}/tasks/{upid}/log";
+    pub const AGENT_PING: &str = "POST /nodes/{node}/qemu/{vmid}/agent/ping";
+    pub const AGENT_FILE_WRITE: &str = "POST /nodes/{node}/qemu/{vmid}/agent/file-write";
+    pub const AGENT_EXEC: &str = "POST /nodes/{node}/qemu/{vmid}/agent/exec";
+    pub const AGENT_EXEC_STATUS: &str = "GET /nodes/{node}/qemu/{vmid}/agent/exec-status";
+}
+
+/// Description marker the provider writes (`proxmox-provider.md`).
+pub fn marker_description(machine_id: &str, operation_id: &str) -> String {
+    format!("BigFleet managed VM. machine_id={machine_id} operation_id={operation_id}")
+}
+
+/// A running simulator. Dropping it stops the server (prefer [`PveSim::shutdown`]).
+pub struct PveSim {
+    shared: Arc<sim::Shared>,
+    addr: SocketAddr,
+    ca: tls::TestCa,
+    server: JoinHandle<()>,
+    _scratch: Option<tempfile::TempDir>,
+}
+
+impl PveSim {
+    /// Generate the CA, load the schema, bind and start serving.
+    pub async fn start(cfg: SimConfig) -> Result<Self> {
+        let schema_path = match &cfg.schema_path {
+            Some(p) => p.clone(),
+            None => schema::default_schema_path().context(
+                "PVE API schema not found: set SimConfig::schema_path or PVE_SIM_SCHEMA \
+                 (looked for shared/spec/pve-api-schema.json)",
+            )?,
+        };
+        let schema = schema::Schema::load(&schema_path)?;
+        anyhow::ensure!(!cfg.nodes.is_empty(), "at least one node is required");
+        let (scratch, tmp) = match &cfg.scratch_dir {
+            Some(d) => {
+                std::fs::create_dir_all(d)
+                    .with_context(|| format!("creating scratch dir {}", d.display()))?;
+                (d.clone(), None)
+            }
+            None => {
+                let t = tempfile::Builder::new()
+                    .prefix("pve-sim-")
+                    .tempdir()
+                    .context("creating scratch dir")?;
+                (t.path().to_path_buf(), Some(t))
+            }
+        };
+        let ca = tls::TestCa::generate()?;
+        let tls_cfg = ca.server_config()?;
+        let listener = server::bind(cfg.listen).await?;
+        let addr = listener.local_addr().context("local addr")?;
+        let shared = Arc::new(sim::Shared::new(
+            cfg,
+            schema,
+            scratch,
+            ca.fingerprint.clone(),
+        )?);
+        let app = server::router(Arc::clone(&shared));
+        let server = tokio::spawn(server::serve(listener, tls_cfg, app));
+        Ok(Self {
+            shared,
+            addr,
+            ca,
+            server,
+            _scratch: tmp,
+        })
+    }
+
+    /// `https://127.0.0.1:PORT/api2/json`.
+    pub fn base_url(&self) -> String {
+        format!("https://{}/api2/json", self.addr)
+    }
+
+    /// `https://localhost:PORT/api2/json` (hostname in the leaf's SANs).
+    pub fn base_url_localhost(&self) -> String {
+        format!("https://localhost:{}/api2/json", self.addr.port())
+    }
+
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// PEM of the CA that signed the server certificate.
+    pub fn ca_pem(&self) -> &str {
+        &self.ca.ca_pem
+    }
+
+    /// Write the CA PEM to `path` (for `--proxmox-ca-file`).
+    pub fn write_ca(&self, path: &Path) -> Result<()> {
+        std::fs::write(path, &self.ca.ca_pem)
+            .with_context(|| format!("writing CA to {}", path.display()))
+    }
+
+    /// SHA-256 of the leaf certificate, `AB:CD:...`.
+    pub fn fingerprint(&self) -> &str {
+        &self.ca.fingerprint
+    }
+
+    pub fn token_id(&self) -> &str {
+        &self.shared.cfg.token_id
+    }
+
+    pub fn token_secret(&self) -> &str {
+        &self.shared.cfg.token_secret
+    }
+
+    /// The full `Authorization` header value.
+    pub fn auth_header(&self) -> String {
+        format!("PVEAPIToken={}={}", self.token_id(), self.token_secret())
+    }
+
+    pub fn config(&self) -> &SimConfig {
+        &self.shared.cfg
+    }
+
+    /// Fault injection and counters.
+    pub fn faults(&self) -> &Faults {
+        &self.shared.faults
+    }
+
+    pub fn call_count(&self, endpoint: &str) -> u64 {
+        self.shared.faults.call_count(endpoint)
+    }
+
+    pub fn reset_counts(&self) {
+        self.shared.faults.reset_counts()
+    }
+
+    /// Every request received so far.
+    pub fn requests(&self) -> Vec<RecordedRequest> {
+        self.shared.requests.lock().clone()
+    }
+
+    /// Requests that matched no endpoint or violated the schema.
+    pub fn schema_violations(&self) -> Vec<RecordedRequest> {
+        self.shared
+            .requests
+            .lock()
+            .iter()
+            .filter(|r| r.endpoint.is_none() || r.schema_errors.is_some())
+            .cloned()
+            .collect()
+    }
+
+    pub fn clear_requests(&self) {
+        self.shared.requests.lock().clear();
+    }
+
+    /// Snapshot of VM `vmid`.
+    pub fn vm(&self, vmid: u32) -> Option<Vm> {
+        self.shared.cluster.lock().vms.get(&vmid).cloned()
+    }
+
+    /// Snapshot of all VMs (templates included).
+    pub fn vms(&self) -> BTreeMap<u32, Vm> {
+        self.shared.cluster.lock().vms.clone()
+    }
+
+    /// The VM's guest scratch root (its `/`).
+    pub fn guest_root(&self, vmid: u32) -> PathBuf {
+        self.shared.guest_root(vmid)
+    }
+
+    /// Read a file from the VM's guest root.
+    pub fn read_guest_file(&self, vmid: u32, guest_path: &str) -> Result<Vec<u8>> {
+        let p = agent::guest_path(&self.shared.guest_root(vmid), guest_path)
+            .map_err(anyhow::Error::msg)?;
+        std::fs::read(&p).with_context(|| format!("reading {}", p.display()))
+    }
+
+    /// Power the VM off behind the API's back (agent state is lost).
+    pub fn stop_vm_out_of_band(&self, vmid: u32) -> bool {
+        self.shared.set_running_out_of_band(vmid, false)
+    }
+
+    /// Power the VM on behind the API's back (agent boots after the delay).
+    pub fn start_vm_out_of_band(&self, vmid: u32) -> bool {
+        self.shared.set_running_out_of_band(vmid, true)
+    }
+
+    /// Set or clear the config `lock` (e.g. a leftover `clone` lock).
+    pub fn set_lock(&self, vmid: u32, lock: Option<&str>) -> bool {
+        self.shared
+            .update_vm(vmid, |vm| vm.lock = lock.map(str::to_string))
+    }
+
+    /// Make the VM HA-managed (`Some("started"|"stopped")`) or not.
+    pub fn set_ha(&self, vmid: u32, state: Option<&str>) -> bool {
+        self.shared
+            .update_vm(vmid, |vm| vm.ha = state.map(str::to_string))
+    }
+
+    pub fn set_protection(&self, vmid: u32, on: bool) -> bool {
+        self.shared.update_vm(vmid, |vm| vm.protection = on)
+    }
+
+    /// Arbitrary mutation of one VM.
+    pub fn update_vm(&self, vmid: u32, f: impl FnOnce(&mut Vm)) -> bool {
+        self.shared.update_vm(vmid, f)
+    }
+
+    /// Take a node offline (API calls for it answer 595) or back online.
+    pub fn set_node_online(&self, node: &str, online: bool) -> bool {
+        self.shared.set_node_online(node, online)
+    }
+
+    /// Replace all guest command handlers with `h`.
+    pub fn set_guest_handler(
+        &self,
+        h: impl Fn(&GuestExec) -> Option<GuestOutput> + Send + Sync + 'static,
+    ) {
+        self.shared.guest.set(Arc::new(h));
+    }
+
+    /// Add a handler after the existing ones.
+    pub fn add_guest_handler(
+        &self,
+        h: impl Fn(&GuestExec) -> Option<GuestOutput> + Send + Sync + 'static,
+    ) {
+        self.shared.guest.add(Arc::new(h));
+    }
+
+    /// Commands whose space-joined argv contains `pattern` produce `out`.
+    pub fn on_guest_command(&self, pattern: &str, out: GuestOutput) {
+        let pattern = pattern.to_string();
+        self.add_guest_handler(move |e| e.command_line().contains(&pattern).then(|| out.clone()));
+    }
+
+    pub fn clear_guest_handlers(&self) {
+        self.shared.guest.clear();
+    }
+
+    /// Insert a VM directly (not via the API).
+    pub fn insert_vm(&self, vm: Vm) -> Result<()> {
+        self.shared.insert_vm(vm)
+    }
+
+    /// A stopped, agent-enabled VM on `node` with default sizing, for seeding.
+    pub fn new_vm(&self, vmid: u32, node: &str, name: &str) -> Vm {
+        Vm {
+            vmid,
+            node: node.to_string(),
+            name: name.to_string(),
+            description: None,
+            tags: None,
+            cores: 2,
+            sockets: 1,
+            memory_mib: 2048,
+            agent: "1".into(),
+            lock: None,
+            flock: 0,
+            template: false,
+            running: false,
+            started_at: None,
+            ha: None,
+            protection: false,
+            pool: self.shared.cfg.pools.first().cloned(),
+            storage: "local-lvm".into(),
+            shared_storage: false,
+            extra: BTreeMap::new(),
+            guest_root: self.shared.guest_root(vmid),
+        }
+    }
+
+    /// Seed `n` running VMs marked the way the provider marks them (tags
+    /// `bigfleet;bigfleet-<id>`, marker description, `bigfleet-` name), spread
+    /// over the nodes, with VMIDs from 10000 (or above the highest existing id).
+    /// Returns the VMIDs.
+    pub fn seed_marked_vms(&self, n: usize) -> Result<Vec<u32>> {
+        let nodes = self.shared.cfg.nodes.clone();
+        let first = self
+            .shared
+            .cluster
+            .lock()
+            .vms
+            .keys()
+            .next_back()
+            .map_or(10_000, |&max| max.max(9_999) + 1);
+        let mut ids = Vec::with_capacity(n);
+        for i in 0..n {
+            let vmid = first + i as u32;
+            let idx = vmid - 10_000;
+            let node = &nodes[idx as usize % nodes.len()];
+            let machine_id = format!("proxmox/OnDemand/pve.small/{node}/{idx:03}");
+            let sanitized: String = machine_id
+                .to_lowercase()
+                .chars()
+                .map(|c| {
+                    if c.is_ascii_alphanumeric() || "_.+-".contains(c) {
+                        c
+                    } else {
+                        '-'
+                    }
+                })
+                .collect();
+            let mut vm = self.new_vm(vmid, node, &format!("bigfleet-pve-small-{vmid}"));
+            vm.description = Some(marker_description(&machine_id, &format!("seed-{idx}")));
+            vm.tags = Some(schema::normalize_tags(&format!(
+                "bigfleet;bigfleet-{sanitized}"
+            )));
+            vm.running = true;
+            vm.started_at = Some(std::time::Instant::now());
+            self.insert_vm(vm)?;
+            ids.push(vmid);
+        }
+        Ok(ids)
+    }
+
+    /// Stop serving and drop open connections.
+    pub async fn shutdown(mut self) {
+        self.server.abort();
+        let _ = (&mut self.server).await; // JoinError::Cancelled is the expected outcome
+        self.shared.cluster.lock().agents.clear();
+    }
+}
+
+impl Drop for PveSim {
+    fn drop(&mut self) {
+        self.server.abort();
+    }
+}

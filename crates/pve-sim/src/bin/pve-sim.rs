@@ -1,0 +1,156 @@
+//! Run the Proxmox VE API simulator standalone.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use clap::Parser;
+use pve_sim::{PveSim, SimConfig, TemplateSpec};
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "pve-sim",
+    about = "Proxmox VE API simulator (HTTPS, token auth, guest agent)"
+)]
+struct Args {
+    /// Listen address (port 0 picks one).
+    #[arg(long, default_value = "127.0.0.1:8006")]
+    listen: SocketAddr,
+    /// Comma-separated node names.
+    #[arg(long, default_value = "pve1,pve2", value_delimiter = ',')]
+    nodes: Vec<String>,
+    /// Templates as VMID[@NODE][:shared], comma-separated (node defaults to the first).
+    #[arg(long, default_value = "9000", value_delimiter = ',')]
+    templates: Vec<String>,
+    /// Pools that exist.
+    #[arg(long, default_value = "bigfleet", value_delimiter = ',')]
+    pools: Vec<String>,
+    /// API token id USER@REALM!TOKENID.
+    #[arg(long, default_value = "bigfleet@pve!autoscaler")]
+    token_id: String,
+    /// API token secret (default: a fixed test value).
+    #[arg(long, env = "PVE_SIM_TOKEN_SECRET")]
+    token_secret: Option<String>,
+    /// Write the CA PEM here.
+    #[arg(long)]
+    ca_out: Option<PathBuf>,
+    /// Path of pve-api-schema.json (default: found next to the workspace).
+    #[arg(long)]
+    schema: Option<PathBuf>,
+    /// Clone task duration, e.g. 2s.
+    #[arg(long, default_value = "2s", value_parser = humantime_ms)]
+    clone_duration: Duration,
+    /// Time from start until the guest agent answers.
+    #[arg(long, default_value = "3s", value_parser = humantime_ms)]
+    agent_boot_delay: Duration,
+    /// Config lock wait before "got timeout" (PVE: 10s).
+    #[arg(long, default_value = "1s", value_parser = humantime_ms)]
+    lock_wait: Duration,
+    /// Delay before a 401 (PVE: 3s).
+    #[arg(long, default_value = "0s", value_parser = humantime_ms)]
+    auth_failure_delay: Duration,
+    /// Parallel clones per node+local storage before storage-lock timeouts (0 = unlimited).
+    #[arg(long, default_value_t = 4)]
+    max_parallel_local_clones: usize,
+    /// Seed this many VMs marked as the provider's.
+    #[arg(long, default_value_t = 0)]
+    seed_marked_vms: usize,
+}
+
+/// Durations like `500ms`, `2s`, `1m`.
+fn humantime_ms(s: &str) -> Result<Duration, String> {
+    let s = s.trim();
+    let (num, mul) = if let Some(n) = s.strip_suffix("ms") {
+        (n, 1)
+    } else if let Some(n) = s.strip_suffix('s') {
+        (n, 1000)
+    } else if let Some(n) = s.strip_suffix('m') {
+        (n, 60_000)
+    } else {
+        return Err(format!("duration '{s}' needs a unit (ms, s, m)"));
+    };
+    num.trim()
+        .parse::<u64>()
+        .map(|n| Duration::from_millis(n * mul))
+        .map_err(|_| format!("invalid duration '{s}'"))
+}
+
+fn parse_template(spec: &str, default_node: &str) -> Result<TemplateSpec> {
+    let (rest, shared) = match spec.strip_suffix(":shared") {
+        Some(r) => (r, true),
+        None => (spec, false),
+    };
+    let (id, node) = rest.split_once('@').unwrap_or((rest, default_node));
+    let vmid: u32 = id
+        .parse()
+        .with_context(|| format!("template '{spec}': VMID '{id}' is not a number"))?;
+    Ok(if shared {
+        TemplateSpec::shared(vmid, node)
+    } else {
+        TemplateSpec::local(vmid, node)
+    })
+}
+
+#[tokio::main]
+async fn main() -> Result<()> {
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .init();
+    let a = Args::parse();
+    let Some(first) = a.nodes.first().cloned() else {
+        bail!("--nodes must name at least one node");
+    };
+    let templates = a
+        .templates
+        .iter()
+        .map(|t| parse_template(t, &first))
+        .collect::<Result<Vec<_>>>()?;
+    let mut cfg = SimConfig {
+        listen: a.listen,
+        nodes: a.nodes,
+        templates,
+        pools: a.pools,
+        token_id: a.token_id,
+        schema_path: a.schema,
+        clone_duration: a.clone_duration,
+        agent_boot_delay: a.agent_boot_delay,
+        lock_wait: a.lock_wait,
+        auth_failure_delay: a.auth_failure_delay,
+        max_parallel_local_clones: (a.max_parallel_local_clones > 0)
+            .then_some(a.max_parallel_local_clones),
+        ..SimConfig::default()
+    };
+    if let Some(s) = a.token_secret {
+        cfg.token_secret = s;
+    }
+    let sim = PveSim::start(cfg).await?;
+    if a.seed_marked_vms > 0 {
+        sim.seed_marked_vms(a.seed_marked_vms)?;
+    }
+    if let Some(p) = &a.ca_out {
+        sim.write_ca(p)?;
+    }
+    // This is a test tool: printing the token lets users point a client at it.
+    println!("base_url: {}", sim.base_url());
+    println!("token_id: {}", sim.token_id());
+    println!("token_secret: {}", sim.token_secret());
+    match &a.ca_out {
+        Some(p) => println!("ca_file: {}", p.display()),
+        None => println!("ca_file: (not written; use --ca-out)"),
+    }
+    println!("fingerprint: {}", sim.fingerprint());
+    println!(
+        "admin: POST {}/_sim/faults etc.",
+        sim.base_url().trim_end_matches("/api2/json")
+    );
+    tokio::signal::ctrl_c()
+        .await
+        .context("waiting for Ctrl-C")?;
+    sim.shutdown().await;
+    Ok(())
+}

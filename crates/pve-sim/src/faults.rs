@@ -1,0 +1,116 @@
+//! Fault injection and per-endpoint call counters.
+//!
+//! Endpoints are named `"METHOD /template"` exactly as in the API schema, e.g.
+//! `"POST /nodes/{node}/qemu/{vmid}/clone"`; see [`crate::endpoints`].
+
+use std::collections::{BTreeMap, HashMap};
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use serde::{Deserialize, Serialize};
+
+/// One injected failure rule: the next `count` calls of `endpoint` answer
+/// `status` with `message` (as reason phrase and body message).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct FailRule {
+    pub endpoint: String,
+    pub count: u32,
+    pub status: u16,
+    pub message: String,
+}
+
+#[derive(Default)]
+struct Inner {
+    fail: Vec<FailRule>,
+    latency: HashMap<String, Duration>,
+    drop_exec_status: u32,
+    counts: BTreeMap<String, u64>,
+}
+
+/// Shared fault state; cheap to clone via the owning `Arc`.
+#[derive(Default)]
+pub struct Faults {
+    inner: Mutex<Inner>,
+}
+
+impl Faults {
+    /// Fail the next `count` calls of `endpoint` with `status` + `message`.
+    pub fn fail_next(&self, endpoint: &str, count: u32, status: u16, message: &str) {
+        self.inner.lock().fail.push(FailRule {
+            endpoint: endpoint.to_string(),
+            count,
+            status,
+            message: message.to_string(),
+        });
+    }
+
+    /// Add `delay` before every call of `endpoint` is handled (zero removes it).
+    pub fn set_latency(&self, endpoint: &str, delay: Duration) {
+        let mut g = self.inner.lock();
+        if delay.is_zero() {
+            g.latency.remove(endpoint);
+        } else {
+            g.latency.insert(endpoint.to_string(), delay);
+        }
+    }
+
+    /// The next `count` exec-status replies that carry `exited: 1` are consumed
+    /// (the agent forgets the pid) and the caller gets a timeout error instead.
+    pub fn drop_exec_status_replies(&self, count: u32) {
+        self.inner.lock().drop_exec_status += count;
+    }
+
+    /// Remove every injected fault (counters are kept).
+    pub fn clear(&self) {
+        let mut g = self.inner.lock();
+        g.fail.clear();
+        g.latency.clear();
+        g.drop_exec_status = 0;
+    }
+
+    /// Calls seen for `endpoint` since start or the last reset.
+    pub fn call_count(&self, endpoint: &str) -> u64 {
+        self.inner.lock().counts.get(endpoint).copied().unwrap_or(0)
+    }
+
+    /// All counters.
+    pub fn counts(&self) -> BTreeMap<String, u64> {
+        self.inner.lock().counts.clone()
+    }
+
+    pub fn reset_counts(&self) {
+        self.inner.lock().counts.clear();
+    }
+
+    /// Count a call and return the injected latency and failure for it, if any.
+    pub(crate) fn on_call(&self, endpoint: &str) -> (Option<Duration>, Option<(u16, String)>) {
+        let mut g = self.inner.lock();
+        *g.counts.entry(endpoint.to_string()).or_default() += 1;
+        let latency = g.latency.get(endpoint).copied();
+        let mut fail = None;
+        if let Some(pos) = g
+            .fail
+            .iter()
+            .position(|r| r.endpoint == endpoint && r.count > 0)
+        {
+            let rule = &mut g.fail[pos];
+            rule.count -= 1;
+            fail = Some((rule.status, rule.message.clone()));
+            if rule.count == 0 {
+                g.fail.remove(pos);
+            }
+        }
+        (latency, fail)
+    }
+
+    /// Whether to swallow this exited exec-status reply.
+    pub(crate) fn take_exec_status_drop(&self) -> bool {
+        let mut g = self.inner.lock();
+        if g.drop_exec_status > 0 {
+            g.drop_exec_status -= 1;
+            true
+        } else {
+            false
+        }
+    }
+}

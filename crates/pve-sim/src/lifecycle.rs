@@ -1,0 +1,460 @@
+//! VM lifecycle operations: clone, config, start/stop (incl. HA), destroy.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+use serde_json::{json, Value};
+
+use crate::params::Params;
+use crate::schema::normalize_tags;
+use crate::sim::{err_text, Shared};
+use crate::state::{locked, ApiError, ApiResult, Cluster, Vm};
+
+impl Shared {
+    // ---- VM lifecycle ----
+
+    pub fn clone_vm(self: &Arc<Self>, node: &str, vmid: u32, p: &Params) -> ApiResult {
+        let newid = p.u64("newid").unwrap_or(0) as u32;
+        let mut c = self.cluster.lock();
+        let src = c.vm_on(node, vmid)?.clone();
+        if let Some(l) = &src.lock {
+            return Err(ApiError::internal(locked(vmid, l)));
+        }
+        if let Some(other) = c.vms.get(&newid) {
+            return Err(ApiError::internal(format!(
+                "VM {newid} already exists on node '{}'",
+                other.node
+            )));
+        }
+        let target = p.get("target").unwrap_or(node).to_string();
+        if target != node {
+            if !c.nodes.contains_key(&target) {
+                return Err(ApiError::internal(format!(
+                    "no such cluster node '{target}'"
+                )));
+            }
+            if !c.nodes.get(&target).is_some_and(|n| n.online) {
+                return Err(ApiError::internal(format!(
+                    "target node '{target}' is not online"
+                )));
+            }
+            if !src.shared_storage {
+                return Err(ApiError::internal(format!(
+                    "can't clone VM to node '{target}' (VM uses local storage)"
+                )));
+            }
+        }
+        // Templates default to linked clones; other VMs are always copied in full.
+        let full = !src.template || p.bool("full").unwrap_or(false);
+        if p.contains("storage") && !full {
+            return Err(ApiError::internal(
+                "parameter 'storage' not allowed for linked clones",
+            ));
+        }
+        let pool = p.get("pool").map(str::to_string);
+        if let Some(pool) = &pool {
+            if !c.pools.contains_key(pool) {
+                return Err(ApiError::internal(format!("pool '{pool}' does not exist")));
+            }
+        }
+        let storage = match p.get("storage") {
+            Some(s) if full => s.to_string(),
+            _ => src.storage.clone(),
+        };
+        let shared = if storage == src.storage {
+            src.shared_storage
+        } else {
+            self.is_shared(&storage)
+        };
+        let vm = Vm {
+            vmid: newid,
+            node: target.clone(),
+            name: p
+                .get("name")
+                .map(str::to_string)
+                .unwrap_or_else(|| format!("Copy-of-VM-{}", src.name)),
+            description: p.get("description").map(str::to_string),
+            tags: src.tags.clone(),
+            cores: src.cores,
+            sockets: src.sockets,
+            memory_mib: src.memory_mib,
+            agent: src.agent.clone(),
+            lock: Some("clone".into()),
+            flock: 1,
+            template: false,
+            running: false,
+            started_at: None,
+            ha: None,
+            protection: false,
+            pool,
+            storage: storage.clone(),
+            shared_storage: shared,
+            extra: BTreeMap::new(),
+            guest_root: self.guest_root(newid),
+        };
+        c.vms.insert(newid, vm);
+        let kind = if full { "full" } else { "linked" };
+        let upid = self.spawn_task(
+            &mut c,
+            node,
+            "qmclone",
+            &vmid.to_string(),
+            move |me, upid| async move {
+                me.clone_worker(upid, target, storage, shared, newid, vmid, kind)
+                    .await
+            },
+        );
+        c.task_log(
+            &upid,
+            format!("create {kind} clone of drive scsi0 ({})", src.disk()),
+        );
+        self.touch(&mut c);
+        Ok(json!(upid))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    async fn clone_worker(
+        self: Arc<Self>,
+        upid: String,
+        node: String,
+        storage: String,
+        shared: bool,
+        newid: u32,
+        vmid: u32,
+        kind: &'static str,
+    ) -> Result<String, String> {
+        let key = (node, storage.clone());
+        let limit = if shared {
+            self.cfg.max_parallel_shared_clones
+        } else {
+            self.cfg.max_parallel_local_clones
+        };
+        let over = {
+            let mut c = self.cluster.lock();
+            let n = c.active_clones.entry(key.clone()).or_default();
+            *n += 1;
+            limit.is_some_and(|l| *n > l)
+        };
+        let wait = if over {
+            self.cfg.storage_lock_wait
+        } else {
+            self.cfg.clone_duration
+        };
+        tokio::time::sleep(wait).await;
+        let mut c = self.cluster.lock();
+        if let Some(n) = c.active_clones.get_mut(&key) {
+            *n = n.saturating_sub(1);
+        }
+        if over {
+            // PVE removes the half-created VM when the clone worker fails.
+            c.vms.remove(&newid);
+            c.agents.remove(&newid);
+            let _ = std::fs::remove_dir_all(self.guest_root(newid)); // scratch only
+            let msg = if shared {
+                format!(
+                    "clone failed: cfs-lock 'storage-{storage}' error: got lock request timeout"
+                )
+            } else {
+                format!("clone failed: can't lock file '/var/lock/pve-manager/pve-storage-{storage}' - got timeout")
+            };
+            return Err(msg);
+        }
+        if let Some(vm) = c.vms.get_mut(&newid) {
+            vm.lock = None;
+            vm.flock = vm.flock.saturating_sub(1);
+        }
+        c.task_log(
+            &upid,
+            format!("{kind} clone of VM {vmid} to {newid} finished"),
+        );
+        Ok("OK".into())
+    }
+
+    pub async fn update_config_sync(&self, node: &str, vmid: u32, p: &Params) -> ApiResult {
+        self.cluster.lock().vm_on(node, vmid)?;
+        let node = node.to_string();
+        self.with_flock(vmid, |c| {
+            let vm = c.vm_on_mut(&node, vmid).map_err(err_text)?;
+            apply_config(vm, p)
+        })
+        .await
+        .map_err(ApiError::internal)?;
+        Ok(Value::Null)
+    }
+
+    pub fn update_config_async(self: &Arc<Self>, node: &str, vmid: u32, p: &Params) -> ApiResult {
+        let mut c = self.cluster.lock();
+        c.vm_on(node, vmid)?;
+        let p = p.clone();
+        let n = node.to_string();
+        let upid = self.spawn_task(
+            &mut c,
+            node,
+            "qmconfig",
+            &vmid.to_string(),
+            move |me, _| async move {
+                tokio::time::sleep(me.cfg.config_task_duration).await;
+                me.with_flock(vmid, |c| {
+                    let vm = c.vm_on_mut(&n, vmid).map_err(err_text)?;
+                    apply_config(vm, &p)
+                })
+                .await?;
+                Ok("OK".into())
+            },
+        );
+        Ok(json!(upid))
+    }
+
+    pub fn start(self: &Arc<Self>, node: &str, vmid: u32, p: &Params) -> ApiResult {
+        let skiplock = p.bool("skiplock").unwrap_or(false);
+        let mut c = self.cluster.lock();
+        let vm = c.vm_on(node, vmid)?;
+        if vm.template {
+            return Err(ApiError::internal(
+                "you can't start a vm if it's a template",
+            ));
+        }
+        if vm.ha.is_some() {
+            return Ok(json!(self.ha_request(&mut c, node, vmid, "started")));
+        }
+        let n = node.to_string();
+        let upid = self.spawn_task(
+            &mut c,
+            node,
+            "qmstart",
+            &vmid.to_string(),
+            move |me, _| async move {
+                me.hold_flock(vmid, &n, |vm| {
+                    if let (Some(l), false) = (&vm.lock, skiplock) {
+                        return Err(locked(vmid, l));
+                    }
+                    if vm.running {
+                        return Err(format!("VM {vmid} already running"));
+                    }
+                    Ok(())
+                })
+                .await?;
+                tokio::time::sleep(me.cfg.start_duration).await;
+                me.release_flock(vmid, |c| {
+                    if let Some(vm) = c.vms.get_mut(&vmid) {
+                        vm.running = true;
+                        vm.started_at = Some(Instant::now());
+                    }
+                    c.agents.remove(&vmid);
+                });
+                Ok("OK".into())
+            },
+        );
+        Ok(json!(upid))
+    }
+
+    /// `qmstop` or `qmshutdown` (modelled alike); HA-managed VMs get `hastop`.
+    pub fn stop(self: &Arc<Self>, node: &str, vmid: u32, p: &Params, kind: &str) -> ApiResult {
+        let mut c = self.cluster.lock();
+        let vm = c.vm_on(node, vmid)?;
+        if vm.ha.is_some() {
+            return Ok(json!(self.ha_request(&mut c, node, vmid, "stopped")));
+        }
+        let skiplock = p.bool("skiplock").unwrap_or(false);
+        let n = node.to_string();
+        let upid = self.spawn_task(
+            &mut c,
+            node,
+            kind,
+            &vmid.to_string(),
+            move |me, _| async move {
+                me.hold_flock(vmid, &n, |vm| match &vm.lock {
+                    Some(l) if !skiplock => Err(locked(vmid, l)),
+                    _ => Ok(()),
+                })
+                .await?;
+                tokio::time::sleep(me.cfg.stop_duration).await;
+                me.release_flock(vmid, |c| {
+                    if let Some(vm) = c.vms.get_mut(&vmid) {
+                        vm.running = false;
+                        vm.started_at = None;
+                    }
+                    c.agents.remove(&vmid);
+                });
+                Ok("OK".into())
+            },
+        );
+        Ok(json!(upid))
+    }
+
+    /// hastart/hastop only queue a request for the HA manager; the VM changes
+    /// state `ha_delay` after the task ended.
+    fn ha_request(
+        self: &Arc<Self>,
+        c: &mut Cluster,
+        node: &str,
+        vmid: u32,
+        state: &'static str,
+    ) -> String {
+        let kind = if state == "started" {
+            "hastart"
+        } else {
+            "hastop"
+        };
+        let upid = self.spawn_task(
+            c,
+            node,
+            kind,
+            &vmid.to_string(),
+            move |me, upid| async move {
+                {
+                    let mut c = me.cluster.lock();
+                    if let Some(vm) = c.vms.get_mut(&vmid) {
+                        vm.ha = Some(state.to_string());
+                    }
+                    c.task_log(&upid, format!("Requesting HA {} for VM {vmid}", &kind[2..]));
+                }
+                let me2 = Arc::clone(&me);
+                tokio::spawn(async move {
+                    tokio::time::sleep(me2.cfg.ha_delay).await;
+                    let mut c = me2.cluster.lock();
+                    if let Some(vm) = c.vms.get_mut(&vmid) {
+                        if vm.ha.as_deref() == Some(state) {
+                            let run = state == "started";
+                            if vm.running != run {
+                                vm.running = run;
+                                vm.started_at = run.then(Instant::now);
+                                c.agents.remove(&vmid);
+                            }
+                        }
+                    }
+                    me2.touch(&mut c);
+                });
+                Ok("OK".into())
+            },
+        );
+        upid
+    }
+
+    pub fn destroy(self: &Arc<Self>, node: &str, vmid: u32, p: &Params) -> ApiResult {
+        let mut c = self.cluster.lock();
+        let vm = c.vm_on(node, vmid)?;
+        let skiplock = p.bool("skiplock").unwrap_or(false);
+        if let (Some(l), false) = (&vm.lock, skiplock) {
+            return Err(ApiError::internal(locked(vmid, l)));
+        }
+        if vm.protection {
+            return Err(ApiError::internal(format!(
+                "can't remove VM {vmid} - protection mode enabled"
+            )));
+        }
+        if vm.running {
+            return Err(ApiError::internal(format!(
+                "VM {vmid} is running - destroy failed"
+            )));
+        }
+        if vm.ha.is_some() && !p.bool("purge").unwrap_or(false) {
+            return Err(ApiError::internal(format!(
+                "unable to remove VM {vmid} - used in HA resources and purge parameter not set."
+            )));
+        }
+        let disk = vm.disk();
+        let n = node.to_string();
+        let upid = self.spawn_task(
+            &mut c,
+            node,
+            "qmdestroy",
+            &vmid.to_string(),
+            move |me, upid| async move {
+                me.hold_flock(vmid, &n, |vm| {
+                    if vm.running {
+                        return Err(format!("VM {vmid} is running - destroy failed"));
+                    }
+                    Ok(())
+                })
+                .await?;
+                tokio::time::sleep(me.cfg.destroy_duration).await;
+                let root = me.guest_root(vmid);
+                me.release_flock(vmid, |c| {
+                    c.vms.remove(&vmid);
+                    c.agents.remove(&vmid);
+                    // Under the state lock so a re-used VMID never loses its new root.
+                    // Best effort: it is only scratch space.
+                    let _ = std::fs::remove_dir_all(&root);
+                    c.task_log(
+                        &upid,
+                        format!("Removing image: 100% complete...done. ({disk})"),
+                    );
+                    c.task_log(
+                        &upid,
+                        format!("purging VM {vmid} from related configurations.."),
+                    );
+                });
+                Ok("OK".into())
+            },
+        );
+        Ok(json!(upid))
+    }
+}
+
+/// Apply a validated config update like qemu-server's update_vm_api.
+fn apply_config(vm: &mut Vm, p: &Params) -> Result<(), String> {
+    let skiplock = p.bool("skiplock").unwrap_or(false);
+    if let (Some(l), false) = (&vm.lock, skiplock) {
+        // Setting or clearing `lock` itself is how operators fix leftovers.
+        if !p.contains("lock") && !p.get("delete").is_some_and(|d| d.contains("lock")) {
+            return Err(locked(vm.vmid, l));
+        }
+    }
+    if let Some(d) = p.get("digest") {
+        if d != vm.digest() {
+            return Err(
+                "detected modified configuration - file changed by other user? Try again.".into(),
+            );
+        }
+    }
+    if let Some(del) = p.get("delete") {
+        for key in del
+            .split(|c: char| c == ',' || c == ';' || c.is_whitespace())
+            .filter(|s| !s.is_empty())
+        {
+            match key {
+                "description" => vm.description = None,
+                "tags" => vm.tags = None,
+                "lock" => vm.lock = None,
+                "protection" => vm.protection = false,
+                "cores" => vm.cores = 1,
+                "sockets" => vm.sockets = 1,
+                "memory" => vm.memory_mib = 512,
+                "agent" => vm.agent = "0".into(),
+                other => {
+                    vm.extra.remove(other);
+                }
+            }
+        }
+    }
+    for (k, vals) in &p.0 {
+        let Some(v) = vals.first() else { continue };
+        match k.as_str() {
+            "node" | "vmid" | "digest" | "delete" | "skiplock" | "revert" | "background_delay"
+            | "force" => {}
+            "cores" => vm.cores = v.parse().map_err(|_| format!("invalid cores '{v}'"))?,
+            "sockets" => vm.sockets = v.parse().map_err(|_| format!("invalid sockets '{v}'"))?,
+            "memory" => {
+                let first = v.split(',').next().unwrap_or("");
+                let n = first.strip_prefix("current=").unwrap_or(first);
+                vm.memory_mib = n.parse().map_err(|_| format!("invalid memory '{v}'"))?;
+            }
+            "description" => vm.description = Some(v.clone()),
+            "tags" => {
+                let t = normalize_tags(v);
+                vm.tags = (!t.is_empty()).then_some(t);
+            }
+            "name" => vm.name = v.clone(),
+            "agent" => vm.agent = v.clone(),
+            "lock" => vm.lock = Some(v.clone()),
+            "protection" => vm.protection = crate::params::parse_bool(v).unwrap_or(false),
+            "template" => vm.template = crate::params::parse_bool(v).unwrap_or(false),
+            other => {
+                vm.extra.insert(other.to_string(), v.clone());
+            }
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,559 @@
+//! HTTPS front end: auth, parameter parsing, routing, schema validation, fault
+//! injection and PVE's response envelopes.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::{Body, Bytes};
+use axum::extract::{DefaultBodyLimit, State};
+use axum::http::{header, HeaderMap, Method, Response, StatusCode, Uri};
+use axum::Router;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::service::TowerToHyperService;
+use percent_encoding::percent_decode_str;
+use serde::Deserialize;
+use serde_json::{json, Value};
+use tokio::net::TcpListener;
+use tokio::task::JoinSet;
+use tokio_rustls::TlsAcceptor;
+
+use crate::agent::GuestOutput;
+use crate::params::Params;
+use crate::sim::{RecordedRequest, Shared};
+use crate::state::{ApiError, ApiResult};
+
+/// Every endpoint the simulator serves, as `(METHOD, template)`.
+pub const ROUTES: &[(&str, &str)] = &[
+    ("GET", "/version"),
+    ("GET", "/nodes"),
+    ("GET", "/cluster/nextid"),
+    ("GET", "/cluster/resources"),
+    ("GET", "/pools"),
+    ("GET", "/pools/{poolid}"),
+    ("GET", "/nodes/{node}/qemu"),
+    ("POST", "/nodes/{node}/qemu/{vmid}/clone"),
+    ("GET", "/nodes/{node}/qemu/{vmid}/config"),
+    ("PUT", "/nodes/{node}/qemu/{vmid}/config"),
+    ("POST", "/nodes/{node}/qemu/{vmid}/config"),
+    ("POST", "/nodes/{node}/qemu/{vmid}/status/start"),
+    ("POST", "/nodes/{node}/qemu/{vmid}/status/stop"),
+    ("POST", "/nodes/{node}/qemu/{vmid}/status/shutdown"),
+    ("GET", "/nodes/{node}/qemu/{vmid}/status/current"),
+    ("DELETE", "/nodes/{node}/qemu/{vmid}"),
+    ("GET", "/nodes/{node}/tasks/{upid}/status"),
+    ("GET", "/nodes/{node}/tasks/{upid}/log"),
+    ("POST", "/nodes/{node}/qemu/{vmid}/agent/ping"),
+    ("POST", "/nodes/{node}/qemu/{vmid}/agent/file-write"),
+    ("POST", "/nodes/{node}/qemu/{vmid}/agent/exec"),
+    ("GET", "/nodes/{node}/qemu/{vmid}/agent/exec-status"),
+];
+
+const API_PREFIX: &str = "/api2/json";
+
+pub fn router(shared: Arc<Shared>) -> Router {
+    let limit = shared.cfg.body_limit;
+    Router::new()
+        .fallback(handle)
+        .layer(DefaultBodyLimit::max(limit))
+        .with_state(shared)
+}
+
+/// Accept TLS connections until the returned task is aborted; aborting it drops
+/// the JoinSet, which aborts every open connection too.
+pub async fn serve(listener: TcpListener, tls: Arc<rustls::ServerConfig>, app: Router) {
+    let acceptor = TlsAcceptor::from(tls);
+    let mut conns = JoinSet::new();
+    loop {
+        let accepted = tokio::select! {
+            a = listener.accept() => a,
+            Some(_) = conns.join_next(), if !conns.is_empty() => continue,
+        };
+        let (tcp, _peer) = match accepted {
+            Ok(a) => a,
+            Err(e) => {
+                tracing::warn!(error = %e, "accept failed");
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                continue;
+            }
+        };
+        let acceptor = acceptor.clone();
+        let svc = TowerToHyperService::new(app.clone());
+        conns.spawn(async move {
+            let tls = match acceptor.accept(tcp).await {
+                Ok(t) => t,
+                Err(e) => {
+                    tracing::debug!(error = %e, "TLS handshake failed");
+                    return;
+                }
+            };
+            let builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+            if let Err(e) = builder
+                .http1_only()
+                .serve_connection(TokioIo::new(tls), svc)
+                .await
+            {
+                tracing::debug!(error = %e, "connection ended with error");
+            }
+        });
+    }
+}
+
+/// Bind `addr`; helper so callers get the port before serving.
+pub async fn bind(addr: SocketAddr) -> anyhow::Result<TcpListener> {
+    TcpListener::bind(addr)
+        .await
+        .map_err(|e| anyhow::anyhow!("binding {addr}: {e}"))
+}
+
+async fn handle(
+    State(s): State<Arc<Shared>>,
+    method: Method,
+    uri: Uri,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response<Body> {
+    if !authorized(&s, &headers) {
+        if !s.cfg.auth_failure_delay.is_zero() {
+            tokio::time::sleep(s.cfg.auth_failure_delay).await;
+        }
+        let msg = if headers.contains_key(header::AUTHORIZATION) {
+            "authentication failure"
+        } else {
+            "No ticket"
+        };
+        return error_response(&ApiError::Status(401, msg.into()));
+    }
+    let path = uri.path().to_string();
+    let mut params = Params::default();
+    if let Some(q) = uri.query() {
+        params.extend_form(q.as_bytes());
+    }
+    if !body.is_empty() {
+        let is_json = headers
+            .get(header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|ct| ct.starts_with("application/json"));
+        if is_json {
+            let parsed: Result<Value, _> = serde_json::from_slice(&body);
+            match parsed
+                .map_err(|e| e.to_string())
+                .and_then(|v| params.extend_json(&v))
+            {
+                Ok(()) => {}
+                Err(e) => {
+                    return error_response(&ApiError::Status(
+                        400,
+                        format!("invalid JSON body: {e}"),
+                    ))
+                }
+            }
+        } else {
+            params.extend_form(&body);
+        }
+    }
+    if let Some(rest) = path.strip_prefix("/_sim/") {
+        return match admin(&s, &method, rest, &body) {
+            Ok(v) => ok_response(v),
+            Err(e) => error_response(&e),
+        };
+    }
+    let Some(api_path) = path.strip_prefix(API_PREFIX) else {
+        return error_response(&ApiError::Status(404, "Not Found".into()));
+    };
+    let Some((template, path_params)) = route(method.as_str(), api_path) else {
+        s.requests.lock().push(RecordedRequest {
+            method: method.to_string(),
+            path: path.clone(),
+            endpoint: None,
+            params,
+            schema_errors: None,
+        });
+        return error_response(&ApiError::Status(
+            501,
+            format!("Method '{method} {api_path}' not implemented"),
+        ));
+    };
+    let endpoint = format!("{method} {template}");
+    for (k, v) in &path_params {
+        params.0.insert(k.clone(), vec![v.clone()]);
+    }
+    let schema_errors = s.schema.validate(method.as_str(), template, &params).err();
+    s.requests.lock().push(RecordedRequest {
+        method: method.to_string(),
+        path: path.clone(),
+        endpoint: Some(endpoint.clone()),
+        params: params.clone(),
+        schema_errors: schema_errors.clone(),
+    });
+    let (latency, injected) = s.faults.on_call(&endpoint);
+    if let Some(d) = latency {
+        tokio::time::sleep(d).await;
+    }
+    if let Some((status, msg)) = injected {
+        return error_response(&ApiError::Status(status, msg));
+    }
+    if let Some(node) = path_params
+        .iter()
+        .find(|(k, _)| k == "node")
+        .map(|(_, v)| v.clone())
+    {
+        if let Err(e) = check_node(&s, &node) {
+            return error_response(&e);
+        }
+    }
+    if let Some(errs) = schema_errors {
+        return error_response(&ApiError::Params(errs));
+    }
+    let res = dispatch(&s, method.as_str(), template, &params).await;
+    // Parameters may carry secrets (bootstrap content): log only the route.
+    match &res {
+        Ok(_) => tracing::debug!(%method, path = %path, "ok"),
+        Err(e) => tracing::debug!(%method, path = %path, error = ?e, "error"),
+    }
+    match res {
+        Ok(v) => ok_response(v),
+        Err(e) => error_response(&e),
+    }
+}
+
+fn authorized(s: &Shared, headers: &HeaderMap) -> bool {
+    let Some(v) = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+    else {
+        return false;
+    };
+    let Some(tok) = v.strip_prefix("PVEAPIToken=") else {
+        return false;
+    };
+    // USER@REALM!TOKENID=SECRET; the id cannot contain '='.
+    let Some((id, secret)) = tok.split_once('=') else {
+        return false;
+    };
+    let (want_id, want_secret) = (s.cfg.token_id.as_bytes(), s.cfg.token_secret.as_bytes());
+    constant_eq(id.as_bytes(), want_id) & constant_eq(secret.trim().as_bytes(), want_secret)
+}
+
+fn constant_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+fn check_node(s: &Shared, node: &str) -> ApiResult<()> {
+    let c = s.cluster.lock();
+    match c.nodes.get(node) {
+        None => Err(ApiError::internal(format!(
+            "hostname lookup '{node}' failed - failed to get address info for: {node}: Name or service not known"
+        ))),
+        Some(n) if !n.online => Err(ApiError::Status(595, "No route to host".into())),
+        Some(_) => Ok(()),
+    }
+}
+
+/// Match an API path against [`ROUTES`]; returns the template and path params.
+pub fn route(method: &str, path: &str) -> Option<(&'static str, Vec<(String, String)>)> {
+    let segs: Vec<String> = path
+        .trim_end_matches('/')
+        .split('/')
+        .skip(1)
+        .map(|s| percent_decode_str(s).decode_utf8_lossy().into_owned())
+        .collect();
+    'routes: for (m, t) in ROUTES {
+        if *m != method {
+            continue;
+        }
+        let tsegs: Vec<&str> = t.split('/').skip(1).collect();
+        if tsegs.len() != segs.len() {
+            continue;
+        }
+        let mut params = Vec::new();
+        for (ts, s) in tsegs.iter().zip(&segs) {
+            if let Some(name) = ts.strip_prefix('{').and_then(|n| n.strip_suffix('}')) {
+                if s.is_empty() {
+                    continue 'routes;
+                }
+                params.push((name.to_string(), s.clone()));
+            } else if ts != s {
+                continue 'routes;
+            }
+        }
+        return Some((t, params));
+    }
+    None
+}
+
+async fn dispatch(s: &Arc<Shared>, method: &str, template: &str, p: &Params) -> ApiResult {
+    let node = p.get("node").unwrap_or_default().to_string();
+    let vmid = p.u64("vmid").unwrap_or(0) as u32;
+    match (method, template) {
+        ("GET", "/version") => {
+            Ok(json!({"version": "8.3.2", "release": "8.3", "repoid": "3e76eec21c4a14a7"}))
+        }
+        ("GET", "/nodes") => Ok(s.nodes()),
+        ("GET", "/cluster/nextid") => s.nextid(p.u64("vmid").map(|v| v as u32)),
+        ("GET", "/cluster/resources") => Ok(s.resources(p.get("type"))),
+        ("GET", "/pools") => s.pools(p.get("poolid")),
+        ("GET", "/pools/{poolid}") => s.pool(p.get("poolid").unwrap_or_default()),
+        ("GET", "/nodes/{node}/qemu") => Ok(s.node_vms(&node)),
+        ("POST", "/nodes/{node}/qemu/{vmid}/clone") => s.clone_vm(&node, vmid, p),
+        ("GET", "/nodes/{node}/qemu/{vmid}/config") => s.config(&node, vmid),
+        ("PUT", "/nodes/{node}/qemu/{vmid}/config") => s.update_config_sync(&node, vmid, p).await,
+        ("POST", "/nodes/{node}/qemu/{vmid}/config") => s.update_config_async(&node, vmid, p),
+        ("POST", "/nodes/{node}/qemu/{vmid}/status/start") => s.start(&node, vmid, p),
+        ("POST", "/nodes/{node}/qemu/{vmid}/status/stop") => s.stop(&node, vmid, p, "qmstop"),
+        ("POST", "/nodes/{node}/qemu/{vmid}/status/shutdown") => {
+            s.stop(&node, vmid, p, "qmshutdown")
+        }
+        ("GET", "/nodes/{node}/qemu/{vmid}/status/current") => s.status_current(&node, vmid),
+        ("DELETE", "/nodes/{node}/qemu/{vmid}") => s.destroy(&node, vmid, p),
+        ("GET", "/nodes/{node}/tasks/{upid}/status") => {
+            let upid = p.get("upid").unwrap_or_default();
+            check_upid(upid)?;
+            s.task_status(&node, upid)
+        }
+        ("GET", "/nodes/{node}/tasks/{upid}/log") => {
+            let upid = p.get("upid").unwrap_or_default();
+            check_upid(upid)?;
+            let start = p.u64("start").unwrap_or(0) as usize;
+            let limit = p.u64("limit").unwrap_or(50) as usize;
+            s.task_log(&node, upid, start, limit)
+        }
+        ("POST", "/nodes/{node}/qemu/{vmid}/agent/ping") => s.agent_ping(&node, vmid),
+        ("POST", "/nodes/{node}/qemu/{vmid}/agent/file-write") => {
+            s.agent_file_write(&node, vmid, p)
+        }
+        ("POST", "/nodes/{node}/qemu/{vmid}/agent/exec") => s.agent_exec(&node, vmid, p),
+        ("GET", "/nodes/{node}/qemu/{vmid}/agent/exec-status") => {
+            s.agent_exec_status(&node, vmid, p.u64("pid").unwrap_or(0))
+        }
+        _ => Err(ApiError::Status(
+            501,
+            format!("Method '{method} {template}' not implemented"),
+        )),
+    }
+}
+
+fn check_upid(upid: &str) -> ApiResult<()> {
+    crate::tasks::upid_node(upid)
+        .map(|_| ())
+        .ok_or_else(|| ApiError::internal(format!("unable to parse worker upid '{upid}'")))
+}
+
+fn ok_response(data: Value) -> Response<Body> {
+    json_response(StatusCode::OK, &json!({ "data": data }))
+}
+
+fn json_response(status: StatusCode, v: &Value) -> Response<Body> {
+    let mut r = Response::new(Body::from(v.to_string()));
+    *r.status_mut() = status;
+    r.headers_mut().insert(
+        header::CONTENT_TYPE,
+        header::HeaderValue::from_static("application/json;charset=UTF-8"),
+    );
+    r
+}
+
+/// PVE error: message in the reason phrase and (like newer PVE) in the body.
+pub fn error_response(e: &ApiError) -> Response<Body> {
+    let (code, msg, errors) = match e {
+        ApiError::Status(c, m) => (*c, m.clone(), None),
+        ApiError::Params(errs) => (
+            400,
+            "Parameter verification failed.".to_string(),
+            Some(errs),
+        ),
+    };
+    let status = StatusCode::from_u16(code).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    let mut body = json!({"data": null, "message": format!("{msg}\n")});
+    if let Some(errs) = errors {
+        body["errors"] = json!(errs);
+    }
+    let mut r = json_response(status, &body);
+    if let Ok(reason) = hyper::ext::ReasonPhrase::try_from(reason_phrase(&msg)) {
+        r.extensions_mut().insert(reason);
+    }
+    r
+}
+
+/// Reason phrases allow only visible ASCII, space and tab on one line.
+fn reason_phrase(msg: &str) -> String {
+    let one_line: String = msg
+        .trim()
+        .chars()
+        .map(|c| {
+            if c.is_ascii_graphic() || c == ' ' {
+                c
+            } else {
+                ' '
+            }
+        })
+        .collect();
+    one_line.chars().take(512).collect()
+}
+
+// ---- admin endpoint (/_sim/...) for the binary and out-of-process tests ----
+//
+// Same token auth as the API; JSON bodies; `{"data": ...}` replies.
+//   POST   /_sim/faults            {"endpoint","count"(=1),"status","message"}
+//   DELETE /_sim/faults            clear faults and latencies
+//   POST   /_sim/latency           {"endpoint","ms"}
+//   POST   /_sim/drop-exec-status  {"count"}
+//   GET    /_sim/counters | DELETE /_sim/counters
+//   GET    /_sim/requests | DELETE /_sim/requests
+//   POST   /_sim/nodes/{node}/offline | /online
+//   POST   /_sim/vms/{vmid}/stop | /start      (out of band)
+//   POST   /_sim/vms/{vmid}/lock  {"lock": "clone"|null}
+//   POST   /_sim/vms/{vmid}/ha    {"state": "started"|"stopped"|null}
+//   POST   /_sim/guest-commands   {"match","exitcode","stdout","stderr","delay_ms"}
+//   DELETE /_sim/guest-commands
+
+#[derive(Deserialize)]
+struct FailReq {
+    endpoint: String,
+    #[serde(default = "one")]
+    count: u32,
+    status: u16,
+    message: String,
+}
+
+#[derive(Deserialize)]
+struct LatencyReq {
+    endpoint: String,
+    ms: u64,
+}
+
+#[derive(Deserialize)]
+struct CountReq {
+    count: u32,
+}
+
+#[derive(Deserialize)]
+struct LockReq {
+    lock: Option<String>,
+}
+
+#[derive(Deserialize)]
+struct HaReq {
+    state: Option<String>,
+}
+
+fn admin_vmid(v: &str) -> ApiResult<u32> {
+    v.parse()
+        .map_err(|_| ApiError::Status(400, format!("bad vmid '{v}'")))
+}
+
+fn found(ok: bool, vmid: u32) -> ApiResult {
+    if ok {
+        Ok(Value::Null)
+    } else {
+        Err(ApiError::Status(404, format!("no such VM {vmid}")))
+    }
+}
+
+#[derive(Deserialize)]
+struct GuestCmdReq {
+    /// Substring of the space-joined argv that selects the command.
+    #[serde(rename = "match")]
+    pattern: String,
+    #[serde(default)]
+    exitcode: i32,
+    #[serde(default)]
+    stdout: String,
+    #[serde(default)]
+    stderr: String,
+    #[serde(default)]
+    delay_ms: u64,
+}
+
+fn one() -> u32 {
+    1
+}
+
+fn admin_json<T: serde::de::DeserializeOwned>(body: &[u8]) -> ApiResult<T> {
+    serde_json::from_slice(body)
+        .map_err(|e| ApiError::Status(400, format!("bad admin request: {e}")))
+}
+
+fn admin(s: &Arc<Shared>, method: &Method, rest: &str, body: &[u8]) -> ApiResult {
+    let parts: Vec<&str> = rest.trim_end_matches('/').split('/').collect();
+    match (method.as_str(), parts.as_slice()) {
+        ("POST", ["faults"]) => {
+            let r: FailReq = admin_json(body)?;
+            s.faults
+                .fail_next(&r.endpoint, r.count, r.status, &r.message);
+            Ok(Value::Null)
+        }
+        ("DELETE", ["faults"]) => {
+            s.faults.clear();
+            Ok(Value::Null)
+        }
+        ("POST", ["latency"]) => {
+            let r: LatencyReq = admin_json(body)?;
+            s.faults
+                .set_latency(&r.endpoint, Duration::from_millis(r.ms));
+            Ok(Value::Null)
+        }
+        ("POST", ["drop-exec-status"]) => {
+            let r: CountReq = admin_json(body)?;
+            s.faults.drop_exec_status_replies(r.count);
+            Ok(Value::Null)
+        }
+        ("GET", ["counters"]) => Ok(json!(s.faults.counts())),
+        ("DELETE", ["counters"]) => {
+            s.faults.reset_counts();
+            Ok(Value::Null)
+        }
+        ("GET", ["requests"]) => Ok(json!(*s.requests.lock())),
+        ("DELETE", ["requests"]) => {
+            s.requests.lock().clear();
+            Ok(Value::Null)
+        }
+        ("POST", ["nodes", node, state @ ("offline" | "online")]) => {
+            if s.set_node_online(node, *state == "online") {
+                Ok(Value::Null)
+            } else {
+                Err(ApiError::Status(404, format!("no such node '{node}'")))
+            }
+        }
+        ("POST", ["vms", vmid, action @ ("stop" | "start")]) => {
+            let vmid: u32 = vmid
+                .parse()
+                .map_err(|_| ApiError::Status(400, format!("bad vmid '{vmid}'")))?;
+            if s.set_running_out_of_band(vmid, *action == "start") {
+                Ok(Value::Null)
+            } else {
+                Err(ApiError::Status(404, format!("no such VM {vmid}")))
+            }
+        }
+        ("POST", ["vms", vmid, "lock"]) => {
+            let vmid = admin_vmid(vmid)?;
+            let r: LockReq = admin_json(body)?;
+            found(s.update_vm(vmid, |vm| vm.lock = r.lock), vmid)
+        }
+        ("POST", ["vms", vmid, "ha"]) => {
+            let vmid = admin_vmid(vmid)?;
+            let r: HaReq = admin_json(body)?;
+            found(s.update_vm(vmid, |vm| vm.ha = r.state), vmid)
+        }
+        ("POST", ["guest-commands"]) => {
+            let r: GuestCmdReq = admin_json(body)?;
+            let out = GuestOutput::exit(r.exitcode)
+                .with_stdout(r.stdout)
+                .with_stderr(r.stderr)
+                .with_delay(Duration::from_millis(r.delay_ms));
+            let pattern = r.pattern;
+            s.guest.add(Arc::new(move |e| {
+                e.command_line().contains(&pattern).then(|| out.clone())
+            }));
+            Ok(Value::Null)
+        }
+        ("DELETE", ["guest-commands"]) => {
+            s.guest.clear();
+            Ok(Value::Null)
+        }
+        _ => Err(ApiError::Status(
+            404,
+            format!("no admin route {method} /_sim/{rest}"),
+        )),
+    }
+}

@@ -1,0 +1,299 @@
+//! The simulator core: shared state, config-lock waiting and worker tasks. The
+//! operations live in `inventory`, `lifecycle` and `guest_api`.
+
+use std::collections::{BTreeMap, HashMap};
+use std::future::Future;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+use parking_lot::Mutex;
+use serde::Serialize;
+use tokio::sync::Notify;
+
+use crate::agent::{self, GuestHandlers};
+use crate::config::{SimConfig, TemplateSpec};
+use crate::faults::Faults;
+use crate::params::Params;
+use crate::schema::{ParamErrors, Schema};
+use crate::state::{lock_timeout, ApiError, Cluster, NodeState, Vm};
+
+/// One request as the simulator received it.
+#[derive(Clone, Debug, Serialize)]
+pub struct RecordedRequest {
+    pub method: String,
+    pub path: String,
+    /// `"METHOD /template"`, `None` when no endpoint matched.
+    pub endpoint: Option<String>,
+    pub params: Params,
+    /// Schema violations; `None` when valid (or not an API endpoint).
+    pub schema_errors: Option<ParamErrors>,
+}
+
+pub struct Shared {
+    pub cfg: SimConfig,
+    pub cluster: Mutex<Cluster>,
+    /// Signalled whenever locks or VM state change.
+    pub changed: Notify,
+    pub faults: Faults,
+    pub schema: Schema,
+    pub requests: Mutex<Vec<RecordedRequest>>,
+    pub guest: GuestHandlers,
+    pub scratch: PathBuf,
+    pub fingerprint: String,
+}
+
+impl Shared {
+    pub fn new(
+        cfg: SimConfig,
+        schema: Schema,
+        scratch: PathBuf,
+        fingerprint: String,
+    ) -> anyhow::Result<Self> {
+        let nodes = cfg
+            .nodes
+            .iter()
+            .map(|n| (n.clone(), NodeState { online: true }))
+            .collect();
+        let pools = cfg
+            .pools
+            .iter()
+            .map(|p| (p.clone(), String::new()))
+            .collect();
+        let cluster = Cluster {
+            nodes,
+            vms: BTreeMap::new(),
+            pools,
+            tasks: HashMap::new(),
+            active_clones: HashMap::new(),
+            agents: HashMap::new(),
+            next_pid: 0x1000 + rand::random::<u16>() as u32,
+            pstart: 0x6AE8 + rand::random::<u16>() as u32,
+            resources_cache: None,
+        };
+        let s = Self {
+            cfg,
+            cluster: Mutex::new(cluster),
+            changed: Notify::new(),
+            faults: Faults::default(),
+            schema,
+            requests: Mutex::new(Vec::new()),
+            guest: GuestHandlers::default(),
+            scratch,
+            fingerprint,
+        };
+        for t in s.cfg.templates.clone() {
+            anyhow::ensure!(
+                s.cfg.nodes.contains(&t.node),
+                "template {} is on node {:?}, which is not in the node list",
+                t.vmid,
+                t.node
+            );
+            s.insert_template(&t)?;
+        }
+        Ok(s)
+    }
+
+    pub fn user(&self) -> &str {
+        &self.cfg.token_id
+    }
+
+    fn insert_template(&self, t: &TemplateSpec) -> anyhow::Result<()> {
+        let vm = Vm {
+            vmid: t.vmid,
+            node: t.node.clone(),
+            name: t.name.clone(),
+            description: None,
+            tags: None,
+            cores: t.cores,
+            sockets: 1,
+            memory_mib: t.memory_mib,
+            agent: if t.agent { "1".into() } else { "0".into() },
+            lock: None,
+            flock: 0,
+            template: true,
+            running: false,
+            started_at: None,
+            ha: None,
+            protection: false,
+            pool: None,
+            storage: t.storage.clone(),
+            shared_storage: t.shared,
+            extra: BTreeMap::new(),
+            guest_root: self.guest_root(t.vmid),
+        };
+        self.insert_vm(vm)
+    }
+
+    pub fn guest_root(&self, vmid: u32) -> PathBuf {
+        self.scratch.join(format!("vm-{vmid}"))
+    }
+
+    /// Add a VM; fails if the id is taken. Its guest root is created lazily on
+    /// first agent use (creating thousands of directories up front is slow).
+    pub fn insert_vm(&self, vm: Vm) -> anyhow::Result<()> {
+        let mut c = self.cluster.lock();
+        anyhow::ensure!(
+            !c.vms.contains_key(&vm.vmid),
+            "VM {} already exists",
+            vm.vmid
+        );
+        c.vms.insert(vm.vmid, vm);
+        c.resources_cache = None;
+        drop(c);
+        self.changed.notify_waiters();
+        Ok(())
+    }
+
+    pub(crate) fn is_shared(&self, storage: &str) -> bool {
+        self.cfg.shared_storages.iter().any(|s| s == storage)
+            || self
+                .cfg
+                .templates
+                .iter()
+                .any(|t| t.shared && t.storage == storage)
+    }
+
+    /// Wake lock waiters. (`/cluster/resources` staleness is time-based, so
+    /// changes deliberately do not invalidate its cache.)
+    pub(crate) fn touch(&self, _c: &mut Cluster) {
+        self.changed.notify_waiters();
+    }
+
+    /// Wait until no worker holds `vmid`'s config file lock, then run `f` under
+    /// the state mutex. Times out like PVE's flock after `cfg.lock_wait`.
+    pub(crate) async fn with_flock<T>(
+        &self,
+        vmid: u32,
+        f: impl FnOnce(&mut Cluster) -> Result<T, String>,
+    ) -> Result<T, String> {
+        let deadline = tokio::time::Instant::now() + self.cfg.lock_wait;
+        let mut f = Some(f);
+        loop {
+            let notified = self.changed.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            {
+                let mut c = self.cluster.lock();
+                let held = c.vms.get(&vmid).map(|v| v.flock > 0).unwrap_or(false);
+                if !held {
+                    let Some(f) = f.take() else {
+                        return Err(lock_timeout(vmid));
+                    };
+                    let r = f(&mut c);
+                    self.touch(&mut c);
+                    return r;
+                }
+            }
+            if tokio::time::timeout_at(deadline, notified).await.is_err() {
+                return Err(lock_timeout(vmid));
+            }
+        }
+    }
+
+    /// Create a task and run `work` as its worker; `work` returns the exit status
+    /// (`OK` / `WARNINGS: N`) or the error text.
+    pub(crate) fn spawn_task<F, Fut>(
+        self: &Arc<Self>,
+        c: &mut Cluster,
+        node: &str,
+        kind: &str,
+        id: &str,
+        work: F,
+    ) -> String
+    where
+        F: FnOnce(Arc<Shared>, String) -> Fut + Send + 'static,
+        Fut: Future<Output = Result<String, String>> + Send + 'static,
+    {
+        let upid = c.new_task(node, kind, id, self.user());
+        let me = Arc::clone(self);
+        let u = upid.clone();
+        tokio::spawn(async move {
+            let res = work(Arc::clone(&me), u.clone()).await;
+            let mut c = me.cluster.lock();
+            match res {
+                Ok(status) => c.finish_task(&u, status),
+                Err(e) => c.finish_task(&u, e),
+            }
+            me.touch(&mut c);
+        });
+        upid
+    }
+
+    /// Take the config file lock for a worker (after `check` passes).
+    pub(crate) async fn hold_flock(
+        &self,
+        vmid: u32,
+        node: &str,
+        check: impl FnOnce(&Vm) -> Result<(), String>,
+    ) -> Result<(), String> {
+        self.with_flock(vmid, |c| {
+            let vm = c.vm_on_mut(node, vmid).map_err(err_text)?;
+            check(vm)?;
+            vm.flock += 1;
+            Ok(())
+        })
+        .await
+    }
+
+    pub(crate) fn release_flock(&self, vmid: u32, f: impl FnOnce(&mut Cluster)) {
+        let mut c = self.cluster.lock();
+        if let Some(vm) = c.vms.get_mut(&vmid) {
+            vm.flock = vm.flock.saturating_sub(1);
+        }
+        f(&mut c);
+        self.touch(&mut c);
+    }
+
+    // ---- out-of-band controls ----
+
+    pub fn set_running_out_of_band(&self, vmid: u32, running: bool) -> bool {
+        let mut c = self.cluster.lock();
+        let Some(vm) = c.vms.get_mut(&vmid) else {
+            return false;
+        };
+        vm.running = running;
+        vm.started_at = running.then(Instant::now);
+        if let Some(ha) = vm.ha.as_mut() {
+            *ha = if running { "started" } else { "stopped" }.into();
+        }
+        c.agents.remove(&vmid);
+        self.touch(&mut c);
+        true
+    }
+
+    pub fn update_vm(&self, vmid: u32, f: impl FnOnce(&mut Vm)) -> bool {
+        let mut c = self.cluster.lock();
+        let Some(vm) = c.vms.get_mut(&vmid) else {
+            return false;
+        };
+        f(vm);
+        self.touch(&mut c);
+        true
+    }
+
+    pub fn set_node_online(&self, node: &str, online: bool) -> bool {
+        let mut c = self.cluster.lock();
+        let Some(n) = c.nodes.get_mut(node) else {
+            return false;
+        };
+        n.online = online;
+        self.touch(&mut c);
+        true
+    }
+}
+
+pub(crate) fn err_text(e: ApiError) -> String {
+    match e {
+        ApiError::Status(_, m) => m,
+        ApiError::Params(m) => format!("{m:?}"),
+    }
+}
+
+pub(crate) fn prepare_root(root: &std::path::Path) -> anyhow::Result<()> {
+    for d in agent::GUEST_DIRS {
+        std::fs::create_dir_all(root.join(d))
+            .map_err(|e| anyhow::anyhow!("creating guest root {}: {e}", root.display()))?;
+    }
+    Ok(())
+}

@@ -1,0 +1,135 @@
+//! PVE worker tasks: UPIDs, status and logs.
+
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use serde_json::{json, Value};
+
+/// One worker task as `/nodes/{node}/tasks/{upid}/...` reports it.
+#[derive(Clone, Debug)]
+pub struct Task {
+    pub upid: String,
+    pub node: String,
+    pub pid: u32,
+    pub pstart: u32,
+    pub starttime: u64,
+    pub kind: String,
+    pub id: String,
+    pub user: String,
+    /// `None` while running; then `OK`, `WARNINGS: N` or the error text.
+    pub exitstatus: Option<String>,
+    pub log: Vec<String>,
+}
+
+impl Task {
+    pub fn new(node: &str, pid: u32, pstart: u32, kind: &str, id: &str, user: &str) -> Self {
+        let starttime = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0);
+        let upid = format_upid(node, pid, pstart, starttime, kind, id, user);
+        Self {
+            upid,
+            node: node.to_string(),
+            pid,
+            pstart,
+            starttime,
+            kind: kind.to_string(),
+            id: id.to_string(),
+            user: user.to_string(),
+            exitstatus: None,
+            log: Vec::new(),
+        }
+    }
+
+    pub fn status_json(&self) -> Value {
+        let mut v = json!({
+            "upid": self.upid,
+            "node": self.node,
+            "pid": self.pid,
+            "pstart": self.pstart,
+            "starttime": self.starttime,
+            "type": self.kind,
+            "id": self.id,
+            "user": self.user,
+            "status": if self.exitstatus.is_some() { "stopped" } else { "running" },
+        });
+        if let Some(es) = &self.exitstatus {
+            v["exitstatus"] = json!(es);
+        }
+        v
+    }
+
+    /// Log lines `[{n, t}]` from line `start` (0-based), at most `limit`.
+    pub fn log_json(&self, start: usize, limit: usize) -> Value {
+        let mut lines: Vec<String> = self.log.clone();
+        match &self.exitstatus {
+            Some(es) if es == "OK" => lines.push("TASK OK".into()),
+            Some(es) if es.starts_with("WARNINGS") => lines.push(format!("TASK {es}")),
+            Some(es) => lines.push(format!("TASK ERROR: {es}")),
+            None => {}
+        }
+        let rows: Vec<Value> = lines
+            .iter()
+            .enumerate()
+            .skip(start)
+            .take(limit)
+            .map(|(i, t)| json!({"n": i + 1, "t": t}))
+            .collect();
+        Value::Array(rows)
+    }
+}
+
+/// `UPID:{node}:{pid}:{pstart}:{starttime}:{type}:{id}:{user}:` (hex fields, 8 digits).
+pub fn format_upid(
+    node: &str,
+    pid: u32,
+    pstart: u32,
+    starttime: u64,
+    kind: &str,
+    id: &str,
+    user: &str,
+) -> String {
+    format!("UPID:{node}:{pid:08X}:{pstart:08X}:{starttime:08X}:{kind}:{id}:{user}:")
+}
+
+/// Node named inside a UPID, if it parses.
+pub fn upid_node(upid: &str) -> Option<&str> {
+    let mut parts = upid.split(':');
+    if parts.next()? != "UPID" {
+        return None;
+    }
+    let node = parts.next()?;
+    // pid, pstart, starttime, type, id, user, trailing empty
+    let rest: Vec<&str> = parts.collect();
+    if rest.len() != 7 || !rest[6].is_empty() {
+        return None;
+    }
+    for hex in &rest[..3] {
+        u64::from_str_radix(hex, 16).ok()?;
+    }
+    Some(node)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn upid_round_trip() {
+        let u = format_upid(
+            "pve1",
+            0xACD,
+            0x6AE8,
+            0x679A423B,
+            "qmclone",
+            "112",
+            "bigfleet@pve!autoscaler",
+        );
+        assert_eq!(
+            u,
+            "UPID:pve1:00000ACD:00006AE8:679A423B:qmclone:112:bigfleet@pve!autoscaler:"
+        );
+        assert_eq!(upid_node(&u), Some("pve1"));
+        assert_eq!(upid_node("UPID:pve1:zz"), None);
+    }
+}
