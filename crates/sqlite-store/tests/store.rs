@@ -1,0 +1,370 @@
+//! Store-level behaviour: persistence, group commit, locking, errors.
+
+use std::collections::HashMap;
+use std::os::unix::fs::PermissionsExt;
+use std::path::Path;
+use std::sync::Arc;
+
+use bigfleet_proto::v1alpha1 as pb;
+use providerkit::{Change, FenceMark, MachineRecord, State, Store};
+use sqlite_store::{SqliteStore, SCHEMA_VERSION};
+
+fn record(id: &str, rev: u64, state: State) -> MachineRecord {
+    let mut labels = HashMap::new();
+    labels.insert("zone".to_string(), "z1".to_string());
+    let mut metadata = HashMap::new();
+    metadata.insert("k".to_string(), "v\u{e9}rbatim \0 bytes".to_string());
+    MachineRecord {
+        machine: pb::Machine {
+            id: id.to_string(),
+            state: state.to_wire() as i32,
+            host: Some(pb::HostRef {
+                provider: "proxmox".into(),
+                r#ref: format!("pve1/{rev}"),
+            }),
+            instance_type: "small".into(),
+            zone: "z1".into(),
+            price_per_hour: 0.25,
+            labels,
+            cluster: "c1".into(),
+            shard_metadata: metadata,
+            last_error: String::new(),
+            ..Default::default()
+        },
+        rev,
+        ops: [Some(format!("op-1-{rev}")), None, Some("op-x".into()), None],
+    }
+}
+
+fn mark(shard: &str, machine: &str, epoch: i64, sequence: i64) -> FenceMark {
+    FenceMark {
+        shard_id: shard.into(),
+        machine_id: machine.into(),
+        epoch,
+        sequence,
+    }
+}
+
+fn machine(r: MachineRecord) -> Change {
+    Change::Machine(Box::new(r))
+}
+
+fn sorted_fences(mut f: Vec<FenceMark>) -> Vec<FenceMark> {
+    f.sort_by(|a, b| (&a.shard_id, &a.machine_id).cmp(&(&b.shard_id, &b.machine_id)));
+    f
+}
+
+#[tokio::test]
+async fn round_trip_survives_reopen() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("state.db");
+    let expected_machines = vec![
+        record("m-1", 1, State::Idle),
+        record("m-2", 2, State::Configured),
+        record("m-3", 3, State::Failed),
+    ];
+    let expected_fences = vec![mark("s1", "m-1", 1, 2), mark("s2", "m-2", 3, 4)];
+    {
+        let store = SqliteStore::open(&path).unwrap();
+        let loaded = store.load().unwrap();
+        assert!(loaded.machines.is_empty() && loaded.fences.is_empty());
+        // The same machine twice in one batch: the later record wins.
+        let mut stale = record("m-2", 0, State::Idle);
+        stale.machine.cluster = "stale".into();
+        let mut changes = vec![machine(stale)];
+        changes.extend(expected_machines.iter().cloned().map(machine));
+        changes.push(Change::Fence(mark("s1", "m-1", 1, 1)));
+        changes.extend(expected_fences.iter().cloned().map(Change::Fence));
+        let ticket = store.submit(changes);
+        store.durable(ticket).await.unwrap();
+        assert_eq!(
+            store.submit(Vec::new()),
+            ticket,
+            "empty batch reuses the latest ticket"
+        );
+    }
+    let store = SqliteStore::open(&path).unwrap();
+    let loaded = store.load().unwrap();
+    assert_eq!(loaded.machines, expected_machines);
+    assert_eq!(sorted_fences(loaded.fences), expected_fences);
+    assert!(store.describe().starts_with("sqlite:"));
+    assert!(store.describe().ends_with("state.db"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn group_commit_batches_concurrent_submits() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Arc::new(SqliteStore::open(&dir.path().join("state.db")).unwrap());
+    store.load().unwrap();
+    const TASKS: usize = 64;
+    const ROUNDS: usize = 10;
+    let barrier = Arc::new(tokio::sync::Barrier::new(TASKS));
+    let mut handles = Vec::new();
+    for t in 0..TASKS {
+        let store = Arc::clone(&store);
+        let barrier = Arc::clone(&barrier);
+        handles.push(tokio::spawn(async move {
+            for round in 0..ROUNDS {
+                barrier.wait().await;
+                let rev = (round * TASKS + t + 1) as u64;
+                let ticket =
+                    store.submit(vec![machine(record(&format!("m-{t}"), rev, State::Idle))]);
+                store.durable(ticket).await.unwrap();
+            }
+        }));
+    }
+    for h in handles {
+        h.await.unwrap();
+    }
+    let submits = (TASKS * ROUNDS) as u64;
+    let commits = store.commits();
+    assert!(commits >= 1);
+    assert!(
+        commits * 4 <= submits,
+        "{commits} commits for {submits} submits: group commit is not batching"
+    );
+    let loaded = store.load().unwrap();
+    assert_eq!(loaded.machines.len(), TASKS);
+    assert!(loaded
+        .machines
+        .iter()
+        .all(|m| m.rev > ((ROUNDS - 1) * TASKS) as u64));
+}
+
+#[tokio::test]
+async fn boot_generation_increases_across_opens_and_loads() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("state.db");
+    let first = SqliteStore::open(&path)
+        .unwrap()
+        .load()
+        .unwrap()
+        .boot_generation;
+    let store = SqliteStore::open(&path).unwrap();
+    let second = store.load().unwrap().boot_generation;
+    let third = store.load().unwrap().boot_generation;
+    assert!(first >= 1);
+    assert!(second > first && third > second, "{first} {second} {third}");
+}
+
+#[tokio::test]
+async fn files_are_private() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("state.db");
+    // SAFETY: umask is process-wide but only widens what this test checks.
+    let old = unsafe { libc::umask(0o000) };
+    let store = SqliteStore::open(&path);
+    unsafe { libc::umask(old) };
+    let store = store.unwrap();
+    store.load().unwrap();
+    let ticket = store.submit(vec![machine(record("m-1", 1, State::Idle))]);
+    store.durable(ticket).await.unwrap();
+    let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode(&path), 0o600);
+    let wal = dir.path().join("state.db-wal");
+    assert!(wal.exists(), "WAL mode keeps a -wal file while open");
+    assert_eq!(mode(&wal), 0o600);
+    let shm = dir.path().join("state.db-shm");
+    assert!(shm.exists(), "WAL mode keeps a -shm index while open");
+    assert_eq!(mode(&shm), 0o600);
+    assert_eq!(mode(&dir.path().join("state.db.lock")), 0o600);
+    drop(store);
+
+    // An existing file with loose permissions is tightened on open.
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let _store = SqliteStore::open(&path).unwrap();
+    assert_eq!(mode(&path), 0o600);
+}
+
+#[test]
+fn second_open_while_alive_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("state.db");
+    let first = SqliteStore::open(&path).unwrap();
+    let err = SqliteStore::open(&path)
+        .err()
+        .expect("second open must fail")
+        .0;
+    assert!(
+        err.contains("is in use by another provider process")
+            && err.contains(&format!("pid {}", std::process::id()))
+            && err.contains(&path.display().to_string()),
+        "{err}"
+    );
+    drop(first);
+    SqliteStore::open(&path).expect("the lock is released on drop");
+}
+
+#[test]
+fn corrupt_file_is_rejected() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("state.db");
+    std::fs::write(&path, "this is not a database\n".repeat(500)).unwrap();
+    let err = SqliteStore::open(&path).err().expect("garbage must fail").0;
+    eprintln!("{err}");
+    assert!(
+        err.contains(&format!(
+            "state file {} is not a valid state database",
+            path.display()
+        )),
+        "{err}"
+    );
+}
+
+#[test]
+fn foreign_database_is_rejected() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("state.db");
+    let conn = rusqlite::Connection::open(&path).unwrap();
+    conn.execute_batch("CREATE TABLE users (name TEXT)")
+        .unwrap();
+    drop(conn);
+    let err = SqliteStore::open(&path)
+        .err()
+        .expect("foreign db must fail")
+        .0;
+    assert!(err.contains("is not a valid state database"), "{err}");
+    assert!(err.contains("users"), "{err}");
+}
+
+#[test]
+fn undecodable_record_is_reported_on_load() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("state.db");
+    drop(SqliteStore::open(&path).unwrap());
+    let conn = rusqlite::Connection::open(&path).unwrap();
+    conn.execute(
+        "INSERT INTO machines (id, rev, record) VALUES ('m-1', 1, x'ffffffff')",
+        [],
+    )
+    .unwrap();
+    drop(conn);
+    let err = SqliteStore::open(&path).unwrap().load().err().unwrap().0;
+    assert!(err.contains("is not a valid state database"), "{err}");
+    assert!(err.contains("\"m-1\""), "{err}");
+}
+
+#[test]
+fn newer_schema_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("state.db");
+    drop(SqliteStore::open(&path).unwrap());
+    let conn = rusqlite::Connection::open(&path).unwrap();
+    conn.execute("UPDATE meta SET schema_version = 9", [])
+        .unwrap();
+    drop(conn);
+    let err = SqliteStore::open(&path)
+        .err()
+        .expect("newer schema must fail")
+        .0;
+    assert_eq!(
+        err,
+        format!(
+            "state file {} was written by a newer version (schema 9, this build knows up to {SCHEMA_VERSION})",
+            path.display()
+        )
+    );
+}
+
+#[test]
+fn missing_directory_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("nope").join("state.db");
+    let err = SqliteStore::open(&path).err().unwrap().0;
+    assert!(err.contains(&path.display().to_string()), "{err}");
+    assert!(err.contains("does not exist"), "{err}");
+}
+
+#[test]
+fn unwritable_directory_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let locked = dir.path().join("ro");
+    std::fs::create_dir(&locked).unwrap();
+    std::fs::set_permissions(&locked, std::fs::Permissions::from_mode(0o500)).unwrap();
+    // root ignores directory modes; fall back to a kernel-owned directory.
+    let target = if std::fs::write(locked.join("probe"), b"").is_err() {
+        locked.join("state.db")
+    } else if std::fs::write("/sys/probe", b"").is_err() {
+        Path::new("/sys/state.db").to_path_buf()
+    } else {
+        eprintln!("skipped: no unwritable directory available to this user");
+        return;
+    };
+    let err = SqliteStore::open(&target).err().expect("must fail").0;
+    eprintln!("{err}");
+    assert!(err.contains(&target.display().to_string()), "{err}");
+    assert!(
+        err.contains("permission denied") || err.contains("read-only"),
+        "{err}"
+    );
+}
+
+#[tokio::test]
+async fn failed_commit_reports_and_later_commit_heals() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("state.db");
+    let store = SqliteStore::open(&path).unwrap();
+    store.load().unwrap();
+    let t = store.submit(vec![machine(record("m-0", 1, State::Idle))]);
+    store.durable(t).await.unwrap();
+
+    let pages = store.page_count_for_tests().unwrap();
+    store.set_max_page_count_for_tests(pages).unwrap();
+    let mut big = record("m-big", 2, State::Idle);
+    big.machine
+        .labels
+        .insert("blob".into(), "x".repeat(256 * 1024));
+    let t = store.submit(vec![machine(big.clone())]);
+    let err = store
+        .durable(t)
+        .await
+        .expect_err("a full database must fail")
+        .0;
+    eprintln!("{err}");
+    assert!(err.contains(&path.display().to_string()), "{err}");
+    assert!(err.contains("no space"), "{err}");
+    let commits = store.commits();
+
+    // The disk "recovers": the next batch commits and carries the failed one.
+    store.set_max_page_count_for_tests(0).unwrap();
+    let t2 = store.submit(vec![machine(record("m-1", 3, State::Idle))]);
+    store.durable(t2).await.unwrap();
+    assert_eq!(store.commits(), commits + 1);
+    store
+        .durable(t)
+        .await
+        .expect("the carried change is durable now");
+    drop(store);
+
+    let loaded = SqliteStore::open(&path).unwrap().load().unwrap();
+    let ids: Vec<&str> = loaded
+        .machines
+        .iter()
+        .map(|m| m.machine.id.as_str())
+        .collect();
+    assert_eq!(ids, ["m-0", "m-big", "m-1"]);
+    assert_eq!(loaded.machines[1], big);
+}
+
+#[test]
+fn load_of_many_machines_is_fast() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("state.db");
+    const N: usize = 20_000;
+    {
+        let store = SqliteStore::open(&path).unwrap();
+        store.load().unwrap();
+        let changes = (0..N)
+            .map(|i| machine(record(&format!("m-{i:06}"), i as u64 + 1, State::Idle)))
+            .collect();
+        let t = store.submit(changes);
+        futures::executor::block_on(store.durable(t)).unwrap();
+    }
+    let store = SqliteStore::open(&path).unwrap();
+    let started = std::time::Instant::now();
+    let loaded = store.load().unwrap();
+    let took = started.elapsed();
+    assert_eq!(loaded.machines.len(), N);
+    // Generous for a debug build; the release benchmark reports the real figure.
+    assert!(took.as_secs() < 5, "loading {N} machines took {took:?}");
+}
