@@ -6,8 +6,10 @@ pub mod v1alpha1 {
     tonic::include_proto!("bigfleet.v1alpha1");
 
     /// Encoded `FileDescriptorSet`, served by gRPC reflection.
-    pub const FILE_DESCRIPTOR_SET: &[u8] =
-        include_bytes!(concat!(env!("OUT_DIR"), "/capacity_provider_descriptor.bin"));
+    pub const FILE_DESCRIPTOR_SET: &[u8] = include_bytes!(concat!(
+        env!("OUT_DIR"),
+        "/capacity_provider_descriptor.bin"
+    ));
 }
 
 pub use v1alpha1::*;

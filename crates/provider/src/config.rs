@@ -5,7 +5,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use clap::{Parser, ValueEnum};
+use clap::{Parser, Subcommand, ValueEnum};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum BackendChoice {
@@ -24,6 +24,9 @@ pub enum LogFormat {
 #[derive(Parser, Debug, Clone)]
 #[command(name = "bigfleet-proxmox", version, about, long_about = None)]
 pub struct Args {
+    #[command(subcommand)]
+    pub command: Option<Command>,
+
     /// gRPC listen address (CapacityProvider + grpc.health.v1 + reflection).
     #[arg(long, default_value = ":9000")]
     pub addr: String,
@@ -176,6 +179,10 @@ pub struct Args {
     #[arg(long, default_value = "5m", value_parser = parse_duration)]
     pub delete_timeout: Duration,
 
+    /// On SIGINT/SIGTERM, how long in-flight RPCs may take before exit.
+    #[arg(long, default_value = "10s", value_parser = parse_duration)]
+    pub shutdown_grace: Duration,
+
     /// Fake backend: simulated duration of each transition.
     #[arg(long, default_value = "50ms", value_parser = parse_duration)]
     pub fake_latency: Duration,
@@ -187,6 +194,13 @@ pub struct Args {
     /// Minimum log level (error, warn, info, debug, trace).
     #[arg(long, default_value = "info")]
     pub log_level: String,
+}
+
+#[derive(Subcommand, Debug, Clone)]
+pub enum Command {
+    /// Operator client for a running provider: list, get, create, configure,
+    /// drain, delete and watch machines.
+    Ctl(crate::ctl::CtlArgs),
 }
 
 /// `0` means zero; otherwise humantime (`50ms`, `2m`, `1h30m`).

@@ -48,6 +48,21 @@ impl FakeCluster {
         self.state.lock().vms.clone()
     }
 
+    /// Re-create a VM the provider's durable state says exists: the fake
+    /// cluster lives in memory, but real VMs outlive a provider restart.
+    pub fn restore(&self, vm: &VmRef, machine_id: &str) {
+        let mut state = self.state.lock();
+        state.next_vmid = state.next_vmid.max(vm.vmid.saturating_add(1));
+        state.vms.entry(vm.vmid).or_insert_with(|| FakeVm {
+            node: vm.node.clone(),
+            name: format!("bigfleet-{}", vm.vmid),
+            machine_id: machine_id.to_string(),
+            operation_id: String::new(),
+            running: true,
+            bootstrap_bytes: None,
+        });
+    }
+
     /// Power a VM off behind the provider's back (tests).
     pub fn stop_out_of_band(&self, vmid: u32) -> bool {
         match self.state.lock().vms.get_mut(&vmid) {

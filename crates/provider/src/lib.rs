@@ -4,10 +4,12 @@
 pub mod backend;
 pub mod catalog;
 pub mod config;
+pub mod ctl;
 pub mod fake;
 pub mod layers;
 pub mod logging;
 pub mod metrics;
+pub mod proxmox;
 pub mod serve;
 pub mod substrate;
 pub mod tls;
@@ -46,7 +48,7 @@ pub struct ProxmoxAccess {
     pub token_id: String,
     pub token_secret: String,
     pub ca_pem: Option<Vec<u8>>,
-    pub fingerprints: Option<String>,
+    pub fingerprints: Vec<[u8; 32]>,
     pub pool: Option<String>,
 }
 
@@ -57,7 +59,7 @@ impl std::fmt::Debug for ProxmoxAccess {
             .field("token_id", &self.token_id)
             .field("token_secret", &"<redacted>")
             .field("ca_pem", &self.ca_pem.as_ref().map(|c| c.len()))
-            .field("fingerprints", &self.fingerprints)
+            .field("fingerprints", &self.fingerprints.len())
             .field("pool", &self.pool)
             .finish()
     }
@@ -148,11 +150,16 @@ fn proxmox_access(args: &Args) -> Result<ProxmoxAccess, String> {
                 .into(),
         );
     }
-    let fingerprints = args
+    let fingerprints = match args
         .proxmox_tls_fingerprint
-        .clone()
-        .filter(|f| !f.trim().is_empty());
-    if args.proxmox_ca_file.is_none() && fingerprints.is_none() {
+        .as_deref()
+        .filter(|f| !f.trim().is_empty())
+    {
+        Some(text) => pve::parse_fingerprints(text)
+            .map_err(|e| format!("--proxmox-tls-fingerprint {text:?}: {e}"))?,
+        None => Vec::new(),
+    };
+    if args.proxmox_ca_file.is_none() && fingerprints.is_empty() {
         return Err(
             "TLS verification material is required: set --proxmox-ca-file (the cluster CA, \
              /etc/pve/pve-root-ca.pem) or --proxmox-tls-fingerprint (the API certificate's \

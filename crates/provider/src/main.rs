@@ -1,9 +1,32 @@
 use clap::Parser;
 
-use bigfleet_proxmox::config::Args;
+use bigfleet_proxmox::config::{Args, Command};
+
+fn runtime() -> Result<tokio::runtime::Runtime, std::process::ExitCode> {
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| {
+            eprintln!("error: cannot start the async runtime: {e}");
+            std::process::ExitCode::from(1)
+        })
+}
 
 fn main() -> std::process::ExitCode {
-    let args = Args::parse();
+    let mut args = Args::parse();
+    if let Some(Command::Ctl(ctl)) = args.command.take() {
+        let runtime = match runtime() {
+            Ok(rt) => rt,
+            Err(code) => return code,
+        };
+        return match runtime.block_on(bigfleet_proxmox::ctl::run(ctl)) {
+            Ok(()) => std::process::ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("error: {e}");
+                std::process::ExitCode::from(1)
+            }
+        };
+    }
     if let Err(e) = bigfleet_proxmox::logging::init(args.log_format, &args.log_level) {
         eprintln!("error: {e}");
         return std::process::ExitCode::from(2);
@@ -15,15 +38,9 @@ fn main() -> std::process::ExitCode {
             return std::process::ExitCode::from(2);
         }
     };
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
+    let runtime = match runtime() {
         Ok(rt) => rt,
-        Err(e) => {
-            eprintln!("error: cannot start the async runtime: {e}");
-            return std::process::ExitCode::from(1);
-        }
+        Err(code) => return code,
     };
     match runtime.block_on(bigfleet_proxmox::serve::run(plan)) {
         Ok(()) => std::process::ExitCode::SUCCESS,

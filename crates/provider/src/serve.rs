@@ -22,7 +22,8 @@ use crate::backend::ProxmoxBackend;
 use crate::fake::FakeCluster;
 use crate::layers::{CatchPanicLayer, ObserveLayer};
 use crate::metrics::Metrics;
-use crate::substrate::{Metered, Substrate};
+use crate::proxmox::{PveOptions, PveSubstrate};
+use crate::substrate::{Metered, Substrate, VmRef};
 use crate::{BackendKind, Plan};
 
 /// Shared by `/readyz` and gRPC health.
@@ -86,23 +87,72 @@ fn http_router(metrics: Arc<Metrics>, ready: Readiness) -> Router {
 fn open_store(plan: &Plan) -> Result<Arc<dyn Store>, String> {
     match &plan.state {
         None => Ok(Arc::new(MemoryStore::new())),
-        Some(path) => Err(format!(
-            "--state {}: durable state is not available in this build",
-            path.display()
-        )),
+        Some(path) => sqlite_store::SqliteStore::open(path)
+            .map(|store| Arc::new(store) as Arc<dyn Store>)
+            .map_err(|e| e.0),
     }
 }
 
-fn substrate(plan: &Plan) -> Result<Arc<dyn Substrate>, String> {
-    match plan.backend {
-        BackendKind::Fake => Ok(Arc::new(FakeCluster::new(
-            plan.zones.clone(),
-            plan.args.fake_latency,
-        ))),
-        BackendKind::Proxmox => {
-            Err("the Proxmox API backend is not available in this build".into())
-        }
+/// The real substrate, checked against the cluster before serving: the
+/// token works, every zone is a node, every template in use is visible.
+async fn proxmox_substrate(plan: &Plan) -> Result<Arc<dyn Substrate>, String> {
+    let substrate = Arc::new(pve_substrate(plan)?);
+    let mut templates: Vec<u32> = plan
+        .slots
+        .iter()
+        .filter_map(|s| plan.types.get(&s.instance_type).map(|t| t.template_vmid))
+        .collect();
+    templates.sort_unstable();
+    templates.dedup();
+    let warnings = substrate
+        .preflight(&plan.zones, &templates)
+        .await
+        .map_err(|e| format!("Proxmox preflight failed: {e}"))?;
+    for warning in warnings {
+        tracing::warn!(warning = %warning, "Proxmox preflight");
     }
+    Ok(substrate)
+}
+
+fn pve_substrate(plan: &Plan) -> Result<PveSubstrate, String> {
+    let access = plan
+        .access
+        .as_ref()
+        .ok_or("the proxmox backend has no API access configured")?;
+    let mut config = pve::PveConfig::new(
+        access.api_url.clone(),
+        access.token_id.clone(),
+        access.token_secret.clone(),
+    );
+    config.ca_pem = access.ca_pem.clone();
+    config.fingerprints = access.fingerprints.clone();
+    let client = pve::PveClient::new(config)
+        .map_err(|e| format!("cannot set up the Proxmox API client: {e}"))?;
+    let args = &plan.args;
+    let options = PveOptions {
+        pool: access.pool.clone(),
+        bootstrap_path: args.bootstrap_path.clone(),
+        bootstrap_exec: args
+            .bootstrap_exec
+            .split(',')
+            .map(|a| a.trim().to_string())
+            .filter(|a| !a.is_empty())
+            .collect(),
+        readiness_command: args.readiness_command.trim().to_string(),
+        drain_command: args.drain_command.clone(),
+        max_parallel_clones: args.max_parallel_clones,
+        // Leave the engine's Drain deadline room for EnsureRunning.
+        drain_timeout: args.drain_timeout * 9 / 10,
+        ..PveOptions::default()
+    };
+    options.validate()?;
+    if options.readiness_command.is_empty() {
+        tracing::warn!(
+            "--readiness-command is empty: the node-readiness gate is off and a \
+                     machine may report CONFIGURED before its node can take pods"
+        );
+    }
+    Ok(PveSubstrate::new(client, options))
 }
 
 async fn shutdown_signal() {
@@ -162,7 +212,13 @@ pub async fn run(plan: Plan) -> Result<(), String> {
     if plan.state.is_none() {
         tracing::info!("no --state: lifecycle state, fences and bindings are kept in memory only and are lost on restart");
     }
-    let substrate: Arc<dyn Substrate> = Arc::new(Metered::new(substrate(&plan)?, metrics.clone()));
+    let fake = (plan.backend == BackendKind::Fake)
+        .then(|| Arc::new(FakeCluster::new(plan.zones.clone(), plan.args.fake_latency)));
+    let inner: Arc<dyn Substrate> = match &fake {
+        Some(fake) => fake.clone(),
+        None => proxmox_substrate(&plan).await?,
+    };
+    let substrate: Arc<dyn Substrate> = Arc::new(Metered::new(inner, metrics.clone()));
     let backend = Arc::new(ProxmoxBackend::new(
         plan.slots.clone(),
         plan.types.clone(),
@@ -176,6 +232,13 @@ pub async fn run(plan: Plan) -> Result<(), String> {
     let engine = Engine::start(backend, store, plan.engine.clone())
         .await
         .map_err(|e| format!("startup failed: {e}"))?;
+    if let Some(fake) = &fake {
+        for machine in engine.list(&[], 0, &[]).machines {
+            if let Some(vm) = machine.host.and_then(|h| VmRef::parse(&h.r#ref).ok()) {
+                fake.restore(&vm, &machine.id);
+            }
+        }
+    }
 
     let (health_reporter, health_service) = tonic_health::server::health_reporter();
     let reflection = if plan.args.reflection {
@@ -262,9 +325,13 @@ pub async fn run(plan: Plan) -> Result<(), String> {
         "serving CapacityProvider"
     );
 
+    // Signal -> not ready -> drain in-flight RPCs for at most the grace
+    // period (a client holding a stream open must not keep us alive).
+    let stopping = Arc::new(tokio::sync::Notify::new());
     let shutdown = {
         let ready = ready.clone();
         let health_reporter = health_reporter.clone();
+        let stopping = stopping.clone();
         async move {
             shutdown_signal().await;
             tracing::info!("shutdown requested: not ready, draining in-flight RPCs");
@@ -275,42 +342,92 @@ pub async fn run(plan: Plan) -> Result<(), String> {
             health_reporter
                 .set_service_status("", ServingStatus::NotServing)
                 .await;
+            stopping.notify_one();
         }
+    };
+    let grace = plan.args.shutdown_grace;
+    let grace_expired = async move {
+        stopping.notified().await;
+        tokio::time::sleep(grace).await;
     };
 
     let incoming = TcpListenerStream::new(grpc_listener);
-    let served = match plan.tls.clone() {
-        None => {
-            router
-                .serve_with_incoming_shutdown(incoming, shutdown)
-                .await
+    let serving = async {
+        match plan.tls.clone() {
+            None => {
+                // Unary RPCs are small writes: without TCP_NODELAY, Nagle
+                // and delayed ACKs add ~40 ms to responses.
+                let incoming = incoming.map(|conn| {
+                    conn.inspect(|tcp| {
+                        let _ = tcp.set_nodelay(true);
+                    })
+                });
+                router
+                    .serve_with_incoming_shutdown(incoming, shutdown)
+                    .await
+            }
+            Some(config) => {
+                let tls_incoming = tls_handshakes(incoming, config);
+                router
+                    .serve_with_incoming_shutdown(tls_incoming, shutdown)
+                    .await
+            }
         }
-        Some(config) => {
-            let acceptor = tokio_rustls::TlsAcceptor::from(config);
-            let tls_incoming = incoming
-                .filter_map(|conn| conn.ok())
-                .then(move |tcp| {
-                    let acceptor = acceptor.clone();
-                    async move {
-                        let peer = tcp.peer_addr().ok();
-                        match acceptor.accept(tcp).await {
-                            Ok(stream) => Some(Ok::<_, std::io::Error>(stream)),
-                            Err(e) => {
-                                tracing::warn!(peer = ?peer, error = %e, "TLS handshake failed");
-                                None
-                            }
-                        }
-                    }
-                })
-                .filter_map(|s| s);
-            router
-                .serve_with_incoming_shutdown(tls_incoming, shutdown)
-                .await
+    };
+    let served = tokio::select! {
+        served = serving => served,
+        () = grace_expired => {
+            tracing::warn!(grace = ?grace, "shutdown grace period expired with RPCs still open; exiting");
+            Ok(())
         }
     };
     served.map_err(|e| format!("gRPC server failed: {e}"))?;
     tracing::info!("stopped");
     Ok(())
+}
+
+/// Upper bound on one TLS handshake: a silent peer must not hold a slot.
+const HANDSHAKE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Accept TLS on every connection concurrently, each in its own task with
+/// a timeout, so one stalled peer never blocks the others.
+fn tls_handshakes(
+    mut incoming: TcpListenerStream,
+    config: Arc<rustls::ServerConfig>,
+) -> tokio_stream::wrappers::ReceiverStream<
+    Result<tokio_rustls::server::TlsStream<tokio::net::TcpStream>, std::io::Error>,
+> {
+    let acceptor = tokio_rustls::TlsAcceptor::from(config);
+    let (tx, rx) = tokio::sync::mpsc::channel(64);
+    tokio::spawn(async move {
+        while let Some(conn) = incoming.next().await {
+            let tcp = match conn {
+                Ok(tcp) => tcp,
+                Err(e) => {
+                    tracing::warn!(error = %e, "accepting a connection failed");
+                    continue;
+                }
+            };
+            let _ = tcp.set_nodelay(true);
+            let acceptor = acceptor.clone();
+            let tx = tx.clone();
+            tokio::spawn(async move {
+                let peer = tcp.peer_addr().ok();
+                match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
+                    Ok(Ok(stream)) => {
+                        let _ = tx.send(Ok(stream)).await;
+                    }
+                    Ok(Err(e)) => {
+                        tracing::warn!(peer = ?peer, error = %e, "TLS handshake failed");
+                    }
+                    Err(_) => {
+                        tracing::warn!(peer = ?peer, "TLS handshake timed out");
+                    }
+                }
+            });
+        }
+    });
+    tokio_stream::wrappers::ReceiverStream::new(rx)
 }
 
 fn engine_store_name(plan: &Plan) -> String {

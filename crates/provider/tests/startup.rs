@@ -1,0 +1,493 @@
+//! Startup validation, black-box: every invalid flag combination makes the
+//! binary exit non-zero with a message naming the problem, before it
+//! listens. "Before it listens" is proven by handing it --addr and
+//! --metrics-addr ports this test already holds: a process that got as far
+//! as binding would report "cannot listen" instead of the validation error.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{held_listener, path_str, run_to_exit, Pki, Provider};
+
+const EXIT_DEADLINE: Duration = Duration::from_secs(30);
+
+/// Flags for a real backend that passes every check up to the offerings.
+const REAL: &[&str] = &[
+    "--proxmox-api-url",
+    "https://pve1.test:8006/api2/json",
+    "--proxmox-token-id",
+    "bigfleet@pve!provider",
+    "--proxmox-token-secret",
+    "not-a-real-secret",
+    "--proxmox-tls-fingerprint",
+    "AB:CD:EF:01:23:45:67:89:AB:CD:EF:01:23:45:67:89:AB:CD:EF:01:23:45:67:89:AB:CD:EF:01:23:45:67:89",
+    "--nodes",
+    "pve1,pve2",
+];
+
+/// REAL without the flag `drop` (and its value).
+fn real_without(drop: &str) -> Vec<&'static str> {
+    let mut out = Vec::new();
+    let mut it = REAL.iter();
+    while let Some(flag) = it.next() {
+        let value = it.next().expect("flag value");
+        if *flag != drop {
+            out.push(*flag);
+            out.push(*value);
+        }
+    }
+    out
+}
+
+/// Run with `args` on held ports; assert a non-zero exit whose stderr has
+/// every `expect` fragment; return stderr.
+fn fails(args: &[&str], expect: &[&str]) -> String {
+    let (_grpc, grpc_addr) = held_listener();
+    let (_metrics, metrics_addr) = held_listener();
+    let (grpc_addr, metrics_addr) = (grpc_addr.to_string(), metrics_addr.to_string());
+    let mut all = vec!["--addr", &grpc_addr, "--metrics-addr", &metrics_addr];
+    all.extend_from_slice(args);
+    let run = run_to_exit(&all, EXIT_DEADLINE);
+    assert!(
+        !run.status.success(),
+        "{args:?} should fail startup but exited {:?}; stderr:\n{}",
+        run.status,
+        run.stderr
+    );
+    for e in expect {
+        assert!(
+            run.stderr.contains(e),
+            "{args:?}: stderr lacks {e:?}:\n{}",
+            run.stderr
+        );
+    }
+    assert!(
+        !run.stderr.contains("cannot listen"),
+        "{args:?}: validation must run before binding:\n{}",
+        run.stderr
+    );
+    assert!(
+        !run.stderr.contains("serving CapacityProvider"),
+        "{args:?}: must not serve:\n{}",
+        run.stderr
+    );
+    run.stderr
+}
+
+fn offerings_file(pki: &Pki, json: &str) -> String {
+    path_str(&pki.write("offerings.json", json)).to_string()
+}
+
+#[test]
+fn bare_start_says_what_to_pass() {
+    let err = fails(&[], &["--proxmox-api-url", "--use-fake-backend"]);
+    assert!(err.contains("no backend selected"), "{err}");
+}
+
+#[test]
+fn real_backend_without_api_url() {
+    let mut args = vec!["--proxmox-backend", "proxmox"];
+    args.extend(real_without("--proxmox-api-url"));
+    fails(&args, &["--proxmox-api-url"]);
+}
+
+#[test]
+fn real_backend_without_token_id() {
+    fails(&real_without("--proxmox-token-id"), &["--proxmox-token-id"]);
+}
+
+#[test]
+fn real_backend_without_token_secret() {
+    fails(
+        &real_without("--proxmox-token-secret"),
+        &[
+            "token secret",
+            "--proxmox-token-file",
+            "--proxmox-token-secret",
+        ],
+    );
+}
+
+#[test]
+fn real_backend_with_unreadable_token_file() {
+    let pki = Pki::new();
+    let missing = pki.dir.path().join("no-such-token");
+    let mut args = real_without("--proxmox-token-secret");
+    args.extend(["--proxmox-token-file", path_str(&missing)]);
+    fails(&args, &["--proxmox-token-file", path_str(&missing)]);
+}
+
+#[test]
+fn real_backend_without_nodes() {
+    fails(&real_without("--nodes"), &["--nodes"]);
+}
+
+#[test]
+fn real_backend_without_tls_trust_material() {
+    let err = fails(
+        &real_without("--proxmox-tls-fingerprint"),
+        &["--proxmox-tls-fingerprint"],
+    );
+    let line = err
+        .lines()
+        .find(|l| l.contains("TLS verification material"))
+        .unwrap_or_else(|| panic!("no trust-material message:\n{err}"));
+    let message = line.trim_start_matches("error: ");
+    assert!(
+        message.starts_with("TLS verification material is required: set --proxmox-ca-file"),
+        "{line}"
+    );
+}
+
+#[test]
+fn real_backend_with_unreadable_ca_file() {
+    let pki = Pki::new();
+    let missing = pki.dir.path().join("no-such-ca.pem");
+    let mut args = real_without("--proxmox-tls-fingerprint");
+    args.extend(["--proxmox-ca-file", path_str(&missing)]);
+    fails(&args, &["--proxmox-ca-file", path_str(&missing)]);
+}
+
+#[test]
+fn real_backend_with_a_ca_file_that_is_not_pem() {
+    let pki = Pki::new();
+    let junk = pki.write("junk-ca.pem", "this is not a certificate\n");
+    let mut args = real_without("--proxmox-tls-fingerprint");
+    args.extend(["--proxmox-ca-file", path_str(&junk)]);
+    fails(&args, &["--proxmox-ca-file", path_str(&junk)]);
+}
+
+#[test]
+fn real_backend_rejects_plain_http_api_url() {
+    let mut args = real_without("--proxmox-api-url");
+    args.extend(["--proxmox-api-url", "http://pve1.test:8006/api2/json"]);
+    fails(&args, &["--proxmox-api-url", "https://"]);
+}
+
+#[test]
+fn tls_cert_without_key() {
+    let pki = Pki::new();
+    fails(
+        &[
+            "--use-fake-backend",
+            "--tls-cert",
+            path_str(&pki.server_cert),
+        ],
+        &["both --tls-cert and --tls-key are required to enable TLS"],
+    );
+}
+
+#[test]
+fn tls_key_without_cert() {
+    let pki = Pki::new();
+    fails(
+        &["--use-fake-backend", "--tls-key", path_str(&pki.server_key)],
+        &["both --tls-cert and --tls-key are required to enable TLS"],
+    );
+}
+
+#[test]
+fn tls_ca_alone() {
+    let pki = Pki::new();
+    fails(
+        &["--use-fake-backend", "--tls-ca", path_str(&pki.ca)],
+        &["--tls-ca set without --tls-cert/--tls-key"],
+    );
+}
+
+#[test]
+fn tls_key_that_does_not_match_the_cert() {
+    let pki = Pki::new();
+    // The client's key is a valid key, just not the server cert's.
+    fails(
+        &[
+            "--use-fake-backend",
+            "--tls-cert",
+            path_str(&pki.server_cert),
+            "--tls-key",
+            path_str(&pki.client_key),
+        ],
+        &["--tls-key", path_str(&pki.server_cert)],
+    );
+}
+
+#[test]
+fn tls_key_that_is_not_a_key() {
+    let pki = Pki::new();
+    let junk = pki.write("junk.key", "not a key\n");
+    fails(
+        &[
+            "--use-fake-backend",
+            "--tls-cert",
+            path_str(&pki.server_cert),
+            "--tls-key",
+            path_str(&junk),
+        ],
+        &["--tls-key", path_str(&junk)],
+    );
+}
+
+#[test]
+fn tls_cert_that_is_not_a_cert() {
+    let pki = Pki::new();
+    let junk = pki.write("junk.pem", "not a certificate\n");
+    fails(
+        &[
+            "--use-fake-backend",
+            "--tls-cert",
+            path_str(&junk),
+            "--tls-key",
+            path_str(&pki.server_key),
+        ],
+        &["--tls-cert", path_str(&junk)],
+    );
+}
+
+#[test]
+fn tls_ca_bundle_that_is_not_pem() {
+    let pki = Pki::new();
+    let junk = pki.write("junk-client-ca.pem", "-----BEGIN NOTHING-----\n");
+    fails(
+        &[
+            "--use-fake-backend",
+            "--tls-cert",
+            path_str(&pki.server_cert),
+            "--tls-key",
+            path_str(&pki.server_key),
+            "--tls-ca",
+            path_str(&junk),
+        ],
+        &["--tls-ca", path_str(&junk)],
+    );
+}
+
+#[test]
+fn tls_ca_bundle_that_is_missing() {
+    let pki = Pki::new();
+    let missing = pki.dir.path().join("missing-ca.pem");
+    fails(
+        &[
+            "--use-fake-backend",
+            "--tls-cert",
+            path_str(&pki.server_cert),
+            "--tls-key",
+            path_str(&pki.server_key),
+            "--tls-ca",
+            path_str(&missing),
+        ],
+        &["--tls-ca", path_str(&missing)],
+    );
+}
+
+#[test]
+fn grpc_address_in_use() {
+    let (_held, addr) = held_listener();
+    let addr = addr.to_string();
+    let run = run_to_exit(
+        &[
+            "--use-fake-backend",
+            "--addr",
+            &addr,
+            "--metrics-addr",
+            "127.0.0.1:0",
+        ],
+        EXIT_DEADLINE,
+    );
+    assert!(!run.status.success(), "{}", run.stderr);
+    assert!(
+        run.stderr.contains(&format!("--addr {addr}")),
+        "message must name the flag and address:\n{}",
+        run.stderr
+    );
+    assert!(
+        !run.stderr.contains("serving CapacityProvider"),
+        "{}",
+        run.stderr
+    );
+}
+
+#[test]
+fn metrics_address_in_use() {
+    let (_held, addr) = held_listener();
+    let addr = addr.to_string();
+    let run = run_to_exit(
+        &[
+            "--use-fake-backend",
+            "--addr",
+            "127.0.0.1:0",
+            "--metrics-addr",
+            &addr,
+        ],
+        EXIT_DEADLINE,
+    );
+    assert!(!run.status.success(), "{}", run.stderr);
+    assert!(
+        run.stderr.contains(&format!("--metrics-addr {addr}")),
+        "message must name the flag and address:\n{}",
+        run.stderr
+    );
+    assert!(
+        !run.stderr.contains("serving CapacityProvider"),
+        "{}",
+        run.stderr
+    );
+}
+
+#[test]
+fn empty_offerings_file() {
+    let pki = Pki::new();
+    let f = offerings_file(&pki, "[]");
+    fails(
+        &["--use-fake-backend", "--offerings", &f],
+        &["no offerings"],
+    );
+}
+
+#[test]
+fn zero_seed_count_leaves_no_offerings() {
+    fails(
+        &["--use-fake-backend", "--seed-count", "0"],
+        &["no offerings"],
+    );
+}
+
+#[test]
+fn offering_with_empty_instance_type() {
+    let pki = Pki::new();
+    let f = offerings_file(&pki, r#"[{"instance_type":"","zone":"pve-a","count":1}]"#);
+    fails(
+        &["--use-fake-backend", "--offerings", &f],
+        &["empty instance_type"],
+    );
+}
+
+#[test]
+fn offering_with_empty_zone() {
+    let pki = Pki::new();
+    let f = offerings_file(
+        &pki,
+        r#"[{"instance_type":"pve.small","zone":"","count":1}]"#,
+    );
+    fails(
+        &["--use-fake-backend", "--offerings", &f],
+        &["pve.small", "empty zone"],
+    );
+}
+
+#[test]
+fn offering_type_not_in_catalog() {
+    let pki = Pki::new();
+    let f = offerings_file(
+        &pki,
+        r#"[{"instance_type":"pve.huge","zone":"pve-a","count":1}]"#,
+    );
+    fails(
+        &["--use-fake-backend", "--offerings", &f],
+        &["pve.huge", "not in the catalog"],
+    );
+}
+
+#[test]
+fn offering_with_non_positive_count() {
+    for count in ["0", "-3"] {
+        let pki = Pki::new();
+        let f = offerings_file(
+            &pki,
+            &format!(r#"[{{"instance_type":"pve.small","zone":"pve-a","count":{count}}}]"#),
+        );
+        fails(
+            &["--use-fake-backend", "--offerings", &f],
+            &["pve.small", "count must be > 0"],
+        );
+    }
+}
+
+#[test]
+fn offering_without_count() {
+    let pki = Pki::new();
+    let f = offerings_file(&pki, r#"[{"instance_type":"pve.small","zone":"pve-a"}]"#);
+    fails(&["--use-fake-backend", "--offerings", &f], &["count"]);
+}
+
+#[test]
+fn offering_on_a_node_not_in_nodes() {
+    let pki = Pki::new();
+    let f = offerings_file(
+        &pki,
+        r#"[{"instance_type":"pve.small","zone":"pve1","count":1},
+            {"instance_type":"pve.medium","zone":"pve9","count":1}]"#,
+    );
+    let mut args = REAL.to_vec();
+    args.extend(["--offerings", &f]);
+    let err = fails(
+        &args,
+        &[r#"offering pve.medium is placed on node "pve9", which is not in --nodes ("#],
+    );
+    let line = err.lines().find(|l| l.contains("--nodes (")).expect("line");
+    let listed = line.split("--nodes (").nth(1).expect("list");
+    assert!(listed.contains("pve1") && listed.contains("pve2"), "{line}");
+}
+
+#[test]
+fn non_on_demand_capacity_types_are_refused() {
+    for ct in ["spot", "reserved", "bare_metal", "SPOT"] {
+        let pki = Pki::new();
+        let f = offerings_file(
+            &pki,
+            &format!(
+                r#"[{{"instance_type":"pve.small","zone":"pve-a","count":1,"capacity_type":"{ct}"}}]"#
+            ),
+        );
+        fails(
+            &["--use-fake-backend", "--offerings", &f],
+            &["pve.small", ct],
+        );
+    }
+}
+
+#[tokio::test]
+async fn on_demand_spellings_are_accepted() {
+    let pki = Pki::new();
+    let f = offerings_file(
+        &pki,
+        r#"[{"instance_type":"pve.small","zone":"pve-a","count":1,"capacity_type":"on_demand"},
+            {"instance_type":"pve.small","zone":"pve-b","count":1,"capacity_type":"on-demand"},
+            {"instance_type":"pve.medium","zone":"pve-a","count":1,"capacity_type":"ondemand"},
+            {"instance_type":"pve.medium","zone":"pve-b","count":1}]"#,
+    );
+    let provider = Provider::start(&["--use-fake-backend", "--offerings", &f]);
+    let list = provider
+        .client()
+        .await
+        .list(bigfleet_proto::v1alpha1::ListFilter::default())
+        .await
+        .expect("List")
+        .into_inner();
+    assert_eq!(list.machines.len(), 4);
+    for m in &list.machines {
+        assert_eq!(
+            m.capacity_type,
+            bigfleet_proto::v1alpha1::CapacityType::OnDemand as i32,
+            "{}",
+            m.id
+        );
+    }
+}
+
+#[test]
+fn fake_backend_choice_requires_use_fake_backend() {
+    fails(&["--proxmox-backend", "fake"], &["--use-fake-backend"]);
+}
+
+#[test]
+fn use_fake_backend_conflicts_with_an_api_url() {
+    fails(
+        &[
+            "--use-fake-backend",
+            "--proxmox-api-url",
+            "https://pve1.test:8006/api2/json",
+        ],
+        &["--use-fake-backend", "--proxmox-api-url"],
+    );
+}

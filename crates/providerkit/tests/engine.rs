@@ -1,0 +1,765 @@
+//! Engine rules, one test per rule of the wire contract.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bigfleet_proto::v1alpha1 as pb;
+use parking_lot::Mutex;
+use providerkit::{
+    Backend, BackendError, ConfigureCtx, CreateCtx, DeleteCtx, DrainCtx, Engine, EngineOptions,
+    KitError, MemoryStore, SlotSpec, State, Store, SubstrateHost, Timeouts, Token, TransitionKind,
+};
+use tokio::sync::Notify;
+
+/// What a scripted backend does for one transition kind.
+#[derive(Clone)]
+enum Script {
+    Ok,
+    Fail(&'static str),
+    /// Wait for the notify, then succeed.
+    Gate(Arc<Notify>),
+    /// Take this long (virtual time in paused tests), then succeed.
+    Delay(Duration),
+}
+
+struct ScriptedBackend {
+    slots: Mutex<Vec<SlotSpec>>,
+    scripts: Mutex<HashMap<TransitionKind, Script>>,
+    calls: Mutex<HashMap<TransitionKind, usize>>,
+    delete: bool,
+    readiness: Option<Arc<AtomicUsize>>,
+    ready_after: usize,
+    next_vm: AtomicUsize,
+}
+
+fn slot(id: &str) -> SlotSpec {
+    SlotSpec {
+        id: id.to_string(),
+        instance_type: "pve.small".into(),
+        zone: "pve-a".into(),
+        capacity_type: pb::CapacityType::OnDemand,
+        price_per_hour: 0.01,
+        interruption_probability: 0.0,
+        resources: HashMap::from([("cpu".into(), "1".into())]),
+        allocatable: HashMap::from([("cpu".into(), "2".into())]),
+        labels: HashMap::new(),
+        host: None,
+    }
+}
+
+impl ScriptedBackend {
+    fn new(n: usize) -> ScriptedBackend {
+        ScriptedBackend {
+            slots: Mutex::new((0..n).map(|i| slot(&format!("m-{i:04}"))).collect()),
+            scripts: Mutex::new(HashMap::new()),
+            calls: Mutex::new(HashMap::new()),
+            delete: true,
+            readiness: None,
+            ready_after: 0,
+            next_vm: AtomicUsize::new(100),
+        }
+    }
+
+    fn script(&self, kind: TransitionKind, script: Script) {
+        self.scripts.lock().insert(kind, script);
+    }
+
+    fn calls(&self, kind: TransitionKind) -> usize {
+        self.calls.lock().get(&kind).copied().unwrap_or(0)
+    }
+
+    async fn act(&self, kind: TransitionKind) -> Result<(), BackendError> {
+        *self.calls.lock().entry(kind).or_default() += 1;
+        let script = self
+            .scripts
+            .lock()
+            .get(&kind)
+            .cloned()
+            .unwrap_or(Script::Ok);
+        match script {
+            Script::Ok => Ok(()),
+            Script::Fail(m) => Err(BackendError::new(m)),
+            Script::Gate(n) => {
+                n.notified().await;
+                Ok(())
+            }
+            Script::Delay(d) => {
+                tokio::time::sleep(d).await;
+                Ok(())
+            }
+        }
+    }
+}
+
+#[async_trait]
+impl Backend for ScriptedBackend {
+    async fn describe(&self) -> Result<Vec<SlotSpec>, BackendError> {
+        Ok(self.slots.lock().clone())
+    }
+    async fn create(&self, _ctx: CreateCtx) -> Result<SubstrateHost, BackendError> {
+        self.act(TransitionKind::Create).await?;
+        let vm = self.next_vm.fetch_add(1, Ordering::SeqCst);
+        Ok(SubstrateHost {
+            host_ref: format!("pve-a/{vm}"),
+        })
+    }
+    async fn configure(&self, _ctx: ConfigureCtx) -> Result<(), BackendError> {
+        self.act(TransitionKind::Configure).await
+    }
+    async fn drain(&self, _ctx: DrainCtx) -> Result<(), BackendError> {
+        self.act(TransitionKind::Drain).await
+    }
+    fn supports_delete(&self) -> bool {
+        self.delete
+    }
+    async fn delete(&self, _ctx: DeleteCtx) -> Result<(), BackendError> {
+        self.act(TransitionKind::Delete).await
+    }
+    fn supports_readiness(&self) -> bool {
+        self.readiness.is_some()
+    }
+    async fn node_ready(&self, _ctx: &ConfigureCtx) -> Result<bool, BackendError> {
+        let probes = self
+            .readiness
+            .as_ref()
+            .map(|c| c.fetch_add(1, Ordering::SeqCst) + 1);
+        Ok(probes.is_some_and(|p| self.ready_after > 0 && p >= self.ready_after))
+    }
+}
+
+fn opts() -> EngineOptions {
+    EngineOptions {
+        timeouts: Timeouts {
+            create: Duration::from_secs(5),
+            configure: Duration::from_secs(5),
+            drain: Duration::from_secs(5),
+            delete: Duration::from_secs(5),
+            readiness_poll: Duration::from_millis(100),
+        },
+        ..EngineOptions::default()
+    }
+}
+
+async fn start(backend: Arc<ScriptedBackend>) -> Arc<Engine> {
+    Engine::start(backend, Arc::new(MemoryStore::new()), opts())
+        .await
+        .unwrap()
+}
+
+fn state_of(engine: &Engine, id: &str) -> State {
+    State::from_wire(engine.get(id).unwrap().state).unwrap()
+}
+
+async fn wait_for(engine: &Engine, id: &str, want: State) -> pb::Machine {
+    for _ in 0..20_000 {
+        let m = engine.get(id).unwrap();
+        if m.state == want.to_wire() as i32 {
+            return m;
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    panic!("{id} never reached {want}; is {}", state_of(engine, id));
+}
+
+fn none() -> Token {
+    Token::absent()
+}
+
+fn tok(shard: &str, e: i64, s: i64) -> Token {
+    Token::new(shard, e, s)
+}
+
+async fn configure(
+    engine: &Arc<Engine>,
+    id: &str,
+    token: Token,
+) -> Result<providerkit::Ack, KitError> {
+    engine
+        .configure(
+            id,
+            token,
+            "cluster-1".into(),
+            b"blob".to_vec(),
+            HashMap::from([("k".into(), "v".into())]),
+        )
+        .await
+}
+
+async fn to_idle(engine: &Arc<Engine>, id: &str) {
+    engine.create(id, none()).await.unwrap();
+    wait_for(engine, id, State::Idle).await;
+}
+
+async fn to_configured(engine: &Arc<Engine>, id: &str) {
+    to_idle(engine, id).await;
+    configure(engine, id, none()).await.unwrap();
+    wait_for(engine, id, State::Configured).await;
+}
+
+#[tokio::test]
+async fn full_lifecycle_sets_and_clears_host_binding_metadata() {
+    let engine = start(Arc::new(ScriptedBackend::new(2))).await;
+    let id = "m-0000";
+    let m = engine.get(id).unwrap();
+    assert_eq!(m.state, pb::MachineState::Speculative as i32);
+    assert!(m.host.is_none());
+    let create = engine.create(id, none()).await.unwrap();
+    assert!(!create.operation_id.is_empty());
+    let idle = wait_for(&engine, id, State::Idle).await;
+    assert_eq!(idle.host.as_ref().unwrap().provider, "proxmox");
+    assert!(idle.cluster.is_empty());
+    let ack = configure(&engine, id, none()).await.unwrap();
+    // Binding visible from acceptance.
+    assert_eq!(ack.machine.cluster, "cluster-1");
+    assert_eq!(ack.machine.shard_metadata["k"], "v");
+    let configured = wait_for(&engine, id, State::Configured).await;
+    assert_eq!(configured.cluster, "cluster-1");
+    engine.drain(id, none(), 30).await.unwrap();
+    let drained = wait_for(&engine, id, State::Idle).await;
+    assert!(drained.cluster.is_empty() && drained.shard_metadata.is_empty());
+    assert!(drained.host.is_some());
+    let del = engine.delete(id, none()).await.unwrap();
+    let gone = wait_for(&engine, id, State::Speculative).await;
+    assert!(gone.host.is_none() && gone.cluster.is_empty() && gone.last_error.is_empty());
+    // A new cycle mints a fresh id.
+    let again = engine.create(id, none()).await.unwrap();
+    assert_ne!(again.operation_id, create.operation_id);
+    assert_ne!(again.operation_id, del.operation_id);
+}
+
+#[tokio::test]
+async fn fence_runs_before_not_found_and_advances_on_failure() {
+    let engine = start(Arc::new(ScriptedBackend::new(1))).await;
+    // First contact with an unknown machine: accepted by the fence, then NOT_FOUND.
+    let err = engine.create("nope", tok("s", 1, 5)).await.unwrap_err();
+    assert!(matches!(err, KitError::NotFound(_)), "{err:?}");
+    // The mark advanced: the same token is now stale, even for an unknown machine.
+    let err = engine.create("nope", tok("s", 1, 5)).await.unwrap_err();
+    assert!(matches!(err, KitError::Fenced(_)), "{err:?}");
+    assert_eq!(err.code(), tonic::Code::FailedPrecondition);
+    // Out-of-position op still advances the mark (B311).
+    let err = engine.drain("m-0000", tok("s", 1, 1), 0).await.unwrap_err();
+    assert!(matches!(err, KitError::Conflict(_)));
+    assert_ne!(err.code(), tonic::Code::FailedPrecondition);
+    let err = engine.drain("m-0000", tok("s", 1, 1), 0).await.unwrap_err();
+    assert!(matches!(err, KitError::Fenced(_)));
+}
+
+#[tokio::test]
+async fn fence_is_per_shard_and_machine_and_lexicographic() {
+    let engine = start(Arc::new(ScriptedBackend::new(3))).await;
+    engine.create("m-0000", tok("a", 5, 100)).await.unwrap();
+    // Another shard on the same machine is not fenced by shard a's mark.
+    engine.create("m-0000", tok("b", 1, 1)).await.unwrap();
+    // A lower token on another machine of the same shard is accepted.
+    engine.create("m-0001", tok("a", 1, 1)).await.unwrap();
+    // Each pair's own stale tokens are rejected.
+    for (e, s) in [(5, 100), (5, 99), (4, 1_000_000), (0, 0)] {
+        let err = engine.create("m-0000", tok("a", e, s)).await.unwrap_err();
+        assert!(matches!(err, KitError::Fenced(_)), "({e},{s}) {err:?}");
+    }
+    // A higher epoch with a low sequence advances.
+    engine.create("m-0000", tok("a", 6, 0)).await.unwrap();
+    let err = engine
+        .create("m-0000", tok("a", 5, i64::MAX))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, KitError::Fenced(_)));
+}
+
+#[tokio::test]
+async fn randomized_token_stream_matches_running_max_oracle() {
+    let engine = start(Arc::new(ScriptedBackend::new(1))).await;
+    let mut rng_state: u64 = 0x9E37_79B9_7F4A_7C15;
+    let mut next = || {
+        rng_state ^= rng_state << 13;
+        rng_state ^= rng_state >> 7;
+        rng_state ^= rng_state << 17;
+        rng_state
+    };
+    let mut max: Option<(i64, i64)> = None;
+    for _ in 0..500 {
+        let e = (next() % 4) as i64;
+        let s = (next() % 6) as i64;
+        let result = engine.get("m-0000").map(|_| ());
+        assert!(result.is_ok());
+        let res = engine.drain("m-0000", tok("x", e, s), 0).await;
+        let accepted_by_fence = !matches!(res, Err(KitError::Fenced(_)));
+        let oracle = max.is_none_or(|m| (e, s) > m);
+        assert_eq!(accepted_by_fence, oracle, "token ({e},{s}) vs mark {max:?}");
+        if oracle {
+            max = Some((e, s));
+        }
+    }
+}
+
+#[tokio::test]
+async fn int64_max_tokens_do_not_overflow() {
+    let engine = start(Arc::new(ScriptedBackend::new(1))).await;
+    engine
+        .create("m-0000", tok("fresh", i64::MAX, i64::MAX))
+        .await
+        .unwrap();
+    let err = engine
+        .create("m-0000", tok("fresh", i64::MAX, i64::MAX))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, KitError::Fenced(_)));
+}
+
+#[tokio::test]
+async fn token_shape_and_input_validation() {
+    let engine = start(Arc::new(ScriptedBackend::new(1))).await;
+    for t in [tok("s", -1, 0), tok("s", 0, -1), tok("", 1, 1)] {
+        let err = engine.create("m-0000", t).await.unwrap_err();
+        assert_eq!(err.code(), tonic::Code::InvalidArgument);
+    }
+    assert_eq!(
+        engine.create("", none()).await.unwrap_err().code(),
+        tonic::Code::InvalidArgument
+    );
+    assert_eq!(
+        engine.get("").unwrap_err().code(),
+        tonic::Code::InvalidArgument
+    );
+    assert_eq!(engine.get("zz").unwrap_err().code(), tonic::Code::NotFound);
+    // Two zero tokens are both accepted (absent token bypasses fencing).
+    engine.create("m-0000", none()).await.unwrap();
+    engine.create("m-0000", none()).await.unwrap();
+    wait_for(&engine, "m-0000", State::Idle).await;
+    assert_eq!(
+        engine.drain("m-0000", none(), -1).await.unwrap_err().code(),
+        tonic::Code::InvalidArgument
+    );
+    // Configure caps: rejected whole, no transition, nothing stored.
+    let too_many: HashMap<String, String> = (0..2000)
+        .map(|i| (format!("k{i}"), String::new()))
+        .collect();
+    let err = engine
+        .configure("m-0000", none(), "c".into(), vec![], too_many)
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::InvalidArgument);
+    let big_blob = vec![0u8; 2 * 1024 * 1024];
+    let err = engine
+        .configure("m-0000", none(), "c".into(), big_blob, HashMap::new())
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::InvalidArgument);
+    let err = engine
+        .configure("m-0000", none(), String::new(), vec![], HashMap::new())
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::InvalidArgument);
+    let m = engine.get("m-0000").unwrap();
+    assert_eq!(m.state, pb::MachineState::Idle as i32);
+    assert!(m.cluster.is_empty() && m.shard_metadata.is_empty());
+}
+
+#[tokio::test]
+async fn parallel_identical_creates_collapse_to_one_operation() {
+    let backend = Arc::new(ScriptedBackend::new(1));
+    let gate = Arc::new(Notify::new());
+    backend.script(TransitionKind::Create, Script::Gate(gate.clone()));
+    let engine = start(backend.clone()).await;
+    let mut tasks = Vec::new();
+    for i in 0..32 {
+        let engine = engine.clone();
+        tasks.push(tokio::spawn(async move {
+            engine.create("m-0000", tok("s", 1, i + 1)).await
+        }));
+    }
+    let mut ops = std::collections::HashSet::new();
+    let mut fenced = 0;
+    for t in tasks {
+        match t.await.unwrap() {
+            Ok(ack) => {
+                assert_eq!(ack.machine.state, pb::MachineState::Creating as i32);
+                ops.insert(ack.operation_id);
+            }
+            // Tokens raced: an older one arriving after a newer one is stale.
+            Err(KitError::Fenced(_)) => fenced += 1,
+            Err(e) => panic!("{e:?}"),
+        }
+    }
+    assert_eq!(ops.len(), 1, "{ops:?}");
+    assert!(fenced < 32);
+    gate.notify_one();
+    wait_for(&engine, "m-0000", State::Idle).await;
+    assert_eq!(backend.calls(TransitionKind::Create), 1);
+    // A retry at the target returns the same id, no new work.
+    let again = engine.create("m-0000", none()).await.unwrap();
+    assert!(ops.contains(&again.operation_id));
+    assert_eq!(backend.calls(TransitionKind::Create), 1);
+}
+
+/// Drive a fresh machine into each of the 8 states, gating the backend so
+/// transitional states hold still.
+async fn machine_in(state: State) -> (Arc<Engine>, Arc<ScriptedBackend>, Arc<Notify>) {
+    let backend = Arc::new(ScriptedBackend::new(1));
+    let gate = Arc::new(Notify::new());
+    let engine = start(backend.clone()).await;
+    let id = "m-0000";
+    let hold = |kind| backend.script(kind, Script::Gate(gate.clone()));
+    match state {
+        State::Speculative => {}
+        State::Creating => {
+            hold(TransitionKind::Create);
+            engine.create(id, none()).await.unwrap();
+        }
+        State::Idle => to_idle(&engine, id).await,
+        State::Configuring => {
+            to_idle(&engine, id).await;
+            hold(TransitionKind::Configure);
+            configure(&engine, id, none()).await.unwrap();
+        }
+        State::Configured => to_configured(&engine, id).await,
+        State::Draining => {
+            to_configured(&engine, id).await;
+            hold(TransitionKind::Drain);
+            engine.drain(id, none(), 0).await.unwrap();
+        }
+        State::Deleting => {
+            to_idle(&engine, id).await;
+            hold(TransitionKind::Delete);
+            engine.delete(id, none()).await.unwrap();
+        }
+        State::Failed => {
+            backend.script(TransitionKind::Create, Script::Fail("clone exploded"));
+            engine.create(id, none()).await.unwrap();
+            wait_for(&engine, id, State::Failed).await;
+        }
+    }
+    assert_eq!(state_of(&engine, id), state);
+    (engine, backend, gate)
+}
+
+#[tokio::test]
+async fn position_matrix_all_states_by_all_rpcs() {
+    for state in State::ALL {
+        for kind in TransitionKind::ALL {
+            let (engine, _backend, _gate) = machine_in(state).await;
+            let id = "m-0000";
+            let before = engine.get(id).unwrap();
+            let result = match kind {
+                TransitionKind::Create => engine.create(id, none()).await,
+                TransitionKind::Configure => configure(&engine, id, none()).await,
+                TransitionKind::Drain => engine.drain(id, none(), 0).await,
+                TransitionKind::Delete => engine.delete(id, none()).await,
+            };
+            let legal = state == kind.from_state();
+            // Idempotent when the same kind is in flight or at its target
+            // and on record (Create on a settled IDLE reached by Create too).
+            let idempotent = (state == kind.via_state() || state == kind.to_state())
+                && matches!(
+                    (state, kind),
+                    (State::Creating | State::Idle, TransitionKind::Create)
+                        | (
+                            State::Configuring | State::Configured,
+                            TransitionKind::Configure
+                        )
+                        | (State::Draining, TransitionKind::Drain)
+                        | (State::Deleting, TransitionKind::Delete)
+                );
+            match result {
+                Ok(ack) => {
+                    assert!(
+                        legal || idempotent,
+                        "{kind:?} on {state} was accepted but must be rejected"
+                    );
+                    if legal {
+                        assert_eq!(ack.machine.state, kind.via_state().to_wire() as i32);
+                    } else {
+                        assert_eq!(ack.machine, before, "idempotent no-op changed the machine");
+                    }
+                }
+                Err(err) => {
+                    assert!(
+                        !legal && !idempotent,
+                        "{kind:?} on {state} was rejected: {err:?}"
+                    );
+                    assert_eq!(err.code(), tonic::Code::Aborted, "{kind:?} on {state}");
+                    assert_eq!(
+                        engine.get(id).unwrap(),
+                        before,
+                        "rejection changed the machine"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[tokio::test]
+async fn failed_is_terminal_and_keeps_last_error_verbatim() {
+    let (engine, _b, _g) = machine_in(State::Failed).await;
+    let before = engine.get("m-0000").unwrap();
+    assert_eq!(before.last_error, "clone exploded");
+    for kind in TransitionKind::ALL {
+        let err = match kind {
+            TransitionKind::Create => engine.create("m-0000", tok("s", 1, 1 + kind as i64)).await,
+            TransitionKind::Configure => configure(&engine, "m-0000", none()).await,
+            TransitionKind::Drain => engine.drain("m-0000", none(), 0).await,
+            TransitionKind::Delete => engine.delete("m-0000", none()).await,
+        }
+        .unwrap_err();
+        assert_ne!(err.code(), tonic::Code::FailedPrecondition);
+    }
+    assert_eq!(engine.get("m-0000").unwrap(), before);
+}
+
+#[tokio::test(start_paused = true)]
+async fn timeout_lands_failed_and_late_completion_is_discarded() {
+    let backend = Arc::new(ScriptedBackend::new(1));
+    // Would complete at 8 s; the Configure deadline is 5 s.
+    let engine = start(backend.clone()).await;
+    to_idle(&engine, "m-0000").await;
+    backend.script(
+        TransitionKind::Configure,
+        Script::Delay(Duration::from_secs(8)),
+    );
+    configure(&engine, "m-0000", none()).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(4900)).await;
+    assert_eq!(state_of(&engine, "m-0000"), State::Configuring);
+    let failed = wait_for(&engine, "m-0000", State::Failed).await;
+    assert!(
+        failed.last_error.contains("timed out"),
+        "{}",
+        failed.last_error
+    );
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    let later = engine.get("m-0000").unwrap();
+    assert_eq!(later.state, pb::MachineState::Failed as i32);
+    assert_eq!(later.last_error, failed.last_error);
+}
+
+#[tokio::test(start_paused = true)]
+async fn readiness_gate_holds_configuring_until_ready_or_timeout() {
+    let mut b = ScriptedBackend::new(2);
+    b.readiness = Some(Arc::new(AtomicUsize::new(0)));
+    b.ready_after = 5;
+    let engine = start(Arc::new(b)).await;
+    to_idle(&engine, "m-0000").await;
+    configure(&engine, "m-0000", none()).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(250)).await;
+    assert_eq!(state_of(&engine, "m-0000"), State::Configuring);
+    wait_for(&engine, "m-0000", State::Configured).await;
+
+    let mut never = ScriptedBackend::new(1);
+    never.readiness = Some(Arc::new(AtomicUsize::new(0)));
+    never.ready_after = 0;
+    let engine = start(Arc::new(never)).await;
+    to_idle(&engine, "m-0000").await;
+    configure(&engine, "m-0000", none()).await.unwrap();
+    let failed = wait_for(&engine, "m-0000", State::Failed).await;
+    assert!(failed.last_error.contains("timed out"));
+}
+
+#[tokio::test]
+async fn metadata_is_stored_byte_for_byte_as_a_copy() {
+    let engine = start(Arc::new(ScriptedBackend::new(1))).await;
+    to_idle(&engine, "m-0000").await;
+    let mut meta: HashMap<String, String> = HashMap::new();
+    meta.insert("nul\0key\u{0}".into(), "v\u{0}\u{1}\u{7f}".into());
+    meta.insert("empty".into(), String::new());
+    meta.insert("unicode-ключ-🚀".into(), "値\r\n\t".into());
+    meta.insert(String::new(), "empty key".into());
+    for i in 0..51 {
+        meta.insert(format!("k{i}"), "x".repeat(i));
+    }
+    let mut caller = meta.clone();
+    engine
+        .configure("m-0000", none(), "c1".into(), vec![1, 2, 3], caller.clone())
+        .await
+        .unwrap();
+    caller.insert("later".into(), "change".into());
+    let m = wait_for(&engine, "m-0000", State::Configured).await;
+    assert_eq!(m.shard_metadata, meta);
+    let page = engine.list(&[pb::MachineState::Configured as i32], 0, &[]);
+    assert_eq!(page.machines[0].shard_metadata, meta);
+    engine.drain("m-0000", none(), 0).await.unwrap();
+    wait_for(&engine, "m-0000", State::Idle).await;
+    let disjoint = HashMap::from([("only".to_string(), "this".to_string())]);
+    engine
+        .configure("m-0000", none(), "c2".into(), vec![], disjoint.clone())
+        .await
+        .unwrap();
+    let m = wait_for(&engine, "m-0000", State::Configured).await;
+    assert_eq!(m.shard_metadata, disjoint);
+    assert_eq!(m.cluster, "c2");
+}
+
+#[tokio::test]
+async fn cursor_deltas_and_set_complete_paging() {
+    let engine = start(Arc::new(ScriptedBackend::new(5000))).await;
+    let full = engine.list(&[], 0, &[]);
+    assert_eq!(full.machines.len(), 5000);
+    // Nothing changed: empty delta, repeatedly.
+    for _ in 0..3 {
+        assert!(engine.list(&[], 0, &full.revision).machines.is_empty());
+    }
+    // Garbage / empty / mutated cursors: full list.
+    assert_eq!(engine.list(&[], 0, b"garbage").machines.len(), 5000);
+    let mut mutated = full.revision.clone();
+    mutated[10] ^= 0xff;
+    assert_eq!(engine.list(&[], 0, &mutated).machines.len(), 5000);
+    // Page through with max_results + cursor: every machine exactly once.
+    let mut seen = std::collections::HashSet::new();
+    let mut cursor = Vec::new();
+    loop {
+        let page = engine.list(&[], 7, &cursor);
+        assert!(page.machines.len() <= 7);
+        if page.machines.is_empty() {
+            break;
+        }
+        for m in page.machines {
+            assert!(seen.insert(m.id.clone()), "duplicate {}", m.id);
+        }
+        cursor = page.revision;
+    }
+    assert_eq!(seen.len(), 5000);
+    // A mutation shows up in the delta, and only it.
+    let before = engine.list(&[], 0, &[]).revision;
+    engine.create("m-0042", none()).await.unwrap();
+    let delta = engine.list(&[], 0, &before);
+    assert!(delta.machines.iter().all(|m| m.id == "m-0042"));
+    assert!(!delta.machines.is_empty());
+    assert_ne!(delta.revision, before);
+    // State filter: exact union.
+    wait_for(&engine, "m-0042", State::Idle).await;
+    let both = engine.list(
+        &[
+            pb::MachineState::Idle as i32,
+            pb::MachineState::Speculative as i32,
+        ],
+        0,
+        &[],
+    );
+    assert_eq!(both.machines.len(), 5000);
+    let idle = engine.list(&[pb::MachineState::Idle as i32], 0, &[]);
+    assert_eq!(idle.machines.len(), 1);
+}
+
+#[tokio::test]
+async fn reconcile_bumps_nothing_when_nothing_changed() {
+    let backend = Arc::new(ScriptedBackend::new(3));
+    let engine = start(backend.clone()).await;
+    to_configured(&engine, "m-0001").await;
+    let rev = engine.list(&[], 0, &[]).revision;
+    let report = engine.reconcile().await.unwrap();
+    assert_eq!(report, providerkit::ReconcileReport::default());
+    assert!(engine.list(&[], 0, &rev).machines.is_empty());
+    // New slot and a changed price: added and refreshed, lifecycle kept.
+    {
+        let mut slots = backend.slots.lock();
+        slots.push(slot("m-new"));
+        for s in slots.iter_mut() {
+            s.price_per_hour = 0.02;
+            // A host reported by the substrate never overrides our state.
+            s.host = Some(SubstrateHost {
+                host_ref: "elsewhere/1".into(),
+            });
+        }
+    }
+    let report = engine.reconcile().await.unwrap();
+    assert_eq!(report.added, 1);
+    assert_eq!(report.refreshed, 3);
+    let m = engine.get("m-0001").unwrap();
+    assert_eq!(m.state, pb::MachineState::Configured as i32);
+    assert_eq!(m.cluster, "cluster-1");
+    assert_ne!(m.host.unwrap().r#ref, "elsewhere/1");
+    assert_eq!(m.price_per_hour, 0.02);
+    // The new slot arrives with its host: adopted as IDLE.
+    assert_eq!(state_of(&engine, "m-new"), State::Idle);
+}
+
+#[tokio::test]
+async fn restart_recovers_interrupted_transitions_and_keeps_everything() {
+    let store = Arc::new(MemoryStore::retaining());
+    let backend = Arc::new(ScriptedBackend::new(3));
+    let gate = Arc::new(Notify::new());
+    let first = Engine::start(backend.clone(), store.clone() as Arc<dyn Store>, opts())
+        .await
+        .unwrap();
+    let create_op = first
+        .create("m-0000", tok("s", 1, 1))
+        .await
+        .unwrap()
+        .operation_id;
+    wait_for(&first, "m-0000", State::Idle).await;
+    let cfg_op = first
+        .configure(
+            "m-0000",
+            tok("s", 1, 2),
+            "c".into(),
+            vec![],
+            HashMap::from([("a\0".into(), "b".into())]),
+        )
+        .await
+        .unwrap()
+        .operation_id;
+    wait_for(&first, "m-0000", State::Configured).await;
+    backend.script(TransitionKind::Create, Script::Gate(gate));
+    first.create("m-0001", none()).await.unwrap();
+    let old_rev = first.list(&[], 0, &[]).revision;
+
+    let second = Engine::start(backend.clone(), store as Arc<dyn Store>, opts())
+        .await
+        .unwrap();
+    let m0 = second.get("m-0000").unwrap();
+    assert_eq!(m0.state, pb::MachineState::Configured as i32);
+    assert_eq!(m0.cluster, "c");
+    assert_eq!(m0.shard_metadata["a\0"], "b");
+    // Idempotent retry returns the pre-restart operation id.
+    let retry = second
+        .configure("m-0000", tok("s", 1, 3), "c".into(), vec![], HashMap::new())
+        .await
+        .unwrap();
+    assert_eq!(retry.operation_id, cfg_op);
+    // Fence marks survived.
+    let err = second.create("m-0000", tok("s", 1, 3)).await.unwrap_err();
+    assert!(matches!(err, KitError::Fenced(_)));
+    // Interrupted Create: FAILED with a reason, never transitional.
+    let m1 = second.get("m-0001").unwrap();
+    assert_eq!(m1.state, pb::MachineState::Failed as i32);
+    assert!(m1.last_error.contains("restart"));
+    // Old cursor: full re-list. New op ids never reuse old ones.
+    assert_eq!(second.list(&[], 0, &old_rev).machines.len(), 3);
+    second.create("m-0002", none()).await.unwrap();
+    let fresh = second.get("m-0002").unwrap();
+    assert_eq!(fresh.state, pb::MachineState::Creating as i32);
+    let new_op = second.create("m-0002", none()).await.unwrap().operation_id;
+    assert_ne!(new_op, create_op);
+    assert_ne!(new_op, cfg_op);
+}
+
+#[tokio::test]
+async fn unimplemented_delete_and_distinct_operation_ids() {
+    let mut b = ScriptedBackend::new(1);
+    b.delete = false;
+    let engine = start(Arc::new(b)).await;
+    assert_eq!(
+        engine.delete("m-0000", none()).await.unwrap_err().code(),
+        tonic::Code::Unimplemented
+    );
+    assert_eq!(
+        engine.delete("unknown", none()).await.unwrap_err().code(),
+        tonic::Code::Unimplemented
+    );
+    let a = engine.create("m-0000", none()).await.unwrap().operation_id;
+    wait_for(&engine, "m-0000", State::Idle).await;
+    let b = configure(&engine, "m-0000", none())
+        .await
+        .unwrap()
+        .operation_id;
+    wait_for(&engine, "m-0000", State::Configured).await;
+    let c = engine
+        .drain("m-0000", none(), 0)
+        .await
+        .unwrap()
+        .operation_id;
+    assert!(a != b && b != c && a != c);
+}
