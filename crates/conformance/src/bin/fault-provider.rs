@@ -1,0 +1,312 @@
+//! Test-only provider for the fault lane: providerkit's engine over an in-memory backend whose
+//! failures are steered per machine over a line-based control endpoint:
+//!
+//! - `SET <machine_id> <create|configure|drain|delete> <error|hang|late MS>`
+//! - `SET <machine_id> ready <hold|never>` then `READY <machine_id>` releases a hold
+//! - `CLEAR <machine_id>`
+//!
+//! Every command answers `OK` or `ERR <reason>`.
+
+use std::collections::{HashMap, HashSet};
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context as _};
+use async_trait::async_trait;
+use bigfleet_proto::v1alpha1::CapacityType;
+use clap::Parser;
+use parking_lot::Mutex;
+use providerkit::service::CapacityService;
+use providerkit::{
+    Backend, BackendError, ConfigureCtx, CreateCtx, DeleteCtx, DrainCtx, Engine, EngineOptions,
+    MemoryStore, SlotSpec, SubstrateHost, Timeouts,
+};
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use tokio::net::TcpListener;
+
+#[derive(Parser, Debug)]
+struct Cli {
+    #[arg(long)]
+    addr: SocketAddr,
+    /// Fault control endpoint; without it no fault can be injected.
+    #[arg(long)]
+    control_addr: Option<SocketAddr>,
+    #[arg(long, default_value_t = 64)]
+    seed_count: usize,
+    /// Latency of each successful substrate call.
+    #[arg(long, alias = "fake-latency", default_value = "50ms", value_parser = humantime::parse_duration)]
+    latency: Duration,
+    /// Accepted for command-line compatibility with real providers and IGNORED: this provider
+    /// keeps everything in memory, so the durable lane must fail against it.
+    #[arg(long)]
+    state: Option<String>,
+    /// Accepted for command-line compatibility (always a fake backend).
+    #[arg(long)]
+    use_fake_backend: bool,
+    /// Accepted for command-line compatibility (no metrics listener).
+    #[arg(long)]
+    metrics_addr: Option<String>,
+    #[arg(long, default_value = "2s", value_parser = humantime::parse_duration)]
+    create_timeout: Duration,
+    #[arg(long, default_value = "2s", value_parser = humantime::parse_duration)]
+    configure_timeout: Duration,
+    #[arg(long, default_value = "2s", value_parser = humantime::parse_duration)]
+    drain_timeout: Duration,
+    #[arg(long, default_value = "2s", value_parser = humantime::parse_duration)]
+    delete_timeout: Duration,
+    /// Background reconcile period; 0 turns it off.
+    #[arg(long, default_value = "200ms", value_parser = parse_period)]
+    reconcile_interval: Duration,
+    /// Deliberately broken engine behaviour (needs the `mutants` feature):
+    /// fence-per-shard, truncate-metadata, oop-failed-precondition, bump-revision-on-reconcile.
+    #[arg(long)]
+    mutant: Vec<String>,
+}
+
+fn parse_period(s: &str) -> Result<Duration, String> {
+    if s == "0" {
+        return Ok(Duration::ZERO);
+    }
+    humantime::parse_duration(s).map_err(|e| format!("{s:?}: {e}"))
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Mode {
+    Error,
+    Hang,
+    Late(Duration),
+    Hold,
+    Never,
+}
+
+#[derive(Default)]
+struct Faults {
+    modes: HashMap<(String, String), Mode>,
+    released: HashSet<String>,
+}
+
+struct FaultBackend {
+    slots: usize,
+    latency: Duration,
+    faults: Arc<Mutex<Faults>>,
+}
+
+impl FaultBackend {
+    async fn act(&self, id: &str, op: &str) -> Result<(), BackendError> {
+        let mode = self
+            .faults
+            .lock()
+            .modes
+            .get(&(id.to_string(), op.to_string()))
+            .copied();
+        match mode {
+            Some(Mode::Error) => Err(BackendError::new(format!("injected {op} failure for {id}"))),
+            Some(Mode::Hang) => futures::future::pending().await,
+            Some(Mode::Late(d)) => {
+                tokio::time::sleep(d).await;
+                Ok(())
+            }
+            _ => {
+                tokio::time::sleep(self.latency).await;
+                Ok(())
+            }
+        }
+    }
+}
+
+#[async_trait]
+impl Backend for FaultBackend {
+    async fn describe(&self) -> Result<Vec<SlotSpec>, BackendError> {
+        let kv = |p: &[(&str, &str)]| {
+            p.iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect::<HashMap<_, _>>()
+        };
+        Ok((0..self.slots)
+            .map(|i| SlotSpec {
+                id: format!("fault/OnDemand/f.small/zone-a/{i:04}"),
+                instance_type: "f.small".into(),
+                zone: "zone-a".into(),
+                capacity_type: CapacityType::OnDemand,
+                price_per_hour: 0.05,
+                interruption_probability: 0.0,
+                resources: kv(&[("cpu", "2"), ("memory", "4Gi")]),
+                allocatable: kv(&[("cpu", "4"), ("memory", "8Gi")]),
+                labels: HashMap::new(),
+                host: None,
+            })
+            .collect())
+    }
+
+    async fn create(&self, ctx: CreateCtx) -> Result<SubstrateHost, BackendError> {
+        self.act(&ctx.machine_id, "create").await?;
+        Ok(SubstrateHost {
+            host_ref: format!(
+                "fault-node/{}",
+                ctx.machine_id.rsplit('/').next().unwrap_or("0")
+            ),
+        })
+    }
+
+    async fn configure(&self, ctx: ConfigureCtx) -> Result<(), BackendError> {
+        self.act(&ctx.machine_id, "configure").await
+    }
+
+    async fn drain(&self, ctx: DrainCtx) -> Result<(), BackendError> {
+        self.act(&ctx.machine_id, "drain").await
+    }
+
+    fn supports_delete(&self) -> bool {
+        true
+    }
+
+    async fn delete(&self, ctx: DeleteCtx) -> Result<(), BackendError> {
+        self.act(&ctx.machine_id, "delete").await
+    }
+
+    fn supports_readiness(&self) -> bool {
+        true
+    }
+
+    async fn node_ready(&self, ctx: &ConfigureCtx) -> Result<bool, BackendError> {
+        let f = self.faults.lock();
+        Ok(
+            match f.modes.get(&(ctx.machine_id.clone(), "ready".to_string())) {
+                Some(Mode::Never) => false,
+                Some(Mode::Hold) => f.released.contains(&ctx.machine_id),
+                _ => true,
+            },
+        )
+    }
+}
+
+fn apply(faults: &Mutex<Faults>, line: &str) -> anyhow::Result<()> {
+    let parts: Vec<&str> = line.split_whitespace().collect();
+    let mut f = faults.lock();
+    match parts.as_slice() {
+        ["SET", id, op, rest @ ..] => {
+            let mode = match (op, rest) {
+                (&"ready", ["hold"]) => Mode::Hold,
+                (&"ready", ["never"]) => Mode::Never,
+                (&("create" | "configure" | "drain" | "delete"), ["error"]) => Mode::Error,
+                (&("create" | "configure" | "drain" | "delete"), ["hang"]) => Mode::Hang,
+                (&("create" | "configure" | "drain" | "delete"), ["late", ms]) => {
+                    Mode::Late(Duration::from_millis(
+                        ms.parse()
+                            .with_context(|| format!("bad milliseconds {ms:?}"))?,
+                    ))
+                }
+                _ => bail!("unknown fault {op} {rest:?}"),
+            };
+            f.modes.insert((id.to_string(), op.to_string()), mode);
+        }
+        ["READY", id] => {
+            f.released.insert(id.to_string());
+        }
+        ["CLEAR", id] => {
+            f.modes.retain(|(m, _), _| m != id);
+            f.released.remove(*id);
+        }
+        _ => bail!("unknown command {line:?}"),
+    }
+    Ok(())
+}
+
+async fn control(listener: TcpListener, faults: Arc<Mutex<Faults>>) {
+    loop {
+        let Ok((sock, _)) = listener.accept().await else {
+            continue;
+        };
+        let faults = faults.clone();
+        tokio::spawn(async move {
+            let (r, mut w) = sock.into_split();
+            let mut lines = BufReader::new(r).lines();
+            while let Ok(Some(line)) = lines.next_line().await {
+                let reply = match apply(&faults, &line) {
+                    Ok(()) => "OK\n".to_string(),
+                    Err(e) => format!("ERR {e:#}\n"),
+                };
+                if w.write_all(reply.as_bytes()).await.is_err() {
+                    break;
+                }
+            }
+        });
+    }
+}
+
+fn options(cli: &Cli) -> anyhow::Result<EngineOptions> {
+    #[allow(unused_mut)]
+    let mut opts = EngineOptions {
+        provider: "fault".into(),
+        timeouts: Timeouts {
+            create: cli.create_timeout,
+            configure: cli.configure_timeout,
+            drain: cli.drain_timeout,
+            delete: cli.delete_timeout,
+            readiness_poll: Duration::from_millis(20),
+        },
+        ..EngineOptions::default()
+    };
+    #[cfg(not(feature = "mutants"))]
+    if let Some(m) = cli.mutant.first() {
+        bail!("--mutant {m} needs the fault-provider built with the `mutants` feature");
+    }
+    #[cfg(feature = "mutants")]
+    for m in &cli.mutant {
+        match m.as_str() {
+            "fence-per-shard" => opts.mutants.fence_per_shard = true,
+            "truncate-metadata" => opts.mutants.truncate_metadata = true,
+            "oop-failed-precondition" => opts.mutants.out_of_position_failed_precondition = true,
+            "bump-revision-on-reconcile" => opts.mutants.bump_revision_on_reconcile = true,
+            other => bail!("unknown --mutant {other:?}"),
+        }
+    }
+    Ok(opts)
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    if let Some(p) = &cli.state {
+        eprintln!(
+            "fault-provider: --state {p} is IGNORED (in-memory only; restarts lose everything)"
+        );
+    }
+    // Compatibility flags only.
+    let _ = (cli.use_fake_backend, &cli.metrics_addr);
+    let faults = Arc::new(Mutex::new(Faults::default()));
+    let backend = Arc::new(FaultBackend {
+        slots: cli.seed_count,
+        latency: cli.latency,
+        faults: faults.clone(),
+    });
+    let engine = Engine::start(backend, Arc::new(MemoryStore::new()), options(&cli)?)
+        .await
+        .map_err(|e| anyhow::anyhow!("starting the engine: {e}"))?;
+    if let Some(addr) = cli.control_addr {
+        let ctl = TcpListener::bind(addr)
+            .await
+            .with_context(|| format!("binding control {addr}"))?;
+        tokio::spawn(control(ctl, faults));
+    }
+    let reconciler = engine.clone();
+    let every = cli.reconcile_interval;
+    if !every.is_zero() {
+        tokio::spawn(async move {
+            let mut t = tokio::time::interval(every);
+            loop {
+                t.tick().await;
+                if let Err(e) = reconciler.reconcile().await {
+                    eprintln!("fault-provider: reconcile failed: {e}");
+                }
+            }
+        });
+    }
+    tonic::transport::Server::builder()
+        .add_service(CapacityService::new(engine).into_server())
+        .serve(cli.addr)
+        .await
+        .context("serving gRPC")?;
+    Ok(())
+}
