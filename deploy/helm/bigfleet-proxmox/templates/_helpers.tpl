@@ -1,0 +1,84 @@
+{{/*
+Named templates shared by the manifests. The chart keeps to a small template
+subset (values, if/else, range, include, default, quote, required, fail,
+toYaml | nindent, join, trunc, trimSuffix) so crates/deploy-check can render
+and validate it without a helm binary.
+*/}}
+
+{{- define "bigfleet-proxmox.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "bigfleet-proxmox.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name (default .Chart.Name .Values.nameOverride) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "bigfleet-proxmox.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "bigfleet-proxmox.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "bigfleet-proxmox.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{ include "bigfleet-proxmox.selectorLabels" . }}
+app.kubernetes.io/version: {{ default .Chart.AppVersion .Values.image.tag | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/component: capacity-provider
+{{- end -}}
+
+{{- define "bigfleet-proxmox.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "bigfleet-proxmox.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "bigfleet-proxmox.stateClaimName" -}}
+{{- if .Values.state.persistence.existingClaim -}}
+{{- .Values.state.persistence.existingClaim -}}
+{{- else -}}
+{{- printf "%s-state" (include "bigfleet-proxmox.fullname" .) -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+Render-time validation. The provider refuses these configurations at startup
+too; failing here keeps a broken release from ever being applied.
+*/}}
+{{- define "bigfleet-proxmox.validate" -}}
+{{- if .Values.fakeBackend.enabled -}}
+{{- if .Values.proxmox.apiURL -}}
+{{- fail "fakeBackend.enabled and proxmox.apiURL are mutually exclusive: the fake backend is for testing and certification only" -}}
+{{- end -}}
+{{- else -}}
+{{- if not .Values.proxmox.apiURL -}}
+{{- fail "proxmox.apiURL is required (--proxmox-api-url), e.g. https://pve1:8006/api2/json; set fakeBackend.enabled only for testing" -}}
+{{- end -}}
+{{- if not .Values.proxmox.tokenID -}}
+{{- fail "proxmox.tokenID is required (--proxmox-token-id), e.g. bigfleet@pve!autoscaler" -}}
+{{- end -}}
+{{- if not .Values.proxmox.nodes -}}
+{{- fail "proxmox.nodes is required (--nodes): the Proxmox node names that act as zones" -}}
+{{- end -}}
+{{- if not .Values.credentials.token.secretName -}}
+{{- fail "credentials.token.secretName is required: a Secret holding the API token secret (--proxmox-token-file)" -}}
+{{- end -}}
+{{- if and (not .Values.credentials.ca.secretName) (not .Values.proxmox.tlsFingerprint) -}}
+{{- fail "TLS verification material is required: set credentials.ca.secretName (--proxmox-ca-file) or proxmox.tlsFingerprint (--proxmox-tls-fingerprint); verification of the Proxmox API cannot be disabled" -}}
+{{- end -}}
+{{- end -}}
+{{- if .Values.tls.enabled -}}
+{{- if not .Values.tls.secretName -}}
+{{- fail "tls.secretName is required when tls.enabled is true: a kubernetes.io/tls Secret with tls.crt and tls.key (plus ca.crt for tls.mtls)" -}}
+{{- end -}}
+{{- else -}}
+{{- if .Values.tls.mtls -}}
+{{- fail "tls.mtls requires tls.enabled (the provider rejects --tls-ca without --tls-cert/--tls-key)" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
