@@ -1,7 +1,14 @@
 # Entry points for builds, tests and certification. See README.md.
 CARGO ?= cargo
+PROFILE ?= core,cloud
+SEED ?=
+OUT ?= reports
+BIN := target/debug/bigfleet-proxmox
+BFC := target/debug/bfconformance
+SEED_FLAG := $(if $(SEED),--seed $(SEED),)
 
-.PHONY: build build-proxmox run-fake test lint fmt
+.PHONY: build build-proxmox run-fake test test-proxmox lint fmt certify-proxmox \
+        report-proxmox report-ci scale-100k mutation-check bench
 
 build:
 	$(CARGO) build --workspace
@@ -16,8 +23,12 @@ build-proxmox:
 run-fake:
 	$(CARGO) run -p bigfleet-proxmox -- --use-fake-backend --addr 127.0.0.1:9000 --metrics-addr 127.0.0.1:9090
 
-# Everything CI runs.
-test: lint
+# Everything CI runs: lint, every crate's tests, the mutation check and the
+# certification lanes (core, cloud, fault, durable, 10k scale).
+test: lint test-proxmox mutation-check report-ci
+
+test-proxmox:
+	$(CARGO) build -p bigfleet-proxmox -p conformance
 	$(CARGO) test --workspace
 
 lint:
@@ -26,3 +37,30 @@ lint:
 
 fmt:
 	$(CARGO) fmt --all
+
+$(BIN) $(BFC):
+	$(CARGO) build -p bigfleet-proxmox -p conformance
+
+# Baseline + extension suite against the fake backend; stops at the first failure.
+certify-proxmox:
+	$(CARGO) build -p bigfleet-proxmox -p conformance
+	$(BFC) --provider proxmox --provider-bin $(BIN) --certify $(SEED_FLAG)
+
+# The full runner: JUnit + JSON report under $(OUT), ends in VERDICT.
+report-proxmox:
+	$(CARGO) build -p bigfleet-proxmox -p conformance
+	$(BFC) --provider proxmox --provider-bin $(BIN) --profile $(PROFILE) --out $(OUT) $(SEED_FLAG)
+
+# What CI certifies: every lane, scale at 10k machines.
+report-ci:
+	$(MAKE) report-proxmox PROFILE=core,cloud,fault,durable,scale
+
+# The scale lane at 100k machines with a two-minute soak.
+scale-100k:
+	$(CARGO) build --release -p bigfleet-proxmox -p conformance
+	target/release/bfconformance --provider proxmox --provider-bin target/release/bigfleet-proxmox \
+	  --profile scale --scale-count 100000 --soak 120s --out $(OUT)/scale-100k $(SEED_FLAG)
+
+# The suite must be able to fail: deliberately broken engines are caught.
+mutation-check:
+	$(CARGO) test -p conformance --features mutants --test mutants

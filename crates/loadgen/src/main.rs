@@ -1,0 +1,2 @@
+//! Load generator (work in progress).
+fn main() {}
