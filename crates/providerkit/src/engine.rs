@@ -382,6 +382,16 @@ impl Engine {
         format!("op-{:x}-{:x}", self.generation, n)
     }
 
+    /// Wait until everything submitted so far is durable, so a read never
+    /// shows state a crash could take back.
+    pub async fn read_barrier(&self) -> Result<(), KitError> {
+        let ticket = self.store.submit(Vec::new());
+        self.store
+            .durable(ticket)
+            .await
+            .map_err(|e| KitError::Store(e.0))
+    }
+
     pub fn get(&self, id: &str) -> Result<pb::Machine, KitError> {
         if id.is_empty() {
             return Err(KitError::InvalidArgument("id must not be empty".into()));

@@ -89,7 +89,9 @@ impl CapacityProvider for CapacityService {
     }
 
     async fn get(&self, request: Request<pb::MachineRef>) -> Result<Response<pb::Machine>, Status> {
-        Ok(Response::new(self.engine.get(&request.into_inner().id)?))
+        let machine = self.engine.get(&request.into_inner().id)?;
+        self.engine.read_barrier().await?;
+        Ok(Response::new(machine))
     }
 
     async fn list(
@@ -100,6 +102,7 @@ impl CapacityProvider for CapacityService {
         let page = self
             .engine
             .list(&r.states, r.max_results, &r.since_revision);
+        self.engine.read_barrier().await?;
         Ok(Response::new(pb::MachineList {
             machines: page.machines,
             revision: page.revision,

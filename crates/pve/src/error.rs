@@ -99,9 +99,13 @@ impl PveError {
 
     /// The object to create already exists (`VM 104 already exists`, clone target
     /// VMID taken, ...). On a retried clone this means an earlier attempt got there.
+    /// PVE reports a taken id either in the message or, for a parameter check
+    /// (`GET /cluster/nextid?vmid=N`), only in the per-parameter errors.
     pub fn is_already_exists(&self) -> bool {
-        self.server_text()
-            .is_some_and(|m| m.to_ascii_lowercase().contains("already exists"))
+        let says = |m: &str| m.to_ascii_lowercase().contains("already exists");
+        self.server_text().is_some_and(says)
+            || matches!(self, PveError::Api { param_errors, .. }
+                if param_errors.values().any(|v| says(v)))
     }
 
     /// pveproxy could not reach the node owning the call (595/596).
@@ -263,6 +267,26 @@ mod tests {
             exitstatus: "clone failed: can't lock file '/var/lock/pve-manager/pve-storage-local-lvm' - got timeout".into(),
         };
         assert!(task.is_lock_timeout());
+    }
+
+    #[test]
+    fn taken_vmid_in_param_errors_is_already_exists() {
+        let mut p = BTreeMap::new();
+        p.insert("vmid".to_string(), "VM 109 already exists".to_string());
+        let taken = PveError::Api {
+            status: 400,
+            message: "Parameter verification failed.".into(),
+            param_errors: p,
+        };
+        assert!(taken.is_already_exists());
+        let mut p = BTreeMap::new();
+        p.insert("vmid".to_string(), "invalid format".to_string());
+        let other = PveError::Api {
+            status: 400,
+            message: "Parameter verification failed.".into(),
+            param_errors: p,
+        };
+        assert!(!other.is_already_exists());
     }
 
     #[test]
