@@ -8,7 +8,7 @@ BFC := target/debug/bfconformance
 SEED_FLAG := $(if $(SEED),--seed $(SEED),)
 
 .PHONY: build build-proxmox run-fake test test-proxmox lint fmt certify-proxmox \
-        report-proxmox report-ci scale-100k mutation-check bench
+        report-proxmox report-ci certify-pve-sim scale-100k mutation-check bench
 
 build:
 	$(CARGO) build --workspace
@@ -25,7 +25,7 @@ run-fake:
 
 # Everything CI runs: lint, every crate's tests, the mutation check and the
 # certification lanes (core, cloud, fault, durable, 10k scale).
-test: lint test-proxmox mutation-check report-ci
+test: lint test-proxmox mutation-check report-ci certify-pve-sim
 
 test-proxmox:
 	$(CARGO) build -p bigfleet-proxmox -p conformance
@@ -55,11 +55,22 @@ report-proxmox:
 report-ci:
 	$(MAKE) report-proxmox PROFILE=core,cloud,fault,durable,scale
 
+# The real Proxmox backend against pve-sim: core, cloud and durable lanes.
+certify-pve-sim:
+	$(CARGO) build -p bigfleet-proxmox -p conformance -p pve-sim
+	OUT=$(OUT)/pve-sim $(if $(SEED),SEED=$(SEED),) scripts/certify-pve-sim.sh
+
 # The scale lane at 100k machines with a two-minute soak.
 scale-100k:
 	$(CARGO) build --release -p bigfleet-proxmox -p conformance
 	target/release/bfconformance --provider proxmox --provider-bin target/release/bigfleet-proxmox \
 	  --profile scale --scale-count 100000 --soak 120s --out $(OUT)/scale-100k $(SEED_FLAG)
+
+# Load generator: Get/List/Create/lifecycle figures, RSS, startup and
+# restart at 1k/10k/100k machines, appended to bench/latest.txt.
+bench:
+	$(CARGO) build --release -p bigfleet-proxmox -p loadgen
+	target/release/loadgen --provider-bin target/release/bigfleet-proxmox --out bench/latest.txt
 
 # The suite must be able to fail: deliberately broken engines are caught.
 mutation-check:

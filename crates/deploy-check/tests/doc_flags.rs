@@ -59,6 +59,7 @@ const SPEC_FLAGS: &[&str] = &[
     "--drain-command",
     "--max-parallel-clones",
     "--shutdown-grace",
+    "--proxmox-poll-interval",
 ];
 
 /// Flags of `bigfleet-proxmox ctl <sub>` (the operator CLI).

@@ -40,7 +40,7 @@ pub struct Args {
     pub proxmox_backend: BackendChoice,
 
     /// Explicitly select the in-memory simulator (testing/certification only).
-    #[arg(long)]
+    #[arg(long, num_args = 0..=1, default_missing_value = "true", action = clap::ArgAction::Set, default_value_t = false)]
     pub use_fake_backend: bool,
 
     /// Proxmox API base URL, e.g. https://host:8006/api2/json.
@@ -130,6 +130,10 @@ pub struct Args {
         default_value = "kubectl drain \"$(hostname)\" --ignore-daemonsets --delete-emptydir-data"
     )]
     pub drain_command: String,
+
+    /// Poll period for Proxmox tasks, guest-agent pings and in-guest commands.
+    #[arg(long, default_value = "1s", value_parser = parse_duration)]
+    pub proxmox_poll_interval: Duration,
 
     /// Concurrent clones per node (lock contention on local storage).
     #[arg(long, default_value_t = 2)]
