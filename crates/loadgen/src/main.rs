@@ -1,2 +1,180 @@
-//! Load generator (work in progress).
-fn main() {}
+//! Load generator for the BigFleet capacity provider: boots (or dials) a
+//! provider on the fake backend and prints one `key=value` line per figure.
+
+mod provider;
+mod scenarios;
+mod stats;
+
+use std::fs::OpenOptions;
+use std::io::Write;
+use std::path::PathBuf;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use anyhow::{bail, Context, Result};
+use clap::Parser;
+
+use provider::Provider;
+use scenarios::{Bench, Profile};
+
+#[derive(Parser, Debug)]
+#[command(
+    about = "Benchmarks a BigFleet capacity provider (Get/List/Create/lifecycle/RSS/startup)"
+)]
+struct Args {
+    /// Provider binary to boot once per inventory size (fake backend, in memory).
+    #[arg(
+        long,
+        default_value = "target/release/bigfleet-proxmox",
+        conflicts_with = "target"
+    )]
+    provider_bin: PathBuf,
+
+    /// Drive an already running endpoint (host:port) instead of booting one.
+    /// Mutating figures consume its SPECULATIVE machines; RSS/startup are skipped.
+    #[arg(long)]
+    target: Option<String>,
+
+    /// Inventory sizes (--seed-count) to boot, comma separated.
+    #[arg(long, value_delimiter = ',', default_value = "1000,10000,100000")]
+    sizes: Vec<usize>,
+
+    /// Append the figures to this file as well as printing them.
+    #[arg(long)]
+    out: Option<PathBuf>,
+
+    /// Shorter runs (smoke test); figures are noisier.
+    #[arg(long)]
+    quick: bool,
+
+    /// Offered Get rate for the open-loop latency run.
+    #[arg(long, default_value_t = 5000)]
+    get_rps: u32,
+
+    /// Seconds allowed for a provider boot before giving up.
+    #[arg(long, default_value_t = 120)]
+    boot_timeout_secs: u64,
+}
+
+/// Prints figure lines and appends them to `--out`.
+pub struct Report {
+    out: Option<std::fs::File>,
+}
+
+impl Report {
+    pub fn line(&mut self, line: String) {
+        println!("{line}");
+        if let Some(f) = self.out.as_mut() {
+            if let Err(e) = writeln!(f, "{line}") {
+                eprintln!("loadgen: writing --out failed: {e}");
+                self.out = None;
+            }
+        }
+    }
+}
+
+#[tokio::main]
+async fn main() {
+    if let Err(e) = run(Args::parse()).await {
+        eprintln!("loadgen: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+async fn run(args: Args) -> Result<()> {
+    if args.sizes.is_empty() || args.sizes.contains(&0) {
+        bail!("--sizes needs one or more positive inventory sizes");
+    }
+    if args.get_rps == 0 {
+        bail!("--get-rps must be positive");
+    }
+    let out = match &args.out {
+        Some(path) => {
+            if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+                std::fs::create_dir_all(dir)
+                    .with_context(|| format!("creating {}", dir.display()))?;
+            }
+            Some(
+                OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(path)
+                    .with_context(|| format!("opening --out {}", path.display()))?,
+            )
+        }
+        None => None,
+    };
+    let mut report = Report { out };
+    let profile = if args.quick {
+        Profile::quick()
+    } else {
+        Profile::full()
+    };
+    let unix = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    report.line(format!(
+        "# loadgen run unix_time={unix} quick={} nproc={}",
+        args.quick,
+        std::thread::available_parallelism().map_or(0, |n| n.get())
+    ));
+
+    if let Some(target) = &args.target {
+        let bench = Bench::connect(target, &profile).await?;
+        let size = bench.inventory().await?.len();
+        return bench.run_all(size, &mut report, args.get_rps).await;
+    }
+
+    if !args.provider_bin.exists() {
+        bail!(
+            "provider binary {} not found (build it with `cargo build --release -p bigfleet-proxmox` or pass --provider-bin)",
+            args.provider_bin.display()
+        );
+    }
+    let boot_timeout = Duration::from_secs(args.boot_timeout_secs);
+    for &size in &args.sizes {
+        let provider = Provider::spawn(&args.provider_bin, size, None, boot_timeout)
+            .await
+            .with_context(|| format!("booting provider with --seed-count {size}"))?;
+        report.line(format!(
+            "startup_ms={} size={size} state=memory",
+            stats::ms(provider.startup)
+        ));
+        if let Ok((_, rss)) = provider.memory_kib() {
+            report.line(format!(
+                "rss_after_boot_mib={:.1} size={size}",
+                rss as f64 / 1024.0
+            ));
+        }
+        let bench = Bench::connect(&provider.addr, &profile).await?;
+        let outcome = bench.run_all(size, &mut report, args.get_rps).await;
+        match provider.memory_kib() {
+            Ok((hwm, rss)) => report.line(format!(
+                "rss_peak_mib={:.1} rss_now_mib={:.1} size={size}",
+                hwm as f64 / 1024.0,
+                rss as f64 / 1024.0
+            )),
+            Err(e) => report.line(format!("rss_peak_mib=skipped size={size} reason={e:#}")),
+        }
+        drop(bench);
+        provider.kill().await?;
+        outcome.with_context(|| format!("benchmark at size {size}"))?;
+    }
+
+    let largest = args.sizes.iter().copied().max().unwrap_or(1000);
+    if let Err(e) = scenarios::restart_with_state(
+        &args.provider_bin,
+        largest,
+        boot_timeout,
+        &profile,
+        &mut report,
+    )
+    .await
+    {
+        report.line(format!(
+            "restart_state_ms=skipped size={largest} reason=\"{}\"",
+            format!("{e:#}").replace(['\n', '"'], " ")
+        ));
+    }
+    Ok(())
+}

@@ -1,0 +1,549 @@
+//! The measured scenarios. Each one prints its figures through `Report`.
+
+use std::path::Path;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use anyhow::{anyhow, bail, Context, Result};
+use bigfleet_proto::v1alpha1::capacity_provider_client::CapacityProviderClient;
+use bigfleet_proto::v1alpha1::{
+    ConfigureRequest, CreateRequest, DeleteRequest, DrainRequest, ListFilter, Machine, MachineList,
+    MachineRef, MachineState,
+};
+use prost::Message;
+use tonic::transport::{Channel, Endpoint};
+
+use crate::provider::Provider;
+use crate::stats::{ms, us, Samples};
+use crate::Report;
+
+type Client = CapacityProviderClient<Channel>;
+
+/// Connections the open-loop Get run spreads its requests over.
+const GET_CONNECTIONS: usize = 4;
+/// Creates in the batch that precedes the delta-List measurement.
+const DELTA_BATCH: usize = 100;
+/// Concurrency levels for the Create-ack run.
+const CREATE_LEVELS: [usize; 3] = [1, 8, 64];
+/// Poll period while waiting for a background transition to land.
+const POLL: Duration = Duration::from_millis(1);
+/// How long any single transition may take before the run is declared broken.
+const TRANSITION_TIMEOUT: Duration = Duration::from_secs(30);
+const SHARD: &str = "loadgen";
+
+pub struct Profile {
+    get_duration: Duration,
+    list_runs: usize,
+    create_cap_per_level: usize,
+    lifecycle_machines: usize,
+    lifecycle_cycles: usize,
+}
+
+impl Profile {
+    pub fn full() -> Profile {
+        Profile {
+            get_duration: Duration::from_secs(3),
+            list_runs: 5,
+            create_cap_per_level: 4000,
+            lifecycle_machines: 32,
+            lifecycle_cycles: 3,
+        }
+    }
+
+    pub fn quick() -> Profile {
+        Profile {
+            get_duration: Duration::from_secs(1),
+            list_runs: 3,
+            create_cap_per_level: 500,
+            lifecycle_machines: 16,
+            lifecycle_cycles: 2,
+        }
+    }
+}
+
+pub struct Bench<'a> {
+    endpoint: Endpoint,
+    client: Client,
+    profile: &'a Profile,
+    /// Fencing epoch for this run: the start time, so a rerun against the
+    /// same endpoint is always strictly newer than the previous run's marks.
+    epoch: i64,
+}
+
+async fn dial(endpoint: &Endpoint) -> Result<Client> {
+    let channel = endpoint
+        .connect()
+        .await
+        .with_context(|| format!("connecting to {}", endpoint.uri()))?;
+    // A 100k-machine List is far beyond tonic's 4 MiB default.
+    Ok(CapacityProviderClient::new(channel).max_decoding_message_size(usize::MAX))
+}
+
+fn token_epoch() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX))
+        .unwrap_or(1)
+        .max(1)
+}
+
+fn full_filter() -> ListFilter {
+    ListFilter::default()
+}
+
+impl<'a> Bench<'a> {
+    pub async fn connect(addr: &str, profile: &'a Profile) -> Result<Bench<'a>> {
+        let endpoint = Endpoint::from_shared(format!("http://{addr}"))
+            .with_context(|| format!("bad target address {addr:?}"))?
+            .tcp_nodelay(true);
+        let client = dial(&endpoint).await?;
+        Ok(Bench {
+            endpoint,
+            client,
+            profile,
+            epoch: token_epoch(),
+        })
+    }
+
+    /// Ids of every SPECULATIVE machine (the ones mutating runs may use).
+    pub async fn inventory(&self) -> Result<Vec<String>> {
+        let list = self
+            .client
+            .clone()
+            .list(ListFilter {
+                states: vec![MachineState::Speculative as i32],
+                ..Default::default()
+            })
+            .await
+            .context("List of SPECULATIVE machines")?
+            .into_inner();
+        Ok(list.machines.into_iter().map(|m| m.id).collect())
+    }
+
+    pub async fn run_all(&self, size: usize, report: &mut Report, get_rps: u32) -> Result<()> {
+        let mut ids = self.inventory().await?;
+        if ids.is_empty() {
+            bail!("the provider has no SPECULATIVE machines to exercise");
+        }
+        let revision = self.full_list(size, report).await?;
+        self.open_loop_get(size, &ids, get_rps, report).await?;
+
+        // Split the speculative pool so no machine is used by two runs.
+        let life_n = self.profile.lifecycle_machines.min(ids.len() / 4).max(1);
+        let life_ids: Vec<String> = ids.split_off(ids.len() - life_n);
+        let delta_n = DELTA_BATCH.min(ids.len() / 4);
+        let delta_ids: Vec<String> = ids.split_off(ids.len() - delta_n);
+        self.delta_list(size, revision, delta_ids, report).await?;
+        let per_level = self
+            .profile
+            .create_cap_per_level
+            .min(ids.len() / CREATE_LEVELS.len());
+        for level in CREATE_LEVELS {
+            let batch: Vec<String> = ids.split_off(ids.len() - per_level);
+            self.create_acks(size, level, batch, report).await?;
+        }
+        self.lifecycle(size, life_ids, report).await
+    }
+
+    /// Full List wall time and size, and the cost of just encoding it.
+    async fn full_list(&self, size: usize, report: &mut Report) -> Result<Vec<u8>> {
+        let mut wall = Samples::default();
+        let mut encode = Samples::default();
+        let mut decode = Samples::default();
+        let mut last = MachineList::default();
+        for _ in 0..self.profile.list_runs {
+            let t = Instant::now();
+            last = self
+                .client
+                .clone()
+                .list(full_filter())
+                .await
+                .context("full List")?
+                .into_inner();
+            wall.push(t.elapsed());
+            let t = Instant::now();
+            let bytes = last.encode_to_vec();
+            encode.push(t.elapsed());
+            let t = Instant::now();
+            let back = MachineList::decode(bytes.as_slice()).context("re-decoding List")?;
+            decode.push(t.elapsed());
+            std::hint::black_box(back);
+        }
+        let (w, e) = (wall.percentile(50.0), encode.percentile(50.0));
+        report.line(format!(
+            "list_full_ms_p50={} list_bytes={} list_machines={} encode_only_ms_p50={} decode_only_ms_p50={} list_over_encode={:.1} runs={} size={size}",
+            ms(w),
+            last.encoded_len(),
+            last.machines.len(),
+            ms(e),
+            ms(decode.percentile(50.0)),
+            w.as_secs_f64() / e.as_secs_f64().max(1e-9),
+            self.profile.list_runs,
+        ));
+        Ok(last.revision)
+    }
+
+    /// Open loop: request i is due at start + i/rps regardless of how earlier
+    /// ones fared; latency counts from the due time, so a stalled server is
+    /// charged for the queue it builds (no coordinated omission).
+    async fn open_loop_get(
+        &self,
+        size: usize,
+        ids: &[String],
+        rps: u32,
+        report: &mut Report,
+    ) -> Result<()> {
+        let mut clients = Vec::with_capacity(GET_CONNECTIONS);
+        for _ in 0..GET_CONNECTIONS {
+            clients.push(dial(&self.endpoint).await?);
+        }
+        let total = (self.profile.get_duration.as_secs_f64() * f64::from(rps)) as usize;
+        let interval = Duration::from_secs_f64(1.0 / f64::from(rps));
+        let ids: Arc<Vec<String>> = Arc::new(ids.to_vec());
+        let handle = tokio::runtime::Handle::current();
+        // The schedule runs on its own thread: std sleeps are ~50 us precise,
+        // tokio timers only 1 ms, which would swamp a sub-ms latency target.
+        let scheduler = tokio::task::spawn_blocking(move || {
+            let start = Instant::now() + Duration::from_millis(5);
+            let mut tasks = Vec::with_capacity(total);
+            let mut rng: u64 = 0x9E37_79B9_7F4A_7C15;
+            for i in 0..total {
+                let due = start + interval * i as u32;
+                let now = Instant::now();
+                if due > now {
+                    std::thread::sleep(due - now);
+                }
+                rng ^= rng << 13;
+                rng ^= rng >> 7;
+                rng ^= rng << 17;
+                let id = ids[(rng % ids.len() as u64) as usize].clone();
+                let mut client = clients[i % clients.len()].clone();
+                tasks.push(handle.spawn(async move {
+                    let sent = Instant::now();
+                    let res = client.get(MachineRef { id }).await;
+                    let done = Instant::now();
+                    (res.is_ok(), done - due, done - sent, sent - due)
+                }));
+            }
+            tasks
+        });
+        let started = Instant::now();
+        let tasks = scheduler.await.context("Get scheduler thread")?;
+        let mut from_due = Samples::with_capacity(total);
+        let mut service = Samples::with_capacity(total);
+        let mut send_lag = Samples::with_capacity(total);
+        let mut errors = 0usize;
+        for t in tasks {
+            let (ok, d, s, lag) = t.await.context("Get task")?;
+            if ok {
+                from_due.push(d);
+                service.push(s);
+                send_lag.push(lag);
+            } else {
+                errors += 1;
+            }
+        }
+        let achieved = from_due.len() as f64 / started.elapsed().as_secs_f64();
+        report.line(format!(
+            "get_p50_us={} get_p99_us={} get_max_us={} get_service_p99_us={} client_send_lag_p99_us={} offered_rps={rps} achieved_rps={achieved:.0} errors={errors} conns={GET_CONNECTIONS} size={size}",
+            us(from_due.percentile(50.0)),
+            us(from_due.percentile(99.0)),
+            us(from_due.percentile(100.0)),
+            us(service.percentile(99.0)),
+            us(send_lag.percentile(99.0)),
+        ));
+        Ok(())
+    }
+
+    /// Cost of a delta List (since the pre-batch revision) after 100 Creates
+    /// have landed in IDLE.
+    async fn delta_list(
+        &self,
+        size: usize,
+        revision: Vec<u8>,
+        ids: Vec<String>,
+        report: &mut Report,
+    ) -> Result<()> {
+        let n = ids.len();
+        let ids = Arc::new(ids);
+        run_concurrently(
+            &self.endpoint,
+            8,
+            ids.clone(),
+            self.epoch,
+            |mut c, id, epoch| async move { c.create(create_req(&id, epoch, 1)).await.map(|_| ()) },
+        )
+        .await?;
+        for id in ids.iter() {
+            wait_state(&mut self.client.clone(), id, MachineState::Idle).await?;
+        }
+        let mut wall = Samples::default();
+        let mut last = MachineList::default();
+        for _ in 0..self.profile.list_runs {
+            let t = Instant::now();
+            last = self
+                .client
+                .clone()
+                .list(ListFilter {
+                    since_revision: revision.clone(),
+                    ..Default::default()
+                })
+                .await
+                .context("delta List")?
+                .into_inner();
+            wall.push(t.elapsed());
+        }
+        report.line(format!(
+            "delta_list_ms_p50={} delta_machines={} delta_bytes={} mutations={n} size={size}",
+            ms(wall.percentile(50.0)),
+            last.machines.len(),
+            last.encoded_len(),
+        ));
+        Ok(())
+    }
+
+    /// Create-ack throughput and latency with `level` concurrent clients,
+    /// each on its own connection, each Create on a distinct machine.
+    async fn create_acks(
+        &self,
+        size: usize,
+        level: usize,
+        ids: Vec<String>,
+        report: &mut Report,
+    ) -> Result<()> {
+        let n = ids.len();
+        let t = Instant::now();
+        let mut lat = run_concurrently(
+            &self.endpoint,
+            level,
+            Arc::new(ids),
+            self.epoch,
+            |mut c, id, epoch| async move { c.create(create_req(&id, epoch, 1)).await.map(|_| ()) },
+        )
+        .await?;
+        let wall = t.elapsed();
+        report.line(format!(
+            "create_acks_per_s={:.0} create_p50_us={} create_p99_us={} clients={level} creates={n} size={size}",
+            n as f64 / wall.as_secs_f64(),
+            us(lat.percentile(50.0)),
+            us(lat.percentile(99.0)),
+        ));
+        Ok(())
+    }
+
+    /// Whole cycles (Create -> Idle -> Configure -> Configured -> Drain ->
+    /// Idle -> Delete -> Speculative), one task per machine, all concurrent.
+    async fn lifecycle(&self, size: usize, ids: Vec<String>, report: &mut Report) -> Result<()> {
+        let cycles = self.profile.lifecycle_cycles;
+        let k = ids.len();
+        let t = Instant::now();
+        let mut tasks = Vec::with_capacity(k);
+        for id in ids {
+            let mut c = dial(&self.endpoint).await?;
+            let epoch = self.epoch;
+            tasks.push(tokio::spawn(async move {
+                let mut seq = 0i64;
+                let mut next = || {
+                    seq += 1;
+                    seq
+                };
+                for _ in 0..cycles {
+                    c.create(create_req(&id, epoch, next())).await?;
+                    wait_state(&mut c, &id, MachineState::Idle).await?;
+                    c.configure(ConfigureRequest {
+                        machine_id: id.clone(),
+                        cluster_id: "loadgen-cluster".into(),
+                        bootstrap_blob: b"loadgen".to_vec(),
+                        shard_id: SHARD.into(),
+                        shard_epoch: epoch,
+                        sequence_number: next(),
+                        shard_metadata: Default::default(),
+                    })
+                    .await?;
+                    wait_state(&mut c, &id, MachineState::Configured).await?;
+                    c.drain(DrainRequest {
+                        machine_id: id.clone(),
+                        grace_period_seconds: 0,
+                        shard_id: SHARD.into(),
+                        shard_epoch: epoch,
+                        sequence_number: next(),
+                    })
+                    .await?;
+                    wait_state(&mut c, &id, MachineState::Idle).await?;
+                    c.delete(DeleteRequest {
+                        machine_id: id.clone(),
+                        shard_id: SHARD.into(),
+                        shard_epoch: epoch,
+                        sequence_number: next(),
+                    })
+                    .await?;
+                    wait_state(&mut c, &id, MachineState::Speculative).await?;
+                }
+                anyhow::Ok(())
+            }));
+        }
+        for task in tasks {
+            task.await.context("lifecycle task")??;
+        }
+        let wall = t.elapsed();
+        let total = k * cycles;
+        report.line(format!(
+            "lifecycles_per_s={:.1} lifecycle_ms_avg={} machines={k} cycles_each={cycles} poll_ms={} size={size}",
+            total as f64 / wall.as_secs_f64(),
+            ms(wall / cycles as u32),
+            POLL.as_millis(),
+        ));
+        Ok(())
+    }
+}
+
+fn create_req(id: &str, epoch: i64, seq: i64) -> CreateRequest {
+    CreateRequest {
+        machine_id: id.to_string(),
+        shard_id: SHARD.into(),
+        shard_epoch: epoch,
+        sequence_number: seq,
+    }
+}
+
+/// Runs `op` once per id with `level` workers, each on its own connection;
+/// returns per-call latencies. Any failed call fails the run.
+async fn run_concurrently<F, Fut>(
+    endpoint: &Endpoint,
+    level: usize,
+    ids: Arc<Vec<String>>,
+    epoch: i64,
+    op: F,
+) -> Result<Samples>
+where
+    F: Fn(Client, String, i64) -> Fut + Send + Sync + Clone + 'static,
+    Fut: std::future::Future<Output = Result<(), tonic::Status>> + Send,
+{
+    let next = Arc::new(AtomicUsize::new(0));
+    let mut workers = Vec::with_capacity(level);
+    let mut clients = Vec::with_capacity(level);
+    for _ in 0..level {
+        clients.push(dial(endpoint).await?);
+    }
+    for client in clients {
+        let (next, ids, op) = (next.clone(), ids.clone(), op.clone());
+        workers.push(tokio::spawn(async move {
+            let mut lat = Samples::default();
+            loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                let Some(id) = ids.get(i) else { break };
+                let t = Instant::now();
+                op(client.clone(), id.clone(), epoch)
+                    .await
+                    .map_err(|s| anyhow!("call for {id}: {s}"))?;
+                lat.push(t.elapsed());
+            }
+            anyhow::Ok(lat)
+        }));
+    }
+    let mut all = Samples::with_capacity(ids.len());
+    for w in workers {
+        all.extend(w.await.context("worker task")??);
+    }
+    Ok(all)
+}
+
+/// Polls Get until `id` reaches `want`; FAILED or a timeout is an error.
+async fn wait_state(client: &mut Client, id: &str, want: MachineState) -> Result<Machine> {
+    let deadline = Instant::now() + TRANSITION_TIMEOUT;
+    loop {
+        let m = client
+            .get(MachineRef { id: id.to_string() })
+            .await
+            .with_context(|| format!("Get {id}"))?
+            .into_inner();
+        if m.state == want as i32 {
+            return Ok(m);
+        }
+        if m.state == MachineState::Failed as i32 {
+            bail!("{id} went FAILED: {}", m.last_error);
+        }
+        if Instant::now() > deadline {
+            bail!(
+                "{id} not {want:?} after {TRANSITION_TIMEOUT:?} (state {})",
+                m.state
+            );
+        }
+        tokio::time::sleep(POLL).await;
+    }
+}
+
+/// Boot with a durable state file, mutate, SIGKILL, and time the restart.
+pub async fn restart_with_state(
+    bin: &Path,
+    size: usize,
+    boot_timeout: Duration,
+    profile: &Profile,
+    report: &mut Report,
+) -> Result<()> {
+    let dir = tempfile::tempdir().context("creating a temp dir for --state")?;
+    let state = dir.path().join("state.db");
+    let first = Provider::spawn(bin, size, Some(&state), boot_timeout)
+        .await
+        .context("first boot with --state")?;
+    report.line(format!(
+        "startup_ms={} size={size} state=sqlite first_boot=true",
+        ms(first.startup)
+    ));
+    let mutated = {
+        let bench = Bench::connect(&first.addr, profile).await?;
+        let mut ids = bench.inventory().await?;
+        ids.truncate(200);
+        let n = ids.len();
+        run_concurrently(
+            &bench.endpoint,
+            8,
+            Arc::new(ids.clone()),
+            bench.epoch,
+            |mut c, id, e| async move { c.create(create_req(&id, e, 1)).await.map(|_| ()) },
+        )
+        .await?;
+        for id in &ids {
+            wait_state(&mut bench.client.clone(), id, MachineState::Idle).await?;
+        }
+        n
+    };
+    first.kill().await?;
+    let second = Provider::spawn(bin, size, Some(&state), boot_timeout)
+        .await
+        .context("restart with --state")?;
+    let bench = Bench::connect(&second.addr, profile).await?;
+    let list = bench
+        .client
+        .clone()
+        .list(full_filter())
+        .await
+        .context("List after restart")?
+        .into_inner();
+    // Only the mutated machines should have left SPECULATIVE; name the rest.
+    let mut by_state = std::collections::BTreeMap::<String, usize>::new();
+    for m in &list.machines {
+        let name = MachineState::try_from(m.state)
+            .map(|s| format!("{s:?}"))
+            .unwrap_or_else(|_| m.state.to_string());
+        *by_state.entry(name).or_default() += 1;
+    }
+    let states: Vec<String> = by_state.iter().map(|(k, v)| format!("{k}:{v}")).collect();
+    report.line(format!(
+        "restart_state_ms={} size={size} mutated={mutated} machines_after={} states_after={}",
+        ms(second.startup),
+        list.machines.len(),
+        states.join(","),
+    ));
+    let rss = second.memory_kib().ok();
+    drop(bench);
+    second.kill().await?;
+    if let Some((hwm, _)) = rss {
+        report.line(format!(
+            "rss_peak_mib={:.1} size={size} state=sqlite after_restart=true",
+            hwm as f64 / 1024.0
+        ));
+    }
+    Ok(())
+}
