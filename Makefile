@@ -8,7 +8,7 @@ BFC := target/debug/bfconformance
 SEED_FLAG := $(if $(SEED),--seed $(SEED),)
 
 .PHONY: build build-proxmox run-fake test test-proxmox lint fmt certify-proxmox \
-        report-proxmox report-ci certify-pve-sim scale-100k mutation-check bench
+        report-proxmox report-ci certify-pve-sim scale-100k mutation-check bench crash-1000
 
 build:
 	$(CARGO) build --workspace
@@ -25,7 +25,7 @@ run-fake:
 
 # Everything CI runs: lint, every crate's tests, the mutation check and the
 # certification lanes (core, cloud, fault, durable, 10k scale).
-test: lint test-proxmox mutation-check report-ci certify-pve-sim
+test: lint test-proxmox mutation-check certify-proxmox report-ci certify-pve-sim
 
 test-proxmox:
 	$(CARGO) build -p bigfleet-proxmox -p conformance
@@ -71,6 +71,10 @@ scale-100k:
 bench:
 	$(CARGO) build --release -p bigfleet-proxmox -p loadgen
 	target/release/loadgen --provider-bin target/release/bigfleet-proxmox --out bench/latest.txt
+
+# The kill -9 crash test at 1,000 random kill points (CI runs 50).
+crash-1000:
+	BIGFLEET_CRASH_ITERATIONS=1000 $(CARGO) test -p bigfleet-proxmox --test crash -- --nocapture
 
 # The suite must be able to fail: deliberately broken engines are caught.
 mutation-check:
