@@ -156,30 +156,37 @@ fn pve_substrate(plan: &Plan) -> Result<PveSubstrate, String> {
     Ok(PveSubstrate::new(client, options))
 }
 
-async fn shutdown_signal() {
-    #[cfg(unix)]
-    {
+/// SIGINT/SIGTERM handlers, installed before the provider reports itself
+/// serving: a signal that arrives right after the startup line must start
+/// a graceful shutdown, not kill the process with the default action.
+struct ShutdownSignals {
+    interrupt: tokio::signal::unix::Signal,
+    terminate: tokio::signal::unix::Signal,
+}
+
+impl ShutdownSignals {
+    fn install() -> Result<ShutdownSignals, String> {
         use tokio::signal::unix::{signal, SignalKind};
-        match signal(SignalKind::terminate()) {
-            Ok(mut term) => {
-                tokio::select! {
-                    _ = tokio::signal::ctrl_c() => {}
-                    _ = term.recv() => {}
-                }
-            }
-            Err(_) => {
-                let _ = tokio::signal::ctrl_c().await;
-            }
-        }
+        let install = |kind: SignalKind, name: &str| {
+            signal(kind).map_err(|e| format!("cannot install the {name} handler: {e}"))
+        };
+        Ok(ShutdownSignals {
+            interrupt: install(SignalKind::interrupt(), "SIGINT")?,
+            terminate: install(SignalKind::terminate(), "SIGTERM")?,
+        })
     }
-    #[cfg(not(unix))]
-    {
-        let _ = tokio::signal::ctrl_c().await;
+
+    async fn recv(mut self) {
+        tokio::select! {
+            _ = self.interrupt.recv() => {}
+            _ = self.terminate.recv() => {}
+        }
     }
 }
 
 /// Run until SIGINT/SIGTERM. Errors are startup failures, one line each.
 pub async fn run(plan: Plan) -> Result<(), String> {
+    let signals = ShutdownSignals::install()?;
     let grpc_listener = bind("--addr", plan.addr).await?;
     let local_addr = grpc_listener
         .local_addr()
@@ -334,7 +341,7 @@ pub async fn run(plan: Plan) -> Result<(), String> {
         let health_reporter = health_reporter.clone();
         let stopping = stopping.clone();
         async move {
-            shutdown_signal().await;
+            signals.recv().await;
             tracing::info!("shutdown requested: not ready, draining in-flight RPCs");
             ready.set(false);
             health_reporter
