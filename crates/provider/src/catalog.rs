@@ -147,6 +147,7 @@ pub fn parse_prices(text: &str) -> Result<HashMap<String, f64>, String> {
     Ok(prices)
 }
 
+#[derive(Clone, Debug)]
 pub struct Pricing {
     pub explicit: HashMap<String, f64>,
     pub per_vcpu_hour: f64,

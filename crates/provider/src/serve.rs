@@ -184,6 +184,13 @@ impl ShutdownSignals {
     }
 }
 
+/// Reflection over our API and gRPC health, served as v1 and v1alpha.
+fn reflection_builder() -> tonic_reflection::server::Builder<'static> {
+    tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(bigfleet_proto::v1alpha1::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+}
+
 /// Run until SIGINT/SIGTERM. Errors are startup failures, one line each.
 pub async fn run(plan: Plan) -> Result<(), String> {
     let signals = ShutdownSignals::install()?;
@@ -230,11 +237,7 @@ pub async fn run(plan: Plan) -> Result<(), String> {
     let backend = Arc::new(ProxmoxBackend::new(
         plan.slots.clone(),
         plan.types.clone(),
-        crate::catalog::Pricing {
-            explicit: plan.pricing.explicit.clone(),
-            per_vcpu_hour: plan.pricing.per_vcpu_hour,
-            per_gib_hour: plan.pricing.per_gib_hour,
-        },
+        plan.pricing.clone(),
         substrate,
     ));
     let engine = Engine::start(backend, store, plan.engine.clone())
@@ -251,9 +254,7 @@ pub async fn run(plan: Plan) -> Result<(), String> {
     let (health_reporter, health_service) = tonic_health::server::health_reporter();
     let reflection = if plan.args.reflection {
         Some(
-            tonic_reflection::server::Builder::configure()
-                .register_encoded_file_descriptor_set(bigfleet_proto::v1alpha1::FILE_DESCRIPTOR_SET)
-                .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+            reflection_builder()
                 .build_v1()
                 .map_err(|e| format!("reflection setup failed: {e}"))?,
         )
@@ -262,9 +263,7 @@ pub async fn run(plan: Plan) -> Result<(), String> {
     };
     let reflection_alpha = if plan.args.reflection {
         Some(
-            tonic_reflection::server::Builder::configure()
-                .register_encoded_file_descriptor_set(bigfleet_proto::v1alpha1::FILE_DESCRIPTOR_SET)
-                .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+            reflection_builder()
                 .build_v1alpha()
                 .map_err(|e| format!("reflection setup failed: {e}"))?,
         )

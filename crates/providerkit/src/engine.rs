@@ -838,7 +838,7 @@ impl Engine {
             let m = &mut record.machine;
             match outcome {
                 Ok(outcome) => {
-                    m.set_state_to(kind.to_state());
+                    m.state = kind.to_state().to_wire() as i32;
                     match kind {
                         TransitionKind::Create => {
                             if let Outcome::Created(host) = outcome {
@@ -859,7 +859,7 @@ impl Engine {
                     tracing::info!(machine_id = %id, operation_id, to = %kind.to_state(), "transition landed");
                 }
                 Err(message) => {
-                    m.set_state_to(State::Failed);
+                    m.state = State::Failed.to_wire() as i32;
                     m.last_error = if message.is_empty() {
                         format!(
                             "{} failed without a message from the substrate",
@@ -879,16 +879,6 @@ impl Engine {
         if let Err(e) = self.store.durable(ticket).await {
             tracing::error!(machine_id = %id, error = %e, "could not persist transition outcome");
         }
-    }
-}
-
-trait SetState {
-    fn set_state_to(&mut self, state: State);
-}
-
-impl SetState for pb::Machine {
-    fn set_state_to(&mut self, state: State) {
-        self.state = state.to_wire() as i32;
     }
 }
 
