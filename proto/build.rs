@@ -1,4 +1,9 @@
 //! Compiles the .proto with protox (pure Rust), so no system `protoc` is needed.
+//!
+//! Two views are generated from the one file: the plain messages and the
+//! client (`v1alpha1`), and the server (`serving`), in which `Machine` and
+//! `MachineList` are pre-encoded bytes so the provider can answer Get and
+//! List by copying what it already holds instead of building message trees.
 use std::path::PathBuf;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -12,7 +17,19 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     )?;
     tonic_prost_build::configure()
         .build_client(true)
+        .build_server(false)
+        .compile_fds(fds.clone())?;
+    let serving = out.join("serving");
+    std::fs::create_dir_all(&serving)?;
+    tonic_prost_build::configure()
+        .build_client(false)
         .build_server(true)
+        .out_dir(&serving)
+        .extern_path(".bigfleet.v1alpha1.Machine", "crate::raw::EncodedMachine")
+        .extern_path(
+            ".bigfleet.v1alpha1.MachineList",
+            "crate::raw::EncodedMachineList",
+        )
         .compile_fds(fds)?;
     Ok(())
 }

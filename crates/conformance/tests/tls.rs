@@ -1,7 +1,6 @@
 //! The harness dials TLS and mTLS endpoints (tonic ClientTlsConfig) and refuses to talk to an
 //! mTLS endpoint without a client identity.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 
 use async_trait::async_trait;
@@ -9,8 +8,8 @@ use bigfleet_proto::v1alpha1::CapacityType;
 use conformance::harness::{dial, probe, TlsOpts};
 use providerkit::service::CapacityService;
 use providerkit::{
-    Backend, BackendError, ConfigureCtx, CreateCtx, DrainCtx, Engine, EngineOptions, MemoryStore,
-    SlotSpec, SubstrateHost,
+    Backend, BackendError, CatalogFacts, ConfigureCtx, CreateCtx, DrainCtx, Engine, EngineOptions,
+    MemoryStore, SlotSpec, SubstrateHost,
 };
 use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
 use tonic::transport::{Certificate, Identity, Server, ServerTlsConfig};
@@ -23,14 +22,13 @@ impl Backend for Tiny {
         Ok((0..4)
             .map(|i| SlotSpec {
                 id: format!("tiny/{i}"),
-                instance_type: "t".into(),
-                zone: "z".into(),
-                capacity_type: CapacityType::OnDemand,
-                price_per_hour: 0.0,
-                interruption_probability: 0.0,
-                resources: HashMap::new(),
-                allocatable: HashMap::new(),
-                labels: HashMap::new(),
+                facts: CatalogFacts {
+                    instance_type: "t".into(),
+                    zone: "z".into(),
+                    capacity_type: CapacityType::OnDemand,
+                    ..Default::default()
+                }
+                .share(),
                 host: None,
             })
             .collect())

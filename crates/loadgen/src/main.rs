@@ -50,6 +50,10 @@ struct Args {
     #[arg(long, default_value_t = 5000)]
     get_rps: u32,
 
+    /// Run only these scenarios (for profiling one path); default: all.
+    #[arg(long, value_delimiter = ',', value_enum)]
+    only: Vec<scenarios::Scenario>,
+
     /// Seconds allowed for a provider boot before giving up.
     #[arg(long, default_value_t = 120)]
     boot_timeout_secs: u64,
@@ -104,11 +108,12 @@ async fn run(args: Args) -> Result<()> {
         None => None,
     };
     let mut report = Report { out };
-    let profile = if args.quick {
+    let mut profile = if args.quick {
         Profile::quick()
     } else {
         Profile::full()
     };
+    profile.only = args.only.clone();
     let unix = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_secs())
@@ -120,7 +125,7 @@ async fn run(args: Args) -> Result<()> {
     ));
 
     if let Some(target) = &args.target {
-        let bench = Bench::connect(target, &profile).await?;
+        let bench = Bench::connect(target, &profile, None).await?;
         let size = bench.inventory().await?.len();
         return bench.run_all(size, &mut report, args.get_rps).await;
     }
@@ -146,7 +151,7 @@ async fn run(args: Args) -> Result<()> {
                 rss as f64 / 1024.0
             ));
         }
-        let bench = Bench::connect(&provider.addr, &profile).await?;
+        let bench = Bench::connect(&provider.addr, &profile, provider.pid()).await?;
         let outcome = bench.run_all(size, &mut report, args.get_rps).await;
         match provider.memory_kib() {
             Ok((hwm, rss)) => report.line(format!(

@@ -24,15 +24,27 @@ type Client = CapacityProviderClient<Channel>;
 const GET_CONNECTIONS: usize = 4;
 /// Creates in the batch that precedes the delta-List measurement.
 const DELTA_BATCH: usize = 100;
-/// Concurrency levels for the Create-ack run.
-const CREATE_LEVELS: [usize; 3] = [1, 8, 64];
+/// Create-ack runs: (concurrent callers, connections they share).
+const CREATE_LEVELS: [(usize, usize); 4] = [(1, 1), (8, 8), (64, 64), (64, 4)];
 /// Poll period while waiting for a background transition to land.
 const POLL: Duration = Duration::from_millis(1);
 /// How long any single transition may take before the run is declared broken.
 const TRANSITION_TIMEOUT: Duration = Duration::from_secs(30);
 const SHARD: &str = "loadgen";
 
+/// The scenarios `--only` can pick.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Scenario {
+    List,
+    Get,
+    Delta,
+    Create,
+    Lifecycle,
+}
+
 pub struct Profile {
+    /// Scenarios to run; empty runs them all.
+    pub only: Vec<Scenario>,
     get_duration: Duration,
     list_runs: usize,
     create_cap_per_level: usize,
@@ -41,8 +53,13 @@ pub struct Profile {
 }
 
 impl Profile {
+    fn runs(&self, scenario: Scenario) -> bool {
+        self.only.is_empty() || self.only.contains(&scenario)
+    }
+
     pub fn full() -> Profile {
         Profile {
+            only: Vec::new(),
             get_duration: Duration::from_secs(3),
             list_runs: 5,
             create_cap_per_level: 4000,
@@ -53,6 +70,7 @@ impl Profile {
 
     pub fn quick() -> Profile {
         Profile {
+            only: Vec::new(),
             get_duration: Duration::from_secs(1),
             list_runs: 3,
             create_cap_per_level: 500,
@@ -66,6 +84,9 @@ pub struct Bench<'a> {
     endpoint: Endpoint,
     client: Client,
     profile: &'a Profile,
+    /// The provider's pid when it runs here: its CPU time per operation is
+    /// reported, which the shared CPU does not distort the way wall time is.
+    provider_pid: Option<u32>,
     /// Fencing epoch for this run: the start time, so a rerun against the
     /// same endpoint is always strictly newer than the previous run's marks.
     epoch: i64,
@@ -93,7 +114,11 @@ fn full_filter() -> ListFilter {
 }
 
 impl<'a> Bench<'a> {
-    pub async fn connect(addr: &str, profile: &'a Profile) -> Result<Bench<'a>> {
+    pub async fn connect(
+        addr: &str,
+        profile: &'a Profile,
+        provider_pid: Option<u32>,
+    ) -> Result<Bench<'a>> {
         let endpoint = Endpoint::from_shared(format!("http://{addr}"))
             .with_context(|| format!("bad target address {addr:?}"))?
             .tcp_nodelay(true);
@@ -102,6 +127,7 @@ impl<'a> Bench<'a> {
             endpoint,
             client,
             profile,
+            provider_pid,
             epoch: token_epoch(),
         })
     }
@@ -126,24 +152,47 @@ impl<'a> Bench<'a> {
         if ids.is_empty() {
             bail!("the provider has no SPECULATIVE machines to exercise");
         }
-        let revision = self.full_list(size, report).await?;
-        self.open_loop_get(size, &ids, get_rps, report).await?;
+        let revision = if self.profile.runs(Scenario::List) {
+            self.full_list(size, report).await?
+        } else {
+            // The current cursor, without paying for a full List.
+            self.client
+                .clone()
+                .list(ListFilter {
+                    states: vec![MachineState::Deleting as i32],
+                    ..Default::default()
+                })
+                .await
+                .context("List for the current revision")?
+                .into_inner()
+                .revision
+        };
+        if self.profile.runs(Scenario::Get) {
+            self.open_loop_get(size, &ids, get_rps, report).await?;
+        }
 
         // Split the speculative pool so no machine is used by two runs.
         let life_n = self.profile.lifecycle_machines.min(ids.len() / 4).max(1);
         let life_ids: Vec<String> = ids.split_off(ids.len() - life_n);
         let delta_n = DELTA_BATCH.min(ids.len() / 4);
         let delta_ids: Vec<String> = ids.split_off(ids.len() - delta_n);
-        self.delta_list(size, revision, delta_ids, report).await?;
+        if self.profile.runs(Scenario::Delta) {
+            self.delta_list(size, revision, delta_ids, report).await?;
+        }
         let per_level = self
             .profile
             .create_cap_per_level
             .min(ids.len() / CREATE_LEVELS.len());
-        for level in CREATE_LEVELS {
-            let batch: Vec<String> = ids.split_off(ids.len() - per_level);
-            self.create_acks(size, level, batch, report).await?;
+        if self.profile.runs(Scenario::Create) {
+            for (level, conns) in CREATE_LEVELS {
+                let batch: Vec<String> = ids.split_off(ids.len() - per_level);
+                self.create_acks(size, level, conns, batch, report).await?;
+            }
         }
-        self.lifecycle(size, life_ids, report).await
+        if self.profile.runs(Scenario::Lifecycle) {
+            self.lifecycle(size, life_ids, report).await?;
+        }
+        Ok(())
     }
 
     /// Full List wall time and size, and the cost of just encoding it.
@@ -194,6 +243,7 @@ impl<'a> Bench<'a> {
         rps: u32,
         report: &mut Report,
     ) -> Result<()> {
+        let cpu_before = self.provider_pid.and_then(process_cpu);
         let mut clients = Vec::with_capacity(GET_CONNECTIONS);
         for _ in 0..GET_CONNECTIONS {
             clients.push(dial(&self.endpoint).await?);
@@ -245,8 +295,15 @@ impl<'a> Bench<'a> {
             }
         }
         let achieved = from_due.len() as f64 / started.elapsed().as_secs_f64();
+        let cpu = match (cpu_before, self.provider_pid.and_then(process_cpu)) {
+            (Some(before), Some(after)) if total > 0 => format!(
+                "{:.0}",
+                after.saturating_sub(before).as_secs_f64() * 1e6 / total as f64
+            ),
+            _ => "skipped".to_string(),
+        };
         report.line(format!(
-            "get_p50_us={} get_p99_us={} get_max_us={} get_service_p99_us={} client_send_lag_p99_us={} offered_rps={rps} achieved_rps={achieved:.0} errors={errors} conns={GET_CONNECTIONS} size={size}",
+            "get_p50_us={} get_p99_us={} get_max_us={} get_service_p99_us={} client_send_lag_p99_us={} server_cpu_us_per_get={cpu} offered_rps={rps} achieved_rps={achieved:.0} errors={errors} conns={GET_CONNECTIONS} size={size}",
             us(from_due.percentile(50.0)),
             us(from_due.percentile(99.0)),
             us(from_due.percentile(100.0)),
@@ -270,6 +327,8 @@ impl<'a> Bench<'a> {
         run_concurrently(
             &self.endpoint,
             8,
+            8,
+            None,
             ids.clone(),
             self.epoch,
             |mut c, id, epoch| async move { c.create(create_req(&id, epoch, 1)).await.map(|_| ()) },
@@ -309,22 +368,27 @@ impl<'a> Bench<'a> {
         &self,
         size: usize,
         level: usize,
+        conns: usize,
         ids: Vec<String>,
         report: &mut Report,
     ) -> Result<()> {
         let n = ids.len();
-        let t = Instant::now();
-        let mut lat = run_concurrently(
+        let (mut lat, wall, cpu) = run_concurrently(
             &self.endpoint,
             level,
+            conns,
+            self.provider_pid,
             Arc::new(ids),
             self.epoch,
             |mut c, id, epoch| async move { c.create(create_req(&id, epoch, 1)).await.map(|_| ()) },
         )
         .await?;
-        let wall = t.elapsed();
+        let cpu = match cpu {
+            Some(cpu) => format!("{:.0}", cpu.as_secs_f64() * 1e6 / n as f64),
+            None => "skipped".to_string(),
+        };
         report.line(format!(
-            "create_acks_per_s={:.0} create_p50_us={} create_p99_us={} clients={level} creates={n} size={size}",
+            "create_acks_per_s={:.0} create_p50_us={} create_p99_us={} server_cpu_us_per_create={cpu} clients={level} conns={conns} creates={n} size={size}",
             n as f64 / wall.as_secs_f64(),
             us(lat.percentile(50.0)),
             us(lat.percentile(99.0)),
@@ -407,25 +471,34 @@ fn create_req(id: &str, epoch: i64, seq: i64) -> CreateRequest {
     }
 }
 
-/// Runs `op` once per id with `level` workers, each on its own connection;
-/// returns per-call latencies. Any failed call fails the run.
+/// Runs `op` once per id with `level` workers spread over `conns`
+/// connections; returns per-call latencies, the wall time (connections are
+/// made before the clock starts) and, when `pid` is given, the CPU time that
+/// process spent meanwhile. Any failed call fails the run.
 async fn run_concurrently<F, Fut>(
     endpoint: &Endpoint,
     level: usize,
+    conns: usize,
+    pid: Option<u32>,
     ids: Arc<Vec<String>>,
     epoch: i64,
     op: F,
-) -> Result<Samples>
+) -> Result<(Samples, Duration, Option<Duration>)>
 where
     F: Fn(Client, String, i64) -> Fut + Send + Sync + Clone + 'static,
     Fut: std::future::Future<Output = Result<(), tonic::Status>> + Send,
 {
     let next = Arc::new(AtomicUsize::new(0));
     let mut workers = Vec::with_capacity(level);
-    let mut clients = Vec::with_capacity(level);
-    for _ in 0..level {
-        clients.push(dial(endpoint).await?);
+    let mut channels = Vec::with_capacity(conns.max(1));
+    for _ in 0..conns.max(1) {
+        channels.push(dial(endpoint).await?);
     }
+    let clients: Vec<Client> = (0..level)
+        .map(|i| channels[i % channels.len()].clone())
+        .collect();
+    let cpu_before = pid.and_then(process_cpu);
+    let started = Instant::now();
     for client in clients {
         let (next, ids, op) = (next.clone(), ids.clone(), op.clone());
         workers.push(tokio::spawn(async move {
@@ -446,7 +519,24 @@ where
     for w in workers {
         all.extend(w.await.context("worker task")??);
     }
-    Ok(all)
+    let wall = started.elapsed();
+    let cpu = match (cpu_before, pid.and_then(process_cpu)) {
+        (Some(before), Some(after)) => after.checked_sub(before),
+        _ => None,
+    };
+    Ok((all, wall, cpu))
+}
+
+/// User + system CPU time of a process so far, from /proc (USER_HZ = 100
+/// ticks per second on Linux, so a 10 ms resolution).
+fn process_cpu(pid: u32) -> Option<Duration> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // Fields after the parenthesised command name, which may hold spaces.
+    let rest = &stat[stat.rfind(')')? + 2..];
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let utime: u64 = fields.get(11)?.parse().ok()?;
+    let stime: u64 = fields.get(12)?.parse().ok()?;
+    Some(Duration::from_millis((utime + stime) * 10))
 }
 
 /// Polls Get until `id` reaches `want`; FAILED or a timeout is an error.
@@ -492,13 +582,15 @@ pub async fn restart_with_state(
         ms(first.startup)
     ));
     let mutated = {
-        let bench = Bench::connect(&first.addr, profile).await?;
+        let bench = Bench::connect(&first.addr, profile, first.pid()).await?;
         let mut ids = bench.inventory().await?;
         ids.truncate(200);
         let n = ids.len();
         run_concurrently(
             &bench.endpoint,
             8,
+            8,
+            None,
             Arc::new(ids.clone()),
             bench.epoch,
             |mut c, id, e| async move { c.create(create_req(&id, e, 1)).await.map(|_| ()) },
@@ -513,7 +605,7 @@ pub async fn restart_with_state(
     let second = Provider::spawn(bin, size, Some(&state), boot_timeout)
         .await
         .context("restart with --state")?;
-    let bench = Bench::connect(&second.addr, profile).await?;
+    let bench = Bench::connect(&second.addr, profile, second.pid()).await?;
     let list = bench
         .client
         .clone()

@@ -7,7 +7,8 @@ use std::sync::Arc;
 use async_trait::async_trait;
 use bigfleet_proto::v1alpha1 as pb;
 use providerkit::{
-    Backend, BackendError, ConfigureCtx, CreateCtx, DeleteCtx, DrainCtx, SlotSpec, SubstrateHost,
+    Backend, BackendError, CatalogFacts, ConfigureCtx, CreateCtx, DeleteCtx, DrainCtx, SlotSpec,
+    SubstrateHost,
 };
 
 use crate::catalog::{self, InstanceType, Pricing, Slot};
@@ -46,14 +47,7 @@ impl ProxmoxBackend {
     fn spec(slot: &Slot, host: Option<SubstrateHost>) -> SlotSpec {
         SlotSpec {
             id: slot.id.clone(),
-            instance_type: slot.instance_type.clone(),
-            zone: slot.zone.clone(),
-            capacity_type: pb::CapacityType::OnDemand,
-            price_per_hour: slot.price_per_hour,
-            interruption_probability: 0.0,
-            resources: slot.resources.clone(),
-            allocatable: slot.allocatable.clone(),
-            labels: slot.labels.clone(),
+            facts: slot.facts.clone(),
             host,
         }
     }
@@ -71,14 +65,17 @@ impl ProxmoxBackend {
         let allocatable = t.map(catalog::allocatable).unwrap_or_default();
         SlotSpec {
             id: machine_id.to_string(),
-            price_per_hour: self.pricing.price(&instance_type, t),
-            instance_type,
-            zone: vm.node.clone(),
-            capacity_type: pb::CapacityType::OnDemand,
-            interruption_probability: 0.0,
-            resources: allocatable.clone(),
-            allocatable,
-            labels: HashMap::new(),
+            facts: CatalogFacts {
+                price_per_hour: self.pricing.price(&instance_type, t),
+                instance_type,
+                zone: vm.node.clone(),
+                capacity_type: pb::CapacityType::OnDemand,
+                interruption_probability: 0.0,
+                resources: allocatable.clone(),
+                allocatable,
+                labels: HashMap::new(),
+            }
+            .share(),
             host: Some(SubstrateHost {
                 host_ref: vm.host_ref(),
             }),

@@ -3,6 +3,8 @@
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 
+use bigfleet_proto::v1alpha1 as pb;
+use providerkit::{CatalogFacts, SharedFacts};
 use serde::Deserialize;
 
 /// One instance type: the template to clone and the clone's size.
@@ -30,16 +32,11 @@ pub struct Offering {
     pub labels: BTreeMap<String, String>,
 }
 
-/// A fully resolved slot.
+/// A fully resolved slot; its facts are shared with every slot of its offering.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Slot {
     pub id: String,
-    pub instance_type: String,
-    pub zone: String,
-    pub price_per_hour: f64,
-    pub resources: HashMap<String, String>,
-    pub allocatable: HashMap<String, String>,
-    pub labels: HashMap<String, String>,
+    pub facts: SharedFacts,
 }
 
 pub fn builtin_instance_types(template_vmid: u32) -> BTreeMap<String, InstanceType> {
@@ -267,6 +264,17 @@ pub fn expand_slots(
             o.resources.clone().into_iter().collect()
         };
         let price = pricing.price(&o.instance_type, Some(t));
+        let facts = CatalogFacts {
+            instance_type: o.instance_type.clone(),
+            zone: o.zone.clone(),
+            capacity_type: pb::CapacityType::OnDemand,
+            price_per_hour: price,
+            interruption_probability: 0.0,
+            resources,
+            allocatable: alloc,
+            labels: o.labels.clone().into_iter().collect(),
+        }
+        .share();
         let counter = next_index
             .entry((o.instance_type.clone(), o.zone.clone()))
             .or_insert(0);
@@ -276,12 +284,7 @@ pub fn expand_slots(
                     "{provider}/OnDemand/{}/{}/{:03}",
                     o.instance_type, o.zone, *counter
                 ),
-                instance_type: o.instance_type.clone(),
-                zone: o.zone.clone(),
-                price_per_hour: price,
-                resources: resources.clone(),
-                allocatable: alloc.clone(),
-                labels: o.labels.clone().into_iter().collect(),
+                facts: facts.clone(),
             });
             *counter += 1;
         }

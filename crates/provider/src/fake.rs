@@ -2,7 +2,7 @@
 //! nodes, power state, a guest agent that runs the bootstrap hook and the
 //! drain). Testing and certification only; selected explicitly.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -29,7 +29,16 @@ pub struct FakeCluster {
 
 struct FakeState {
     vms: BTreeMap<u32, FakeVm>,
+    /// machine id -> vmid, so a Create's idempotency check is one lookup.
+    by_machine: HashMap<String, u32>,
     next_vmid: u32,
+}
+
+impl FakeState {
+    fn insert(&mut self, vmid: u32, vm: FakeVm) {
+        self.by_machine.insert(vm.machine_id.clone(), vmid);
+        self.vms.insert(vmid, vm);
+    }
 }
 
 impl FakeCluster {
@@ -39,6 +48,7 @@ impl FakeCluster {
             latency,
             state: Mutex::new(FakeState {
                 vms: BTreeMap::new(),
+                by_machine: HashMap::new(),
                 next_vmid: 100,
             }),
         }
@@ -53,14 +63,19 @@ impl FakeCluster {
     pub fn restore(&self, vm: &VmRef, machine_id: &str) {
         let mut state = self.state.lock();
         state.next_vmid = state.next_vmid.max(vm.vmid.saturating_add(1));
-        state.vms.entry(vm.vmid).or_insert_with(|| FakeVm {
-            node: vm.node.clone(),
-            name: format!("bigfleet-{}", vm.vmid),
-            machine_id: machine_id.to_string(),
-            operation_id: String::new(),
-            running: true,
-            bootstrap_bytes: None,
-        });
+        if !state.vms.contains_key(&vm.vmid) {
+            state.insert(
+                vm.vmid,
+                FakeVm {
+                    node: vm.node.clone(),
+                    name: format!("bigfleet-{}", vm.vmid),
+                    machine_id: machine_id.to_string(),
+                    operation_id: String::new(),
+                    running: true,
+                    bootstrap_bytes: None,
+                },
+            );
+        }
     }
 
     /// Power a VM off behind the provider's back (tests).
@@ -107,16 +122,14 @@ impl Substrate for FakeCluster {
         }
         {
             let mut state = self.state.lock();
-            if let Some((&vmid, vm)) = state
-                .vms
-                .iter_mut()
-                .find(|(_, vm)| vm.machine_id == req.machine_id)
-            {
-                vm.running = true;
-                return Ok(VmRef {
-                    node: vm.node.clone(),
-                    vmid,
-                });
+            if let Some(vmid) = state.by_machine.get(&req.machine_id).copied() {
+                if let Some(vm) = state.vms.get_mut(&vmid) {
+                    vm.running = true;
+                    return Ok(VmRef {
+                        node: vm.node.clone(),
+                        vmid,
+                    });
+                }
             }
         }
         self.step(2).await;
@@ -124,7 +137,7 @@ impl Substrate for FakeCluster {
             let mut state = self.state.lock();
             let vmid = state.next_vmid;
             state.next_vmid += 1;
-            state.vms.insert(
+            state.insert(
                 vmid,
                 FakeVm {
                     node: req.node.clone(),
@@ -148,7 +161,12 @@ impl Substrate for FakeCluster {
 
     async fn delete_vm(&self, vm: &VmRef) -> Result<(), SubstrateError> {
         self.step(1).await;
-        self.state.lock().vms.remove(&vm.vmid);
+        let mut state = self.state.lock();
+        if let Some(removed) = state.vms.remove(&vm.vmid) {
+            if state.by_machine.get(&removed.machine_id) == Some(&vm.vmid) {
+                state.by_machine.remove(&removed.machine_id);
+            }
+        }
         Ok(())
     }
 

@@ -248,7 +248,7 @@ pub fn plan(args: Args) -> Result<Plan, String> {
     let zones = match backend {
         BackendKind::Proxmox => zones,
         BackendKind::Fake => {
-            let mut z: Vec<String> = slots.iter().map(|s| s.zone.clone()).collect();
+            let mut z: Vec<String> = slots.iter().map(|s| s.facts.zone.clone()).collect();
             z.sort();
             z.dedup();
             z

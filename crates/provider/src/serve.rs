@@ -10,7 +10,7 @@ use axum::http::{header, StatusCode};
 use axum::response::IntoResponse;
 use axum::routing::get;
 use axum::Router;
-use bigfleet_proto::v1alpha1::capacity_provider_server::CapacityProviderServer;
+use bigfleet_proto::serving::capacity_provider_server::CapacityProviderServer;
 use providerkit::service::CapacityService;
 use providerkit::{Engine, MemoryStore, Store};
 use tokio::net::TcpListener;
@@ -100,7 +100,11 @@ async fn proxmox_substrate(plan: &Plan) -> Result<Arc<dyn Substrate>, String> {
     let mut templates: Vec<u32> = plan
         .slots
         .iter()
-        .filter_map(|s| plan.types.get(&s.instance_type).map(|t| t.template_vmid))
+        .filter_map(|s| {
+            plan.types
+                .get(&s.facts.instance_type)
+                .map(|t| t.template_vmid)
+        })
         .collect();
     templates.sort_unstable();
     templates.dedup();
@@ -245,7 +249,11 @@ pub async fn run(plan: Plan) -> Result<(), String> {
         .map_err(|e| format!("startup failed: {e}"))?;
     if let Some(fake) = &fake {
         for machine in engine.list(&[], 0, &[]).machines {
-            if let Some(vm) = machine.host.and_then(|h| VmRef::parse(&h.r#ref).ok()) {
+            if let Some(vm) = machine
+                .host
+                .as_ref()
+                .and_then(|h| VmRef::parse(&h.r#ref).ok())
+            {
                 fake.restore(&vm, &machine.id);
             }
         }

@@ -8,13 +8,13 @@ mod common;
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
+use bigfleet_proto::raw::{EncodedMachine, EncodedMachineList};
+use bigfleet_proto::serving;
+use bigfleet_proto::serving::capacity_provider_server::{CapacityProvider, CapacityProviderServer};
 use bigfleet_proto::v1alpha1::capacity_provider_client::CapacityProviderClient;
-use bigfleet_proto::v1alpha1::capacity_provider_server::{
-    CapacityProvider, CapacityProviderServer,
-};
 use bigfleet_proto::v1alpha1::{
     ConfigureRequest, CreateRequest, DeleteRequest, DrainRequest, ListFilter, Machine, MachineList,
-    MachineRef, MachineState, TransitionAck,
+    MachineRef, MachineState,
 };
 use bigfleet_proxmox::layers::{CatchPanicLayer, ObserveLayer};
 use bigfleet_proxmox::metrics::Metrics;
@@ -789,26 +789,41 @@ struct PanicsOnGet;
 
 #[tonic::async_trait]
 impl CapacityProvider for PanicsOnGet {
-    async fn create(&self, _: Request<CreateRequest>) -> Result<Response<TransitionAck>, Status> {
+    async fn create(
+        &self,
+        _: Request<serving::CreateRequest>,
+    ) -> Result<Response<serving::TransitionAck>, Status> {
         Err(Status::unimplemented("create"))
     }
     async fn configure(
         &self,
-        _: Request<ConfigureRequest>,
-    ) -> Result<Response<TransitionAck>, Status> {
+        _: Request<serving::ConfigureRequest>,
+    ) -> Result<Response<serving::TransitionAck>, Status> {
         Err(Status::unimplemented("configure"))
     }
-    async fn drain(&self, _: Request<DrainRequest>) -> Result<Response<TransitionAck>, Status> {
+    async fn drain(
+        &self,
+        _: Request<serving::DrainRequest>,
+    ) -> Result<Response<serving::TransitionAck>, Status> {
         Err(Status::unimplemented("drain"))
     }
-    async fn delete(&self, _: Request<DeleteRequest>) -> Result<Response<TransitionAck>, Status> {
+    async fn delete(
+        &self,
+        _: Request<serving::DeleteRequest>,
+    ) -> Result<Response<serving::TransitionAck>, Status> {
         Err(Status::unimplemented("delete"))
     }
-    async fn get(&self, request: Request<MachineRef>) -> Result<Response<Machine>, Status> {
+    async fn get(
+        &self,
+        request: Request<serving::MachineRef>,
+    ) -> Result<Response<EncodedMachine>, Status> {
         panic!("boom on Get {}", request.into_inner().id);
     }
-    async fn list(&self, _: Request<ListFilter>) -> Result<Response<MachineList>, Status> {
-        Ok(Response::new(MachineList::default()))
+    async fn list(
+        &self,
+        _: Request<serving::ListFilter>,
+    ) -> Result<Response<EncodedMachineList>, Status> {
+        Ok(Response::new(EncodedMachineList::default()))
     }
 }
 

@@ -3,8 +3,8 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
+use crate::model::SharedFacts;
 use async_trait::async_trait;
-use bigfleet_proto::v1alpha1 as pb;
 
 /// A substrate failure; its text becomes the machine's `last_error`.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -21,19 +21,13 @@ impl BackendError {
     }
 }
 
-/// One slot the substrate offers: its identity and catalogue facts, plus the
-/// host currently attached to it, if the substrate already has one.
+/// One slot the substrate offers: its identity and catalogue facts (shared
+/// by every slot of an offering), plus the host currently attached to it, if
+/// the substrate already has one.
 #[derive(Clone, Debug, PartialEq)]
 pub struct SlotSpec {
     pub id: String,
-    pub instance_type: String,
-    pub zone: String,
-    pub capacity_type: pb::CapacityType,
-    pub price_per_hour: f64,
-    pub interruption_probability: f64,
-    pub resources: HashMap<String, String>,
-    pub allocatable: HashMap<String, String>,
-    pub labels: HashMap<String, String>,
+    pub facts: SharedFacts,
     /// A host the substrate found marked for this slot (adopted as IDLE
     /// when the engine has no lifecycle state of its own for the slot).
     pub host: Option<SubstrateHost>,

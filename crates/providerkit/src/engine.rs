@@ -10,8 +10,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use bigfleet_proto::raw::{EncodedMachine, EncodedMachineList, RawMessage};
 use bigfleet_proto::v1alpha1 as pb;
 use parking_lot::RwLock;
+use prost::encoding::{encode_key, encode_varint, encoded_len_varint, WireType};
 use tokio::time::Instant;
 
 use crate::backend::{
@@ -22,6 +24,9 @@ use crate::error::KitError;
 use crate::fence::Token;
 use crate::model::{MachineRecord, State, TransitionKind};
 use crate::store::{Change, FenceMark, Store, StoreError, Ticket};
+
+/// Slots applied per hold of the state lock during a reconcile pass.
+const INVENTORY_BATCH: usize = 2048;
 
 /// Per-transition deadlines, measured from acceptance.
 #[derive(Clone, Debug)]
@@ -123,14 +128,47 @@ pub struct ReconcileReport {
 #[derive(Clone, Debug)]
 pub struct Ack {
     pub operation_id: String,
-    pub machine: pb::Machine,
+    /// The machine as of the ack (a snapshot; the engine moves on).
+    pub machine: Arc<MachineRecord>,
 }
 
-/// The answer to a List.
+/// The answer to a List: a snapshot of the matching records, taken under
+/// the lock and encoded after it is released.
 #[derive(Clone, Debug)]
 pub struct ListPage {
-    pub machines: Vec<pb::Machine>,
+    pub machines: Vec<Arc<MachineRecord>>,
     pub revision: Vec<u8>,
+}
+
+impl ListPage {
+    /// The `MachineList` encoding, built in one buffer.
+    pub fn encode(&self) -> EncodedMachineList {
+        let lens: Vec<usize> = self.machines.iter().map(|m| m.wire_len()).collect();
+        let body: usize = lens
+            .iter()
+            .map(|&len| 1 + encoded_len_varint(len as u64) + len)
+            .sum();
+        let mut buf = Vec::with_capacity(
+            body + 2 + encoded_len_varint(self.revision.len() as u64) + self.revision.len(),
+        );
+        for (machine, len) in self.machines.iter().zip(lens) {
+            encode_key(1, WireType::LengthDelimited, &mut buf);
+            encode_varint(len as u64, &mut buf);
+            machine.encode_wire(&mut buf);
+        }
+        if !self.revision.is_empty() {
+            prost::encoding::bytes::encode(2, &self.revision, &mut buf);
+        }
+        RawMessage(buf.into())
+    }
+
+    /// The page as message trees (tests and tools).
+    pub fn to_wire(&self) -> pb::MachineList {
+        pb::MachineList {
+            machines: self.machines.iter().map(|m| m.to_wire()).collect(),
+            revision: self.revision.clone(),
+        }
+    }
 }
 
 /// Request parameters that differ per transition.
@@ -173,7 +211,8 @@ enum Outcome {
 
 #[derive(Default)]
 struct Inner {
-    machines: Vec<MachineRecord>,
+    /// Shared with List snapshots and the store; changed copy-on-write.
+    machines: Vec<Arc<MachineRecord>>,
     index: HashMap<String, usize>,
     /// rev -> machine slot; every machine appears exactly once.
     by_rev: BTreeMap<u64, usize>,
@@ -185,19 +224,27 @@ struct Inner {
 impl Inner {
     fn insert(&mut self, record: MachineRecord) {
         let slot = self.machines.len();
-        self.index.insert(record.machine.id.clone(), slot);
+        self.index.insert(record.id.clone(), slot);
         self.by_rev.insert(record.rev, slot);
         self.revision = self.revision.max(record.rev);
-        self.machines.push(record);
+        self.machines.push(Arc::new(record));
     }
 
-    /// Give the machine in `slot` a fresh revision (after a visible change).
-    fn bump(&mut self, slot: usize) {
+    /// The record in `slot`, for changing (copied only if a reader holds it).
+    fn record_mut(&mut self, slot: usize) -> &mut MachineRecord {
+        Arc::make_mut(&mut self.machines[slot])
+    }
+
+    /// Give the machine in `slot` a fresh revision (after a visible change)
+    /// and return the change to persist.
+    fn bump(&mut self, slot: usize) -> Change {
         self.revision += 1;
+        let revision = self.revision;
         let old = self.machines[slot].rev;
         self.by_rev.remove(&old);
-        self.machines[slot].rev = self.revision;
-        self.by_rev.insert(self.revision, slot);
+        self.record_mut(slot).rev = revision;
+        self.by_rev.insert(revision, slot);
+        Change::Machine(Arc::clone(&self.machines[slot]))
     }
 }
 
@@ -227,11 +274,11 @@ impl Engine {
             let state = record.state();
             if state.is_transitional() {
                 record.set_state(State::Failed);
-                record.machine.last_error = format!(
+                record.last_error = format!(
                     "interrupted by a provider restart while {state}; the substrate may hold \
                      a partial result"
                 );
-                recovered.push(record.machine.id.clone());
+                recovered.push(record.id.clone());
             }
             inner.insert(record);
         }
@@ -259,8 +306,7 @@ impl Engine {
             let mut changes = Vec::new();
             for id in &recovered {
                 if let Some(&slot) = inner.index.get(id) {
-                    inner.bump(slot);
-                    changes.push(Change::Machine(Box::new(inner.machines[slot].clone())));
+                    changes.push(inner.bump(slot));
                 }
             }
             engine.store.submit(changes)
@@ -314,32 +360,57 @@ impl Engine {
     /// overwritten; nothing is bumped when nothing changed.
     async fn apply_inventory(&self, specs: Vec<SlotSpec>) -> Result<ReconcileReport, StoreError> {
         let mut report = ReconcileReport::default();
-        let ticket = {
+        let mut ticket = None;
+        let mut specs = specs.into_iter().peekable();
+        // In batches, so a pass over a large fleet never holds the lock
+        // long enough to stall the RPCs waiting on it.
+        while specs.peek().is_some() {
             let mut inner = self.inner.write();
             let mut changes = Vec::new();
-            for spec in specs {
-                match inner.index.get(&spec.id).copied() {
-                    Some(slot) => {
-                        if refresh_catalogue(&mut inner.machines[slot].machine, &spec)
-                            || self.mutant_bump_on_reconcile()
-                        {
-                            inner.bump(slot);
-                            changes.push(Change::Machine(Box::new(inner.machines[slot].clone())));
-                            report.refreshed += 1;
-                        }
+            for spec in specs.by_ref().take(INVENTORY_BATCH) {
+                self.apply_spec(&mut inner, spec, &mut changes, &mut report);
+            }
+            ticket = Some(self.store.submit(changes));
+        }
+        if let Some(ticket) = ticket {
+            self.store.durable(ticket).await?;
+        }
+        Ok(report)
+    }
+
+    fn apply_spec(
+        &self,
+        inner: &mut Inner,
+        spec: SlotSpec,
+        changes: &mut Vec<Change>,
+        report: &mut ReconcileReport,
+    ) {
+        match inner.index.get(&spec.id).copied() {
+            Some(slot) => {
+                let current = &inner.machines[slot].facts;
+                if Arc::ptr_eq(current, &spec.facts) {
+                    if self.mutant_bump_on_reconcile() {
+                        changes.push(inner.bump(slot));
+                        report.refreshed += 1;
                     }
-                    None => {
-                        let record = self.new_record(&spec, inner.revision + 1);
-                        changes.push(Change::Machine(Box::new(record.clone())));
-                        inner.insert(record);
-                        report.added += 1;
-                    }
+                } else if current.same_as(&spec.facts) {
+                    // Same facts from another source (a load): share the
+                    // substrate's copy; nothing visible changed.
+                    inner.record_mut(slot).facts = spec.facts;
+                } else {
+                    inner.record_mut(slot).facts = spec.facts;
+                    changes.push(inner.bump(slot));
+                    report.refreshed += 1;
                 }
             }
-            self.store.submit(changes)
-        };
-        self.store.durable(ticket).await?;
-        Ok(report)
+            None => {
+                let record = self.new_record(spec, inner.revision + 1);
+                inner.insert(record);
+                let slot = inner.machines.len() - 1;
+                changes.push(Change::Machine(Arc::clone(&inner.machines[slot])));
+                report.added += 1;
+            }
+        }
     }
 
     #[cfg(feature = "mutants")]
@@ -352,22 +423,13 @@ impl Engine {
         false
     }
 
-    fn new_record(&self, spec: &SlotSpec, rev: u64) -> MachineRecord {
-        let mut machine = pb::Machine {
-            id: spec.id.clone(),
-            state: State::Speculative.to_wire() as i32,
-            ..Default::default()
-        };
-        refresh_catalogue(&mut machine, spec);
+    fn new_record(&self, spec: SlotSpec, rev: u64) -> MachineRecord {
+        let mut record = MachineRecord::new(spec.id, spec.facts, rev);
         if let Some(host) = &spec.host {
-            machine.state = State::Idle.to_wire() as i32;
-            machine.host = Some(self.host_ref(host));
+            record.state = State::Idle;
+            record.host = Some(self.host_ref(host));
         }
-        MachineRecord {
-            machine,
-            rev,
-            ops: Default::default(),
-        }
+        record
     }
 
     fn host_ref(&self, host: &SubstrateHost) -> pb::HostRef {
@@ -392,7 +454,8 @@ impl Engine {
             .map_err(|e| KitError::Store(e.0))
     }
 
-    pub fn get(&self, id: &str) -> Result<pb::Machine, KitError> {
+    /// The current record of one machine.
+    pub fn get_record(&self, id: &str) -> Result<Arc<MachineRecord>, KitError> {
         if id.is_empty() {
             return Err(KitError::InvalidArgument("id must not be empty".into()));
         }
@@ -401,7 +464,17 @@ impl Engine {
             .index
             .get(id)
             .ok_or_else(|| KitError::NotFound(format!("machine {id:?} not found")))?;
-        Ok(inner.machines[*slot].machine.clone())
+        Ok(Arc::clone(&inner.machines[*slot]))
+    }
+
+    /// One machine as a message tree (tests and tools).
+    pub fn get(&self, id: &str) -> Result<pb::Machine, KitError> {
+        Ok(self.get_record(id)?.to_wire())
+    }
+
+    /// One machine, encoded for the wire (what Get serves).
+    pub fn get_encoded(&self, id: &str) -> Result<EncodedMachine, KitError> {
+        Ok(self.get_record(id)?.encoded())
     }
 
     /// List in revision order. With a valid `since_revision` only machines
@@ -420,14 +493,14 @@ impl Engine {
         let mut machines = Vec::with_capacity(cap.min(inner.machines.len()));
         let mut last_rev = None;
         for (&rev, &slot) in inner.by_rev.range(since.saturating_add(1)..) {
-            let machine = &inner.machines[slot].machine;
-            if !wanted.is_empty() && !wanted.contains(&machine.state) {
+            let machine = &inner.machines[slot];
+            if !wanted.is_empty() && !wanted.contains(&(machine.state.to_wire() as i32)) {
                 continue;
             }
             if machines.len() == cap {
                 break;
             }
-            machines.push(machine.clone());
+            machines.push(Arc::clone(machine));
             last_rev = Some(rev);
         }
         let cursor_rev = if machines.len() == cap {
@@ -592,11 +665,22 @@ impl Engine {
                 token.shard_id, token.epoch, token.sequence
             )));
         }
-        inner
+        let mark = (token.epoch, token.sequence);
+        // Keys are allocated only the first time a pair is seen.
+        match inner
             .fences
-            .entry(token.shard_id.clone())
-            .or_default()
-            .insert(mark_key.to_string(), (token.epoch, token.sequence));
+            .get_mut(&token.shard_id)
+            .and_then(|marks| marks.get_mut(mark_key))
+        {
+            Some(slot) => *slot = mark,
+            None => {
+                inner
+                    .fences
+                    .entry(token.shard_id.clone())
+                    .or_default()
+                    .insert(mark_key.to_string(), mark);
+            }
+        }
         changes.push(Change::Fence(FenceMark {
             shard_id: token.shard_id.clone(),
             machine_id: mark_key.to_string(),
@@ -648,27 +732,27 @@ impl Engine {
             return Err(self.out_of_position(format!(
                 "machine {id:?} is FAILED and needs intervention; {} is not accepted (last_error: {})",
                 kind.name(),
-                inner.machines[slot].machine.last_error
+                inner.machines[slot].last_error
             )));
         }
-        let record = &inner.machines[slot];
         if state == kind.via_state() || state == kind.to_state() {
+            let record = &inner.machines[slot];
             if let Some(op) = record.op(kind) {
                 return Ok(Ack {
                     operation_id: op.to_string(),
-                    machine: record.machine.clone(),
+                    machine: Arc::clone(record),
                 });
             }
             // A machine adopted from the substrate is at Create's target with
             // no Create on record: record one so retries see the same id.
             if kind == TransitionKind::Create && state == State::Idle {
                 let op = self.mint_operation_id();
-                let record = &mut inner.machines[slot];
-                record.ops[kind.index()] = Some(op.clone());
-                changes.push(Change::Machine(Box::new(record.clone())));
+                inner.record_mut(slot).ops[kind.index()] = Some(op.clone());
+                let record = Arc::clone(&inner.machines[slot]);
+                changes.push(Change::Machine(Arc::clone(&record)));
                 return Ok(Ack {
                     operation_id: op,
-                    machine: record.machine.clone(),
+                    machine: record,
                 });
             }
         }
@@ -680,12 +764,15 @@ impl Engine {
             )));
         }
         let op = self.mint_operation_id();
-        let record = &mut inner.machines[slot];
+        let stored_metadata = match &params {
+            Params::Configure { shard_metadata, .. } => self.stored_metadata(shard_metadata),
+            _ => HashMap::new(),
+        };
+        let record = inner.record_mut(slot);
         record.set_state(kind.via_state());
-        record.machine.last_error.clear();
+        record.last_error.clear();
         record.ops[kind.index()] = Some(op.clone());
         let host_ref = record
-            .machine
             .host
             .as_ref()
             .map(|h| h.r#ref.clone())
@@ -698,8 +785,8 @@ impl Engine {
                 Work::Create(CreateCtx {
                     machine_id: id.to_string(),
                     operation_id: op.clone(),
-                    instance_type: record.machine.instance_type.clone(),
-                    zone: record.machine.zone.clone(),
+                    instance_type: record.facts.instance_type.clone(),
+                    zone: record.facts.zone.clone(),
                 })
             }
             Params::Configure {
@@ -708,8 +795,8 @@ impl Engine {
                 shard_metadata,
             } => {
                 record.ops[TransitionKind::Drain.index()] = None;
-                record.machine.cluster = cluster_id.clone();
-                record.machine.shard_metadata = self.stored_metadata(&shard_metadata);
+                record.cluster = cluster_id.clone();
+                record.shard_metadata = stored_metadata;
                 Work::Configure(ConfigureCtx {
                     machine_id: id.to_string(),
                     operation_id: op.clone(),
@@ -723,7 +810,7 @@ impl Engine {
                 machine_id: id.to_string(),
                 operation_id: op.clone(),
                 host_ref,
-                cluster_id: record.machine.cluster.clone(),
+                cluster_id: record.cluster.clone(),
                 grace_period: grace,
             }),
             Params::Delete => {
@@ -737,12 +824,11 @@ impl Engine {
                 })
             }
         });
-        inner.bump(slot);
-        let record = &inner.machines[slot];
-        changes.push(Change::Machine(Box::new(record.clone())));
+        let change = inner.bump(slot);
+        changes.push(change);
         Ok(Ack {
             operation_id: op,
-            machine: record.machine.clone(),
+            machine: Arc::clone(&inner.machines[slot]),
         })
     }
 
@@ -830,19 +916,23 @@ impl Engine {
             let Some(&slot) = inner.index.get(id) else {
                 return;
             };
-            let record = &mut inner.machines[slot];
+            let record = &inner.machines[slot];
             if record.state() != kind.via_state() || record.op(kind) != Some(operation_id) {
                 tracing::info!(machine_id = %id, operation_id, "late completion discarded");
                 return;
             }
-            let m = &mut record.machine;
+            let host = match &outcome {
+                Ok(Outcome::Created(host)) => Some(self.host_ref(host)),
+                _ => None,
+            };
+            let m = inner.record_mut(slot);
             match outcome {
-                Ok(outcome) => {
-                    m.state = kind.to_state().to_wire() as i32;
+                Ok(_) => {
+                    m.state = kind.to_state();
                     match kind {
                         TransitionKind::Create => {
-                            if let Outcome::Created(host) = outcome {
-                                m.host = Some(self.host_ref(&host));
+                            if host.is_some() {
+                                m.host = host;
                             }
                         }
                         TransitionKind::Configure => {}
@@ -859,7 +949,7 @@ impl Engine {
                     tracing::info!(machine_id = %id, operation_id, to = %kind.to_state(), "transition landed");
                 }
                 Err(message) => {
-                    m.state = State::Failed.to_wire() as i32;
+                    m.state = State::Failed;
                     m.last_error = if message.is_empty() {
                         format!(
                             "{} failed without a message from the substrate",
@@ -871,44 +961,13 @@ impl Engine {
                     tracing::warn!(machine_id = %id, operation_id, error = %m.last_error, "transition failed");
                 }
             }
-            inner.bump(slot);
-            self.store.submit(vec![Change::Machine(Box::new(
-                inner.machines[slot].clone(),
-            ))])
+            let change = inner.bump(slot);
+            self.store.submit(vec![change])
         };
         if let Err(e) = self.store.durable(ticket).await {
             tracing::error!(machine_id = %id, error = %e, "could not persist transition outcome");
         }
     }
-}
-
-/// Copy the substrate's catalogue facts; true when anything changed.
-fn refresh_catalogue(m: &mut pb::Machine, spec: &SlotSpec) -> bool {
-    let resources = Some(pb::Resources {
-        resources: spec.resources.clone(),
-    });
-    let allocatable = Some(pb::Resources {
-        resources: spec.allocatable.clone(),
-    });
-    let changed = m.instance_type != spec.instance_type
-        || m.zone != spec.zone
-        || m.capacity_type != spec.capacity_type as i32
-        || m.price_per_hour.to_bits() != spec.price_per_hour.to_bits()
-        || m.interruption_probability.to_bits() != spec.interruption_probability.to_bits()
-        || m.resources != resources
-        || m.allocatable != allocatable
-        || m.labels != spec.labels;
-    if changed {
-        m.instance_type = spec.instance_type.clone();
-        m.zone = spec.zone.clone();
-        m.capacity_type = spec.capacity_type as i32;
-        m.price_per_hour = spec.price_per_hour;
-        m.interruption_probability = spec.interruption_probability;
-        m.resources = resources;
-        m.allocatable = allocatable;
-        m.labels = spec.labels.clone();
-    }
-    changed
 }
 
 fn humanize(d: Duration) -> String {

@@ -28,5 +28,7 @@ pub use engine::{
 };
 pub use error::KitError;
 pub use fence::Token;
-pub use model::{MachineRecord, State, TransitionKind};
+pub use model::{
+    CatalogFacts, Facts, FactsInterner, MachineRecord, SharedFacts, State, TransitionKind,
+};
 pub use store::{Change, FenceMark, Loaded, MemoryStore, Store, StoreError, Ticket};

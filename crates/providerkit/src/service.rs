@@ -2,10 +2,9 @@
 
 use std::sync::Arc;
 
-use bigfleet_proto::v1alpha1 as pb;
-use bigfleet_proto::v1alpha1::capacity_provider_server::{
-    CapacityProvider, CapacityProviderServer,
-};
+use bigfleet_proto::raw::{EncodedMachine, EncodedMachineList};
+use bigfleet_proto::serving as pb;
+use bigfleet_proto::serving::capacity_provider_server::{CapacityProvider, CapacityProviderServer};
 use tonic::{Request, Response, Status};
 
 use crate::engine::{Ack, Engine};
@@ -34,7 +33,7 @@ fn ack(result: Result<Ack, crate::KitError>) -> Result<Response<pb::TransitionAc
     let ack = result?;
     Ok(Response::new(pb::TransitionAck {
         operation_id: ack.operation_id,
-        machine: Some(ack.machine),
+        machine: Some(ack.machine.encoded()),
     }))
 }
 
@@ -88,8 +87,11 @@ impl CapacityProvider for CapacityService {
         ack(self.engine.delete(&r.machine_id, token).await)
     }
 
-    async fn get(&self, request: Request<pb::MachineRef>) -> Result<Response<pb::Machine>, Status> {
-        let machine = self.engine.get(&request.into_inner().id)?;
+    async fn get(
+        &self,
+        request: Request<pb::MachineRef>,
+    ) -> Result<Response<EncodedMachine>, Status> {
+        let machine = self.engine.get_encoded(&request.into_inner().id)?;
         self.engine.read_barrier().await?;
         Ok(Response::new(machine))
     }
@@ -97,15 +99,12 @@ impl CapacityProvider for CapacityService {
     async fn list(
         &self,
         request: Request<pb::ListFilter>,
-    ) -> Result<Response<pb::MachineList>, Status> {
+    ) -> Result<Response<EncodedMachineList>, Status> {
         let r = request.into_inner();
         let page = self
             .engine
             .list(&r.states, r.max_results, &r.since_revision);
         self.engine.read_barrier().await?;
-        Ok(Response::new(pb::MachineList {
-            machines: page.machines,
-            revision: page.revision,
-        }))
+        Ok(Response::new(page.encode()))
     }
 }

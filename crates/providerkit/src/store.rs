@@ -7,6 +7,7 @@
 //! many submissions with one fsync.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
 use futures::future::BoxFuture;
 use parking_lot::Mutex;
@@ -29,7 +30,8 @@ pub struct FenceMark {
 /// fence marks are separate rows so a fenced-out retry writes only its mark.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Change {
-    Machine(Box<MachineRecord>),
+    /// The record as of the change, shared with the engine (no copy).
+    Machine(Arc<MachineRecord>),
     Fence(FenceMark),
 }
 
@@ -74,7 +76,7 @@ pub struct MemoryStore {
 struct MemoryInner {
     ticket: Ticket,
     generation: u64,
-    machines: HashMap<String, MachineRecord>,
+    machines: HashMap<String, Arc<MachineRecord>>,
     fences: HashMap<(String, String), FenceMark>,
 }
 
@@ -103,7 +105,8 @@ impl Store for MemoryStore {
         } else {
             inner.generation + 1
         };
-        let mut machines: Vec<MachineRecord> = inner.machines.values().cloned().collect();
+        let mut machines: Vec<MachineRecord> =
+            inner.machines.values().map(|m| (**m).clone()).collect();
         machines.sort_by_key(|m| m.rev);
         Ok(Loaded {
             machines,
@@ -122,7 +125,7 @@ impl Store for MemoryStore {
             for change in changes {
                 match change {
                     Change::Machine(record) => {
-                        inner.machines.insert(record.machine.id.clone(), *record);
+                        inner.machines.insert(record.id.clone(), record);
                     }
                     Change::Fence(mark) => {
                         inner

@@ -9,8 +9,9 @@ use async_trait::async_trait;
 use bigfleet_proto::v1alpha1 as pb;
 use parking_lot::Mutex;
 use providerkit::{
-    Backend, BackendError, ConfigureCtx, CreateCtx, DeleteCtx, DrainCtx, Engine, EngineOptions,
-    KitError, MemoryStore, SlotSpec, State, Store, SubstrateHost, Timeouts, Token, TransitionKind,
+    Backend, BackendError, CatalogFacts, ConfigureCtx, CreateCtx, DeleteCtx, DrainCtx, Engine,
+    EngineOptions, KitError, MemoryStore, SlotSpec, State, Store, SubstrateHost, Timeouts, Token,
+    TransitionKind,
 };
 use tokio::sync::Notify;
 
@@ -38,14 +39,17 @@ struct ScriptedBackend {
 fn slot(id: &str) -> SlotSpec {
     SlotSpec {
         id: id.to_string(),
-        instance_type: "pve.small".into(),
-        zone: "pve-a".into(),
-        capacity_type: pb::CapacityType::OnDemand,
-        price_per_hour: 0.01,
-        interruption_probability: 0.0,
-        resources: HashMap::from([("cpu".into(), "1".into())]),
-        allocatable: HashMap::from([("cpu".into(), "2".into())]),
-        labels: HashMap::new(),
+        facts: CatalogFacts {
+            instance_type: "pve.small".into(),
+            zone: "pve-a".into(),
+            capacity_type: pb::CapacityType::OnDemand,
+            price_per_hour: 0.01,
+            interruption_probability: 0.0,
+            resources: HashMap::from([("cpu".into(), "1".into())]),
+            allocatable: HashMap::from([("cpu".into(), "2".into())]),
+            labels: HashMap::new(),
+        }
+        .share(),
         host: None,
     }
 }
@@ -377,7 +381,7 @@ async fn parallel_identical_creates_collapse_to_one_operation() {
     for t in tasks {
         match t.await.unwrap() {
             Ok(ack) => {
-                assert_eq!(ack.machine.state, pb::MachineState::Creating as i32);
+                assert_eq!(ack.machine.state, State::Creating);
                 ops.insert(ack.operation_id);
             }
             // Tokens raced: an older one arriving after a newer one is stale.
@@ -471,9 +475,13 @@ async fn position_matrix_all_states_by_all_rpcs() {
                         "{kind:?} on {state} was accepted but must be rejected"
                     );
                     if legal {
-                        assert_eq!(ack.machine.state, kind.via_state().to_wire() as i32);
+                        assert_eq!(ack.machine.state, kind.via_state());
                     } else {
-                        assert_eq!(ack.machine, before, "idempotent no-op changed the machine");
+                        assert_eq!(
+                            ack.machine.to_wire(),
+                            before,
+                            "idempotent no-op changed the machine"
+                        );
                     }
                 }
                 Err(err) => {
@@ -657,7 +665,11 @@ async fn reconcile_bumps_nothing_when_nothing_changed() {
         let mut slots = backend.slots.lock();
         slots.push(slot("m-new"));
         for s in slots.iter_mut() {
-            s.price_per_hour = 0.02;
+            s.facts = CatalogFacts {
+                price_per_hour: 0.02,
+                ..(**s.facts).clone()
+            }
+            .share();
             // A host reported by the substrate never overrides our state.
             s.host = Some(SubstrateHost {
                 host_ref: "elsewhere/1".into(),
@@ -762,4 +774,66 @@ async fn unimplemented_delete_and_distinct_operation_ids() {
         .unwrap()
         .operation_id;
     assert!(a != b && b != c && a != c);
+}
+
+#[tokio::test]
+async fn served_encodings_decode_to_the_message_trees() {
+    use prost::Message;
+    let engine = start(Arc::new(ScriptedBackend::new(5))).await;
+    to_configured(&engine, "m-0001").await;
+    to_idle(&engine, "m-0002").await;
+    let page = engine.list(&[], 0, &[]);
+    let decoded = pb::MachineList::decode(page.encode().as_bytes()).unwrap();
+    assert_eq!(decoded, page.to_wire());
+    assert_eq!(decoded.machines.len(), 5);
+    assert_eq!(decoded.revision, page.revision);
+    for m in &decoded.machines {
+        let one = pb::Machine::decode(engine.get_encoded(&m.id).unwrap().as_bytes()).unwrap();
+        assert_eq!(&one, m);
+    }
+    let configured = &decoded.machines[decoded.machines.len() - 1];
+    assert_eq!(configured.id, "m-0002");
+    let m1 = decoded.machines.iter().find(|m| m.id == "m-0001").unwrap();
+    assert_eq!(m1.cluster, "cluster-1");
+    assert_eq!(m1.shard_metadata["k"], "v");
+    assert_eq!(m1.resources.as_ref().unwrap().resources["cpu"], "1");
+    assert_eq!(m1.allocatable.as_ref().unwrap().resources["cpu"], "2");
+    // An empty page still carries its cursor.
+    let empty = engine.list(&[], 0, &page.revision);
+    let decoded = pb::MachineList::decode(empty.encode().as_bytes()).unwrap();
+    assert!(decoded.machines.is_empty());
+    assert_eq!(decoded.revision, page.revision);
+}
+
+#[tokio::test]
+async fn list_snapshot_is_unchanged_by_later_mutations() {
+    let engine = start(Arc::new(ScriptedBackend::new(2))).await;
+    to_configured(&engine, "m-0000").await;
+    let snapshot = engine.list(&[], 0, &[]);
+    let before = snapshot.to_wire();
+    engine.drain("m-0000", none(), 0).await.unwrap();
+    wait_for(&engine, "m-0000", State::Idle).await;
+    assert_eq!(snapshot.to_wire(), before);
+    let now = engine.get("m-0000").unwrap();
+    assert_eq!(now.state, pb::MachineState::Idle as i32);
+    assert!(now.cluster.is_empty());
+}
+
+#[tokio::test]
+async fn equal_facts_from_another_source_are_shared_without_a_bump() {
+    let backend = Arc::new(ScriptedBackend::new(3));
+    let engine = start(backend.clone()).await;
+    let rev = engine.list(&[], 0, &[]).revision;
+    // Same content, new allocations (as a store load produces).
+    let fresh: Vec<SlotSpec> = (0..3).map(|i| slot(&format!("m-{i:04}"))).collect();
+    *backend.slots.lock() = fresh.clone();
+    assert_eq!(
+        engine.reconcile().await.unwrap(),
+        providerkit::ReconcileReport::default()
+    );
+    assert!(engine.list(&[], 0, &rev).machines.is_empty());
+    for spec in &fresh {
+        let record = engine.get_record(&spec.id).unwrap();
+        assert!(Arc::ptr_eq(&record.facts, &spec.facts));
+    }
 }

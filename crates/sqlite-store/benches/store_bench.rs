@@ -11,60 +11,69 @@ use std::fs::File;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use bigfleet_proto::v1alpha1 as pb;
 use futures::future::BoxFuture;
 use parking_lot::Mutex;
-use providerkit::{Change, FenceMark, Loaded, MachineRecord, State, Store, StoreError, Ticket};
+use providerkit::{
+    CatalogFacts, Change, FenceMark, Loaded, MachineRecord, SharedFacts, State, Store, StoreError,
+    Ticket,
+};
 use sqlite_store::SqliteStore;
 
 const SIZES: [usize; 3] = [1_000, 10_000, 100_000];
 const CLIENTS: [usize; 2] = [1, 16];
 
-fn machine_record(i: usize, rev: u64) -> MachineRecord {
-    let labels = (0..5)
-        .map(|k| (format!("label-{k}"), format!("value-{k}-{i}")))
-        .collect();
-    let shard_metadata = (0..4)
-        .map(|k| (format!("bigfleet.io/key-{k}"), format!("meta-{k}-{i}")))
-        .collect();
-    let resources = Some(pb::Resources {
-        resources: HashMap::from([
+/// Three offerings (one per zone); every machine shares its offering's facts.
+fn offering(i: usize) -> SharedFacts {
+    static OFFERINGS: OnceLock<Vec<SharedFacts>> = OnceLock::new();
+    let offerings = OFFERINGS.get_or_init(|| {
+        let resources = HashMap::from([
             ("cpu".to_string(), "8".to_string()),
             ("memory".to_string(), "32Gi".to_string()),
             ("ephemeral-storage".to_string(), "100Gi".to_string()),
-        ]),
+        ]);
+        (0..3)
+            .map(|z| {
+                CatalogFacts {
+                    instance_type: "pve.8c32g".into(),
+                    zone: format!("zone-{z}"),
+                    capacity_type: pb::CapacityType::OnDemand,
+                    price_per_hour: 0.42,
+                    interruption_probability: 0.0,
+                    resources: resources.clone(),
+                    allocatable: resources.clone(),
+                    labels: (0..5)
+                        .map(|k| (format!("label-{k}"), format!("value-{k}-{z}")))
+                        .collect(),
+                }
+                .share()
+            })
+            .collect()
     });
-    MachineRecord {
-        machine: pb::Machine {
-            id: format!("pve-slot-{i:07}"),
-            state: State::Configured.to_wire() as i32,
-            host: Some(pb::HostRef {
-                provider: "proxmox".into(),
-                r#ref: format!("node{}/{}", i % 16, 100 + i),
-            }),
-            instance_type: "pve.8c32g".into(),
-            zone: format!("zone-{}", i % 3),
-            capacity_type: pb::CapacityType::OnDemand as i32,
-            price_per_hour: 0.42,
-            interruption_probability: 0.0,
-            resources: resources.clone(),
-            labels,
-            last_error: String::new(),
-            allocatable: resources,
-            cluster: "cluster-prod-1".into(),
-            shard_metadata,
-        },
-        rev,
-        ops: [
-            Some(format!("op-1-{i:x}")),
-            Some(format!("op-1-{:x}", i + 1)),
-            None,
-            None,
-        ],
-    }
+    offerings[i % offerings.len()].clone()
+}
+
+fn machine_record(i: usize, rev: u64) -> MachineRecord {
+    let mut r = MachineRecord::new(format!("pve-slot-{i:07}"), offering(i), rev);
+    r.state = State::Configured;
+    r.host = Some(pb::HostRef {
+        provider: "proxmox".into(),
+        r#ref: format!("node{}/{}", i % 16, 100 + i),
+    });
+    r.cluster = "cluster-prod-1".into();
+    r.shard_metadata = (0..4)
+        .map(|k| (format!("bigfleet.io/key-{k}"), format!("meta-{k}-{i}")))
+        .collect();
+    r.ops = [
+        Some(format!("op-1-{i:x}")),
+        Some(format!("op-1-{:x}", i + 1)),
+        None,
+        None,
+    ];
+    r
 }
 
 // ---------------------------------------------------------------------------
@@ -122,7 +131,7 @@ struct JsonFence {
 #[derive(Default)]
 struct NaiveState {
     ticket: Ticket,
-    machines: HashMap<String, MachineRecord>,
+    machines: HashMap<String, Arc<MachineRecord>>,
     fences: HashMap<(String, String), (i64, i64)>,
 }
 
@@ -149,23 +158,23 @@ impl NaiveJsonStore {
                 .machines
                 .values()
                 .map(|r| {
-                    let m = &r.machine;
+                    let f = &r.facts;
                     JsonOut {
-                        id: &m.id,
+                        id: &r.id,
                         rev: r.rev,
-                        state: m.state,
-                        host: m.host.as_ref().map(|h| h.r#ref.as_str()),
-                        instance_type: &m.instance_type,
-                        zone: &m.zone,
-                        capacity_type: m.capacity_type,
-                        price_per_hour: m.price_per_hour,
-                        interruption_probability: m.interruption_probability,
-                        resources: m.resources.as_ref().map(|r| &r.resources),
-                        allocatable: m.allocatable.as_ref().map(|r| &r.resources),
-                        labels: &m.labels,
-                        last_error: &m.last_error,
-                        cluster: &m.cluster,
-                        shard_metadata: &m.shard_metadata,
+                        state: r.state.to_wire() as i32,
+                        host: r.host.as_ref().map(|h| h.r#ref.as_str()),
+                        instance_type: &f.instance_type,
+                        zone: &f.zone,
+                        capacity_type: f.capacity_type as i32,
+                        price_per_hour: f.price_per_hour,
+                        interruption_probability: f.interruption_probability,
+                        resources: Some(&f.resources),
+                        allocatable: Some(&f.allocatable),
+                        labels: &f.labels,
+                        last_error: &r.last_error,
+                        cluster: &r.cluster,
+                        shard_metadata: &r.shard_metadata,
                         ops: &r.ops,
                     }
                 })
@@ -219,7 +228,7 @@ impl Store for NaiveJsonStore {
         for change in changes {
             match change {
                 Change::Machine(r) => {
-                    state.machines.insert(r.machine.id.clone(), *r);
+                    state.machines.insert(r.id.clone(), r);
                 }
                 Change::Fence(f) => {
                     state
@@ -278,22 +287,21 @@ async fn drive(store: Arc<dyn Store>, n: usize, clients: usize, budget: Duration
                 k += 1;
                 let rev = rev.fetch_add(1, Ordering::Relaxed);
                 let mut record = machine_record(i, rev);
-                record.machine.state = if k.is_multiple_of(2) {
+                record.state = if k.is_multiple_of(2) {
                     State::Idle
                 } else {
                     State::Configuring
-                }
-                .to_wire() as i32;
+                };
                 let fence = FenceMark {
                     shard_id: format!("shard-{c}"),
-                    machine_id: record.machine.id.clone(),
+                    machine_id: record.id.clone(),
                     epoch: 1,
                     sequence: rev as i64,
                 };
                 let t0 = Instant::now();
                 let ticket = store.submit(vec![
                     Change::Fence(fence),
-                    Change::Machine(Box::new(record)),
+                    Change::Machine(Arc::new(record)),
                 ]);
                 store.durable(ticket).await.unwrap();
                 latencies.push(t0.elapsed());
@@ -349,7 +357,7 @@ fn main() {
         store.load().unwrap();
         let ticket = store.submit(
             (0..n)
-                .map(|i| Change::Machine(Box::new(machine_record(i, i as u64 + 1))))
+                .map(|i| Change::Machine(Arc::new(machine_record(i, i as u64 + 1))))
                 .collect(),
         );
         rt.block_on(store.durable(ticket)).unwrap();
@@ -380,7 +388,7 @@ fn main() {
         let json = Arc::new(json);
         json.submit(
             (0..n)
-                .map(|i| Change::Machine(Box::new(machine_record(i, i as u64 + 1))))
+                .map(|i| Change::Machine(Arc::new(machine_record(i, i as u64 + 1))))
                 .collect(),
         );
         rt.block_on(json.durable(0)).unwrap();

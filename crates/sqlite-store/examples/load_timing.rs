@@ -1,47 +1,57 @@
 //! Where restart time goes: open vs load at 100k machines, repeated.
 //! `cargo run --release -p sqlite-store --example load_timing -- /tmp/x.db`
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::Instant;
 
 use bigfleet_proto::v1alpha1 as pb;
-use providerkit::{Change, MachineRecord, Store};
+use providerkit::{CatalogFacts, Change, MachineRecord, SharedFacts, State, Store};
 use sqlite_store::SqliteStore;
 
-fn record(i: usize) -> MachineRecord {
-    let map = |p: &str, n: usize| -> HashMap<String, String> {
+/// Four offerings, as a catalogue has a handful; machines share their facts.
+fn record(i: usize, offerings: &[SharedFacts]) -> MachineRecord {
+    let mut r = MachineRecord::new(
+        format!("pve-slot-{i:07}"),
+        offerings[i % offerings.len()].clone(),
+        i as u64 + 1,
+    );
+    r.state = State::Configured;
+    r.host = Some(pb::HostRef {
+        provider: "proxmox".into(),
+        r#ref: format!("node1/{i}"),
+    });
+    r.shard_metadata = (0..4)
+        .map(|k| (format!("meta-{k}"), format!("value-{k}-{i}")))
+        .collect();
+    r.cluster = "cluster-prod-1".into();
+    r.ops = [
+        Some(format!("op-1-{i:x}")),
+        Some(format!("op-2-{i:x}")),
+        None,
+        None,
+    ];
+    r
+}
+
+fn offerings() -> Vec<SharedFacts> {
+    let map = |p: &str, n: usize, o: usize| -> HashMap<String, String> {
         (0..n)
-            .map(|k| (format!("{p}-{k}"), format!("value-{k}-{i}")))
+            .map(|k| (format!("{p}-{k}"), format!("value-{k}-{o}")))
             .collect()
     };
-    MachineRecord {
-        machine: pb::Machine {
-            id: format!("pve-slot-{i:07}"),
-            state: 5,
-            host: Some(pb::HostRef {
-                provider: "proxmox".into(),
-                r#ref: format!("node1/{i}"),
-            }),
-            instance_type: "pve.8c32g".into(),
-            zone: "zone-1".into(),
-            resources: Some(pb::Resources {
-                resources: map("r", 3),
-            }),
-            allocatable: Some(pb::Resources {
-                resources: map("a", 3),
-            }),
-            labels: map("label", 5),
-            shard_metadata: map("meta", 4),
-            cluster: "cluster-prod-1".into(),
-            ..Default::default()
-        },
-        rev: i as u64 + 1,
-        ops: [
-            Some(format!("op-1-{i:x}")),
-            Some(format!("op-2-{i:x}")),
-            None,
-            None,
-        ],
-    }
+    (0..4)
+        .map(|o| {
+            CatalogFacts {
+                instance_type: format!("pve.type{o}"),
+                zone: "zone-1".into(),
+                resources: map("r", 3, o),
+                allocatable: map("a", 3, o),
+                labels: map("label", 5, o),
+                ..Default::default()
+            }
+            .share()
+        })
+        .collect()
 }
 
 fn main() {
@@ -49,9 +59,10 @@ fn main() {
     if !path.exists() {
         let store = SqliteStore::open(&path).unwrap();
         store.load().unwrap();
+        let offerings = offerings();
         let t = store.submit(
             (0..100_000)
-                .map(|i| Change::Machine(Box::new(record(i))))
+                .map(|i| Change::Machine(Arc::new(record(i, &offerings))))
                 .collect(),
         );
         futures::executor::block_on(store.durable(t)).unwrap();

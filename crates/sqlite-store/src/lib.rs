@@ -25,11 +25,11 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use bigfleet_proto::v1alpha1 as pb;
 use futures::future::BoxFuture;
 use parking_lot::{Condvar, Mutex};
-use prost::Message;
-use providerkit::{Change, FenceMark, Loaded, MachineRecord, Store, StoreError, Ticket};
+use providerkit::{
+    Change, FactsInterner, FenceMark, Loaded, MachineRecord, Store, StoreError, Ticket,
+};
 use rusqlite::{Connection, ErrorCode, OpenFlags, TransactionBehavior};
 use tokio::sync::watch;
 
@@ -460,39 +460,43 @@ impl RawChunk {
         Ok(())
     }
 
-    fn decode(self, path: &Path, out: &mut Vec<MachineRecord>) -> Result<(), StoreError> {
+    fn decode(
+        self,
+        path: &Path,
+        out: &mut Vec<MachineRecord>,
+        interner: &mut FactsInterner,
+    ) -> Result<(), StoreError> {
         let text = |range: &std::ops::Range<usize>| {
             // Came out of SQLite as TEXT, which the scan checked is UTF-8.
             String::from_utf8_lossy(&self.bytes[range.clone()]).into_owned()
         };
         for row in &self.rows {
             let id = &self.bytes[row.id.clone()];
-            let machine = pb::Machine::decode(&self.bytes[row.record.clone()]).map_err(|e| {
-                invalid(
-                    path,
-                    format!("machine {:?} has an invalid record: {e}", text(&row.id)),
-                )
-            })?;
-            if machine.id.as_bytes() != id {
+            let ops = [
+                row.ops[0].as_ref().map(text),
+                row.ops[1].as_ref().map(text),
+                row.ops[2].as_ref().map(text),
+                row.ops[3].as_ref().map(text),
+            ];
+            let record =
+                MachineRecord::decode_wire(&self.bytes[row.record.clone()], row.rev, ops, interner)
+                    .map_err(|e| {
+                        invalid(
+                            path,
+                            format!("machine {:?} has an invalid record: {e}", text(&row.id)),
+                        )
+                    })?;
+            if record.id.as_bytes() != id {
                 return Err(invalid(
                     path,
                     format!(
                         "machine row {:?} holds the record of {:?}",
                         text(&row.id),
-                        machine.id
+                        record.id
                     ),
                 ));
             }
-            out.push(MachineRecord {
-                machine,
-                rev: row.rev,
-                ops: [
-                    row.ops[0].as_ref().map(text),
-                    row.ops[1].as_ref().map(text),
-                    row.ops[2].as_ref().map(text),
-                    row.ops[3].as_ref().map(text),
-                ],
-            });
+            out.push(record);
         }
         Ok(())
     }
@@ -522,8 +526,9 @@ fn load_machines(
             senders.push(send);
             decoders.push(scope.spawn(move || {
                 let mut out = Vec::new();
+                let mut interner = FactsInterner::new();
                 for chunk in receive {
-                    chunk.decode(path, &mut out)?;
+                    chunk.decode(path, &mut out, &mut interner)?;
                 }
                 Ok::<_, StoreError>(out)
             }));
@@ -583,7 +588,7 @@ fn load_machines(
 /// The latest version of every changed row; later changes overwrite earlier.
 #[derive(Default)]
 struct Batch {
-    machines: HashMap<String, Box<MachineRecord>>,
+    machines: HashMap<String, Arc<MachineRecord>>,
     fences: HashMap<(String, String), FenceMark>,
 }
 
@@ -592,7 +597,7 @@ impl Batch {
         for change in changes {
             match change {
                 Change::Machine(record) => {
-                    self.machines.insert(record.machine.id.clone(), record);
+                    self.machines.insert(record.id.clone(), record);
                 }
                 Change::Fence(mark) => {
                     self.fences
@@ -619,9 +624,9 @@ fn write_batch(conn: &mut Connection, batch: &Batch) -> rusqlite::Result<()> {
         for record in batch.machines.values() {
             let [create, configure, drain, delete] = &record.ops;
             put.execute(rusqlite::params![
-                record.machine.id,
+                record.id,
                 record.rev,
-                record.machine.encode_to_vec(),
+                record.encoded().as_bytes(),
                 create,
                 configure,
                 drain,

@@ -9,8 +9,8 @@ use std::time::Duration;
 use async_trait::async_trait;
 use bigfleet_proto::v1alpha1 as pb;
 use providerkit::{
-    Backend, BackendError, ConfigureCtx, CreateCtx, DrainCtx, Engine, EngineOptions, KitError,
-    SlotSpec, State, SubstrateHost, Token,
+    Backend, BackendError, CatalogFacts, ConfigureCtx, CreateCtx, DrainCtx, Engine, EngineOptions,
+    KitError, SlotSpec, State, SubstrateHost, Token,
 };
 use sqlite_store::SqliteStore;
 
@@ -24,14 +24,15 @@ impl Backend for TinyBackend {
             .iter()
             .map(|id| SlotSpec {
                 id: id.to_string(),
-                instance_type: "small".into(),
-                zone: "z1".into(),
-                capacity_type: pb::CapacityType::OnDemand,
-                price_per_hour: 0.1,
-                interruption_probability: 0.0,
-                resources: HashMap::from([("cpu".into(), "2".into())]),
-                allocatable: HashMap::new(),
-                labels: HashMap::new(),
+                facts: CatalogFacts {
+                    instance_type: "small".into(),
+                    zone: "z1".into(),
+                    capacity_type: pb::CapacityType::OnDemand,
+                    price_per_hour: 0.1,
+                    resources: HashMap::from([("cpu".into(), "2".into())]),
+                    ..Default::default()
+                }
+                .share(),
                 host: None,
             })
             .collect())
@@ -132,7 +133,7 @@ fn engine_state_survives_restart() {
             )
             .await
             .unwrap();
-        assert_eq!(ack.machine.state, State::Configuring.to_wire() as i32);
+        assert_eq!(ack.machine.state, State::Configuring);
         (create.operation_id, configure.operation_id, before)
     });
     // The "crash": every task (and with it the engine and store) is dropped

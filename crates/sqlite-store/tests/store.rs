@@ -6,7 +6,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use bigfleet_proto::v1alpha1 as pb;
-use providerkit::{Change, FenceMark, MachineRecord, State, Store};
+use providerkit::{CatalogFacts, Change, FenceMark, MachineRecord, State, Store};
 use sqlite_store::{SqliteStore, SCHEMA_VERSION};
 
 fn record(id: &str, rev: u64, state: State) -> MachineRecord {
@@ -14,26 +14,24 @@ fn record(id: &str, rev: u64, state: State) -> MachineRecord {
     labels.insert("zone".to_string(), "z1".to_string());
     let mut metadata = HashMap::new();
     metadata.insert("k".to_string(), "v\u{e9}rbatim \0 bytes".to_string());
-    MachineRecord {
-        machine: pb::Machine {
-            id: id.to_string(),
-            state: state.to_wire() as i32,
-            host: Some(pb::HostRef {
-                provider: "proxmox".into(),
-                r#ref: format!("pve1/{rev}"),
-            }),
-            instance_type: "small".into(),
-            zone: "z1".into(),
-            price_per_hour: 0.25,
-            labels,
-            cluster: "c1".into(),
-            shard_metadata: metadata,
-            last_error: String::new(),
-            ..Default::default()
-        },
-        rev,
-        ops: [Some(format!("op-1-{rev}")), None, Some("op-x".into()), None],
+    let facts = CatalogFacts {
+        instance_type: "small".into(),
+        zone: "z1".into(),
+        price_per_hour: 0.25,
+        labels,
+        ..Default::default()
     }
+    .share();
+    let mut r = MachineRecord::new(id.to_string(), facts, rev);
+    r.state = state;
+    r.host = Some(pb::HostRef {
+        provider: "proxmox".into(),
+        r#ref: format!("pve1/{rev}"),
+    });
+    r.cluster = "c1".into();
+    r.shard_metadata = metadata;
+    r.ops = [Some(format!("op-1-{rev}")), None, Some("op-x".into()), None];
+    r
 }
 
 fn mark(shard: &str, machine: &str, epoch: i64, sequence: i64) -> FenceMark {
@@ -46,7 +44,7 @@ fn mark(shard: &str, machine: &str, epoch: i64, sequence: i64) -> FenceMark {
 }
 
 fn machine(r: MachineRecord) -> Change {
-    Change::Machine(Box::new(r))
+    Change::Machine(Arc::new(r))
 }
 
 fn sorted_fences(mut f: Vec<FenceMark>) -> Vec<FenceMark> {
@@ -70,7 +68,7 @@ async fn round_trip_survives_reopen() {
         assert!(loaded.machines.is_empty() && loaded.fences.is_empty());
         // The same machine twice in one batch: the later record wins.
         let mut stale = record("m-2", 0, State::Idle);
-        stale.machine.cluster = "stale".into();
+        stale.cluster = "stale".into();
         let mut changes = vec![machine(stale)];
         changes.extend(expected_machines.iter().cloned().map(machine));
         changes.push(Change::Fence(mark("s1", "m-1", 1, 1)));
@@ -311,8 +309,7 @@ async fn failed_commit_reports_and_later_commit_heals() {
     let pages = store.page_count_for_tests().unwrap();
     store.set_max_page_count_for_tests(pages).unwrap();
     let mut big = record("m-big", 2, State::Idle);
-    big.machine
-        .labels
+    big.shard_metadata
         .insert("blob".into(), "x".repeat(256 * 1024));
     let t = store.submit(vec![machine(big.clone())]);
     let err = store
@@ -337,11 +334,7 @@ async fn failed_commit_reports_and_later_commit_heals() {
     drop(store);
 
     let loaded = SqliteStore::open(&path).unwrap().load().unwrap();
-    let ids: Vec<&str> = loaded
-        .machines
-        .iter()
-        .map(|m| m.machine.id.as_str())
-        .collect();
+    let ids: Vec<&str> = loaded.machines.iter().map(|m| m.id.as_str()).collect();
     assert_eq!(ids, ["m-0", "m-big", "m-1"]);
     assert_eq!(loaded.machines[1], big);
 }

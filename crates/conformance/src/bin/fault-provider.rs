@@ -19,8 +19,8 @@ use clap::Parser;
 use parking_lot::Mutex;
 use providerkit::service::CapacityService;
 use providerkit::{
-    Backend, BackendError, ConfigureCtx, CreateCtx, DeleteCtx, DrainCtx, Engine, EngineOptions,
-    MemoryStore, SlotSpec, SubstrateHost, Timeouts,
+    Backend, BackendError, CatalogFacts, ConfigureCtx, CreateCtx, DeleteCtx, DrainCtx, Engine,
+    EngineOptions, MemoryStore, SlotSpec, SubstrateHost, Timeouts,
 };
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::net::TcpListener;
@@ -123,17 +123,21 @@ impl Backend for FaultBackend {
                 .map(|(k, v)| (k.to_string(), v.to_string()))
                 .collect::<HashMap<_, _>>()
         };
+        let facts = CatalogFacts {
+            instance_type: "f.small".into(),
+            zone: "zone-a".into(),
+            capacity_type: CapacityType::OnDemand,
+            price_per_hour: 0.05,
+            interruption_probability: 0.0,
+            resources: kv(&[("cpu", "2"), ("memory", "4Gi")]),
+            allocatable: kv(&[("cpu", "4"), ("memory", "8Gi")]),
+            labels: HashMap::new(),
+        }
+        .share();
         Ok((0..self.slots)
             .map(|i| SlotSpec {
                 id: format!("fault/OnDemand/f.small/zone-a/{i:04}"),
-                instance_type: "f.small".into(),
-                zone: "zone-a".into(),
-                capacity_type: CapacityType::OnDemand,
-                price_per_hour: 0.05,
-                interruption_probability: 0.0,
-                resources: kv(&[("cpu", "2"), ("memory", "4Gi")]),
-                allocatable: kv(&[("cpu", "4"), ("memory", "8Gi")]),
-                labels: HashMap::new(),
+                facts: facts.clone(),
                 host: None,
             })
             .collect())
