@@ -8,10 +8,13 @@ use std::process::Stdio;
 use std::sync::Arc;
 use std::time::Duration;
 
+use base64::Engine;
 use parking_lot::RwLock;
 use serde_json::{json, Value};
 use tokio::io::AsyncWriteExt;
 use tokio::task::AbortHandle;
+
+use crate::qga::QgaProcess;
 
 /// Env var pointing exec'd processes at their VM's scratch root.
 pub const GUEST_ROOT_ENV: &str = "BIGFLEET_GUEST_ROOT";
@@ -131,6 +134,32 @@ impl ExecResult {
         }
     }
 
+    /// From a `guest-exec-status` reply with `exited: true`, decoding the
+    /// base64 streams (PVE does too) and capping them at `limit` bytes.
+    pub fn from_qga(v: &Value, limit: usize) -> Result<Self, String> {
+        let stream = |data: &str, trunc: &str| -> Result<(Vec<u8>, bool), String> {
+            let raw = match v[data].as_str() {
+                Some(b64) => base64::engine::general_purpose::STANDARD
+                    .decode(b64)
+                    .map_err(|e| format!("qemu-ga sent invalid {data}: {e}"))?,
+                None => Vec::new(),
+            };
+            let (b, capped) = cap(&raw, limit);
+            Ok((b, capped || v[trunc].as_bool().unwrap_or(false)))
+        };
+        let (out, out_truncated) = stream("out-data", "out-truncated")?;
+        let (err, err_truncated) = stream("err-data", "err-truncated")?;
+        let int = |k: &str| v[k].as_i64().and_then(|n| i32::try_from(n).ok());
+        Ok(Self {
+            exitcode: int("exitcode"),
+            signal: int("signal"),
+            out,
+            err,
+            out_truncated,
+            err_truncated,
+        })
+    }
+
     pub fn to_json(&self) -> Value {
         let mut v = json!({"exited": 1});
         if let Some(c) = self.exitcode {
@@ -166,12 +195,17 @@ fn cap(b: &[u8], limit: usize) -> (Vec<u8>, bool) {
 pub enum ExecSlot {
     Running(AbortHandle),
     Exited(ExecResult),
+    /// Forwarded to qemu-ga, which knows it by this pid.
+    Remote(i64),
 }
 
-/// Per-VM agent state; dropped (killing running commands) when the VM stops.
+/// Per-VM agent state; dropped (killing running commands and the VM's qemu-ga)
+/// when the VM stops.
 pub struct AgentState {
     pub next_pid: u64,
     pub procs: HashMap<u64, ExecSlot>,
+    /// The VM's qemu-ga when forwarding, started on first agent use after boot.
+    pub qga: Option<Arc<QgaProcess>>,
 }
 
 impl Default for AgentState {
@@ -179,6 +213,7 @@ impl Default for AgentState {
         Self {
             next_pid: 4000,
             procs: HashMap::new(),
+            qga: None,
         }
     }
 }
@@ -189,6 +224,10 @@ impl Drop for AgentState {
             if let ExecSlot::Running(h) = slot {
                 h.abort();
             }
+        }
+        // Kill now rather than when the last in-flight call lets go of the Arc.
+        if let Some(q) = &self.qga {
+            q.kill();
         }
     }
 }
@@ -211,7 +250,7 @@ pub fn guest_path(root: &Path, file: &str) -> Result<PathBuf, String> {
 }
 
 /// Absolute args naming something that exists in the guest root point there instead.
-fn map_args(root: &Path, command: &[String]) -> Vec<String> {
+pub(crate) fn map_args(root: &Path, command: &[String]) -> Vec<String> {
     command
         .iter()
         .map(|a| {

@@ -1,8 +1,92 @@
 //! Simulator configuration and timing knobs.
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
 use std::time::Duration;
+
+/// Env var consulted when the mode is [`GuestAgentMode::Auto`], so a whole test
+/// suite can be pinned to one agent (`builtin`, `qemu-ga`, `auto` or a path).
+pub const GUEST_AGENT_ENV: &str = "PVE_SIM_GUEST_AGENT";
+
+/// Which guest agent answers the agent endpoints.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum GuestAgentMode {
+    /// A real `qemu-ga` when one is installed (or as [`GUEST_AGENT_ENV`] says),
+    /// else the built-in agent.
+    #[default]
+    Auto,
+    /// The built-in agent, even when `qemu-ga` is installed.
+    BuiltIn,
+    /// Forward to this `qemu-ga` binary; starting the simulator fails without it.
+    Qga(PathBuf),
+}
+
+impl GuestAgentMode {
+    /// The `qemu-ga` binary to forward to, or `None` for the built-in agent.
+    pub fn resolve(&self) -> anyhow::Result<Option<PathBuf>> {
+        match self {
+            Self::BuiltIn => Ok(None),
+            Self::Qga(p) => {
+                anyhow::ensure!(
+                    is_executable(p),
+                    "qemu-ga binary {} does not exist or is not executable \
+                     (install the qemu-guest-agent package)",
+                    p.display()
+                );
+                Ok(Some(p.clone()))
+            }
+            Self::Auto => match std::env::var(GUEST_AGENT_ENV) {
+                Ok(v) if !v.trim().is_empty() => {
+                    let mode: Self = v
+                        .parse()
+                        .map_err(|e| anyhow::anyhow!("{GUEST_AGENT_ENV}: {e}"))?;
+                    match mode {
+                        Self::Auto => Ok(find_qemu_ga()),
+                        m => m.resolve(),
+                    }
+                }
+                _ => Ok(find_qemu_ga()),
+            },
+        }
+    }
+}
+
+impl FromStr for GuestAgentMode {
+    type Err = String;
+
+    /// `auto`, `builtin`, `qemu-ga` (searched like [`find_qemu_ga`]) or a path to a
+    /// `qemu-ga` binary.
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.trim() {
+            "auto" => Ok(Self::Auto),
+            "builtin" | "built-in" => Ok(Self::BuiltIn),
+            "qemu-ga" => find_qemu_ga().map(Self::Qga).ok_or_else(|| {
+                "qemu-ga not found on PATH or in /usr/sbin (install the qemu-guest-agent package)"
+                    .to_string()
+            }),
+            p if p.contains('/') => Ok(Self::Qga(PathBuf::from(p))),
+            other => Err(format!(
+                "unknown guest agent '{other}' (expected auto, builtin, qemu-ga or a path to qemu-ga)"
+            )),
+        }
+    }
+}
+
+/// `qemu-ga` on `PATH`, else `/usr/sbin/qemu-ga` (Debian installs it there, and
+/// `sbin` is often missing from a non-root `PATH`).
+pub fn find_qemu_ga() -> Option<PathBuf> {
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    std::env::split_paths(&path)
+        .map(|d| d.join("qemu-ga"))
+        .chain(std::iter::once(PathBuf::from("/usr/sbin/qemu-ga")))
+        .find(|p| is_executable(p))
+}
+
+fn is_executable(p: &Path) -> bool {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::metadata(p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+}
 
 /// A template VM present at startup.
 #[derive(Clone, Debug)]
@@ -94,6 +178,8 @@ pub struct SimConfig {
     pub exec_output_limit: usize,
     /// Range `GET /cluster/nextid` searches.
     pub vmid_range: (u32, u32),
+    /// Built-in agent or a real `qemu-ga` per running VM.
+    pub guest_agent: GuestAgentMode,
 }
 
 impl Default for SimConfig {
@@ -124,6 +210,7 @@ impl Default for SimConfig {
             body_limit: 512 * 1024,
             exec_output_limit: 16 * 1024 * 1024,
             vmid_range: (100, 999_999),
+            guest_agent: GuestAgentMode::Auto,
         }
     }
 }

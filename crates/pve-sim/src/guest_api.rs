@@ -1,5 +1,8 @@
 //! Guest agent endpoints (ping, file-write, exec, exec-status) on top of the
-//! built-in agent in [`crate::agent`].
+//! built-in agent in [`crate::agent`], or forwarded to the VM's real `qemu-ga`
+//! ([`crate::qga`]). The checks PVE makes before reaching the agent (running,
+//! agent configured, booted) and the simulator's fault injection stay here, in
+//! front of either agent.
 
 use std::sync::Arc;
 
@@ -8,13 +11,17 @@ use serde_json::{json, Value};
 
 use crate::agent::{self, AgentState, ExecResult, ExecSlot, GuestExec};
 use crate::params::Params;
+use crate::qga::{QgaError, QgaErrorKind, QgaProcess};
 use crate::sim::{prepare_root, Shared};
 use crate::state::{ApiError, ApiResult, Vm};
 
 impl Shared {
     // ---- guest agent ----
 
-    fn agent_vm(&self, node: &str, vmid: u32) -> ApiResult<Vm> {
+    /// The VM if its agent answers, plus its qemu-ga when forwarding. qemu-ga is
+    /// started on first use after boot rather than at start, so seeded and
+    /// out-of-band-started VMs get one too and idle VMs cost no process.
+    fn agent_vm(&self, node: &str, vmid: u32) -> ApiResult<(Vm, Option<Arc<QgaProcess>>)> {
         let c = self.cluster.lock();
         let vm = c.vm_on(node, vmid)?;
         if !vm.running {
@@ -32,16 +39,46 @@ impl Shared {
         let vm = vm.clone();
         drop(c);
         prepare_root(&vm.guest_root).map_err(|e| ApiError::internal(e.to_string()))?;
-        Ok(vm)
+        let Some(bin) = &self.qga_bin else {
+            return Ok((vm, None));
+        };
+        let mut c = self.cluster.lock();
+        // Stopped or restarted meanwhile: that boot's agent is gone.
+        if c.vms.get(&vmid).map(|v| v.started_at) != Some(vm.started_at) {
+            return Err(ApiError::internal("QEMU guest agent is not running"));
+        }
+        let state = c.agents.entry(vmid).or_default();
+        let q = match &state.qga {
+            Some(q) => Arc::clone(q),
+            None => {
+                let q = Arc::new(QgaProcess::spawn(bin, &vm.guest_root).map_err(|e| {
+                    ApiError::internal(format!("starting qemu-ga for VM {vmid}: {e}"))
+                })?);
+                tracing::debug!(vmid, pid = q.pid(), "started qemu-ga");
+                state.qga = Some(Arc::clone(&q));
+                q
+            }
+        };
+        Ok((vm, Some(q)))
     }
 
-    pub fn agent_ping(&self, node: &str, vmid: u32) -> ApiResult {
-        self.agent_vm(node, vmid)?;
+    /// PID of `vmid`'s qemu-ga while it runs.
+    pub fn qga_pid(&self, vmid: u32) -> Option<u32> {
+        let c = self.cluster.lock();
+        let q = c.agents.get(&vmid)?.qga.as_ref()?;
+        q.is_running().then(|| q.pid())
+    }
+
+    pub async fn agent_ping(&self, node: &str, vmid: u32) -> ApiResult {
+        let (_, qga) = self.agent_vm(node, vmid)?;
+        if let Some(q) = qga {
+            q.ping().await.map_err(|e| qga_err(vmid, &e))?;
+        }
         Ok(json!({"result": {}}))
     }
 
-    pub fn agent_file_write(&self, node: &str, vmid: u32, p: &Params) -> ApiResult {
-        let vm = self.agent_vm(node, vmid)?;
+    pub async fn agent_file_write(&self, node: &str, vmid: u32, p: &Params) -> ApiResult {
+        let (vm, qga) = self.agent_vm(node, vmid)?;
         let file = p.get("file").unwrap_or_default();
         let content = p.get("content").unwrap_or_default();
         let bytes = if p.bool("encode").unwrap_or(true) {
@@ -59,6 +96,14 @@ impl Shared {
         };
         let path = agent::guest_path(&vm.guest_root, file)
             .map_err(|e| agent_err(vmid, "guest-file-open", &e))?;
+        if let Some(q) = qga {
+            // qemu-ga names the host path in its errors; the caller knows the guest path.
+            let host = path.to_string_lossy().into_owned();
+            q.file_write(&path, &bytes)
+                .await
+                .map_err(|e| agent_err(vmid, &e.command, &e.pve_text().replace(&host, file)))?;
+            return Ok(Value::Null);
+        }
         std::fs::write(&path, &bytes).map_err(|e| {
             agent_err(
                 vmid,
@@ -69,8 +114,8 @@ impl Shared {
         Ok(Value::Null)
     }
 
-    pub fn agent_exec(self: &Arc<Self>, node: &str, vmid: u32, p: &Params) -> ApiResult {
-        let vm = self.agent_vm(node, vmid)?;
+    pub async fn agent_exec(self: &Arc<Self>, node: &str, vmid: u32, p: &Params) -> ApiResult {
+        let (vm, qga) = self.agent_vm(node, vmid)?;
         let command = p.all("command").to_vec();
         if command.is_empty() {
             return Err(ApiError::param(
@@ -86,6 +131,19 @@ impl Shared {
             root: vm.guest_root.clone(),
         };
         let handled = self.guest.handle(&exec);
+        if let (None, Some(q)) = (&handled, qga) {
+            let argv = agent::map_args(&exec.root, &exec.command);
+            let remote = q
+                .exec(&argv, exec.input.as_deref())
+                .await
+                .map_err(|e| qga_err(vmid, &e))?;
+            let mut c = self.cluster.lock();
+            let agent = c.agents.entry(vmid).or_default();
+            let pid = agent.next_pid;
+            agent.next_pid += 1;
+            agent.procs.insert(pid, ExecSlot::Remote(remote));
+            return Ok(json!({"pid": pid}));
+        }
         let child = match handled {
             Some(_) => None,
             None => {
@@ -128,17 +186,63 @@ impl Shared {
         Ok(json!({"pid": pid}))
     }
 
-    pub fn agent_exec_status(&self, node: &str, vmid: u32, pid: u64) -> ApiResult {
-        self.agent_vm(node, vmid)?;
-        let mut c = self.cluster.lock();
-        let agent: &mut AgentState = c.agents.entry(vmid).or_default();
-        match agent.procs.get(&pid) {
-            None => Err(agent_err(
+    pub async fn agent_exec_status(&self, node: &str, vmid: u32, pid: u64) -> ApiResult {
+        let (_, qga) = self.agent_vm(node, vmid)?;
+        let remote = match self.local_exec_status(vmid, pid)? {
+            Ok(v) => return Ok(v),
+            Err(remote) => remote,
+        };
+        let Some(q) = qga else {
+            return Err(agent_err(
                 vmid,
                 "guest-exec-status",
                 "Invalid parameter 'pid'",
-            )),
-            Some(ExecSlot::Running(_)) => Ok(json!({"exited": 0})),
+            ));
+        };
+        let st = q.exec_status(remote).await;
+        let forget = || {
+            if let Some(a) = self.cluster.lock().agents.get_mut(&vmid) {
+                a.procs.remove(&pid);
+            }
+        };
+        let st = match st {
+            Ok(st) => st,
+            Err(e) => {
+                if matches!(e.kind, QgaErrorKind::Agent { .. }) {
+                    forget(); // qemu-ga does not know the pid (any more)
+                }
+                return Err(qga_err(vmid, &e));
+            }
+        };
+        if !st["exited"].as_bool().unwrap_or(false) {
+            return Ok(json!({"exited": 0}));
+        }
+        // qemu-ga forgot the pid with this reply; so do we.
+        forget();
+        let r = ExecResult::from_qga(&st, self.cfg.exec_output_limit)
+            .map_err(|e| agent_err(vmid, "guest-exec-status", &e))?;
+        if self.faults.take_exec_status_drop() {
+            return Err(ApiError::internal(format!(
+                "VM {vmid} qmp command 'guest-exec-status' failed - got timeout"
+            )));
+        }
+        Ok(r.to_json())
+    }
+
+    /// Status of a built-in exec, or `Err(remote pid)` for one forwarded to qemu-ga.
+    fn local_exec_status(&self, vmid: u32, pid: u64) -> ApiResult<Result<Value, i64>> {
+        let mut c = self.cluster.lock();
+        let agent: &mut AgentState = c.agents.entry(vmid).or_default();
+        Ok(Ok(match agent.procs.get(&pid) {
+            Some(ExecSlot::Remote(r)) => return Ok(Err(*r)),
+            None => {
+                return Err(agent_err(
+                    vmid,
+                    "guest-exec-status",
+                    "Invalid parameter 'pid'",
+                ))
+            }
+            Some(ExecSlot::Running(_)) => json!({"exited": 0}),
             Some(ExecSlot::Exited(_)) => {
                 // qemu-ga forgets the pid once it reported the exit.
                 let Some(ExecSlot::Exited(r)) = agent.procs.remove(&pid) else {
@@ -153,10 +257,15 @@ impl Shared {
                         "VM {vmid} qmp command 'guest-exec-status' failed - got timeout"
                     )));
                 }
-                Ok(r.to_json())
+                r.to_json()
             }
-        }
+        }))
     }
+}
+
+/// A forwarded command's failure, in the same shape as the built-in agent's.
+fn qga_err(vmid: u32, e: &QgaError) -> ApiError {
+    agent_err(vmid, &e.command, &e.pve_text())
 }
 
 fn agent_err(vmid: u32, cmd: &str, msg: &str) -> ApiError {

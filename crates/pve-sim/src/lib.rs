@@ -3,8 +3,10 @@
 //! It serves the subset of `/api2/json` the provider uses over HTTPS (with a CA
 //! generated at startup), checks token auth, validates every request against the
 //! PVE API schema, runs worker tasks with UPIDs, models config/storage locks, HA
-//! and the guest agent (exec runs real processes in a per-VM scratch dir), and
-//! offers fault injection. See `/work/shared/spec/proxmox-api.md` for the facts
+//! and the guest agent, and offers fault injection. Agent calls go to a real
+//! `qemu-ga` per running VM when one is installed ([`GuestAgentMode`]), else to
+//! a built-in agent; either way commands run as real processes confined to a
+//! per-VM scratch dir. See `/work/shared/spec/proxmox-api.md` for the facts
 //! it reproduces.
 //!
 //! ```no_run
@@ -22,6 +24,7 @@ mod guest_api;
 mod inventory;
 mod lifecycle;
 pub mod params;
+pub mod qga;
 pub mod schema;
 pub mod server;
 pub mod sim;
@@ -38,7 +41,7 @@ use anyhow::{Context, Result};
 use tokio::task::JoinHandle;
 
 pub use agent::{GuestExec, GuestHandler, GuestOutput, GUEST_ROOT_ENV};
-pub use config::{SimConfig, TemplateSpec};
+pub use config::{find_qemu_ga, GuestAgentMode, SimConfig, TemplateSpec, GUEST_AGENT_ENV};
 pub use faults::Faults;
 pub use params::Params;
 pub use sim::RecordedRequest;
@@ -175,6 +178,25 @@ impl PveSim {
 
     pub fn config(&self) -> &SimConfig {
         &self.shared.cfg
+    }
+
+    /// The `qemu-ga` agent calls are forwarded to; `None` = the built-in agent.
+    pub fn qemu_ga(&self) -> Option<&Path> {
+        self.shared.qga_bin.as_deref()
+    }
+
+    /// `"qemu-ga (PATH)"` or `"built-in"`, for logs.
+    pub fn guest_agent_description(&self) -> String {
+        match self.qemu_ga() {
+            Some(p) => format!("qemu-ga ({})", p.display()),
+            None => "built-in".into(),
+        }
+    }
+
+    /// OS pid of VM `vmid`'s qemu-ga while one runs (forwarding mode; it starts
+    /// on the first agent call after boot and dies with the VM).
+    pub fn qemu_ga_pid(&self, vmid: u32) -> Option<u32> {
+        self.shared.qga_pid(vmid)
     }
 
     /// Fault injection and counters.
@@ -381,5 +403,7 @@ impl PveSim {
 impl Drop for PveSim {
     fn drop(&mut self) {
         self.server.abort();
+        // Worker tasks may keep `shared` alive a while; the VMs' qemu-ga must not.
+        self.shared.cluster.lock().agents.clear();
     }
 }

@@ -318,13 +318,14 @@ async fn dispatch(s: &Arc<Shared>, method: &str, template: &str, p: &Params) -> 
             let limit = p.u64("limit").unwrap_or(50) as usize;
             s.task_log(&node, upid, start, limit)
         }
-        ("POST", "/nodes/{node}/qemu/{vmid}/agent/ping") => s.agent_ping(&node, vmid),
+        ("POST", "/nodes/{node}/qemu/{vmid}/agent/ping") => s.agent_ping(&node, vmid).await,
         ("POST", "/nodes/{node}/qemu/{vmid}/agent/file-write") => {
-            s.agent_file_write(&node, vmid, p)
+            s.agent_file_write(&node, vmid, p).await
         }
-        ("POST", "/nodes/{node}/qemu/{vmid}/agent/exec") => s.agent_exec(&node, vmid, p),
+        ("POST", "/nodes/{node}/qemu/{vmid}/agent/exec") => s.agent_exec(&node, vmid, p).await,
         ("GET", "/nodes/{node}/qemu/{vmid}/agent/exec-status") => {
             s.agent_exec_status(&node, vmid, p.u64("pid").unwrap_or(0))
+                .await
         }
         _ => Err(ApiError::Status(
             501,

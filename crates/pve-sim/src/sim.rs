@@ -41,6 +41,8 @@ pub struct Shared {
     pub guest: GuestHandlers,
     pub scratch: PathBuf,
     pub fingerprint: String,
+    /// `qemu-ga` to forward agent calls to; `None` = the built-in agent.
+    pub qga_bin: Option<PathBuf>,
 }
 
 impl Shared {
@@ -71,7 +73,9 @@ impl Shared {
             pstart: 0x6AE8 + rand::random::<u16>() as u32,
             resources_cache: None,
         };
+        let qga_bin = cfg.guest_agent.resolve()?;
         let s = Self {
+            qga_bin,
             cfg,
             cluster: Mutex::new(cluster),
             changed: Notify::new(),

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use clap::Parser;
-use pve_sim::{PveSim, SimConfig, TemplateSpec};
+use pve_sim::{GuestAgentMode, PveSim, SimConfig, TemplateSpec};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -56,6 +56,10 @@ struct Args {
     /// Seed this many VMs marked as the provider's.
     #[arg(long, default_value_t = 0)]
     seed_marked_vms: usize,
+    /// Guest agent: `auto` (qemu-ga when installed, else built-in), `builtin`,
+    /// `qemu-ga` (required), or a path to a qemu-ga binary.
+    #[arg(long, default_value = "auto", value_parser = |s: &str| s.parse::<GuestAgentMode>())]
+    guest_agent: GuestAgentMode,
 }
 
 /// Durations like `500ms`, `2s`, `1m`.
@@ -123,12 +127,14 @@ async fn main() -> Result<()> {
         auth_failure_delay: a.auth_failure_delay,
         max_parallel_local_clones: (a.max_parallel_local_clones > 0)
             .then_some(a.max_parallel_local_clones),
+        guest_agent: a.guest_agent,
         ..SimConfig::default()
     };
     if let Some(s) = a.token_secret {
         cfg.token_secret = s;
     }
     let sim = PveSim::start(cfg).await?;
+    tracing::info!(guest_agent = %sim.guest_agent_description(), "guest agent active");
     if a.seed_marked_vms > 0 {
         sim.seed_marked_vms(a.seed_marked_vms)?;
     }
@@ -144,6 +150,7 @@ async fn main() -> Result<()> {
         None => println!("ca_file: (not written; use --ca-out)"),
     }
     println!("fingerprint: {}", sim.fingerprint());
+    println!("guest_agent: {}", sim.guest_agent_description());
     println!(
         "admin: POST {}/_sim/faults etc.",
         sim.base_url().trim_end_matches("/api2/json")
