@@ -247,7 +247,8 @@ impl QgaProcess {
         }
         let log = dir.join("qemu-ga.log");
         use std::os::unix::process::CommandExt;
-        let child = Command::new(bin)
+        let mut child = Command::new(bin);
+        child
             .arg("--method=unix-listen")
             .arg("--path")
             .arg(&sock)
@@ -265,9 +266,23 @@ impl QgaProcess {
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             // Own group, so a stop can kill what the guest started too.
-            .process_group(0)
-            .spawn()
-            .map_err(|e| format!("starting {}: {e}", bin.display()))?;
+            .process_group(0);
+        // SAFETY: prctl only sets an attribute of the new process; nothing
+        // else runs between fork and exec here. Backstop for a simulator
+        // that dies without running its shutdown (SIGKILL): the kernel then
+        // kills qemu-ga instead of leaving it orphaned. The spawning thread
+        // is a runtime worker, which lives as long as the simulator.
+        let child = unsafe {
+            child.pre_exec(|| {
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) == 0 {
+                    Ok(())
+                } else {
+                    Err(std::io::Error::last_os_error())
+                }
+            })
+        }
+        .spawn()
+        .map_err(|e| format!("starting {}: {e}", bin.display()))?;
         Ok(Self {
             pid: child.id(),
             sock,

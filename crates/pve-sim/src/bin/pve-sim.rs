@@ -155,9 +155,14 @@ async fn main() -> Result<()> {
         "admin: POST {}/_sim/faults etc.",
         sim.base_url().trim_end_matches("/api2/json")
     );
-    tokio::signal::ctrl_c()
-        .await
-        .context("waiting for Ctrl-C")?;
+    // SIGTERM too (what `kill` and process managers send): shutting down
+    // stops every VM and with it each VM's qemu-ga.
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .context("installing the SIGTERM handler")?;
+    tokio::select! {
+        r = tokio::signal::ctrl_c() => r.context("waiting for Ctrl-C")?,
+        _ = term.recv() => {}
+    }
     sim.shutdown().await;
     Ok(())
 }
