@@ -2,8 +2,9 @@
 //!
 //! Cost model (API calls per operation, independent of cluster size):
 //! Create = 1 inventory read + 1 `nextid` + clone + task polls + 1 config PUT +
-//! start + task polls + agent pings; Configure/Drain = status + ping + exec +
-//! exec-status polls; Delete = status + stop + destroy + task polls; a
+//! start + task polls + agent pings (the first Create per template also reads
+//! the template's config once, for its disk storage); Configure/Drain =
+//! status + ping + exec + exec-status polls; Delete = status + stop + destroy + task polls; a
 //! reconcile pass = 1 inventory read plus config reads only for marked VMs that
 //! are new or whose tags/name changed since the last pass.
 
@@ -21,7 +22,7 @@ use pve::{
 };
 use rand::Rng;
 use sha2::{Digest, Sha256};
-use tokio::sync::{Mutex as AsyncMutex, OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{Mutex as AsyncMutex, OnceCell, OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
 
 use crate::substrate::{CloneRequest, ManagedVm, Substrate, SubstrateError, VmRef};
@@ -54,7 +55,8 @@ pub struct PveOptions {
     pub readiness_command: String,
     /// Shell command draining the node; `--grace-period` and `--timeout` are appended.
     pub drain_command: String,
-    /// Concurrent clones onto one node (storage lock contention); at least 1.
+    /// Concurrent clones per (target node, storage of the template's disks):
+    /// the storage lock is what parallel clones contend on. At least 1.
     pub max_parallel_clones: usize,
     /// Bound on each PVE worker task (clone, start, stop, destroy).
     pub task_timeout: Duration,
@@ -177,6 +179,9 @@ pub struct PveSubstrate {
     index: Mutex<HashMap<u32, Known>>,
     /// Template vmid -> node it lives on.
     templates: Mutex<HashMap<u32, String>>,
+    /// Template vmid -> clone-slot storage key of its disks, read once per
+    /// template (failed reads are not cached).
+    template_storage: Mutex<HashMap<u32, Arc<OnceCell<String>>>>,
     /// VMs whose clone we started, by machine id (covers a stale inventory).
     pending: Mutex<HashMap<String, VmRef>>,
     vmids: Mutex<VmidState>,
@@ -184,8 +189,8 @@ pub struct PveSubstrate {
     vmid_choice: AsyncMutex<()>,
     /// One Create per machine id at a time.
     creating: Mutex<HashMap<String, Arc<AsyncMutex<()>>>>,
-    /// Clone slots per target node.
-    clone_slots: Mutex<HashMap<String, Arc<Semaphore>>>,
+    /// Clone slots per (target node, storage key).
+    clone_slots: Mutex<HashMap<(String, String), Arc<Semaphore>>>,
 }
 
 /// A VMID chosen by this process; returned to the pool (with a cool-down)
@@ -319,6 +324,18 @@ fn exec_outcome(what: &str, st: &ExecStatus) -> Result<(), SubstrateError> {
     Err(SubstrateError::new(msg))
 }
 
+/// Clone-slot key for a template's disk storages (sorted, deduplicated): one
+/// storage is its id; several are joined into one stable key, so templates
+/// spanning the same set of storages share a bound; none (a diskless
+/// template) is a fixed placeholder.
+fn storage_key(storages: &[String]) -> String {
+    if storages.is_empty() {
+        "(no disks)".to_string()
+    } else {
+        storages.join("+")
+    }
+}
+
 fn is_locked(e: &PveError) -> bool {
     e.is_lock_timeout()
         || matches!(e, PveError::Api { message, .. } if message.contains("is locked"))
@@ -348,6 +365,7 @@ impl PveSubstrate {
             opts,
             index: Mutex::new(HashMap::new()),
             templates: Mutex::new(HashMap::new()),
+            template_storage: Mutex::new(HashMap::new()),
             pending: Mutex::new(HashMap::new()),
             vmids: Mutex::new(VmidState::default()),
             vmid_choice: AsyncMutex::new(()),
@@ -739,11 +757,15 @@ impl PveSubstrate {
             .clone()
     }
 
-    async fn clone_permit(&self, node: &str) -> Result<OwnedSemaphorePermit, SubstrateError> {
+    async fn clone_permit(
+        &self,
+        node: &str,
+        storage: &str,
+    ) -> Result<OwnedSemaphorePermit, SubstrateError> {
         let sem = self
             .clone_slots
             .lock()
-            .entry(node.to_string())
+            .entry((node.to_string(), storage.to_string()))
             .or_insert_with(|| Arc::new(Semaphore::new(self.opts.max_parallel_clones.max(1))))
             .clone();
         sem.acquire_owned()
@@ -860,6 +882,43 @@ impl PveSubstrate {
             })
     }
 
+    /// The clone-slot key of a template's disk storages. A full clone without
+    /// `storage` lands on the same storages, so their locks are what parallel
+    /// clones contend on. One config read per template per process; a failed
+    /// read fails the Create (and is retried by the next one).
+    async fn template_storage(
+        &self,
+        template: u32,
+        template_node: &str,
+    ) -> Result<String, SubstrateError> {
+        let cell = self
+            .template_storage
+            .lock()
+            .entry(template)
+            .or_default()
+            .clone();
+        cell.get_or_try_init(|| async {
+            let cfg = self
+                .client
+                .get_config(template_node, template)
+                .await
+                .map_err(|e| {
+                    err(
+                        format!(
+                            "reading the config of template {template} on node {template_node} \
+                             (needed to bound clones per storage)"
+                        ),
+                        &e,
+                    )
+                })?;
+            let key = storage_key(&cfg.disk_storages());
+            tracing::debug!(template, storage = %key, "template disk storage resolved");
+            Ok(key)
+        })
+        .await
+        .cloned()
+    }
+
     /// Clones until a VMID sticks: collisions move on to the next id, storage
     /// lock timeouts back off and retry. Returns once the clone task is OK.
     async fn clone_new(
@@ -868,7 +927,10 @@ impl PveSubstrate {
         template_node: &str,
         name: &str,
     ) -> Result<VmRef, SubstrateError> {
-        let _permit = self.clone_permit(&req.node).await?;
+        let storage = self
+            .template_storage(req.template_vmid, template_node)
+            .await?;
+        let _permit = self.clone_permit(&req.node, &storage).await?;
         let description = marker_description(&req.machine_id, &req.operation_id);
         let mut last: Option<String> = None;
         for attempt in 0..CLONE_ATTEMPTS {
@@ -889,7 +951,7 @@ impl PveSubstrate {
             self.pending
                 .lock()
                 .insert(req.machine_id.clone(), vm.clone());
-            tracing::info!(machine_id = %req.machine_id, vm = %vm, template = req.template_vmid, template_node, "cloning");
+            tracing::info!(machine_id = %req.machine_id, vm = %vm, template = req.template_vmid, template_node, storage = %storage, "cloning");
             let upid = match self
                 .client
                 .clone_vm(template_node, req.template_vmid, &params)
@@ -1296,6 +1358,24 @@ mod tests {
         assert_eq!(st.next_unblocked(999, (100, 999)), 999);
         st.reserved.insert(999);
         assert_eq!(st.next_unblocked(999, (100, 999)), 100);
+    }
+
+    #[test]
+    fn storage_keys() {
+        let s = |v: &[&str]| v.iter().map(|x| x.to_string()).collect::<Vec<_>>();
+        assert_eq!(storage_key(&s(&["local-lvm"])), "local-lvm");
+        assert_eq!(
+            storage_key(&s(&["ceph-pool", "local-lvm"])),
+            "ceph-pool+local-lvm"
+        );
+        assert_eq!(storage_key(&[]), "(no disks)");
+        // `disk_storages` sorts, so the key does not depend on disk order.
+        let cfg: pve::VmConfig = serde_json::from_value(serde_json::json!({
+            "virtio0": "local-lvm:base-1-disk-1", "scsi0": "ceph-pool:base-1-disk-0",
+            "scsi1": "local-lvm:base-1-disk-2", "ide2": "none,media=cdrom"
+        }))
+        .unwrap();
+        assert_eq!(storage_key(&cfg.disk_storages()), "ceph-pool+local-lvm");
     }
 
     #[test]

@@ -231,7 +231,55 @@ pub struct VmConfig {
     pub other: BTreeMap<String, Value>,
 }
 
+/// Whether `key` names a VM disk slot (`scsiN`, `virtioN`, `sataN`, `ideN`,
+/// `efidisk0`, `tpmstate0`). `unusedN` is not: full clones do not copy it.
+fn is_disk_key(key: &str) -> bool {
+    if key == "efidisk0" || key == "tpmstate0" {
+        return true;
+    }
+    ["scsi", "virtio", "sata", "ide"].iter().any(|bus| {
+        key.strip_prefix(bus)
+            .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+    })
+}
+
+/// The storage id of one disk property string (`local-lvm:vm-9000-disk-0,size=32G`
+/// or `file=local-lvm:...`). `None` for CD-ROMs, `none`, and pass-through
+/// paths (`/dev/...`), which live on no PVE storage.
+fn disk_storage(value: &str) -> Option<&str> {
+    let mut file = None;
+    for (i, part) in value.split(',').enumerate() {
+        let part = part.trim();
+        match part.split_once('=') {
+            Some(("media", m)) if m.trim() == "cdrom" => return None,
+            Some(("file", f)) => file = Some(f.trim()),
+            // The first, key-less part is the volume.
+            None if i == 0 => file = Some(part),
+            _ => {}
+        }
+    }
+    let (storage, _volume) = file?.split_once(':')?;
+    let storage = storage.trim();
+    (!storage.is_empty() && !storage.starts_with('/')).then_some(storage)
+}
+
 impl VmConfig {
+    /// The storage ids the VM's disks live on, sorted and deduplicated. Disk
+    /// keys are read from [`VmConfig::other`]; CD-ROMs, `none` and
+    /// pass-through devices are ignored. Empty for a VM without disks.
+    pub fn disk_storages(&self) -> Vec<String> {
+        let mut out: Vec<String> = self
+            .other
+            .iter()
+            .filter(|(k, _)| is_disk_key(k))
+            .filter_map(|(_, v)| v.as_str().and_then(disk_storage))
+            .map(str::to_string)
+            .collect();
+        out.sort();
+        out.dedup();
+        out
+    }
+
     /// Whether the guest agent is enabled in the config (`agent: 1` or `enabled=1,...`).
     pub fn agent_enabled(&self) -> bool {
         let Some(a) = self.agent.as_deref() else {
@@ -516,6 +564,82 @@ mod tests {
         .unwrap();
         assert!(s.is_running() && s.agent && s.ha_managed() && !s.template);
         assert_eq!(s.lock.as_deref(), Some("clone"));
+    }
+
+    #[test]
+    fn disk_storages_of_a_realistic_config() {
+        let c: VmConfig = serde_json::from_value(json!({
+            "name": "tmpl-9000", "template": 1, "cores": 2, "memory": "2048",
+            "scsihw": "virtio-scsi-single", "boot": "order=scsi0;ide2",
+            "scsi0": "local-lvm:base-9000-disk-0,iothread=1,size=32G",
+            "scsi1": "ceph-pool:base-9000-disk-2,size=100G",
+            "virtio3": "file=nfs-images:9000/base-9000-disk-3.qcow2,size=8G",
+            "sata0": "local-lvm:base-9000-disk-4,size=4G",
+            "efidisk0": "local-zfs:base-9000-disk-1,efitype=4m,pre-enrolled-keys=1,size=1M",
+            "tpmstate0": "local-zfs:base-9000-disk-5,size=4M,version=v2.0",
+            "ide2": "local:iso/debian-12.iso,media=cdrom,size=628M",
+            "ide0": "none,media=cdrom",
+            "ide1": "cdrom,media=cdrom",
+            "sata1": "/dev/disk/by-id/ata-WDC_WD40,size=3907018584K",
+            "unused0": "other-store:vm-9000-disk-9",
+            "scsihw0": "not-a-disk:x",
+            "net0": "virtio=BC:24:11:00:23:28,bridge=vmbr0",
+            "digest": "0123456789abcdef0123456789abcdef01234567"
+        }))
+        .unwrap();
+        assert_eq!(
+            c.disk_storages(),
+            vec!["ceph-pool", "local-lvm", "local-zfs", "nfs-images"]
+        );
+        assert!(c.template == Some(true));
+    }
+
+    #[test]
+    fn disk_storages_single_disk_and_none() {
+        let c: VmConfig = serde_json::from_value(json!({
+            "scsi0": "local-lvm:vm-9000-disk-0,size=32G", "ide2": "none,media=cdrom"
+        }))
+        .unwrap();
+        assert_eq!(c.disk_storages(), vec!["local-lvm"]);
+
+        // No disks at all (only a CD-ROM and a NIC).
+        let c: VmConfig = serde_json::from_value(json!({
+            "name": "diskless", "memory": 512, "ide2": "local:iso/netboot.iso,media=cdrom",
+            "net0": "virtio=BC:24:11:00:00:01,bridge=vmbr0"
+        }))
+        .unwrap();
+        assert!(c.disk_storages().is_empty());
+        let c: VmConfig = serde_json::from_value(json!({})).unwrap();
+        assert!(c.disk_storages().is_empty());
+    }
+
+    #[test]
+    fn disk_key_and_value_parsing() {
+        for k in [
+            "scsi0",
+            "scsi30",
+            "virtio15",
+            "sata5",
+            "ide3",
+            "efidisk0",
+            "tpmstate0",
+        ] {
+            assert!(is_disk_key(k), "{k}");
+        }
+        for k in [
+            "scsi", "scsihw", "virtio", "unused0", "net0", "efidisk1", "ide2x",
+        ] {
+            assert!(!is_disk_key(k), "{k}");
+        }
+        assert_eq!(disk_storage("local-lvm:vm-1-disk-0"), Some("local-lvm"));
+        assert_eq!(
+            disk_storage("media=disk,file=ceph:vm-1-disk-0"),
+            Some("ceph")
+        );
+        assert_eq!(disk_storage("ceph:vm-1-disk-0,media=cdrom"), None);
+        assert_eq!(disk_storage("none"), None);
+        assert_eq!(disk_storage("/dev/sdb"), None);
+        assert_eq!(disk_storage(""), None);
     }
 
     #[test]
