@@ -1,4 +1,7 @@
 # Entry points for builds, tests and certification. See README.md.
+# A recipe line that pipes (`| tee`) fails when any stage fails.
+SHELL := /bin/bash
+.SHELLFLAGS := -o pipefail -c
 CARGO ?= cargo
 PROFILE ?= core,cloud
 SEED ?=
@@ -66,11 +69,16 @@ scale-100k:
 	target/release/bfconformance --provider proxmox --provider-bin target/release/bigfleet-proxmox \
 	  --profile scale --scale-count 100000 --soak 120s --out $(OUT)/scale-100k $(SEED_FLAG)
 
-# Load generator: Get/List/Create/lifecycle figures, RSS, startup and
-# restart at 1k/10k/100k machines, appended to bench/latest.txt.
+# The standard benchmark set, appended to bench/latest.txt (see BENCHMARKS.md):
+# loadgen end to end over gRPC (sharing the CPUs, then pinned one CPU each),
+# the engine alone in process, and the durable store against a rewrite-all
+# baseline.
 bench:
 	$(CARGO) build --release -p bigfleet-proxmox -p loadgen
 	target/release/loadgen --provider-bin target/release/bigfleet-proxmox --out bench/latest.txt
+	target/release/loadgen --provider-bin target/release/bigfleet-proxmox --pin --out bench/latest.txt
+	$(CARGO) bench -p providerkit --bench engine_bench | tee -a bench/latest.txt
+	$(CARGO) bench -p sqlite-store --bench store_bench -- 2 | tee -a bench/latest.txt
 
 # The kill -9 crash test at 1,000 random kill points (CI runs 50).
 crash-1000:

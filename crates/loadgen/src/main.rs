@@ -54,6 +54,11 @@ struct Args {
     #[arg(long, value_delimiter = ',', value_enum)]
     only: Vec<scenarios::Scenario>,
 
+    /// Pin the load generator to CPU 0 and the provider to CPU 1, so the two
+    /// do not preempt each other on a small machine (needs 2+ CPUs).
+    #[arg(long)]
+    pin: bool,
+
     /// Seconds allowed for a provider boot before giving up.
     #[arg(long, default_value_t = 120)]
     boot_timeout_secs: u64,
@@ -76,9 +81,52 @@ impl Report {
     }
 }
 
-#[tokio::main]
-async fn main() {
-    if let Err(e) = run(Args::parse()).await {
+/// CPUs online on the machine (not just those this process may use, which
+/// `--pin` narrows to one).
+fn online_cpus() -> i64 {
+    // SAFETY: sysconf has no preconditions.
+    unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) }
+}
+
+/// Restrict the calling thread (and what it spawns or execs) to one CPU.
+pub fn pin_to_cpu(cpu: usize) -> std::io::Result<()> {
+    // SAFETY: the set is zeroed then filled by the libc macros; the call
+    // only reads it.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(cpu, &mut set);
+        if libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+    }
+    Ok(())
+}
+
+fn main() {
+    let args = Args::parse();
+    if args.pin {
+        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+        if cpus < 2 {
+            eprintln!("loadgen: --pin needs at least 2 CPUs, this machine has {cpus}");
+            std::process::exit(2);
+        }
+        // Before the runtime exists, so every worker inherits it.
+        if let Err(e) = pin_to_cpu(0) {
+            eprintln!("loadgen: --pin: {e}");
+            std::process::exit(1);
+        }
+    }
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("loadgen: cannot start the async runtime: {e}");
+            std::process::exit(1);
+        }
+    };
+    if let Err(e) = runtime.block_on(run(args)) {
         eprintln!("loadgen: {e:#}");
         std::process::exit(1);
     }
@@ -114,14 +162,16 @@ async fn run(args: Args) -> Result<()> {
         Profile::full()
     };
     profile.only = args.only.clone();
+    profile.provider_cpu = args.pin.then_some(1);
     let unix = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_secs())
         .unwrap_or(0);
     report.line(format!(
-        "# loadgen run unix_time={unix} quick={} nproc={}",
+        "# loadgen run unix_time={unix} quick={} pinned={} nproc={}",
         args.quick,
-        std::thread::available_parallelism().map_or(0, |n| n.get())
+        args.pin,
+        online_cpus()
     ));
 
     if let Some(target) = &args.target {
@@ -138,9 +188,15 @@ async fn run(args: Args) -> Result<()> {
     }
     let boot_timeout = Duration::from_secs(args.boot_timeout_secs);
     for &size in &args.sizes {
-        let provider = Provider::spawn(&args.provider_bin, size, None, boot_timeout)
-            .await
-            .with_context(|| format!("booting provider with --seed-count {size}"))?;
+        let provider = Provider::spawn(
+            &args.provider_bin,
+            size,
+            None,
+            boot_timeout,
+            profile.provider_cpu,
+        )
+        .await
+        .with_context(|| format!("booting provider with --seed-count {size}"))?;
         report.line(format!(
             "startup_ms={} size={size} state=memory",
             stats::ms(provider.startup)

@@ -26,8 +26,15 @@ impl Provider {
         seed_count: usize,
         state: Option<&Path>,
         boot_timeout: Duration,
+        cpu: Option<usize>,
     ) -> Result<Provider> {
         let mut cmd = Command::new(bin);
+        if let Some(cpu) = cpu {
+            // SAFETY: only sched_setaffinity runs between fork and exec.
+            unsafe {
+                cmd.pre_exec(move || crate::pin_to_cpu(cpu));
+            }
+        }
         cmd.args([
             "--use-fake-backend",
             "--seed-count",

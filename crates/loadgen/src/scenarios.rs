@@ -45,6 +45,8 @@ pub enum Scenario {
 pub struct Profile {
     /// Scenarios to run; empty runs them all.
     pub only: Vec<Scenario>,
+    /// CPU the provider is pinned to (`--pin`).
+    pub provider_cpu: Option<usize>,
     get_duration: Duration,
     list_runs: usize,
     create_cap_per_level: usize,
@@ -60,6 +62,7 @@ impl Profile {
     pub fn full() -> Profile {
         Profile {
             only: Vec::new(),
+            provider_cpu: None,
             get_duration: Duration::from_secs(3),
             list_runs: 5,
             create_cap_per_level: 4000,
@@ -71,6 +74,7 @@ impl Profile {
     pub fn quick() -> Profile {
         Profile {
             only: Vec::new(),
+            provider_cpu: None,
             get_duration: Duration::from_secs(1),
             list_runs: 3,
             create_cap_per_level: 500,
@@ -574,7 +578,7 @@ pub async fn restart_with_state(
 ) -> Result<()> {
     let dir = tempfile::tempdir().context("creating a temp dir for --state")?;
     let state = dir.path().join("state.db");
-    let first = Provider::spawn(bin, size, Some(&state), boot_timeout)
+    let first = Provider::spawn(bin, size, Some(&state), boot_timeout, profile.provider_cpu)
         .await
         .context("first boot with --state")?;
     report.line(format!(
@@ -602,7 +606,7 @@ pub async fn restart_with_state(
         n
     };
     first.kill().await?;
-    let second = Provider::spawn(bin, size, Some(&state), boot_timeout)
+    let second = Provider::spawn(bin, size, Some(&state), boot_timeout, profile.provider_cpu)
         .await
         .context("restart with --state")?;
     let bench = Bench::connect(&second.addr, profile, second.pid()).await?;

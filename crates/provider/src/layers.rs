@@ -19,8 +19,8 @@ type HttpRequest = http::Request<Body>;
 type HttpResponse = http::Response<Body>;
 
 /// Short method name (`Create`) from `/bigfleet.v1alpha1.CapacityProvider/Create`.
-fn method_of(path: &str) -> String {
-    path.rsplit('/').next().unwrap_or(path).to_string()
+fn method_of(path: &str) -> &str {
+    path.rsplit('/').next().unwrap_or(path)
 }
 
 /// The gRPC code a unary response carries in its headers (trailers-only
@@ -111,8 +111,10 @@ where
             if path.starts_with("/bigfleet.") {
                 let method = method_of(&path);
                 let name = code_name(code);
-                metrics.observe_grpc(&method, name, elapsed);
-                let dur_ms = format!("{:.3}", elapsed.as_secs_f64() * 1000.0);
+                metrics.observe_grpc(method, name, elapsed);
+                // Formatted only if the line is actually written.
+                let ms = elapsed.as_secs_f64() * 1000.0;
+                let dur_ms = format_args!("{ms:.3}");
                 if code != Code::Ok {
                     tracing::warn!(method = %method, code = name, dur_ms = %dur_ms, "rpc");
                 } else if method == "Get" || method == "List" {

@@ -2,9 +2,12 @@
 //! default, JSON with `--log-format json`.
 
 use std::fmt::{self, Write as _};
+use std::io::BufWriter;
+use std::sync::OnceLock;
 
 use tracing::field::{Field, Visit};
 use tracing::{Event, Subscriber};
+use tracing_appender::non_blocking::{ErrorCounter, NonBlockingBuilder, WorkerGuard};
 use tracing_subscriber::fmt::format::Writer;
 use tracing_subscriber::fmt::{FmtContext, FormatEvent, FormatFields};
 use tracing_subscriber::registry::LookupSpan;
@@ -12,13 +15,36 @@ use tracing_subscriber::EnvFilter;
 
 use crate::config::LogFormat;
 
+/// Lines waiting for the writer thread; beyond this, lines are dropped and
+/// counted (see [`dropped_lines`]) rather than stalling the RPC path.
+const LOG_QUEUE_LINES: usize = 128_000;
+
+static DROPPED: OnceLock<ErrorCounter> = OnceLock::new();
+
+/// Log lines dropped because stderr could not keep up.
+pub fn dropped_lines() -> u64 {
+    DROPPED.get().map_or(0, |c| c.dropped_lines() as u64)
+}
+
 /// Install the global subscriber. `level` is a tracing filter directive.
-pub fn init(format: LogFormat, level: &str) -> Result<(), String> {
+///
+/// Lines are written by a dedicated thread that drains everything queued
+/// before it writes, so under load many lines share one write and no RPC
+/// waits on stderr. Keep the guard until exit: dropping it flushes.
+pub fn init(format: LogFormat, level: &str) -> Result<WorkerGuard, String> {
     let filter = EnvFilter::try_new(level)
         .map_err(|e| format!("--log-level {level:?} is not a valid level or filter: {e}"))?;
+    let (writer, guard) = NonBlockingBuilder::default()
+        .lossy(true)
+        .buffered_lines_limit(LOG_QUEUE_LINES)
+        .thread_name("log-writer")
+        .finish(BufWriter::with_capacity(64 * 1024, std::io::stderr()));
+    // A second init (tests) keeps the first counter, as it keeps the first
+    // subscriber.
+    let _ = DROPPED.set(writer.error_counter());
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr);
+        .with_writer(writer);
     let result = match format {
         LogFormat::Json => builder
             .json()
@@ -27,7 +53,8 @@ pub fn init(format: LogFormat, level: &str) -> Result<(), String> {
             .try_init(),
         LogFormat::Text => builder.event_format(Logfmt).try_init(),
     };
-    result.map_err(|e| format!("cannot install the logger: {e}"))
+    result.map_err(|e| format!("cannot install the logger: {e}"))?;
+    Ok(guard)
 }
 
 pub struct Logfmt;

@@ -27,22 +27,34 @@ fn main() -> std::process::ExitCode {
             }
         };
     }
-    if let Err(e) = bigfleet_proxmox::logging::init(args.log_format, &args.log_level) {
-        eprintln!("error: {e}");
-        return std::process::ExitCode::from(2);
-    }
+    let log_guard = match bigfleet_proxmox::logging::init(args.log_format, &args.log_level) {
+        Ok(guard) => guard,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return std::process::ExitCode::from(2);
+        }
+    };
+    // The guard is dropped (queued log lines flushed) before a final error
+    // is printed, so stderr keeps the order things happened in.
     let plan = match bigfleet_proxmox::plan(args) {
         Ok(plan) => plan,
         Err(e) => {
+            drop(log_guard);
             eprintln!("error: {e}");
             return std::process::ExitCode::from(2);
         }
     };
     let runtime = match runtime() {
         Ok(rt) => rt,
-        Err(code) => return code,
+        Err(code) => {
+            drop(log_guard);
+            return code;
+        }
     };
-    match runtime.block_on(bigfleet_proxmox::serve::run(plan)) {
+    let result = runtime.block_on(bigfleet_proxmox::serve::run(plan));
+    drop(runtime);
+    drop(log_guard);
+    match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e}");

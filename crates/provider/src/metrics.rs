@@ -209,6 +209,12 @@ impl Collector for ProcessCollector {
             None,
             MetricType::Counter,
         )?)?;
+        ConstCounter::new(crate::logging::dropped_lines()).encode(encoder.encode_descriptor(
+            "bigfleet_proxmox_log_lines_dropped",
+            "Log lines dropped because stderr did not keep up",
+            None,
+            MetricType::Counter,
+        )?)?;
         for (name, help, value) in [
             (
                 "process_resident_memory_bytes",

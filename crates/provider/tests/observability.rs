@@ -559,6 +559,10 @@ async fn lifecycle_metrics_logs_and_secrets() {
     assert!(exp.must("process_start_time_seconds", &[]) > 1.6e9);
     assert!(exp.get("process_cpu_seconds_total", &[]).is_some());
     assert!(exp.must("process_open_fds", &[]) > 0.0);
+    assert_eq!(
+        exp.must("bigfleet_proxmox_log_lines_dropped_total", &[]),
+        0.0
+    );
 
     // Logs: one line per lifecycle RPC at info, with code and duration.
     for method in ["Create", "Configure", "Drain", "Delete"] {
@@ -880,4 +884,88 @@ async fn panicking_handler_answers_internal_and_the_server_survives() {
     assert_eq!(exp.must("bigfleet_proxmox_panics_total", &[]), 2.0);
     assert!(!server.is_finished(), "the server stopped after a panic");
     server.abort();
+}
+
+/// Nobody reads the provider's stderr: once the pipe is full, a blocking
+/// logger would stall every RPC that logs. Thousands of Creates (two info
+/// lines each, far more than a pipe holds) must still be acknowledged and
+/// land.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_log_pipe_does_not_stall_rpcs() {
+    const MACHINES: usize = 3000;
+    let (held, addr) = common::held_listener();
+    drop(held);
+    let mut child = std::process::Command::new(common::BIN)
+        .args([
+            "--use-fake-backend",
+            "--fake-latency",
+            "0",
+            "--metrics-addr",
+            "",
+        ])
+        .args(["--seed-count", &MACHINES.to_string()])
+        .args(["--addr", &addr.to_string()])
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("spawn bigfleet-proxmox");
+    // Held open and never read.
+    let _stderr = child.stderr.take().expect("stderr");
+    let result = tokio::time::timeout(Duration::from_secs(120), async {
+        let deadline = Instant::now() + common::STARTUP_DEADLINE;
+        let mut client = loop {
+            if let Ok(channel) = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+                .expect("endpoint")
+                .connect()
+                .await
+            {
+                break CapacityProviderClient::new(channel);
+            }
+            assert!(
+                Instant::now() < deadline,
+                "provider never listened on {addr}"
+            );
+            tokio::time::sleep(POLL).await;
+        };
+        let ids: Vec<String> = client
+            .list(ListFilter::default())
+            .await
+            .expect("List")
+            .into_inner()
+            .machines
+            .into_iter()
+            .map(|m| m.id)
+            .collect();
+        assert_eq!(ids.len(), MACHINES);
+        for id in &ids {
+            client
+                .create(CreateRequest {
+                    machine_id: id.clone(),
+                    ..Default::default()
+                })
+                .await
+                .unwrap_or_else(|s| panic!("Create {id}: {s}"));
+        }
+        loop {
+            let idle = client
+                .list(ListFilter {
+                    states: vec![MachineState::Idle as i32],
+                    ..Default::default()
+                })
+                .await
+                .expect("List IDLE")
+                .into_inner()
+                .machines
+                .len();
+            if idle == MACHINES {
+                break;
+            }
+            tokio::time::sleep(POLL).await;
+        }
+    })
+    .await;
+    let _ = child.kill();
+    let _ = child.wait();
+    result.expect("RPCs stalled behind the unread log pipe");
 }
