@@ -13,8 +13,8 @@ use bigfleet_proto::serving;
 use bigfleet_proto::serving::capacity_provider_server::{CapacityProvider, CapacityProviderServer};
 use bigfleet_proto::v1alpha1::capacity_provider_client::CapacityProviderClient;
 use bigfleet_proto::v1alpha1::{
-    ConfigureRequest, CreateRequest, DeleteRequest, DrainRequest, ListFilter, Machine, MachineList,
-    MachineRef, MachineState,
+    ConfigureRequest, CreateRequest, DeleteRequest, DrainRequest, ListFilter, Machine, MachineRef,
+    MachineState,
 };
 use bigfleet_proxmox::layers::{CatchPanicLayer, ObserveLayer};
 use bigfleet_proxmox::metrics::Metrics;
@@ -362,18 +362,7 @@ fn scrape(p: &Provider) -> (String, Exposition) {
 /// then one Get of an unknown id (NotFound). Returns the machine id.
 async fn lifecycle(p: &Provider) -> String {
     let mut c = p.client().await;
-    let list: MachineList = c
-        .list(ListFilter::default())
-        .await
-        .expect("List")
-        .into_inner();
-    let id = list
-        .machines
-        .iter()
-        .find(|m| m.state == MachineState::Speculative as i32)
-        .expect("a SPECULATIVE slot")
-        .id
-        .clone();
+    let id = common::speculative_id(&mut c).await;
     let ack = c
         .create(CreateRequest {
             machine_id: id.clone(),

@@ -9,7 +9,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use bigfleet_proto::v1alpha1::{
-    ConfigureRequest, CreateRequest, DeleteRequest, DrainRequest, ListFilter, MachineState,
+    ConfigureRequest, CreateRequest, DeleteRequest, DrainRequest, MachineState,
 };
 use bigfleet_proxmox::substrate::VmRef;
 use common::{path_str, wait_state, Provider};
@@ -83,18 +83,7 @@ async fn full_lifecycle_with_real_qemu_ga() {
     ]);
     let mut c = provider.client().await;
 
-    let list = c
-        .list(ListFilter::default())
-        .await
-        .expect("List")
-        .into_inner();
-    let id = list
-        .machines
-        .iter()
-        .find(|m| m.state == MachineState::Speculative as i32)
-        .expect("a SPECULATIVE slot")
-        .id
-        .clone();
+    let id = common::speculative_id(&mut c).await;
 
     c.create(CreateRequest {
         machine_id: id.clone(),

@@ -8,6 +8,10 @@ use std::time::Duration;
 use pve_sim::{GuestAgentMode, PveSim, SimConfig};
 use serde_json::Value;
 
+mod common;
+
+use common::{Api, Resp};
+
 /// The qemu-ga to use, or `None` (after saying so) to skip.
 fn qemu_ga_or_skip() -> Option<PathBuf> {
     match pve_sim::find_qemu_ga() {
@@ -19,139 +23,6 @@ fn qemu_ga_or_skip() -> Option<PathBuf> {
             println!("skipped: qemu-ga not installed (install the qemu-guest-agent package)");
             None
         }
-    }
-}
-
-struct Api {
-    c: reqwest::Client,
-    base: String,
-    auth: String,
-}
-
-struct Resp {
-    status: u16,
-    body: Value,
-}
-
-impl Resp {
-    fn data(&self) -> &Value {
-        &self.body["data"]
-    }
-
-    fn message(&self) -> String {
-        self.body["message"]
-            .as_str()
-            .unwrap_or_default()
-            .trim()
-            .to_string()
-    }
-}
-
-impl Api {
-    fn new(sim: &PveSim) -> Self {
-        let ca = reqwest::Certificate::from_pem(sim.ca_pem().as_bytes()).expect("CA pem");
-        let c = reqwest::Client::builder()
-            .add_root_certificate(ca)
-            .build()
-            .expect("client");
-        Self {
-            c,
-            base: sim.base_url(),
-            auth: sim.auth_header(),
-        }
-    }
-
-    async fn call(&self, method: reqwest::Method, path: &str, form: &[(&str, &str)]) -> Resp {
-        let url = format!("{}{}", self.base, path);
-        let rb = if method == reqwest::Method::GET || method == reqwest::Method::DELETE {
-            self.c.request(method, &url).query(form)
-        } else {
-            let body: String = form_urlencoded::Serializer::new(String::new())
-                .extend_pairs(form.iter())
-                .finish();
-            self.c
-                .request(method, &url)
-                .header("content-type", "application/x-www-form-urlencoded")
-                .body(body)
-        };
-        let r = rb
-            .header("authorization", &self.auth)
-            .send()
-            .await
-            .expect("request");
-        let status = r.status().as_u16();
-        let body: Value = r.json().await.unwrap_or(Value::Null);
-        Resp { status, body }
-    }
-
-    async fn get(&self, path: &str, q: &[(&str, &str)]) -> Resp {
-        self.call(reqwest::Method::GET, path, q).await
-    }
-
-    async fn post(&self, path: &str, f: &[(&str, &str)]) -> Resp {
-        self.call(reqwest::Method::POST, path, f).await
-    }
-
-    /// Poll a task until it stops; returns its status object.
-    async fn wait_task(&self, resp: Resp) -> Value {
-        assert_eq!(resp.status, 200, "{:?}", resp.body);
-        let upid = resp.data().as_str().expect("upid").to_string();
-        let node = upid.split(':').nth(1).expect("node in upid").to_string();
-        let enc: String = form_urlencoded::byte_serialize(upid.as_bytes()).collect();
-        let path = format!("/nodes/{node}/tasks/{enc}/status");
-        tokio::time::timeout(Duration::from_secs(20), async {
-            loop {
-                let r = self.get(&path, &[]).await;
-                assert_eq!(r.status, 200, "task status: {:?}", r.body);
-                if r.data()["status"] == "stopped" {
-                    return r.data().clone();
-                }
-                tokio::time::sleep(Duration::from_millis(10)).await;
-            }
-        })
-        .await
-        .expect("task finished in time")
-    }
-
-    /// Poll `GET path` until `ok` accepts the response.
-    async fn poll(
-        &self,
-        what: &str,
-        method: reqwest::Method,
-        path: &str,
-        ok: impl Fn(&Resp) -> bool,
-    ) -> Resp {
-        tokio::time::timeout(Duration::from_secs(20), async {
-            loop {
-                let r = self.call(method.clone(), path, &[]).await;
-                if ok(&r) {
-                    return r;
-                }
-                tokio::time::sleep(Duration::from_millis(10)).await;
-            }
-        })
-        .await
-        .unwrap_or_else(|_| panic!("timed out waiting for {what}"))
-    }
-
-    async fn exec(&self, vmid: u32, argv: &[&str]) -> Resp {
-        let form: Vec<(&str, &str)> = argv.iter().map(|a| ("command", *a)).collect();
-        self.post(&format!("/nodes/pve1/qemu/{vmid}/agent/exec"), &form)
-            .await
-    }
-
-    /// Exec and wait for the exit; returns the exec-status data.
-    async fn run(&self, vmid: u32, argv: &[&str]) -> Value {
-        let r = self.exec(vmid, argv).await;
-        assert_eq!(r.status, 200, "exec {argv:?}: {:?}", r.body);
-        let pid = r.data()["pid"].as_u64().expect("pid");
-        let path = format!("/nodes/pve1/qemu/{vmid}/agent/exec-status?pid={pid}");
-        self.poll("exec exit", reqwest::Method::GET, &path, |r| {
-            r.status != 200 || r.data()["exited"] == 1
-        })
-        .await
-        .data()
-        .clone()
     }
 }
 
@@ -173,11 +44,11 @@ async fn running_vm(api: &Api, vmid: u32) {
             &[("newid", &id), ("full", "1"), ("pool", "bigfleet")],
         )
         .await;
-    assert_eq!(api.wait_task(r).await["exitstatus"], "OK");
+    assert_eq!(api.wait_task_of(r).await["exitstatus"], "OK");
     let r = api
         .post(&format!("/nodes/pve1/qemu/{vmid}/status/start"), &[])
         .await;
-    assert_eq!(api.wait_task(r).await["exitstatus"], "OK");
+    assert_eq!(api.wait_task_of(r).await["exitstatus"], "OK");
 }
 
 async fn wait_agent(api: &Api, vmid: u32) -> Resp {
@@ -186,6 +57,25 @@ async fn wait_agent(api: &Api, vmid: u32) -> Resp {
         r.status == 200
     })
     .await
+}
+
+/// A simulator whose VM `vmid` runs and whose qemu-ga answers.
+async fn agent_up(bin: PathBuf, vmid: u32) -> (PveSim, Api) {
+    let sim = PveSim::start(cfg(bin)).await.unwrap();
+    let api = Api::new(&sim);
+    running_vm(&api, vmid).await;
+    wait_agent(&api, vmid).await;
+    (sim, api)
+}
+
+/// Every request the test sent matched the API schema; then stop.
+async fn shut_down_clean(sim: PveSim) {
+    assert!(
+        sim.schema_violations().is_empty(),
+        "{:?}",
+        sim.schema_violations()
+    );
+    sim.shutdown().await;
 }
 
 /// A live process (not a zombie) with this pid.
@@ -249,10 +139,7 @@ async fn ping_answers_only_after_boot_delay_from_a_real_qemu_ga() {
 #[tokio::test]
 async fn file_write_then_cat_goes_through_qemu_ga() {
     let Some(bin) = qemu_ga_or_skip() else { return };
-    let sim = PveSim::start(cfg(bin)).await.unwrap();
-    let api = Api::new(&sim);
-    running_vm(&api, 101).await;
-    wait_agent(&api, 101).await;
+    let (sim, api) = agent_up(bin, 101).await;
 
     let content = "joined by qemu-ga\nline two\n";
     let r = api
@@ -337,21 +224,13 @@ async fn file_write_then_cat_goes_through_qemu_ga() {
         "{}",
         r.message()
     );
-    assert!(
-        sim.schema_violations().is_empty(),
-        "{:?}",
-        sim.schema_violations()
-    );
-    sim.shutdown().await;
+    shut_down_clean(sim).await;
 }
 
 #[tokio::test]
 async fn exit_code_stderr_and_lost_replies_through_qemu_ga() {
     let Some(bin) = qemu_ga_or_skip() else { return };
-    let sim = PveSim::start(cfg(bin)).await.unwrap();
-    let api = Api::new(&sim);
-    running_vm(&api, 102).await;
-    wait_agent(&api, 102).await;
+    let (sim, api) = agent_up(bin, 102).await;
 
     let r = api
         .exec(
@@ -411,7 +290,7 @@ async fn exit_code_stderr_and_lost_replies_through_qemu_ga() {
     let r = api
         .c
         .post(format!("{}/nodes/pve1/qemu/102/agent/exec", api.base))
-        .header("authorization", &api.auth)
+        .header("authorization", api.auth.as_deref().expect("token"))
         .json(
             &serde_json::json!({"command": ["/bin/sh", "-c", "cat"], "input-data": "from-stdin\n"}),
         )
@@ -458,21 +337,13 @@ async fn exit_code_stderr_and_lost_replies_through_qemu_ga() {
         "{}",
         r.message()
     );
-    assert!(
-        sim.schema_violations().is_empty(),
-        "{:?}",
-        sim.schema_violations()
-    );
-    sim.shutdown().await;
+    shut_down_clean(sim).await;
 }
 
 #[tokio::test]
 async fn stopping_or_destroying_a_vm_kills_its_qemu_ga() {
     let Some(bin) = qemu_ga_or_skip() else { return };
-    let sim = PveSim::start(cfg(bin)).await.unwrap();
-    let api = Api::new(&sim);
-    running_vm(&api, 103).await;
-    wait_agent(&api, 103).await;
+    let (sim, api) = agent_up(bin, 103).await;
     let pid = sim.qemu_ga_pid(103).expect("qemu-ga for VM 103");
 
     // A long-running guest command dies with its VM too.
@@ -504,7 +375,7 @@ async fn stopping_or_destroying_a_vm_kills_its_qemu_ga() {
     assert!(alive(sleeper));
 
     let r = api.post("/nodes/pve1/qemu/103/status/stop", &[]).await;
-    assert_eq!(api.wait_task(r).await["exitstatus"], "OK");
+    assert_eq!(api.wait_task_of(r).await["exitstatus"], "OK");
     assert_eq!(sim.qemu_ga_pid(103), None);
     wait_gone(pid).await;
     wait_gone(sleeper).await;
@@ -513,7 +384,7 @@ async fn stopping_or_destroying_a_vm_kills_its_qemu_ga() {
 
     // Started again: a fresh qemu-ga once booted.
     let r = api.post("/nodes/pve1/qemu/103/status/start", &[]).await;
-    assert_eq!(api.wait_task(r).await["exitstatus"], "OK");
+    assert_eq!(api.wait_task_of(r).await["exitstatus"], "OK");
     wait_agent(&api, 103).await;
     let pid2 = sim.qemu_ga_pid(103).expect("restarted qemu-ga");
     assert_ne!(pid2, pid);
@@ -528,7 +399,7 @@ async fn stopping_or_destroying_a_vm_kills_its_qemu_ga() {
             &[("purge", "1")],
         )
         .await;
-    assert_eq!(api.wait_task(r).await["exitstatus"], "OK");
+    assert_eq!(api.wait_task_of(r).await["exitstatus"], "OK");
     assert!(!sim.guest_root(103).exists());
 
     // Dropping the simulator kills the rest.

@@ -12,7 +12,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use bigfleet_proto::v1alpha1::capacity_provider_client::CapacityProviderClient;
-use bigfleet_proto::v1alpha1::{Machine, MachineRef, MachineState};
+use bigfleet_proto::v1alpha1::{ListFilter, Machine, MachineRef, MachineState};
 use tonic::transport::{Channel, Endpoint};
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_bigfleet-proxmox");
@@ -319,6 +319,19 @@ pub fn http_get(addr: SocketAddr, path: &str) -> std::io::Result<(u16, String)> 
         body.to_string()
     };
     Ok((status, body))
+}
+
+/// The id of a SPECULATIVE slot (the first one List returns).
+pub async fn speculative_id(c: &mut CapacityProviderClient<Channel>) -> String {
+    c.list(ListFilter::default())
+        .await
+        .expect("List")
+        .into_inner()
+        .machines
+        .into_iter()
+        .find(|m| m.state == MachineState::Speculative as i32)
+        .expect("a SPECULATIVE slot")
+        .id
 }
 
 /// Poll Get until the machine reaches `want` (failing fast on FAILED).
