@@ -20,6 +20,7 @@ const METRICS: &[(&str, &str)] = &[
     ),
     ("bigfleet_proxmox_panics_total", "counter"),
     ("bigfleet_proxmox_reconcile_total", "counter"),
+    ("bigfleet_proxmox_log_lines_dropped_total", "counter"),
 ];
 
 fn doc(name: &str) -> String {
