@@ -388,17 +388,14 @@ impl Engine {
         match inner.index.get(&spec.id).copied() {
             Some(slot) => {
                 let current = &inner.machines[slot].facts;
-                if Arc::ptr_eq(current, &spec.facts) {
-                    if self.mutant_bump_on_reconcile() {
-                        changes.push(inner.bump(slot));
-                        report.refreshed += 1;
-                    }
-                } else if current.same_as(&spec.facts) {
-                    // Same facts from another source (a load): share the
-                    // substrate's copy; nothing visible changed.
+                let shared = Arc::ptr_eq(current, &spec.facts);
+                let changed = !shared && !current.same_as(&spec.facts);
+                if !shared {
+                    // Equal facts from another source (a load) are swapped
+                    // for the substrate's copy too, without a bump.
                     inner.record_mut(slot).facts = spec.facts;
-                } else {
-                    inner.record_mut(slot).facts = spec.facts;
+                }
+                if changed || self.mutant_bump_on_reconcile() {
                     changes.push(inner.bump(slot));
                     report.refreshed += 1;
                 }
