@@ -136,18 +136,23 @@ impl<'a> Bench<'a> {
         })
     }
 
-    /// Ids of every SPECULATIVE machine (the ones mutating runs may use).
-    pub async fn inventory(&self) -> Result<Vec<String>> {
-        let list = self
+    /// The machines in `state`, with the current cursor.
+    async fn list_in(&self, state: MachineState) -> Result<MachineList> {
+        Ok(self
             .client
             .clone()
             .list(ListFilter {
-                states: vec![MachineState::Speculative as i32],
+                states: vec![state as i32],
                 ..Default::default()
             })
             .await
-            .context("List of SPECULATIVE machines")?
-            .into_inner();
+            .with_context(|| format!("List of {state:?} machines"))?
+            .into_inner())
+    }
+
+    /// Ids of every SPECULATIVE machine (the ones mutating runs may use).
+    pub async fn inventory(&self) -> Result<Vec<String>> {
+        let list = self.list_in(MachineState::Speculative).await?;
         Ok(list.machines.into_iter().map(|m| m.id).collect())
     }
 
@@ -160,16 +165,7 @@ impl<'a> Bench<'a> {
             self.full_list(size, report).await?
         } else {
             // The current cursor, without paying for a full List.
-            self.client
-                .clone()
-                .list(ListFilter {
-                    states: vec![MachineState::Deleting as i32],
-                    ..Default::default()
-                })
-                .await
-                .context("List for the current revision")?
-                .into_inner()
-                .revision
+            self.list_in(MachineState::Deleting).await?.revision
         };
         if self.profile.runs(Scenario::Get) {
             self.open_loop_get(size, &ids, get_rps, report).await?;
@@ -247,7 +243,7 @@ impl<'a> Bench<'a> {
         rps: u32,
         report: &mut Report,
     ) -> Result<()> {
-        let cpu_before = self.provider_pid.and_then(process_cpu);
+        let cpu = CpuSpan::start(self.provider_pid);
         let mut clients = Vec::with_capacity(GET_CONNECTIONS);
         for _ in 0..GET_CONNECTIONS {
             clients.push(dial(&self.endpoint).await?);
@@ -299,13 +295,7 @@ impl<'a> Bench<'a> {
             }
         }
         let achieved = from_due.len() as f64 / started.elapsed().as_secs_f64();
-        let cpu = match (cpu_before, self.provider_pid.and_then(process_cpu)) {
-            (Some(before), Some(after)) if total > 0 => format!(
-                "{:.0}",
-                after.saturating_sub(before).as_secs_f64() * 1e6 / total as f64
-            ),
-            _ => "skipped".to_string(),
-        };
+        let cpu = cpu.us_per_op(total);
         report.line(format!(
             "get_p50_us={} get_p99_us={} get_max_us={} get_service_p99_us={} client_send_lag_p99_us={} server_cpu_us_per_get={cpu} offered_rps={rps} achieved_rps={achieved:.0} errors={errors} conns={GET_CONNECTIONS} size={size}",
             us(from_due.percentile(50.0)),
@@ -387,10 +377,7 @@ impl<'a> Bench<'a> {
             |mut c, id, epoch| async move { c.create(create_req(&id, epoch, 1)).await.map(|_| ()) },
         )
         .await?;
-        let cpu = match cpu {
-            Some(cpu) => format!("{:.0}", cpu.as_secs_f64() * 1e6 / n as f64),
-            None => "skipped".to_string(),
-        };
+        let cpu = cpu.us_per_op(n);
         report.line(format!(
             "create_acks_per_s={:.0} create_p50_us={} create_p99_us={} server_cpu_us_per_create={cpu} clients={level} conns={conns} creates={n} size={size}",
             n as f64 / wall.as_secs_f64(),
@@ -477,8 +464,8 @@ fn create_req(id: &str, epoch: i64, seq: i64) -> CreateRequest {
 
 /// Runs `op` once per id with `level` workers spread over `conns`
 /// connections; returns per-call latencies, the wall time (connections are
-/// made before the clock starts) and, when `pid` is given, the CPU time that
-/// process spent meanwhile. Any failed call fails the run.
+/// made before the clock starts) and the span over which `pid`'s CPU time is
+/// measured. Any failed call fails the run.
 async fn run_concurrently<F, Fut>(
     endpoint: &Endpoint,
     level: usize,
@@ -487,7 +474,7 @@ async fn run_concurrently<F, Fut>(
     ids: Arc<Vec<String>>,
     epoch: i64,
     op: F,
-) -> Result<(Samples, Duration, Option<Duration>)>
+) -> Result<(Samples, Duration, CpuSpan)>
 where
     F: Fn(Client, String, i64) -> Fut + Send + Sync + Clone + 'static,
     Fut: std::future::Future<Output = Result<(), tonic::Status>> + Send,
@@ -501,7 +488,7 @@ where
     let clients: Vec<Client> = (0..level)
         .map(|i| channels[i % channels.len()].clone())
         .collect();
-    let cpu_before = pid.and_then(process_cpu);
+    let cpu = CpuSpan::start(pid);
     let started = Instant::now();
     for client in clients {
         let (next, ids, op) = (next.clone(), ids.clone(), op.clone());
@@ -524,11 +511,34 @@ where
         all.extend(w.await.context("worker task")??);
     }
     let wall = started.elapsed();
-    let cpu = match (cpu_before, pid.and_then(process_cpu)) {
-        (Some(before), Some(after)) => after.checked_sub(before),
-        _ => None,
-    };
     Ok((all, wall, cpu))
+}
+
+/// The CPU time a provider process spends from `start` on.
+struct CpuSpan {
+    pid: Option<u32>,
+    before: Option<Duration>,
+}
+
+impl CpuSpan {
+    fn start(pid: Option<u32>) -> CpuSpan {
+        CpuSpan {
+            pid,
+            before: pid.and_then(process_cpu),
+        }
+    }
+
+    /// Microseconds per operation so far, or `skipped` when the process is
+    /// not one this run started (or `ops` is zero).
+    fn us_per_op(&self, ops: usize) -> String {
+        match (self.before, self.pid.and_then(process_cpu)) {
+            (Some(before), Some(after)) if ops > 0 => format!(
+                "{:.0}",
+                after.saturating_sub(before).as_secs_f64() * 1e6 / ops as f64
+            ),
+            _ => "skipped".to_string(),
+        }
+    }
 }
 
 /// User + system CPU time of a process so far, from /proc (USER_HZ = 100

@@ -222,12 +222,14 @@ struct Inner {
 }
 
 impl Inner {
-    fn insert(&mut self, record: MachineRecord) {
+    /// Add a machine; returns its slot.
+    fn insert(&mut self, record: MachineRecord) -> usize {
         let slot = self.machines.len();
         self.index.insert(record.id.clone(), slot);
         self.by_rev.insert(record.rev, slot);
         self.revision = self.revision.max(record.rev);
         self.machines.push(Arc::new(record));
+        slot
     }
 
     /// The record in `slot`, for changing (copied only if a reader holds it).
@@ -402,8 +404,7 @@ impl Engine {
             }
             None => {
                 let record = self.new_record(spec, inner.revision + 1);
-                inner.insert(record);
-                let slot = inner.machines.len() - 1;
+                let slot = inner.insert(record);
                 changes.push(Change::Machine(Arc::clone(&inner.machines[slot])));
                 report.added += 1;
             }

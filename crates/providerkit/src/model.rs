@@ -417,20 +417,11 @@ impl MachineRecord {
     /// Rebuild a record from a stored `Machine` encoding, sharing catalogue
     /// facts through `interner`.
     pub fn decode_wire(
-        bytes: &[u8],
-        rev: u64,
-        ops: [Option<String>; 4],
-        interner: &mut FactsInterner,
-    ) -> Result<MachineRecord, String> {
-        Self::decode_fields(bytes, rev, ops, interner).map_err(|e| e.to_string())?
-    }
-
-    fn decode_fields(
         mut bytes: &[u8],
         rev: u64,
         ops: [Option<String>; 4],
         interner: &mut FactsInterner,
-    ) -> Result<Result<MachineRecord, String>, DecodeError> {
+    ) -> Result<MachineRecord, String> {
         let mut id = String::new();
         let mut state = 0i32;
         let mut host = None;
@@ -438,42 +429,49 @@ impl MachineRecord {
         let mut cluster = String::new();
         let mut shard_metadata = HashMap::new();
         // The catalogue fields exactly as stored: the interner's key.
-        let mut catalogue = Vec::with_capacity(bytes.len());
+        let mut catalogue = std::mem::take(&mut interner.key);
+        catalogue.clear();
         let ctx = DecodeContext::default();
-        while bytes.has_remaining() {
-            let field_start = bytes;
-            let (tag, wire_type) = decode_key(&mut bytes)?;
-            match tag {
-                1 => string::merge(wire_type, &mut id, &mut bytes, ctx.clone())?,
-                2 => int32::merge(wire_type, &mut state, &mut bytes, ctx.clone())?,
-                3 => message::merge(
-                    wire_type,
-                    host.get_or_insert_with(pb::HostRef::default),
-                    &mut bytes,
-                    ctx.clone(),
-                )?,
-                12 => string::merge(wire_type, &mut last_error, &mut bytes, ctx.clone())?,
-                14 => string::merge(wire_type, &mut cluster, &mut bytes, ctx.clone())?,
-                15 => hash_map::merge(
-                    string::merge,
-                    string::merge,
-                    &mut shard_metadata,
-                    &mut bytes,
-                    ctx.clone(),
-                )?,
-                4..=10 | 13 => {
-                    skip_field(wire_type, tag, &mut bytes, ctx.clone())?;
-                    let used = field_start.len() - bytes.len();
-                    catalogue.extend_from_slice(&field_start[..used]);
+        let mut fields = || -> Result<(), DecodeError> {
+            while bytes.has_remaining() {
+                let field_start = bytes;
+                let (tag, wire_type) = decode_key(&mut bytes)?;
+                match tag {
+                    1 => string::merge(wire_type, &mut id, &mut bytes, ctx.clone())?,
+                    2 => int32::merge(wire_type, &mut state, &mut bytes, ctx.clone())?,
+                    3 => message::merge(
+                        wire_type,
+                        host.get_or_insert_with(pb::HostRef::default),
+                        &mut bytes,
+                        ctx.clone(),
+                    )?,
+                    12 => string::merge(wire_type, &mut last_error, &mut bytes, ctx.clone())?,
+                    14 => string::merge(wire_type, &mut cluster, &mut bytes, ctx.clone())?,
+                    15 => hash_map::merge(
+                        string::merge,
+                        string::merge,
+                        &mut shard_metadata,
+                        &mut bytes,
+                        ctx.clone(),
+                    )?,
+                    4..=10 | 13 => {
+                        skip_field(wire_type, tag, &mut bytes, ctx.clone())?;
+                        let used = field_start.len() - bytes.len();
+                        catalogue.extend_from_slice(&field_start[..used]);
+                    }
+                    _ => skip_field(wire_type, tag, &mut bytes, ctx.clone())?,
                 }
-                _ => skip_field(wire_type, tag, &mut bytes, ctx.clone())?,
             }
-        }
-        let Some(state) = State::from_wire(state) else {
-            return Ok(Err(format!("machine {id:?} has no valid state ({state})")));
+            Ok(())
         };
-        Ok(Ok(MachineRecord {
-            facts: interner.intern(catalogue)?,
+        fields().map_err(|e| e.to_string())?;
+        let facts = interner.intern(&catalogue).map_err(|e| e.to_string());
+        // The buffer is reused for the next record's key.
+        interner.key = catalogue;
+        let state = State::from_wire(state)
+            .ok_or_else(|| format!("machine {id:?} has no valid state ({state})"))?;
+        Ok(MachineRecord {
+            facts: facts?,
             id,
             state,
             host,
@@ -482,7 +480,7 @@ impl MachineRecord {
             shard_metadata,
             rev,
             ops,
-        }))
+        })
     }
 }
 
@@ -497,6 +495,9 @@ pub struct FactsInterner {
     by_stored: HashMap<Vec<u8>, SharedFacts>,
     /// Canonical encoding -> facts, for stores written with another map order.
     by_canonical: HashMap<CanonicalFacts, SharedFacts>,
+    /// Scratch for the key of the record being decoded (one allocation per
+    /// interner, not per record).
+    key: Vec<u8>,
 }
 
 impl FactsInterner {
@@ -504,11 +505,11 @@ impl FactsInterner {
         FactsInterner::default()
     }
 
-    fn intern(&mut self, stored: Vec<u8>) -> Result<SharedFacts, DecodeError> {
-        if let Some(facts) = self.by_stored.get(&stored) {
+    fn intern(&mut self, stored: &[u8]) -> Result<SharedFacts, DecodeError> {
+        if let Some(facts) = self.by_stored.get(stored) {
             return Ok(facts.clone());
         }
-        let m = pb::Machine::decode(stored.as_slice())?;
+        let m = pb::Machine::decode(stored)?;
         let facts = CatalogFacts {
             instance_type: m.instance_type,
             zone: m.zone,
@@ -525,7 +526,7 @@ impl FactsInterner {
             .entry((facts.head.clone(), facts.tail.clone()))
             .or_insert(facts)
             .clone();
-        self.by_stored.insert(stored, facts.clone());
+        self.by_stored.insert(stored.to_vec(), facts.clone());
         Ok(facts)
     }
 
