@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use anyhow::{anyhow, bail, Context as _};
+use anyhow::{anyhow, bail, ensure, Context as _};
 use bigfleet_proto::v1alpha1::capacity_provider_client::CapacityProviderClient;
 use bigfleet_proto::v1alpha1::{
     ConfigureRequest, CreateRequest, DeleteRequest, DrainRequest, ListFilter, Machine, MachineList,
@@ -493,9 +493,66 @@ impl Ctx {
         self.claims.lock().extend(ids);
     }
 
+    /// One SPECULATIVE machine, picked the way the authoritative harness
+    /// picks: `List(states=[SPECULATIVE], max_results=1)`, taking the machine
+    /// returned. Machines other tests of this run hold are passed over (the
+    /// upstream harness runs one test at a time). `earlier` are this test's
+    /// own previous picks: getting one back means successive capped Lists
+    /// return the same head, which fails (B302 picks several machines this
+    /// way before mutating any of them).
+    pub async fn pick_speculative(&self, earlier: &[String]) -> anyhow::Result<String> {
+        let mut c = self.c();
+        let mut passed_over = 0usize;
+        loop {
+            let l = c
+                .list(ListFilter {
+                    states: vec![MachineState::Speculative as i32],
+                    max_results: 1,
+                    ..Default::default()
+                })
+                .await
+                .context("List(states=[SPECULATIVE], max_results=1) to pick a machine")?
+                .into_inner();
+            ensure!(
+                l.machines.len() <= 1,
+                "List(max_results=1) returned {} machines",
+                l.machines.len()
+            );
+            let m = l.machines.into_iter().next().context(
+                "List(states=[SPECULATIVE], max_results=1) returned no machine (seed a larger fleet)",
+            )?;
+            ensure!(
+                m.state() == MachineState::Speculative,
+                "List(states=[SPECULATIVE]) returned {} in {:?}",
+                m.id,
+                m.state()
+            );
+            if earlier.contains(&m.id) {
+                bail!(
+                    "successive List(states=[SPECULATIVE], max_results=1) calls returned {} again: \
+                     a capped List without a cursor must rotate through (or sample) the matching \
+                     set, or every caller picking machines this way gets the same one",
+                    m.id
+                );
+            }
+            let mut claims = self.claims.lock();
+            if claims.insert(m.id.clone()) {
+                return Ok(m.id);
+            }
+            passed_over += 1;
+            if passed_over > claims.len() + 16 {
+                bail!(
+                    "{passed_over} successive List(states=[SPECULATIVE], max_results=1) calls \
+                     returned only machines other tests hold (last {}): the capped List does not \
+                     spread over the matching set",
+                    m.id
+                );
+            }
+        }
+    }
+
     pub async fn fresh1(&self) -> anyhow::Result<String> {
-        let mut v = self.fresh(1).await?;
-        v.pop().ok_or_else(|| anyhow!("no fresh machine"))
+        self.pick_speculative(&[]).await
     }
 
     pub async fn get(&self, id: &str) -> anyhow::Result<Machine> {

@@ -5,6 +5,9 @@
 //! - [`suite`]: the baseline and one implementing test per behavior (`suite::IMPLS`).
 //! - [`process`]: owning a provider process (boot, wait-ready, kill -9, restart).
 //! - [`runner`]: lanes, verdict, `report.json` and `junit.xml`.
+//! - [`boot`]: boot compatibility with the published runner's flags, in a private network
+//!   namespace.
+//! - [`upstream`]: the upstream baseline from a bigfleet checkout (`$BIGFLEET_SRC`).
 //!
 //! Entry points:
 //! - `bfconformance --provider proxmox --certify` (core+cloud; prints the CERTIFIED line)
@@ -14,9 +17,11 @@
 //!   `fault-provider`), `cargo test -p conformance --features mutants --test mutants`
 //!   (each providerkit mutant is caught by its guarding behavior).
 
+pub mod boot;
 pub mod harness;
 pub mod process;
 pub mod registry;
 pub mod report;
 pub mod runner;
 pub mod suite;
+pub mod upstream;

@@ -14,6 +14,9 @@ use crate::harness::{dial, Client};
 pub struct ProviderProcess {
     child: Option<Child>,
     pub addr: String,
+    /// Pass the address as `--addr=HOST:PORT` (one argument), the way the
+    /// published runner does, rather than `--addr HOST:PORT`.
+    pub addr_equals: bool,
     pub bin: PathBuf,
     pub args: Vec<String>,
     pub log: PathBuf,
@@ -34,11 +37,24 @@ impl ProviderProcess {
         log: &Path,
         ready_timeout: Duration,
     ) -> anyhow::Result<(ProviderProcess, Client)> {
+        Self::spawn_with(bin, args, log, ready_timeout, false).await
+    }
+
+    /// As [`ProviderProcess::spawn`], with the address passed as
+    /// `--addr=HOST:PORT` first when `addr_equals` is set.
+    pub async fn spawn_with(
+        bin: &Path,
+        args: &[String],
+        log: &Path,
+        ready_timeout: Duration,
+        addr_equals: bool,
+    ) -> anyhow::Result<(ProviderProcess, Client)> {
         let port = free_port()?;
         let addr = format!("127.0.0.1:{port}");
         let mut p = ProviderProcess {
             child: None,
             addr,
+            addr_equals,
             bin: bin.to_path_buf(),
             args: args.to_vec(),
             log: log.to_path_buf(),
@@ -54,10 +70,14 @@ impl ProviderProcess {
             .open(&self.log)
             .with_context(|| format!("opening {}", self.log.display()))?;
         let err = out.try_clone()?;
-        let child = Command::new(&self.bin)
+        let mut cmd = Command::new(&self.bin);
+        if self.addr_equals {
+            cmd.arg(format!("--addr={}", self.addr));
+        } else {
+            cmd.arg("--addr").arg(&self.addr);
+        }
+        let child = cmd
             .args(&self.args)
-            .arg("--addr")
-            .arg(&self.addr)
             .stdin(Stdio::null())
             .stdout(out)
             .stderr(err)

@@ -131,7 +131,7 @@ pub static BEHAVIORS: &[Behavior] = &[
     b!("B208", TransitionMatrix, CORE, None, "Get/Create/Configure/Drain with an empty id: INVALID_ARGUMENT."),
     b!("B209", TransitionMatrix, CORE, None, "A Configure with more metadata keys/bytes than accepted: echoed verbatim or INVALID_ARGUMENT, no partial transition."),
     b!("B210", TransitionMatrix, CORE, None, "Drain with negative grace_period_seconds: INVALID_ARGUMENT; stays CONFIGURED."),
-    b!("B211", TransitionMatrix, CORE, None, "Negative epoch or sequence with a non-empty shard_id: INVALID_ARGUMENT."),
+    b!("B211", TransitionMatrix, CORE, None, "Negative epoch or sequence with a non-empty shard_id on first contact: INVALID_ARGUMENT (strict) or accepted (lenient), never FAILED_PRECONDITION. B1201/B1204 then require negative values to be ordered like any other once a mark exists, so be lenient."),
     b!("B212", TransitionMatrix, CORE, None, "int64::MAX epoch/sequence from a fresh shard: accepted, mark set, no overflow."),
     b!("B213", TransitionMatrix, CORE, None, "An oversized bootstrap_blob: accepted, or INVALID_ARGUMENT with no partial transition."),
     b!("B214", TransitionMatrix, CORE, None, "Distinct successive transitions on one machine mint distinct operation_ids."),

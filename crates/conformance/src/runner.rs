@@ -10,11 +10,13 @@ use anyhow::{bail, Context as _};
 use futures::future::BoxFuture;
 use futures::StreamExt;
 
+use crate::boot::{self, BootCheck};
 use crate::harness::{dial, probe, Ctx, Outcome, SharedCtx, TestResult, Timing, TlsOpts};
 use crate::process::{free_port, ProviderProcess};
 use crate::registry::{Behavior, BEHAVIORS};
 use crate::report::{Report, Status, TestRecord, Verdict};
 use crate::suite::{self, durable, scale, Impl};
+use crate::upstream::{self, Baseline};
 
 /// Where the core/cloud lanes find their endpoint.
 #[derive(Debug, Clone)]
@@ -51,6 +53,14 @@ pub struct RunConfig {
     pub durable_slow_latency: String,
     /// Print one line per finished test, not only failures.
     pub verbose: bool,
+    /// Which baseline runs first (`$BIGFLEET_SRC`).
+    pub baseline: Baseline,
+    /// `bfconformance` itself, re-executed in a private network namespace
+    /// for the boot-compatibility check (default: found next to this
+    /// executable).
+    pub runner_bin: Option<PathBuf>,
+    /// Flags the boot-compatibility check adds after the published ones.
+    pub boot_args: Vec<String>,
 }
 
 impl RunConfig {
@@ -88,6 +98,9 @@ impl RunConfig {
             )),
             durable_slow_latency: "5s".into(),
             verbose: false,
+            baseline: Baseline::from_env(),
+            runner_bin: None,
+            boot_args: Vec::new(),
         }
     }
 
@@ -169,14 +182,26 @@ fn behavior_record(b: &Behavior, (status, ms, msg): (Status, u64, String)) -> Te
     }
 }
 
-/// Resolves the fault-provider binary: explicit, else next to the running executable.
-pub fn default_fault_bin() -> Option<PathBuf> {
+/// A binary of this crate next to the running executable (or one folder up,
+/// from a test binary in `deps/`).
+fn sibling_bin(name: &str) -> Option<PathBuf> {
     let exe = std::env::current_exe().ok()?;
+    if exe.file_name().is_some_and(|n| n == name) {
+        return Some(exe);
+    }
     let dir = exe.parent()?;
-    [dir.join("fault-provider"), dir.join("../fault-provider")]
+    [dir.join(name), dir.join("..").join(name)]
         .into_iter()
         .find(|p| p.is_file())
 }
+
+/// Resolves the fault-provider binary: explicit, else next to the running executable.
+pub fn default_fault_bin() -> Option<PathBuf> {
+    sibling_bin("fault-provider")
+}
+
+/// The key the boot-compatibility check is recorded under (with the baseline).
+pub const BOOT_RECORD: &str = "boot/published-runner-flags";
 
 /// Runs every lane the profiles ask for and returns the finished report.
 pub async fn run(cfg: RunConfig) -> anyhow::Result<Report> {
@@ -199,6 +224,7 @@ pub async fn run(cfg: RunConfig) -> anyhow::Result<Report> {
         cfg.profiles.join(","),
         cfg.log_dir.display()
     );
+    println!("{}", cfg.baseline.describe());
     let st = Arc::new(State {
         report: parking_lot::Mutex::new(Report::new(cfg.seed, cfg.profiles.clone(), target_desc)),
         cfg,
@@ -361,6 +387,25 @@ async fn endpoint_lane(st: &Arc<State>) -> anyhow::Result<()> {
         caps.delete, caps.since_revision, caps.fleet_size
     );
     st.report.lock().capabilities = Some(serde_json::to_value(&caps)?);
+    if let Baseline::Upstream(src) = &cfg.baseline {
+        let t = Instant::now();
+        let r = upstream::run(src, &addr, &cfg.log_dir.join("upstream-baseline.log")).await;
+        let (status, message) = match r {
+            Ok(summary) => (Status::Passed, summary),
+            Err(e) => (Status::Failed, format!("{e:#}")),
+        };
+        st.record(
+            upstream::RECORD,
+            true,
+            TestRecord {
+                status,
+                duration_ms: t.elapsed().as_millis() as u64,
+                message,
+                area: None,
+                required: true,
+            },
+        );
+    }
     let mut ctx = Ctx::new(addr, tls, client, caps, cfg.seed);
     ctx.profiles = cfg.profiles.clone();
     let ctx: SharedCtx = Arc::new(ctx);
@@ -392,6 +437,24 @@ async fn endpoint_lane(st: &Arc<State>) -> anyhow::Result<()> {
         .buffer_unordered(cfg.concurrency.max(1))
         .collect::<Vec<_>>()
         .await;
+
+    if matches!(cfg.target, Target::Spawn)
+        && cfg
+            .only
+            .as_ref()
+            .is_none_or(|o| o.iter().any(|x| x == "boot"))
+        && !st.stop()
+    {
+        let r = boot_check(cfg).await;
+        let rec = TestRecord {
+            status: r.0,
+            duration_ms: r.1,
+            message: r.2,
+            area: None,
+            required: true,
+        };
+        st.record(BOOT_RECORD, true, rec);
+    }
 
     let mut parallel = Vec::new();
     let mut serial = Vec::new();
@@ -455,6 +518,34 @@ async fn endpoint_lane(st: &Arc<State>) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Boots the provider the way the published runner does (see [`boot`]).
+async fn boot_check(cfg: &RunConfig) -> (Status, u64, String) {
+    let setup = || -> anyhow::Result<(PathBuf, BootCheck)> {
+        let runner = cfg
+            .runner_bin
+            .clone()
+            .or_else(|| sibling_bin("bfconformance"))
+            .context("bfconformance binary not found for the boot check (set runner_bin)")?;
+        let check = BootCheck {
+            bin: provider_bin(cfg)?,
+            extra_args: cfg.boot_args.clone(),
+            seed_count: 16,
+            log_dir: cfg.log_dir.clone(),
+        };
+        Ok((runner, check))
+    };
+    match setup() {
+        Ok((runner, check)) => {
+            run_one(
+                Box::pin(async move { boot::run_isolated(&runner, &check).await }),
+                cfg.test_timeout,
+            )
+            .await
+        }
+        Err(e) => (Status::Failed, 0, format!("{e:#}")),
+    }
+}
+
 async fn fault_lane(st: &Arc<State>) -> anyhow::Result<()> {
     let cfg = &st.cfg;
     let bin = cfg
@@ -465,6 +556,8 @@ async fn fault_lane(st: &Arc<State>) -> anyhow::Result<()> {
     let control = format!("127.0.0.1:{}", free_port()?);
     let timeout = "2s";
     let args: Vec<String> = [
+        "--metrics-addr",
+        "",
         "--control-addr",
         &control,
         "--seed-count",

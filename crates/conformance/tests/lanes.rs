@@ -16,6 +16,7 @@ fn config(profiles: &[&str]) -> RunConfig {
     let mut cfg = RunConfig::new(profiles.iter().map(|s| s.to_string()).collect(), 1234);
     cfg.provider_bin = Some(fault_bin());
     cfg.fault_bin = Some(fault_bin());
+    cfg.runner_bin = Some(PathBuf::from(env!("CARGO_BIN_EXE_bfconformance")));
     cfg.concurrency = 4;
     cfg.expect_caps = vec!["Delete".into(), "SinceRevision".into()];
     cfg
@@ -44,6 +45,13 @@ async fn core_cloud_and_fault_lanes_certify_the_engine() {
         assert_eq!(report.behaviors[id].status, Status::Passed, "{id}");
     }
     assert!(report.baseline.values().all(|r| r.status != Status::Failed));
+    // The provider was also booted the way the published runner boots it.
+    let boot = &report.baseline[conformance::runner::BOOT_RECORD];
+    assert!(
+        boot.status == Status::Passed
+            || (boot.status == Status::Skipped && std::env::var("CI").as_deref() != Ok("true")),
+        "{boot:?}"
+    );
     let json = serde_json::to_value(&report).expect("json");
     assert_eq!(json["behaviors"]["B101"]["status"], "passed");
     assert!(report.junit().contains("<testcase"));

@@ -148,8 +148,11 @@ pub struct Args {
     pub state: String,
 
     /// Metrics and probes listener (/metrics, /healthz, /readyz); empty = off.
-    #[arg(long, default_value = ":9090")]
-    pub metrics_addr: String,
+    /// Unset, it is the default below, and a default that is already taken is
+    /// a warning (the provider serves without metrics); an address set here
+    /// that cannot be bound is fatal. [default: :9090]
+    #[arg(long)]
+    pub metrics_addr: Option<String>,
 
     /// Serve gRPC server reflection.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
@@ -217,6 +220,9 @@ pub fn parse_duration(text: &str) -> Result<Duration, String> {
 }
 
 /// Go-style `:9000` means every interface.
+/// The metrics listener's address when `--metrics-addr` is not given.
+pub const DEFAULT_METRICS_ADDR: &str = ":9090";
+
 pub fn parse_listen_addr(flag: &str, value: &str) -> Result<SocketAddr, String> {
     let full = if value.starts_with(':') {
         format!("0.0.0.0{value}")

@@ -19,7 +19,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use providerkit::{EngineOptions, Limits, Timeouts};
+use providerkit::{AuxAddr, EngineOptions, Limits, Timeouts};
 
 use crate::catalog::{InstanceType, Pricing, Slot};
 use crate::config::{Args, BackendChoice};
@@ -74,7 +74,7 @@ pub struct Plan {
     pub slots: Vec<Slot>,
     pub pricing: Pricing,
     pub addr: SocketAddr,
-    pub metrics_addr: Option<SocketAddr>,
+    pub metrics_addr: AuxAddr,
     pub security: tls::Security,
     pub tls: Option<Arc<rustls::ServerConfig>>,
     pub state: Option<PathBuf>,
@@ -255,13 +255,13 @@ pub fn plan(args: Args) -> Result<Plan, String> {
         }
     };
     let addr = config::parse_listen_addr("--addr", &args.addr)?;
-    let metrics_addr = if args.metrics_addr.trim().is_empty() {
-        None
-    } else {
-        Some(config::parse_listen_addr(
+    let metrics_addr = match args.metrics_addr.as_deref().map(str::trim) {
+        None => AuxAddr::Default(config::parse_listen_addr(
             "--metrics-addr",
-            &args.metrics_addr,
-        )?)
+            config::DEFAULT_METRICS_ADDR,
+        )?),
+        Some("") => AuxAddr::Disabled,
+        Some(value) => AuxAddr::Explicit(config::parse_listen_addr("--metrics-addr", value)?),
     };
     let (security, tls) = tls::server_config(
         args.tls_cert.as_deref(),

@@ -12,7 +12,7 @@ use axum::routing::get;
 use axum::Router;
 use bigfleet_proto::serving::capacity_provider_server::CapacityProviderServer;
 use providerkit::service::CapacityService;
-use providerkit::{Engine, MemoryStore, Store};
+use providerkit::{bind_aux, AuxListener, Engine, MemoryStore, Store};
 use tokio::net::TcpListener;
 use tokio_stream::wrappers::TcpListenerStream;
 use tokio_stream::StreamExt;
@@ -204,9 +204,11 @@ pub async fn run(plan: Plan) -> Result<(), String> {
         .map_err(|e| format!("--addr: {e}"))?;
     let metrics = Metrics::new();
     let ready = Readiness::default();
-    let metrics_local = match plan.metrics_addr {
-        Some(addr) => {
-            let listener = bind("--metrics-addr", addr).await?;
+    let metrics_local = match bind_aux("--metrics-addr", plan.metrics_addr)
+        .await
+        .map_err(|e| e.to_string())?
+    {
+        AuxListener::Bound(listener) => {
             let local = listener
                 .local_addr()
                 .map_err(|e| format!("--metrics-addr: {e}"))?;
@@ -216,9 +218,10 @@ pub async fn run(plan: Plan) -> Result<(), String> {
                     tracing::error!(error = %e, "metrics listener stopped");
                 }
             });
-            Some(local)
+            local.to_string()
         }
-        None => None,
+        AuxListener::Disabled => "disabled".to_string(),
+        AuxListener::DefaultUnavailable { addr, .. } => format!("unavailable ({addr} in use)"),
     };
 
     if plan.backend == BackendKind::Fake {
@@ -335,7 +338,7 @@ pub async fn run(plan: Plan) -> Result<(), String> {
         security = plan.security.name(),
         offerings = plan.slots.len(),
         zones = %plan.zones.join(","),
-        metrics_addr = %metrics_local.map(|a| a.to_string()).unwrap_or_else(|| "disabled".into()),
+        metrics_addr = %metrics_local,
         store = %engine_store_name(&plan),
         "serving CapacityProvider"
     );

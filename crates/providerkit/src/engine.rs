@@ -19,7 +19,7 @@ use tokio::time::Instant;
 use crate::backend::{
     Backend, BackendError, ConfigureCtx, CreateCtx, DeleteCtx, DrainCtx, SlotSpec, SubstrateHost,
 };
-use crate::cursor::CursorCodec;
+use crate::cursor::{Cursor, CursorCodec, Walk};
 use crate::error::KitError;
 use crate::fence::Token;
 use crate::model::{MachineRecord, State, TransitionKind};
@@ -93,6 +93,10 @@ pub struct Mutants {
     pub truncate_metadata: bool,
     pub out_of_position_failed_precondition: bool,
     pub bump_revision_on_reconcile: bool,
+    /// A capped, cursor-less List always starts at the same head.
+    pub frozen_list_head: bool,
+    /// Tokens with a negative epoch or sequence are INVALID_ARGUMENT.
+    pub reject_negative_tokens: bool,
 }
 
 #[derive(Clone, Debug)]
@@ -250,6 +254,72 @@ impl Inner {
     }
 }
 
+fn wanted(states: &[i32], machine: &MachineRecord) -> bool {
+    states.is_empty() || states.contains(&(machine.state.to_wire() as i32))
+}
+
+struct WalkPage {
+    machines: Vec<Arc<MachineRecord>>,
+    /// The revision of the first machine returned.
+    head: Option<u64>,
+    next: Cursor,
+}
+
+/// One page of a [`Walk`]: revisions above `start`, then around to it.
+fn scan_walk(inner: &Inner, states: &[i32], cap: usize, walk: Walk) -> WalkPage {
+    let mut machines = Vec::with_capacity(cap.min(inner.machines.len()));
+    let mut head = None;
+    let Walk {
+        start,
+        mut pos,
+        mut settled,
+    } = walk;
+    loop {
+        // BTreeMap::range panics on an inverted range: phase two is empty
+        // once it has reached `start`.
+        let range = match settled {
+            None => Some(pos.saturating_add(1)..=u64::MAX),
+            Some(_) => (pos < start).then(|| pos + 1..=start),
+        };
+        for (&rev, &slot) in range.into_iter().flat_map(|r| inner.by_rev.range(r)) {
+            if machines.len() == cap {
+                break;
+            }
+            let machine = &inner.machines[slot];
+            if wanted(states, machine) {
+                machines.push(Arc::clone(machine));
+                head.get_or_insert(rev);
+                pos = rev;
+            }
+        }
+        if machines.len() == cap {
+            let next = Cursor::Walk(Walk {
+                start,
+                pos,
+                settled,
+            });
+            return WalkPage {
+                machines,
+                head,
+                next,
+            };
+        }
+        match settled {
+            None => {
+                settled = Some(inner.revision);
+                pos = 0;
+            }
+            Some(at) => {
+                return WalkPage {
+                    machines,
+                    head,
+                    next: Cursor::Since(at),
+                }
+            }
+        }
+    }
+}
+
 pub struct Engine {
     backend: Arc<dyn Backend>,
     store: Arc<dyn Store>,
@@ -258,6 +328,9 @@ pub struct Engine {
     cursor: CursorCodec,
     generation: u64,
     next_op: AtomicU64,
+    /// Where the next capped, cursor-less List starts: the revision of the
+    /// head the previous one returned.
+    list_head: AtomicU64,
     supports_delete: bool,
 }
 
@@ -300,6 +373,7 @@ impl Engine {
             cursor: CursorCodec::new(loaded.boot_generation),
             generation: loaded.boot_generation,
             next_op: AtomicU64::new(1),
+            list_head: AtomicU64::new(0),
             supports_delete,
         });
         // Interrupted transitions get a fresh revision so delta readers see them.
@@ -475,31 +549,60 @@ impl Engine {
         Ok(self.get_record(id)?.encoded())
     }
 
-    /// List in revision order. With a valid `since_revision` only machines
-    /// changed after it are returned. When `max_results` cuts the page, the
-    /// cursor is the revision of the last machine returned, so the next
+    /// List. With a valid `since_revision` only machines changed after it
+    /// are returned, in revision order; when `max_results` cuts the page,
+    /// the cursor is the revision of the last machine returned, so the next
     /// page resumes exactly after it: every machine is visited once.
+    ///
+    /// A capped List without a usable cursor does not always return the
+    /// same head: it starts just after the head the previous such List
+    /// returned (callers pick machines this way), and its cursor continues
+    /// a [`Walk`] around the revision order, so paging stays set-complete.
     pub fn list(&self, states: &[i32], max_results: i32, since_revision: &[u8]) -> ListPage {
-        let since = self.cursor.decode(since_revision).unwrap_or(0);
         let cap = if max_results > 0 {
             max_results as usize
         } else {
             usize::MAX
         };
-        let wanted: Vec<i32> = states.to_vec();
         let inner = self.inner.read();
+        let walk = match self.cursor.decode_cursor(since_revision) {
+            Some(Cursor::Since(since)) => return self.list_since(&inner, states, cap, since),
+            None if cap == usize::MAX => return self.list_since(&inner, states, cap, 0),
+            Some(Cursor::Walk(walk)) => walk,
+            None => {
+                let start = self.list_head.load(Ordering::Relaxed);
+                Walk {
+                    start,
+                    pos: start,
+                    settled: None,
+                }
+            }
+        };
+        let fresh = walk.pos == walk.start && walk.settled.is_none();
+        let page = scan_walk(&inner, states, cap, walk);
+        if fresh {
+            if let Some(head) = page.head {
+                self.advance_list_head(head);
+            }
+        }
+        ListPage {
+            machines: page.machines,
+            revision: self.cursor.encode_cursor(page.next),
+        }
+    }
+
+    fn list_since(&self, inner: &Inner, states: &[i32], cap: usize, since: u64) -> ListPage {
         let mut machines = Vec::with_capacity(cap.min(inner.machines.len()));
         let mut last_rev = None;
         for (&rev, &slot) in inner.by_rev.range(since.saturating_add(1)..) {
-            let machine = &inner.machines[slot];
-            if !wanted.is_empty() && !wanted.contains(&(machine.state.to_wire() as i32)) {
-                continue;
-            }
             if machines.len() == cap {
                 break;
             }
-            machines.push(Arc::clone(machine));
-            last_rev = Some(rev);
+            let machine = &inner.machines[slot];
+            if wanted(states, machine) {
+                machines.push(Arc::clone(machine));
+                last_rev = Some(rev);
+            }
         }
         let cursor_rev = if machines.len() == cap {
             last_rev.unwrap_or(inner.revision)
@@ -510,6 +613,18 @@ impl Engine {
             machines,
             revision: self.cursor.encode(cursor_rev),
         }
+    }
+
+    #[cfg(feature = "mutants")]
+    fn advance_list_head(&self, head: u64) {
+        if !self.opts.mutants.frozen_list_head {
+            self.list_head.store(head, Ordering::Relaxed);
+        }
+    }
+
+    #[cfg(not(feature = "mutants"))]
+    fn advance_list_head(&self, head: u64) {
+        self.list_head.store(head, Ordering::Relaxed);
     }
 
     pub async fn create(self: &Arc<Self>, id: &str, token: Token) -> Result<Ack, KitError> {
@@ -562,6 +677,10 @@ impl Engine {
             ));
         }
         token.validate()?;
+        #[cfg(feature = "mutants")]
+        if self.opts.mutants.reject_negative_tokens && (token.epoch < 0 || token.sequence < 0) {
+            return Err(KitError::InvalidArgument("negative fencing token".into()));
+        }
         if let Params::Configure {
             cluster_id,
             bootstrap_blob,

@@ -1,4 +1,5 @@
-//! Fencing tokens: accept iff strictly newer than the (shard, machine) mark.
+//! Fencing tokens: accept iff strictly newer than the (shard, machine) mark,
+//! ordered lexicographically as signed (epoch, sequence) pairs.
 
 use crate::error::KitError;
 
@@ -28,7 +29,9 @@ impl Token {
         self.shard_id.is_empty() && self.epoch == 0 && self.sequence == 0
     }
 
-    /// Shape check, done before any state is consulted.
+    /// Shape check, done before any state is consulted. Epoch and sequence
+    /// are signed and any value is legal: a negative one is ordered like
+    /// any other, never rejected for its sign.
     pub fn validate(&self) -> Result<(), KitError> {
         if self.is_absent() {
             return Ok(());
@@ -37,12 +40,6 @@ impl Token {
             return Err(KitError::InvalidArgument(format!(
                 "fencing token has epoch {} / sequence {} but an empty shard_id",
                 self.epoch, self.sequence
-            )));
-        }
-        if self.epoch < 0 || self.sequence < 0 {
-            return Err(KitError::InvalidArgument(format!(
-                "fencing token for shard {:?} has a negative epoch ({}) or sequence ({})",
-                self.shard_id, self.epoch, self.sequence
             )));
         }
         Ok(())

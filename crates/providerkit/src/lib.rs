@@ -13,6 +13,7 @@ pub mod cursor;
 pub mod engine;
 pub mod error;
 pub mod fence;
+pub mod listen;
 pub mod model;
 pub mod service;
 pub mod store;
@@ -28,6 +29,7 @@ pub use engine::{
 };
 pub use error::KitError;
 pub use fence::Token;
+pub use listen::{bind_aux, AuxAddr, AuxListener, BindError};
 pub use model::{
     CatalogFacts, Facts, FactsInterner, MachineRecord, SharedFacts, State, TransitionKind,
 };

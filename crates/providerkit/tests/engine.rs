@@ -315,9 +315,110 @@ async fn int64_max_tokens_do_not_overflow() {
 }
 
 #[tokio::test]
+async fn negative_tokens_are_ordered_like_any_other() {
+    let engine = start(Arc::new(ScriptedBackend::new(2))).await;
+    // First contact with a negative token is accepted (lenient) and sets the mark.
+    engine.create("m-0000", tok("s", 6, 1)).await.unwrap();
+    let stale = [
+        (6, -1),
+        (6, 1),
+        (5, i64::MAX),
+        (-3, 7),
+        (i64::MIN, i64::MIN),
+    ];
+    for (e, q) in stale {
+        let err = engine.create("m-0000", tok("s", e, q)).await.unwrap_err();
+        assert!(matches!(err, KitError::Fenced(_)), "({e},{q}): {err:?}");
+    }
+    // A higher epoch with a negative sequence is newer.
+    engine.create("m-0000", tok("s", 7, -3)).await.unwrap();
+    engine.create("m-0000", tok("s", 7, -2)).await.unwrap();
+    let err = engine.create("m-0000", tok("s", 7, -3)).await.unwrap_err();
+    assert!(matches!(err, KitError::Fenced(_)));
+    // Negative epochs on first contact, then ordered among themselves.
+    engine.create("m-0001", tok("n", -5, -5)).await.unwrap();
+    engine.create("m-0001", tok("n", -5, -4)).await.unwrap();
+    engine
+        .create("m-0001", tok("n", -1, i64::MIN))
+        .await
+        .unwrap();
+    let err = engine
+        .create("m-0001", tok("n", -5, 100))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, KitError::Fenced(_)));
+}
+
+#[tokio::test]
+async fn capped_cursorless_lists_rotate_and_walks_stay_set_complete() {
+    let engine = start(Arc::new(ScriptedBackend::new(50))).await;
+    let speculative = [pb::MachineState::Speculative as i32];
+    // Successive picks with max_results=1 are distinct until the set wraps.
+    let mut picks = Vec::new();
+    for _ in 0..50 {
+        let page = engine.list(&speculative, 1, &[]);
+        assert_eq!(page.machines.len(), 1);
+        picks.push(page.machines[0].id.clone());
+    }
+    let distinct: std::collections::HashSet<_> = picks.iter().collect();
+    assert_eq!(distinct.len(), 50, "picks repeated before the set wrapped");
+    // The 51st pick wraps to the first.
+    assert_eq!(engine.list(&speculative, 1, &[]).machines[0].id, picks[0]);
+
+    // Paging from a rotated start visits every machine exactly once, for
+    // page sizes that do and do not divide the fleet.
+    for size in [1, 7, 10, 49, 50, 51] {
+        engine.list(&speculative, 3, &[]); // move the rotation point
+        let mut seen = std::collections::HashSet::new();
+        let mut cursor = Vec::new();
+        loop {
+            let page = engine.list(&[], size, &cursor);
+            assert!(page.machines.len() <= size as usize);
+            for m in &page.machines {
+                assert!(seen.insert(m.id.clone()), "size {size}: duplicate {}", m.id);
+            }
+            cursor = page.revision;
+            if page.machines.len() < size as usize {
+                break;
+            }
+        }
+        assert_eq!(seen.len(), 50, "size {size}");
+        // The walk ends in a plain cursor: nothing changed, empty delta.
+        assert!(engine.list(&[], 0, &cursor).machines.is_empty());
+    }
+
+    // A machine changed in the middle of a walk is not lost: it is either
+    // in the rest of the walk or in the delta after it.
+    engine.list(&speculative, 25, &[]);
+    let first = engine.list(&[], 20, &[]);
+    let mut seen: Vec<String> = first.machines.iter().map(|m| m.id.clone()).collect();
+    let changed = seen[0].clone();
+    engine.create(&changed, none()).await.unwrap();
+    let mut cursor = first.revision;
+    let mut after_change = Vec::new();
+    loop {
+        let page = engine.list(&[], 20, &cursor);
+        after_change.extend(page.machines.iter().map(|m| m.id.clone()));
+        cursor = page.revision;
+        if page.machines.len() < 20 {
+            break;
+        }
+    }
+    let delta = engine.list(&[], 0, &cursor);
+    seen.extend(after_change.iter().cloned());
+    let distinct: std::collections::HashSet<_> = seen.iter().collect();
+    assert_eq!(distinct.len(), 50);
+    assert!(
+        after_change.contains(&changed) || delta.machines.iter().any(|m| m.id == changed),
+        "a change made mid-walk was neither in the walk nor in the next delta"
+    );
+}
+
+#[tokio::test]
 async fn token_shape_and_input_validation() {
     let engine = start(Arc::new(ScriptedBackend::new(1))).await;
-    for t in [tok("s", -1, 0), tok("s", 0, -1), tok("", 1, 1)] {
+    // A token with an epoch or sequence but no shard is malformed.
+    for t in [tok("", 1, 1), tok("", -1, 0), tok("", 0, -1)] {
         let err = engine.create("m-0000", t).await.unwrap_err();
         assert_eq!(err.code(), tonic::Code::InvalidArgument);
     }

@@ -221,7 +221,11 @@ async fn main_inner(cli: Cli) -> anyhow::Result<bool> {
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let argv: Vec<String> = std::env::args().collect();
+    let boot_check = match argv.as_slice() {
+        [_, sub, json] if sub == conformance::boot::SUBCOMMAND => Some(json.clone()),
+        _ => None,
+    };
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -232,6 +236,14 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    if let Some(json) = boot_check {
+        return if rt.block_on(conformance::boot::subcommand(&json)) {
+            ExitCode::SUCCESS
+        } else {
+            ExitCode::FAILURE
+        };
+    }
+    let cli = Cli::parse();
     match rt.block_on(main_inner(cli)) {
         Ok(true) => ExitCode::SUCCESS,
         Ok(false) => ExitCode::FAILURE,

@@ -19,8 +19,8 @@ use clap::Parser;
 use parking_lot::Mutex;
 use providerkit::service::CapacityService;
 use providerkit::{
-    Backend, BackendError, CatalogFacts, ConfigureCtx, CreateCtx, DeleteCtx, DrainCtx, Engine,
-    EngineOptions, MemoryStore, SlotSpec, SubstrateHost, Timeouts,
+    bind_aux, AuxAddr, AuxListener, Backend, BackendError, CatalogFacts, ConfigureCtx, CreateCtx,
+    DeleteCtx, DrainCtx, Engine, EngineOptions, MemoryStore, SlotSpec, SubstrateHost, Timeouts,
 };
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::net::TcpListener;
@@ -44,7 +44,13 @@ struct Cli {
     /// Accepted for command-line compatibility (always a fake backend).
     #[arg(long)]
     use_fake_backend: bool,
-    /// Accepted for command-line compatibility (no metrics listener).
+    /// Accepted for command-line compatibility (the label is not used).
+    #[arg(long)]
+    provider: Option<String>,
+    /// Bound like a real provider's metrics listener, default `:9090` (a
+    /// taken default is a warning, a taken explicit address is fatal), so
+    /// the boot-compatibility check sees the same port behaviour; nothing
+    /// is served on it. Empty = off.
     #[arg(long)]
     metrics_addr: Option<String>,
     #[arg(long, default_value = "2s", value_parser = humantime::parse_duration)]
@@ -59,7 +65,8 @@ struct Cli {
     #[arg(long, default_value = "200ms", value_parser = parse_period)]
     reconcile_interval: Duration,
     /// Deliberately broken engine behaviour (needs the `mutants` feature):
-    /// fence-per-shard, truncate-metadata, oop-failed-precondition, bump-revision-on-reconcile.
+    /// fence-per-shard, truncate-metadata, oop-failed-precondition, bump-revision-on-reconcile,
+    /// frozen-list-head, reject-negative-tokens, fatal-default-metrics-bind.
     #[arg(long)]
     mutant: Vec<String>,
 }
@@ -263,6 +270,10 @@ fn options(cli: &Cli) -> anyhow::Result<EngineOptions> {
             "truncate-metadata" => opts.mutants.truncate_metadata = true,
             "oop-failed-precondition" => opts.mutants.out_of_position_failed_precondition = true,
             "bump-revision-on-reconcile" => opts.mutants.bump_revision_on_reconcile = true,
+            "frozen-list-head" => opts.mutants.frozen_list_head = true,
+            "reject-negative-tokens" => opts.mutants.reject_negative_tokens = true,
+            "fatal-default-metrics-bind" => providerkit::listen::MUTANT_FATAL_DEFAULT_BIND
+                .store(true, std::sync::atomic::Ordering::Relaxed),
             other => bail!("unknown --mutant {other:?}"),
         }
     }
@@ -278,14 +289,31 @@ async fn main() -> anyhow::Result<()> {
         );
     }
     // Compatibility flags only.
-    let _ = (cli.use_fake_backend, &cli.metrics_addr);
+    let _ = (cli.use_fake_backend, &cli.provider);
+    let options = options(&cli)?;
+    let metrics_addr = match cli.metrics_addr.as_deref().map(str::trim) {
+        None => AuxAddr::Default("0.0.0.0:9090".parse()?),
+        Some("") => AuxAddr::Disabled,
+        Some(a) => AuxAddr::Explicit(
+            a.parse()
+                .with_context(|| format!("--metrics-addr {a:?} is not host:port"))?,
+        ),
+    };
+    let _metrics = match bind_aux("--metrics-addr", metrics_addr).await? {
+        AuxListener::DefaultUnavailable { addr, error } => {
+            eprintln!("fault-provider: the default --metrics-addr {addr} is taken ({error}); serving without it");
+            None
+        }
+        AuxListener::Bound(l) => Some(l),
+        AuxListener::Disabled => None,
+    };
     let faults = Arc::new(Mutex::new(Faults::default()));
     let backend = Arc::new(FaultBackend {
         slots: cli.seed_count,
         latency: cli.latency,
         faults: faults.clone(),
     });
-    let engine = Engine::start(backend, Arc::new(MemoryStore::new()), options(&cli)?)
+    let engine = Engine::start(backend, Arc::new(MemoryStore::new()), options)
         .await
         .map_err(|e| anyhow::anyhow!("starting the engine: {e}"))?;
     if let Some(addr) = cli.control_addr {

@@ -1,5 +1,5 @@
 //! Durability / restart (B1001–B1007): the runner owns the provider process, boots it with
-//! `--state <dir>/state.db`, drives machines into stable and transitional states, kill -9s it,
+//! `--state=<dir>/state.json` (named as the published runner names it), drives machines into stable and transitional states, kill -9s it,
 //! restarts it on the same state path and asserts what survived. Lost state FAILS.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -49,8 +49,8 @@ pub struct DurableOpts {
 
 fn args(o: &DurableOpts, state: &std::path::Path, latency: Option<&str>) -> Vec<String> {
     let mut a = o.base_args.clone();
-    a.push("--state".into());
-    a.push(state.display().to_string());
+    // One `--state=PATH` argument, as the published runner passes it.
+    a.push(format!("--state={}", state.display()));
     if let Some(l) = latency {
         a.push("--fake-latency".into());
         a.push(l.into());
@@ -61,7 +61,9 @@ fn args(o: &DurableOpts, state: &std::path::Path, latency: Option<&str>) -> Vec<
 /// Runs the whole boot / drive / kill -9 / restart scenario.
 pub async fn prepare(o: &DurableOpts) -> anyhow::Result<Arc<DurableRun>> {
     let dir = tempfile::tempdir().context("creating the durable-lane state dir")?;
-    let state = dir.path().join("state.db");
+    // The published runner names the state file `*.json`; the provider
+    // must take that name as it is.
+    let state = dir.path().join("state.json");
     let log = o.log_dir.join("provider-durable.log");
     let ready = Duration::from_secs(60);
     let (mut proc, client) =

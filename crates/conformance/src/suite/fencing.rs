@@ -38,8 +38,13 @@ pub async fn b301(ctx: SharedCtx) -> TestResult {
 pub async fn b302(ctx: SharedCtx) -> TestResult {
     let a = ctx.session("b302a");
     let b = ctx.session("b302b");
-    let ids = ctx.fresh(2).await?;
-    let (m1, m2) = (&ids[0], &ids[1]);
+    // Picked as the authoritative harness picks, all three before any mutation.
+    let mut ids = Vec::new();
+    for _ in 0..3 {
+        let id = ctx.pick_speculative(&ids).await?;
+        ids.push(id);
+    }
+    let (m1, m2, m3) = (&ids[0], &ids[1], &ids[2]);
     expect_ok(
         ctx.create(m1, &Token::new(&a.shard, 9, 100)).await,
         "A(9,100) on m1",
@@ -56,6 +61,13 @@ pub async fn b302(ctx: SharedCtx) -> TestResult {
         "A(1,1) on m2 fenced by A's mark on m1: {}",
         describe(&r)
     );
+    // A negative token on a third machine is first contact there.
+    let r = ctx.create(m3, &Token::new(&a.shard, -4, -4)).await;
+    ensure!(
+        !fenced(&r),
+        "A(-4,-4) on m3 fenced by A's marks on m1/m2: {}",
+        describe(&r)
+    );
     expect_fp(
         &ctx.create(m1, &Token::new(&a.shard, 9, 100)).await,
         "A's own stale token on m1",
@@ -67,6 +79,10 @@ pub async fn b302(ctx: SharedCtx) -> TestResult {
     expect_fp(
         &ctx.create(m2, &Token::new(&a.shard, 1, 1)).await,
         "A's own stale token on m2",
+    )?;
+    expect_fp(
+        &ctx.create(m3, &Token::new(&a.shard, -4, -5)).await,
+        "A's own older negative token on m3",
     )?;
     Ok(Outcome::Pass)
 }
@@ -89,6 +105,14 @@ pub async fn b303(ctx: SharedCtx) -> TestResult {
         ((7, 1), true),
         ((6, i64::MAX), false),
         ((7, 2), true),
+        // Signed values are ordered like any other.
+        ((7, -5), false),
+        ((8, -3), true),
+        ((8, -4), false),
+        ((8, -2), true),
+        ((-1, i64::MAX), false),
+        ((9, i64::MIN), true),
+        ((9, i64::MIN), false),
     ];
     for ((e, q), want) in steps {
         let r = ctx.create(&id, &Token::new(&s.shard, *e, *q)).await;
@@ -227,6 +251,16 @@ pub async fn b311(ctx: SharedCtx) -> TestResult {
 }
 
 /// Drives a random token stream at one (shard, machine) and checks the running-max oracle.
+/// A token component: mostly small signed values, so that streams cross
+/// zero often, now and then an extreme.
+pub fn random_signed(rng: &mut impl Rng) -> i64 {
+    match rng.random_range(0..16) {
+        0 => i64::MIN,
+        1 => i64::MAX,
+        _ => rng.random_range(-4..5i64),
+    }
+}
+
 pub async fn token_stream_oracle(
     ctx: &SharedCtx,
     id: &str,
@@ -236,12 +270,21 @@ pub async fn token_stream_oracle(
 ) -> anyhow::Result<()> {
     let mut mark: Option<(i64, i64)> = None;
     for step in 0..n {
-        let tok = (rng.random_range(1..5i64), rng.random_range(0..8i64));
+        let tok = (random_signed(rng), random_signed(rng));
         let want = mark.is_none_or(|m| tok > m);
         let r = ctx.create(id, &Token::new(shard, tok.0, tok.1)).await;
         let got = !fenced(&r);
         if want != got {
             bail!("step {step}: token {tok:?} vs mark {mark:?}: oracle says accept={want}, endpoint said {}", describe(&r));
+        }
+        // An accepted token on a machine being created is the Create or its
+        // idempotent repeat: anything but OK (INVALID_ARGUMENT for a sign,
+        // say) means the token was not taken as valid.
+        if want && r.is_err() {
+            bail!(
+                "step {step}: strictly-newer token {tok:?} vs mark {mark:?} was not accepted: {}",
+                describe(&r)
+            );
         }
         if want {
             mark = Some(tok);

@@ -3,7 +3,7 @@
 use std::collections::HashMap;
 
 use anyhow::{bail, ensure};
-use bigfleet_proto::v1alpha1::{MachineRef, MachineState as S};
+use bigfleet_proto::v1alpha1::{MachineRef, MachineState as S, TransitionAck};
 use tonic::Code;
 
 use crate::harness::*;
@@ -283,30 +283,71 @@ pub async fn b210(ctx: SharedCtx) -> TestResult {
 }
 
 pub async fn b211(ctx: SharedCtx) -> TestResult {
-    let s = ctx.session("b211");
+    // Every token below is first contact for its (shard, machine): strict
+    // (INVALID_ARGUMENT) or lenient (accepted) are both allowed, never
+    // FAILED_PRECONDITION. The corrected spec asks for lenient, since
+    // B1201/B1204 order negative values once a mark exists.
     let id = ctx.fresh1().await?;
-    let ia = [Code::InvalidArgument];
-    for (e, q) in [(-1, 1), (1, -1), (-5, -5), (i64::MIN, 1)] {
-        let t = Token::new(&s.shard, e, q);
-        expect_code(
-            &ctx.create(&id, &t).await,
-            &ia,
-            &format!("Create token ({e},{q})"),
-        )?;
-        expect_code(
+    let tokens = [(-1, 1), (1, -1), (-5, -5), (i64::MIN, 1), (3, i64::MIN)];
+    let not_fp = |r: &RpcResult<TransitionAck>, what: &str| -> anyhow::Result<()> {
+        ensure!(
+            code_of(r) != Some(Code::FailedPrecondition),
+            "{what}: a first-contact negative token got FAILED_PRECONDITION: {}",
+            describe(r)
+        );
+        Ok(())
+    };
+    for (e, q) in tokens {
+        // Out of position on SPECULATIVE: rejected, but never as fencing.
+        let t = Token::new(&ctx.session("b211").shard, e, q);
+        not_fp(
             &ctx.configure(&id, "c", &meta(&[]), &t).await,
-            &ia,
             &format!("Configure token ({e},{q})"),
         )?;
-        expect_code(
+        let t = Token::new(&ctx.session("b211").shard, e, q);
+        not_fp(
             &ctx.drain(&id, 0, &t).await,
-            &ia,
             &format!("Drain token ({e},{q})"),
         )?;
+        // Unknown machine: NOT_FOUND (lenient) or INVALID_ARGUMENT (strict).
+        let t = Token::new(&ctx.session("b211").shard, e, q);
+        expect_code(
+            &ctx.create(&ctx.unknown_id("b211"), &t).await,
+            &[Code::NotFound, Code::InvalidArgument],
+            &format!("Create(unknown) token ({e},{q})"),
+        )?;
     }
-    ctx.assert_stays(&id, S::Speculative, "after negative tokens")
+    ctx.assert_stays(&id, S::Speculative, "after out-of-position negative tokens")
         .await?;
-    Ok(Outcome::Pass)
+    // A legal Create with a negative first-contact token.
+    let s = ctx.session("b211");
+    let r = ctx.create(&id, &Token::new(&s.shard, -2, -7)).await;
+    match code_of(&r) {
+        Some(Code::InvalidArgument) => {
+            ctx.assert_stays(&id, S::Speculative, "after a strict rejection")
+                .await?;
+            Ok(Outcome::PassWith(
+                "strict: negative tokens are INVALID_ARGUMENT".into(),
+            ))
+        }
+        None => {
+            ctx.wait_for(&id, S::Idle).await?;
+            // Lenient: the token set the mark like any other.
+            expect_fp(
+                &ctx.create(&id, &Token::new(&s.shard, -2, -7)).await,
+                "a replay of the accepted negative token",
+            )?;
+            expect_ok(
+                ctx.create(&id, &Token::new(&s.shard, -2, -6)).await,
+                "a newer negative token (idempotent Create on IDLE)",
+            )?;
+            Ok(Outcome::Pass)
+        }
+        _ => bail!(
+            "Create with a first-contact negative token: {}",
+            describe(&r)
+        ),
+    }
 }
 
 pub async fn b212(ctx: SharedCtx) -> TestResult {
