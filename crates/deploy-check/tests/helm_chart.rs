@@ -1320,3 +1320,30 @@ fn chart_metadata_is_complete() {
         Some(format!("bigfleet-proxmox:{}", field("version")).as_str())
     );
 }
+
+#[test]
+fn templates_use_only_values_that_values_yaml_defines() {
+    // A misspelt `.Values.x` renders as empty instead of failing; every path
+    // the templates read must exist in values.yaml (and so in the schema).
+    let chart = chart();
+    let mut sources: Vec<(String, String)> = chart.templates.clone();
+    sources.push(("_helpers.tpl".into(), chart.helpers.clone()));
+    sources.push(("NOTES.txt".into(), chart.notes.clone().unwrap_or_default()));
+    let mut checked = 0;
+    for (name, src) in sources {
+        for (i, _) in src.match_indices(".Values.") {
+            let path: String = src[i + 8..]
+                .chars()
+                .take_while(|c| c.is_ascii_alphanumeric() || *c == '.' || *c == '_')
+                .collect();
+            let mut v = &chart.values;
+            for seg in path.trim_end_matches('.').split('.') {
+                v = v.get(seg).unwrap_or_else(|| {
+                    panic!("{name}: .Values.{path} is not defined in values.yaml")
+                });
+            }
+            checked += 1;
+        }
+    }
+    assert!(checked > 50, "only {checked} value references found");
+}

@@ -3,7 +3,8 @@
 //! catalogue with the documented type and labels.
 //!
 //! Boots the built provider (`cargo build -p bigfleet-proxmox`) on the fake
-//! backend, bound to 127.0.0.1 only, waits for /readyz and GETs /metrics.
+//! backend, bound to 127.0.0.1 only, waits for /readyz, serves a few RPCs
+//! through `bigfleet-proxmox ctl` so the gRPC series exist, and GETs /metrics.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::{BufRead, BufReader, Read, Write};
@@ -17,6 +18,7 @@ use deploy_check::tools::{find_or_skip, provider_binary, PROMTOOL_INSTALL};
 
 struct Provider {
     child: Child,
+    grpc_addr: String,
     metrics_addr: String,
 }
 
@@ -54,20 +56,21 @@ fn start() -> Provider {
     });
     let mut seen = Vec::new();
     let deadline = Instant::now() + Duration::from_secs(30);
-    let addr = loop {
+    let field = |line: &str, key: &str| {
+        line.split_whitespace()
+            .find_map(|kv| kv.strip_prefix(key))
+            .map(str::to_owned)
+    };
+    let (grpc_addr, metrics_addr) = loop {
         let left = deadline.saturating_duration_since(Instant::now());
         match rx.recv_timeout(left) {
             Ok(line) => {
-                let addr = line
+                let addrs = line
                     .contains("serving CapacityProvider")
-                    .then(|| {
-                        line.split_whitespace()
-                            .find_map(|kv| kv.strip_prefix("metrics_addr="))
-                            .map(str::to_owned)
-                    })
+                    .then(|| Some((field(&line, "addr=")?, field(&line, "metrics_addr=")?)))
                     .flatten();
                 seen.push(line);
-                if let Some(a) = addr {
+                if let Some(a) = addrs {
                     break a;
                 }
             }
@@ -82,7 +85,8 @@ fn start() -> Provider {
     };
     Provider {
         child,
-        metrics_addr: addr,
+        grpc_addr,
+        metrics_addr,
     }
 }
 
@@ -138,11 +142,47 @@ fn wait_ready(p: &mut Provider) {
     }
 }
 
+/// `bigfleet-proxmox ctl --target <provider> <args>`: (success, stdout+stderr).
+fn ctl(p: &Provider, args: &[&str]) -> (bool, String) {
+    let bin = provider_binary().unwrap_or_else(|e| panic!("{e}"));
+    let out = Command::new(bin)
+        .args(["ctl", "--target", &p.grpc_addr])
+        .args(args)
+        .output()
+        .expect("run bigfleet-proxmox ctl");
+    (
+        out.status.success(),
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        ),
+    )
+}
+
 fn scrape() -> Response {
     let mut p = start();
     wait_ready(&mut p);
+    // A List that succeeds and a Get that is NotFound, so the gRPC families
+    // have series (they appear with the first request).
+    let (ok, out) = ctl(&p, &["list", "--max", "3"]);
+    assert!(ok, "ctl list failed: {out}");
+    let (ok, out) = ctl(&p, &["get", "no-such-machine"]);
+    assert!(!ok, "ctl get of an unknown machine succeeded: {out}");
     let r = get(&p.metrics_addr, "/metrics").expect("GET /metrics");
     assert_eq!(r.status, 200, "{}", r.body);
+    for want in [
+        r#"method="List",code="OK""#,
+        r#"method="Get",code="NotFound""#,
+    ] {
+        assert!(
+            r.body
+                .lines()
+                .any(|l| l.starts_with("bigfleet_proxmox_grpc_requests_total{") && l.contains(want)),
+            "no bigfleet_proxmox_grpc_requests_total{{{want}}} in the scrape:\n{}",
+            r.body
+        );
+    }
     r
 }
 
@@ -198,6 +238,47 @@ fn label_values(text: &str, metric: &str, label: &str) -> BTreeSet<String> {
         .collect()
 }
 
+/// `promtool check metrics` on `text`: (clean exit, report).
+fn lint(promtool: &std::path::Path, text: &str) -> (bool, String) {
+    let mut child = Command::new(promtool)
+        .args(["check", "metrics"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run promtool check metrics");
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(text.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    let report = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.success(), report)
+}
+
+/// The lint the live scrape must pass does catch naming mistakes.
+#[test]
+fn promtool_check_metrics_catches_a_misnamed_counter() {
+    let Some(promtool) = find_or_skip(
+        "promtool",
+        PROMTOOL_INSTALL,
+        "promtool check metrics on a bad exposition",
+    ) else {
+        return;
+    };
+    let bad = "# HELP bigfleet_proxmox_things Things.\n# TYPE bigfleet_proxmox_things counter\n\
+               bigfleet_proxmox_things 1\n";
+    let (ok, report) = lint(&promtool, &openmetrics_to_text(bad));
+    assert!(!ok, "promtool accepted a counter without _total");
+    assert!(report.contains("_total"), "{report}");
+}
+
 #[test]
 fn live_scrape_passes_promtool_check_metrics() {
     let Some(promtool) = find_or_skip(
@@ -209,28 +290,7 @@ fn live_scrape_passes_promtool_check_metrics() {
     };
     let r = scrape();
     let content_type = r.headers.get("content-type").cloned().unwrap_or_default();
-    let lint = |text: &str| {
-        let mut child = Command::new(&promtool)
-            .args(["check", "metrics"])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("run promtool check metrics");
-        child
-            .stdin
-            .take()
-            .unwrap()
-            .write_all(text.as_bytes())
-            .unwrap();
-        let out = child.wait_with_output().unwrap();
-        let report = format!(
-            "{}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-        (out.status.success(), report)
-    };
+    let lint = |text: &str| lint(&promtool, text);
 
     if content_type.starts_with("application/openmetrics-text") {
         // promtool check metrics reads only the Prometheus text format. In
