@@ -370,7 +370,8 @@ fn planner_stub_workspace_keeps_the_lock_and_every_target() {
         .unwrap();
     assert!(
         out.status.success(),
-        "cargo does not accept the stub workspace:\n{}",
+        "cargo does not accept the stub workspace (offline, it needs the provider's \
+         dependencies downloaded: run `cargo build -p bigfleet-proxmox` first):\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
     assert_eq!(
