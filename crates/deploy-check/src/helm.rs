@@ -7,6 +7,14 @@
 //! the values merge, `include`, and the Sprig functions listed in
 //! [`FUNCS`]. Output post-processing follows Helm: `<no value>` becomes the
 //! empty string and every template file may hold several `---` documents.
+//!
+//! Like helm, the merged values are validated against the chart's
+//! `values.schema.json` (JSON Schema) before anything renders.
+//!
+//! `.Files.Get "path"` is a method call, which gtmpl cannot evaluate; the
+//! renderer rewrites it to a `filesGet` function over the chart's files
+//! before parsing. `lookup` answers from [`Cluster`], empty by default, as
+//! `helm template` does.
 
 use std::cell::RefCell;
 use std::collections::{BTreeMap, HashMap};
@@ -36,7 +44,19 @@ pub enum Error {
     Parse { template: String, message: String },
     #[error("rendering template {template}: {message}")]
     Render { template: String, message: String },
+    #[error("{path} is not a valid JSON Schema: {message}")]
+    Schema { path: PathBuf, message: String },
+    /// Helm's wording: "values don't meet the specifications of the schema(s)".
+    #[error(
+        "values don't meet the specifications of the schema(s) in the following chart(s):\n{chart}:\n{}",
+        errors.iter().map(|e| format!("- {e}")).collect::<Vec<_>>().join("\n")
+    )]
+    Values { chart: String, errors: Vec<String> },
 }
+
+/// Objects `lookup` finds, keyed by (apiVersion, kind, namespace, name).
+/// Empty by default: `helm template` and dry runs see no cluster either.
+pub type Cluster = BTreeMap<(String, String, String, String), serde_yaml::Value>;
 
 /// Release facts Helm exposes as `.Release`.
 #[derive(Debug, Clone)]
@@ -66,6 +86,11 @@ pub struct Chart {
     pub helpers: String,
     /// `templates/NOTES.txt`, if the chart has one.
     pub notes: Option<String>,
+    /// `values.schema.json`, if the chart has one.
+    pub schema: Option<serde_json::Value>,
+    /// Files `.Files.Get` can read: everything outside `templates/` but the
+    /// chart's own metadata, by path relative to the chart.
+    pub files: BTreeMap<String, String>,
 }
 
 /// One rendered Kubernetes document and the template it came from.
@@ -133,6 +158,24 @@ impl Chart {
                 notes = Some(read(&path)?);
             }
         }
+        let schema_path = dir.join("values.schema.json");
+        let schema = if schema_path.exists() {
+            let text = read(&schema_path)?;
+            let schema: serde_json::Value =
+                serde_json::from_str(&text).map_err(|e| Error::Schema {
+                    path: schema_path.clone(),
+                    message: e.to_string(),
+                })?;
+            jsonschema::validator_for(&schema).map_err(|e| Error::Schema {
+                path: schema_path.clone(),
+                message: e.to_string(),
+            })?;
+            Some(schema)
+        } else {
+            None
+        };
+        let mut files = BTreeMap::new();
+        collect_files(dir, dir, &mut files)?;
         Ok(Chart {
             dir: dir.to_owned(),
             metadata,
@@ -140,7 +183,46 @@ impl Chart {
             templates,
             helpers,
             notes,
+            schema,
+            files,
         })
+    }
+
+    /// Validates values against `values.schema.json` as helm does before
+    /// rendering; every violation is listed with its location.
+    pub fn validate_values(&self, values: &serde_yaml::Value) -> Result<(), Error> {
+        let Some(schema) = &self.schema else {
+            return Ok(());
+        };
+        let path = self.dir.join("values.schema.json");
+        let validator = jsonschema::validator_for(schema).map_err(|e| Error::Schema {
+            path: path.clone(),
+            message: e.to_string(),
+        })?;
+        let instance = serde_json::to_value(values).map_err(|e| Error::Schema {
+            path,
+            message: format!("values are not representable as JSON: {e}"),
+        })?;
+        let errors: Vec<String> = validator
+            .iter_errors(&instance)
+            .map(|e| {
+                let at = e.instance_path().to_string();
+                format!("at '{}': {e}", if at.is_empty() { "/" } else { &at })
+            })
+            .collect();
+        if errors.is_empty() {
+            Ok(())
+        } else {
+            Err(Error::Values {
+                chart: self
+                    .metadata
+                    .get("name")
+                    .and_then(|n| n.as_str())
+                    .unwrap_or("chart")
+                    .to_owned(),
+                errors,
+            })
+        }
     }
 
     /// The chart's default values deep-merged with `overrides` (Helm's
@@ -159,9 +241,20 @@ impl Chart {
         overrides: &serde_yaml::Value,
         release: &Release,
     ) -> Result<Vec<Document>, Error> {
+        self.render_in(overrides, release, &Cluster::new())
+    }
+
+    /// [`Chart::render`] against a cluster `lookup` reads from.
+    pub fn render_in(
+        &self,
+        overrides: &serde_yaml::Value,
+        release: &Release,
+        cluster: &Cluster,
+    ) -> Result<Vec<Document>, Error> {
         let values = self.merged_values(overrides);
+        self.validate_values(&values)?;
         let ctx = self.context(&values, release);
-        HELPERS.with(|h| *h.borrow_mut() = self.helpers.clone());
+        self.install_thread_state(cluster);
 
         let mut docs = Vec::new();
         for (name, source) in &self.templates {
@@ -188,10 +281,17 @@ impl Chart {
             return Ok(String::new());
         };
         let values = self.merged_values(overrides);
+        self.validate_values(&values)?;
         let ctx = self.context(&values, release);
-        HELPERS.with(|h| *h.borrow_mut() = self.helpers.clone());
+        self.install_thread_state(&Cluster::new());
         let out = render_source("NOTES.txt", &self.helpers, source, ctx)?;
         Ok(out.replace("<no value>", ""))
+    }
+
+    fn install_thread_state(&self, cluster: &Cluster) {
+        HELPERS.with(|h| *h.borrow_mut() = self.helpers.clone());
+        FILES.with(|f| *f.borrow_mut() = self.files.clone());
+        CLUSTER.with(|c| *c.borrow_mut() = cluster.clone());
     }
 
     fn context(&self, values: &serde_yaml::Value, release: &Release) -> Value {
@@ -226,6 +326,49 @@ thread_local! {
     // `include` is a plain function pointer in gtmpl, so the named templates
     // it may call are handed over through the rendering thread.
     static HELPERS: RefCell<String> = const { RefCell::new(String::new()) };
+    // The same for `.Files.Get` and `lookup`.
+    static FILES: RefCell<BTreeMap<String, String>> = const { RefCell::new(BTreeMap::new()) };
+    static CLUSTER: RefCell<Cluster> = const { RefCell::new(BTreeMap::new()) };
+}
+
+/// Paths of the chart that are not `.Files`: metadata, values, schema,
+/// templates and subcharts.
+fn is_chart_metadata(rel: &str) -> bool {
+    matches!(
+        rel,
+        "Chart.yaml" | "Chart.lock" | "values.yaml" | "values.schema.json" | ".helmignore"
+    ) || rel.starts_with("templates/")
+        || rel.starts_with("charts/")
+}
+
+/// Reads the chart's files (following symbolic links, as helm does).
+fn collect_files(root: &Path, dir: &Path, out: &mut BTreeMap<String, String>) -> Result<(), Error> {
+    let io = |source| Error::Io {
+        path: dir.to_owned(),
+        source,
+    };
+    let mut entries: Vec<_> = fs::read_dir(dir)
+        .map_err(io)?
+        .collect::<Result<_, _>>()
+        .map_err(io)?;
+    entries.sort_by_key(|e| e.file_name());
+    for entry in entries {
+        let path = entry.path();
+        let rel = path
+            .strip_prefix(root)
+            .unwrap_or(&path)
+            .to_string_lossy()
+            .replace('\\', "/");
+        if is_chart_metadata(&rel) {
+            continue;
+        }
+        if path.is_dir() {
+            collect_files(root, &path, out)?;
+        } else if let Ok(text) = fs::read_to_string(&path) {
+            out.insert(rel, text);
+        }
+    }
+    Ok(())
 }
 
 /// The Helm/Sprig functions the chart may use, beyond Go's builtins.
@@ -245,11 +388,19 @@ pub const FUNCS: &[(&str, Func)] = &[
     ("int", int),
     ("toString", to_string_fn),
     ("sha256sum", sha256sum),
+    ("filesGet", files_get),
+    ("lookup", lookup),
+    ("dig", dig),
+    ("dict", dict),
 ];
 
 fn render_source(name: &str, helpers: &str, source: &str, ctx: Value) -> Result<String, Error> {
     let mut tmpl = Template::with_name(name);
     tmpl.add_funcs(FUNCS);
+    // Helm's `.Files.Get "p"` is a method call; gtmpl has only functions.
+    let source = source
+        .replace("$.Files.Get ", "filesGet ")
+        .replace(".Files.Get ", "filesGet ");
     let text = format!("{helpers}{source}");
     tmpl.parse(&text).map_err(|e| Error::Parse {
         template: name.to_owned(),
@@ -555,6 +706,72 @@ fn sha256sum(args: &[Value]) -> Result<Value, FuncError> {
     Ok(Value::from(hex::encode(Sha256::digest(s.as_bytes()))))
 }
 
+/// `.Files.Get "path"`: the file's content, or "" when the chart has none
+/// (as helm answers).
+fn files_get(args: &[Value]) -> Result<Value, FuncError> {
+    let path = as_str("Files.Get", arg("Files.Get", args, 0, 1)?)?;
+    Ok(Value::from(FILES.with(|f| {
+        f.borrow().get(&path).cloned().unwrap_or_default()
+    })))
+}
+
+/// `lookup apiVersion kind namespace name`: the object from [`Cluster`], or
+/// an empty map when it does not exist (helm's answer, and all that
+/// `helm template` ever sees).
+fn lookup(args: &[Value]) -> Result<Value, FuncError> {
+    let mut key = Vec::new();
+    for i in 0..4 {
+        key.push(as_str("lookup", arg("lookup", args, i, 4)?)?);
+    }
+    let key = (
+        key[0].clone(),
+        key[1].clone(),
+        key[2].clone(),
+        key[3].clone(),
+    );
+    Ok(CLUSTER.with(|c| {
+        c.borrow()
+            .get(&key)
+            .map(yaml_to_value)
+            .unwrap_or_else(|| Value::Map(HashMap::new()))
+    }))
+}
+
+/// Sprig's `dig "k1" "k2" default map`: walks nested maps, else the default.
+fn dig(args: &[Value]) -> Result<Value, FuncError> {
+    if args.len() < 3 {
+        return Err(FuncError::AtLeastXArgs("dig".to_owned(), 3));
+    }
+    let (keys, rest) = args.split_at(args.len() - 2);
+    let (default, mut cur) = (&rest[0], &rest[1]);
+    for k in keys {
+        let k = as_str("dig", k)?;
+        match cur {
+            Value::Map(m) | Value::Object(m) => match m.get(&k) {
+                Some(v) => cur = v,
+                None => return Ok(default.clone()),
+            },
+            _ => return Ok(default.clone()),
+        }
+    }
+    Ok(cur.clone())
+}
+
+/// Sprig's `dict "k1" v1 "k2" v2`.
+fn dict(args: &[Value]) -> Result<Value, FuncError> {
+    let pairs = args.chunks_exact(2);
+    if !pairs.remainder().is_empty() {
+        return Err(FuncError::Generic(
+            "dict: expected key/value pairs".to_owned(),
+        ));
+    }
+    let mut m = HashMap::new();
+    for pair in pairs {
+        m.insert(as_str("dict", &pair[0])?, pair[1].clone());
+    }
+    Ok(Value::Map(m))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -609,6 +826,35 @@ mod tests {
         merge(&mut base, &over);
         let want: serde_yaml::Value = serde_yaml::from_str("a: {b: 5}\nd: [2, 3]\n").unwrap();
         assert_eq!(base, want);
+    }
+
+    #[test]
+    fn files_get_lookup_dig_and_dict() {
+        FILES.with(|f| {
+            *f.borrow_mut() = [("files/a.txt".to_owned(), "hello".to_owned())]
+                .into_iter()
+                .collect()
+        });
+        let secret: serde_yaml::Value = serde_yaml::from_str("data: {k: djE=}\n").unwrap();
+        CLUSTER.with(|c| {
+            *c.borrow_mut() = [(
+                ("v1".into(), "Secret".into(), "ns".into(), "s".into()),
+                secret,
+            )]
+            .into_iter()
+            .collect()
+        });
+        let out = render(
+            concat!(
+                "{{ .Files.Get \"files/a.txt\" }}|{{ $.Files.Get \"files/none\" }}|",
+                "{{ dig \"data\" \"k\" \"-\" (lookup \"v1\" \"Secret\" \"ns\" \"s\") }}|",
+                "{{ dig \"data\" \"k\" \"-\" (lookup \"v1\" \"Secret\" \"ns\" \"other\") }}|",
+                "{{ include \"greet\" (dict \"name\" \"ann\") }}"
+            ),
+            "{}\n",
+        )
+        .unwrap();
+        assert_eq!(out, "hello||djE=|-|hi ann");
     }
 
     #[test]

@@ -8,6 +8,7 @@
 
 pub mod flags;
 pub mod helm;
+pub mod monitoring;
 pub mod tools;
 
 use std::path::PathBuf;

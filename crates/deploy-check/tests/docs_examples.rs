@@ -1,7 +1,7 @@
 //! The examples in docs/ are real: YAML and JSON blocks parse, the values
 //! example in install.md renders through the chart, the offerings and
 //! instance-type examples follow the documented schema, and every metric
-//! name the docs use (alerts included) is one the provider exports.
+//! name the docs use is one the provider exports.
 
 use std::collections::BTreeSet;
 
@@ -21,6 +21,7 @@ const METRICS: &[(&str, &str)] = &[
     ("bigfleet_proxmox_panics_total", "counter"),
     ("bigfleet_proxmox_reconcile_total", "counter"),
     ("bigfleet_proxmox_log_lines_dropped_total", "counter"),
+    ("bigfleet_proxmox_machines", "gauge"),
 ];
 
 fn doc(name: &str) -> String {
@@ -271,18 +272,126 @@ fn metric_names_are_the_catalogue() {
             "observability.md does not list {name} as a {kind}"
         );
     }
-    // The alert rules only use catalogue metrics (checked above) and parse.
-    let rules = fences(&obs)
+    // The alert rules and the dashboard are checked in tests/monitoring.rs.
+}
+
+/// The values example of install.md, as a YAML value.
+fn install_values() -> serde_yaml::Value {
+    let (_, body, _) = fences(&doc("install.md"))
         .into_iter()
-        .find(|(l, b, _)| l == "yaml" && b.contains("groups:"))
-        .expect("alert rules example");
-    let rules: serde_yaml::Value = serde_yaml::from_str(&rules.1).unwrap();
-    let group = &rules["groups"][0]["rules"];
-    assert!(group.as_sequence().unwrap().len() >= 4);
-    for r in group.as_sequence().unwrap() {
+        .find(|(lang, body, _)| lang == "yaml" && body.contains("credentials:"))
+        .expect("a values example in install.md");
+    serde_yaml::from_str(&body).unwrap()
+}
+
+/// Renders install.md's values example with the first yaml block of `page`
+/// that contains `needle` merged over it; returns the documents as JSON.
+fn render_doc_example(page: &str, needle: &str) -> Vec<Json> {
+    let (_, body, line) = fences(&doc(page))
+        .into_iter()
+        .find(|(lang, body, _)| lang == "yaml" && body.contains(needle))
+        .unwrap_or_else(|| panic!("{page} has no yaml example with {needle}"));
+    let mut values = install_values();
+    deploy_check::helm::merge(&mut values, &serde_yaml::from_str(&body).unwrap());
+    let chart = Chart::load(&workspace_root().join("deploy/helm/bigfleet-proxmox")).unwrap();
+    chart
+        .render(&values, &Release::default())
+        .unwrap_or_else(|e| panic!("{page}:{line}: the example does not render: {e}"))
+        .iter()
+        .map(|d| serde_yaml::from_str(&d.yaml).unwrap())
+        .collect()
+}
+
+#[test]
+fn network_policy_example_renders() {
+    let docs = render_doc_example("install.md", "networkPolicy:");
+    let np = docs
+        .iter()
+        .find(|d| d["kind"] == "NetworkPolicy")
+        .expect("a NetworkPolicy");
+    let grpc = &np["spec"]["ingress"][0];
+    assert_eq!(grpc["ports"][0]["port"], "grpc");
+    let peer = &grpc["from"][0];
+    assert_eq!(
+        peer["namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"],
+        "bigfleet-system"
+    );
+    assert_eq!(
+        peer["podSelector"]["matchLabels"]["app.kubernetes.io/name"],
+        "bigfleet"
+    );
+    assert_eq!(
+        np["spec"]["ingress"][1]["from"][0]["namespaceSelector"]["matchLabels"]
+            ["kubernetes.io/metadata.name"],
+        "monitoring"
+    );
+}
+
+#[test]
+fn prometheus_operator_example_renders() {
+    let docs = render_doc_example("observability.md", "serviceMonitor:");
+    let kinds: BTreeSet<&str> = docs.iter().filter_map(|d| d["kind"].as_str()).collect();
+    for k in ["ServiceMonitor", "PrometheusRule"] {
         assert!(
-            r["alert"].as_str().is_some() && r["expr"].as_str().is_some(),
-            "{r:?}"
+            kinds.contains(k),
+            "observability.md's example renders no {k}"
         );
     }
+    assert!(docs
+        .iter()
+        .any(|d| d["kind"] == "ConfigMap" && d["metadata"]["labels"]["grafana_dashboard"] == "1"));
+    let svc = docs.iter().find(|d| d["kind"] == "Service").unwrap();
+    assert!(
+        svc["metadata"]["annotations"].is_null(),
+        "prometheusScrape: false drops the scrape annotations"
+    );
+}
+
+#[test]
+fn values_reference_names_every_value() {
+    let text = doc("install.md");
+    // First cells of the reference table, `a.b.c` and shorthand `.d` (a
+    // sibling of the previous full name) expanded.
+    let mut documented = BTreeSet::new();
+    let start = text
+        .find("### Values reference")
+        .expect("a values reference");
+    for line in text[start..].lines().skip(1) {
+        if line.starts_with('#') {
+            break;
+        }
+        let Some(cell) = line.strip_prefix('|').and_then(|l| l.split('|').next()) else {
+            continue;
+        };
+        let mut parent = String::new();
+        for name in cell.split('`').skip(1).step_by(2) {
+            if let Some(short) = name.strip_prefix('.') {
+                documented.insert(format!("{parent}.{short}"));
+            } else {
+                parent = name.rsplit_once('.').map_or("", |(p, _)| p).to_owned();
+                documented.insert(name.to_owned());
+            }
+        }
+    }
+    let chart = Chart::load(&workspace_root().join("deploy/helm/bigfleet-proxmox")).unwrap();
+    fn check(v: &serde_yaml::Value, path: &str, documented: &BTreeSet<String>) {
+        if documented.contains(path) {
+            return;
+        }
+        match v.as_mapping() {
+            Some(m) if !m.is_empty() => {
+                for (k, sub) in m {
+                    let k = k.as_str().unwrap();
+                    let p = if path.is_empty() {
+                        k.to_owned()
+                    } else {
+                        format!("{path}.{k}")
+                    };
+                    check(sub, &p, documented);
+                }
+            }
+            _ => panic!("values.yaml's {path} is not in install.md's values reference"),
+        }
+    }
+    check(&chart.values, "", &documented);
 }

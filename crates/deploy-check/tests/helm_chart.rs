@@ -2,19 +2,101 @@
 //! document as YAML and validates it against the Kubernetes API types:
 //! each object must deserialise into its k8s-openapi type and survive a
 //! round-trip unchanged (so a misspelt or misplaced field fails the test),
-//! then the fields the provider depends on are asserted.
+//! then the fields the provider depends on are asserted. The Prometheus
+//! Operator objects are checked the same way against the subset of their CRD
+//! schema the chart uses. Values are validated against values.schema.json
+//! first, as helm does.
 
 use std::collections::BTreeMap;
 
-use deploy_check::helm::{merge, Chart, Document, Release};
+use deploy_check::helm::{merge, Chart, Cluster, Document, Release};
 use deploy_check::workspace_root;
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{
     ConfigMap, Container, PersistentVolumeClaim, Service, ServiceAccount,
 };
+use k8s_openapi::api::networking::v1::NetworkPolicy;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta};
 use serde::de::DeserializeOwned;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use serde_json::Value as Json;
+
+/// monitoring.coreos.com/v1 ServiceMonitor, the fields the chart sets.
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct ServiceMonitor {
+    api_version: String,
+    kind: String,
+    metadata: ObjectMeta,
+    spec: ServiceMonitorSpec,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct ServiceMonitorSpec {
+    namespace_selector: NamespaceSelector,
+    selector: LabelSelector,
+    endpoints: Vec<Endpoint>,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct NamespaceSelector {
+    match_names: Vec<String>,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct Endpoint {
+    port: String,
+    path: String,
+    interval: String,
+    scrape_timeout: String,
+    relabelings: Vec<RelabelConfig>,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct RelabelConfig {
+    action: String,
+    target_label: String,
+    replacement: String,
+}
+
+/// monitoring.coreos.com/v1 PrometheusRule.
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct PrometheusRule {
+    api_version: String,
+    kind: String,
+    metadata: ObjectMeta,
+    spec: PrometheusRuleSpec,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PrometheusRuleSpec {
+    groups: Vec<RuleGroup>,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RuleGroup {
+    name: String,
+    rules: Vec<Rule>,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Rule {
+    alert: Option<String>,
+    record: Option<String>,
+    expr: String,
+    #[serde(rename = "for")]
+    for_: Option<String>,
+    labels: Option<BTreeMap<String, String>>,
+    annotations: Option<BTreeMap<String, String>>,
+}
 
 fn chart() -> Chart {
     Chart::load(&workspace_root().join("deploy/helm/bigfleet-proxmox")).expect("load chart")
@@ -70,6 +152,11 @@ struct Rendered {
     service_account: Option<ServiceAccount>,
     config_maps: Vec<ConfigMap>,
     pvcs: Vec<PersistentVolumeClaim>,
+    network_policy: Option<NetworkPolicy>,
+    service_monitor: Option<ServiceMonitor>,
+    prometheus_rule: Option<PrometheusRule>,
+    /// PrometheusRule and ConfigMaps as rendered, for content checks.
+    raw: BTreeMap<String, Json>,
 }
 
 impl Rendered {
@@ -98,14 +185,20 @@ impl Rendered {
 }
 
 fn render(overrides: &str) -> Rendered {
+    render_in(overrides, &Cluster::new())
+}
+
+fn render_in(overrides: &str, cluster: &Cluster) -> Rendered {
     let docs = chart()
-        .render(&values(overrides), &Release::default())
+        .render_in(&values(overrides), &Release::default(), cluster)
         .unwrap_or_else(|e| panic!("render failed: {e}"));
     let mut out = Rendered::default();
     for doc in &docs {
         let json: Json = serde_yaml::from_str(&doc.yaml)
             .unwrap_or_else(|e| panic!("{}: invalid YAML: {e}\n{}", doc.template, doc.yaml));
         let kind = json["kind"].as_str().unwrap_or_default().to_owned();
+        let name = json["metadata"]["name"].as_str().unwrap_or_default();
+        out.raw.insert(format!("{kind}/{name}"), json.clone());
         match kind.as_str() {
             "Deployment" => {
                 assert!(out.deployment.is_none(), "two Deployments");
@@ -115,6 +208,9 @@ fn render(overrides: &str) -> Rendered {
             "ServiceAccount" => out.service_account = Some(strict(doc, &json)),
             "ConfigMap" => out.config_maps.push(strict(doc, &json)),
             "PersistentVolumeClaim" => out.pvcs.push(strict(doc, &json)),
+            "NetworkPolicy" => out.network_policy = Some(strict(doc, &json)),
+            "ServiceMonitor" => out.service_monitor = Some(strict(doc, &json)),
+            "PrometheusRule" => out.prometheus_rule = Some(strict(doc, &json)),
             other => panic!("{}: unexpected kind {other:?}\n{}", doc.template, doc.yaml),
         }
     }
@@ -481,23 +577,24 @@ extraArgs: ["--reconcile-interval=5m"]
     );
     // The pod template changes with the content, so a config change rolls it.
     let base = render(MINIMAL_CA);
-    let ann = |r: &Rendered| {
-        r.deployment()
-            .spec
-            .as_ref()
-            .unwrap()
-            .template
-            .metadata
-            .as_ref()
-            .unwrap()
-            .annotations
-            .clone()
-            .unwrap()
-    };
     assert_ne!(
-        ann(&r)["checksum/offerings"],
-        ann(&base)["checksum/offerings"]
+        pod_annotations(&r)["checksum/config"],
+        pod_annotations(&base)["checksum/config"]
     );
+}
+
+fn pod_annotations(r: &Rendered) -> BTreeMap<String, String> {
+    r.deployment()
+        .spec
+        .as_ref()
+        .unwrap()
+        .template
+        .metadata
+        .as_ref()
+        .unwrap()
+        .annotations
+        .clone()
+        .unwrap_or_default()
 }
 
 #[test]
@@ -622,6 +719,14 @@ fn notes_warn_about_fake_backend_and_volatile_state() {
         "{notes}"
     );
     assert!(!notes.contains("WARNING"), "{notes}");
+    assert!(notes.contains("networkPolicy.grpc.from"), "{notes}");
+    let open = chart
+        .render_notes(
+            &values(&with_minimal("networkPolicy: {enabled: false}")),
+            &Release::default(),
+        )
+        .unwrap();
+    assert!(!open.contains("NetworkPolicy"), "{open}");
     let notes = chart
         .render_notes(
             &values("fakeBackend: {enabled: true}\nstate: {enabled: false}\n"),
@@ -630,4 +735,615 @@ fn notes_warn_about_fake_backend_and_volatile_state() {
         .unwrap();
     assert!(notes.contains("fakeBackend.enabled is set"), "{notes}");
     assert!(notes.contains("state.enabled is false"), "{notes}");
+}
+
+fn with_minimal(extra: &str) -> String {
+    let mut v = values(MINIMAL_CA);
+    merge(&mut v, &values(extra));
+    serde_yaml::to_string(&v).unwrap()
+}
+
+#[test]
+fn schema_rejects_unknown_keys_at_every_level() {
+    for (typo, key, at) in [
+        // The issue's example: without the schema this silently kept 9000.
+        ("proxmox: {templateVmid: 9100}", "templateVmid", "/proxmox"),
+        ("fakebackend: {enabled: true}", "fakebackend", "/"),
+        (
+            "credentials: {token: {secret: x}}",
+            "secret",
+            "/credentials/token",
+        ),
+        (
+            "state: {persistence: {sise: 5Gi}}",
+            "sise",
+            "/state/persistence",
+        ),
+        (
+            "metrics: {serviceMonitor: {enable: true}}",
+            "enable",
+            "/metrics/serviceMonitor",
+        ),
+        (
+            "networkPolicy: {grpc: {from: [{podSelectr: {}}]}}",
+            "podSelectr",
+            "/networkPolicy/grpc/from/0",
+        ),
+        (
+            "securityContext: {capabilities: {dorp: [ALL]}}",
+            "dorp",
+            "/securityContext/capabilities",
+        ),
+        (
+            "livenessProbe: {periodSecond: 5}",
+            "periodSecond",
+            "/livenessProbe",
+        ),
+    ] {
+        let e = render_err(&with_minimal(typo));
+        assert!(
+            e.contains("values don't meet the specifications of the schema"),
+            "{typo}: {e}"
+        );
+        assert!(e.contains(key), "{typo}: the error names {key}: {e}");
+        assert!(
+            e.contains(&format!("at '{at}'")),
+            "{typo}: located at {at}: {e}"
+        );
+    }
+    // The right spelling renders and reaches the flag.
+    let r = render(&with_minimal("proxmox: {templateVMID: 9100}"));
+    assert_eq!(r.flags()["--template-vmid"], "9100");
+}
+
+#[test]
+fn schema_rejects_wrong_types_and_values() {
+    for (bad, at) in [
+        ("proxmox: {templateVMID: \"9100\"}", "/proxmox/templateVMID"),
+        ("proxmox: {templateVMID: 12}", "/proxmox/templateVMID"),
+        ("proxmox: {nodes: pve1}", "/proxmox/nodes"),
+        ("state: {enabled: \"yes\"}", "/state/enabled"),
+        ("service: {grpcPort: 70000}", "/service/grpcPort"),
+        ("log: {format: yaml}", "/log/format"),
+        ("extraArgs: \"--seed-count=4\"", "/extraArgs"),
+        ("extraArgs: [\"seed-count=4\"]", "/extraArgs/0"),
+        ("podAnnotations: {team: 7}", "/podAnnotations/team"),
+        (
+            "networkPolicy: {grpc: {from: []}}",
+            "/networkPolicy/grpc/from",
+        ),
+        (
+            "metrics: {serviceMonitor: {interval: often}}",
+            "/metrics/serviceMonitor/interval",
+        ),
+        (
+            "resources: {limits: {memory: [256Mi]}}",
+            "/resources/limits/memory",
+        ),
+    ] {
+        let e = render_err(&with_minimal(bad));
+        assert!(
+            e.contains(&format!("at '{at}'")),
+            "{bad}: expected an error at {at}: {e}"
+        );
+    }
+}
+
+#[test]
+fn schema_accepts_the_defaults_and_every_documented_option() {
+    let chart = chart();
+    chart
+        .validate_values(&chart.values)
+        .unwrap_or_else(|e| panic!("values.yaml against its own schema: {e}"));
+    let everything = with_minimal(
+        r#"
+global: {imageRegistry: mirror.example}
+image: {repository: registry.example/bigfleet-proxmox, tag: "0.1.1", pullPolicy: Always}
+imagePullSecrets: [{name: regcred}]
+nameOverride: pve
+provider: pve-dc1
+proxmox: {templateVMID: 9001, tlsFingerprint: "AB:CD"}
+credentials: {token: {secretName: pve-token, secretKey: secret}, ca: {secretName: pve-ca, secretKey: ca.pem}}
+offerings: {content: '[{"instance_type": "pve.small", "zone": "pve1", "count": 2}]'}
+instanceTypes: {content: '{"pve.small": {"vcpu": 2, "memory_mib": 2048}}'}
+state: {persistence: {size: 2Gi, storageClass: fast, accessModes: [ReadWriteOncePod]}}
+tls: {enabled: true, mtls: true, secretName: provider-tls}
+log: {format: json, level: debug}
+extraArgs: ["--reconcile-interval=5m"]
+service: {type: ClusterIP, grpcPort: 9000, metricsPort: 9090, annotations: {a: b}}
+metrics:
+  prometheusScrape: false
+  serviceMonitor: {enabled: true, labels: {release: kps}, interval: 1m, scrapeTimeout: 15s}
+  prometheusRule: {enabled: true, labels: {release: kps}}
+  grafanaDashboard: {enabled: true, labels: {grafana_dashboard: "1"}, annotations: {grafana_folder: BigFleet}, namespace: monitoring}
+networkPolicy:
+  enabled: true
+  grpc:
+    from:
+      - namespaceSelector: {matchLabels: {kubernetes.io/metadata.name: bigfleet-system}}
+        podSelector: {matchExpressions: [{key: app.kubernetes.io/name, operator: In, values: [bigfleet]}]}
+  metrics:
+    from: [{ipBlock: {cidr: 10.0.0.0/8, except: [10.1.0.0/16]}}]
+serviceAccount: {create: true, name: sa, annotations: {x: y}}
+podAnnotations: {team: infra}
+podLabels: {tier: control}
+podSecurityContext: {supplementalGroups: [1000]}
+securityContext: {procMount: Default}
+resources: {requests: {cpu: 100m, memory: 64Mi}, limits: {cpu: "1", memory: 512Mi}}
+livenessProbe: {successThreshold: 1}
+readinessProbe: {periodSeconds: 10}
+terminationGracePeriodSeconds: 60
+nodeSelector: {disk: ssd}
+tolerations: [{key: dedicated, operator: Equal, value: infra, effect: NoSchedule}]
+affinity:
+  nodeAffinity:
+    requiredDuringSchedulingIgnoredDuringExecution:
+      nodeSelectorTerms: [{matchExpressions: [{key: disk, operator: In, values: [ssd]}]}]
+"#,
+    );
+    let r = render(&everything);
+    assert!(r.network_policy.is_some() && r.service_monitor.is_some());
+    assert!(r.prometheus_rule.is_some());
+    assert_eq!(r.flags()["--provider"], "pve-dc1");
+}
+
+/// Resolves a local `$ref` (`#/definitions/x`).
+fn resolve<'a>(root: &'a Json, node: &'a Json) -> &'a Json {
+    match node["$ref"].as_str() {
+        Some(r) => root
+            .pointer(r.trim_start_matches('#'))
+            .unwrap_or_else(|| panic!("dangling $ref {r}")),
+        None => node,
+    }
+}
+
+#[test]
+fn schema_closes_every_object() {
+    let schema = chart().schema.expect("values.schema.json");
+    // Pass-through values whose fields the Kubernetes API (and the strict
+    // round-trip above) validates; nothing else may stay open.
+    let open = ["/properties/global", "/definitions/k8sObject"];
+    fn walk(node: &Json, at: &str, open: &[&str], seen: &mut usize) {
+        match node {
+            Json::Object(m) => {
+                if m.get("type") == Some(&Json::from("object")) && !open.contains(&at) {
+                    *seen += 1;
+                    assert!(
+                        m.get("additionalProperties")
+                            .is_some_and(|a| a == &Json::Bool(false) || a.is_object()),
+                        "{at}: an object without additionalProperties (false, or a schema for map values)"
+                    );
+                }
+                for (k, v) in m {
+                    walk(v, &format!("{at}/{k}"), open, seen);
+                }
+            }
+            Json::Array(a) => {
+                for (i, v) in a.iter().enumerate() {
+                    walk(v, &format!("{at}/{i}"), open, seen);
+                }
+            }
+            _ => {}
+        }
+    }
+    let mut seen = 0;
+    walk(&schema, "", &open, &mut seen);
+    assert!(seen > 20, "only {seen} objects in the schema");
+}
+
+#[test]
+fn schema_and_values_yaml_describe_the_same_keys() {
+    let chart = chart();
+    let schema = chart.schema.clone().unwrap();
+    let values: Json = serde_json::to_value(&chart.values).unwrap();
+    // Kubernetes types the chart passes through: the schema knows more of
+    // their fields than values.yaml sets.
+    const K8S_TYPES: &[&str] = &[
+        "/podSecurityContext",
+        "/securityContext",
+        "/resources",
+        "/livenessProbe",
+        "/readinessProbe",
+        "/affinity",
+    ];
+    fn walk(root: &Json, node: &Json, v: &Json, at: &str) {
+        let via_ref = node.get("$ref").is_some();
+        let node = resolve(root, node);
+        let (Some(props), Some(vm)) = (node["properties"].as_object(), v.as_object()) else {
+            return;
+        };
+        for (k, sub) in vm {
+            let p = props
+                .get(k)
+                .unwrap_or_else(|| panic!("values.yaml {at}/{k} is not in the schema"));
+            walk(root, p, sub, &format!("{at}/{k}"));
+        }
+        if via_ref || K8S_TYPES.iter().any(|t| at.starts_with(t)) {
+            return;
+        }
+        for k in props.keys() {
+            if at.is_empty() && k == "global" {
+                continue;
+            }
+            assert!(
+                vm.contains_key(k),
+                "the schema allows {at}/{k}, which values.yaml neither sets nor documents"
+            );
+        }
+    }
+    walk(&schema, &schema, &values, "");
+}
+
+#[test]
+fn network_policy_is_on_by_default() {
+    let r = render(MINIMAL_CA);
+    let np = r
+        .network_policy
+        .as_ref()
+        .expect("a NetworkPolicy by default");
+    let spec = np.spec.as_ref().unwrap();
+    let pod_labels = r
+        .deployment()
+        .spec
+        .as_ref()
+        .unwrap()
+        .template
+        .metadata
+        .as_ref()
+        .unwrap()
+        .labels
+        .clone()
+        .unwrap();
+    for (k, v) in spec
+        .pod_selector
+        .as_ref()
+        .unwrap()
+        .match_labels
+        .as_ref()
+        .unwrap()
+    {
+        assert_eq!(
+            pod_labels.get(k),
+            Some(v),
+            "the policy selects the provider pod"
+        );
+    }
+    assert_eq!(
+        spec.policy_types.as_deref(),
+        Some(&["Ingress".to_owned()][..])
+    );
+    let ingress = spec.ingress.as_ref().unwrap();
+    assert_eq!(ingress.len(), 2);
+    let rule_for = |port: &str| {
+        ingress
+            .iter()
+            .find(|i| {
+                i.ports.as_ref().unwrap().iter().any(|p| {
+                    p.port
+                        == Some(
+                            k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::String(
+                                port.into(),
+                            ),
+                        )
+                })
+            })
+            .unwrap_or_else(|| panic!("no ingress rule for port {port}"))
+    };
+    for rule in ingress {
+        assert_eq!(rule.ports.as_ref().unwrap().len(), 1, "one port per rule");
+        assert!(
+            rule.from.as_ref().is_some_and(|f| !f.is_empty()),
+            "a rule without peers admits everyone"
+        );
+    }
+    // gRPC: pods of the release's namespace only (no namespaceSelector).
+    let grpc = &rule_for("grpc").from.as_ref().unwrap()[0];
+    assert!(grpc.namespace_selector.is_none());
+    assert_eq!(grpc.pod_selector, Some(LabelSelector::default()));
+    // Metrics: any namespace, for Prometheus.
+    let metrics = &rule_for("metrics").from.as_ref().unwrap()[0];
+    assert_eq!(metrics.namespace_selector, Some(LabelSelector::default()));
+
+    // Opened to BigFleet's namespace and pods instead.
+    let r = render(&with_minimal(
+        r#"
+networkPolicy:
+  grpc:
+    from:
+      - namespaceSelector: {matchLabels: {kubernetes.io/metadata.name: bigfleet-system}}
+        podSelector: {matchLabels: {app.kubernetes.io/name: bigfleet}}
+  metrics:
+    from:
+      - namespaceSelector: {matchLabels: {kubernetes.io/metadata.name: monitoring}}
+"#,
+    ));
+    let spec = r.network_policy.as_ref().unwrap().spec.clone().unwrap();
+    let peers: Vec<_> = spec
+        .ingress
+        .unwrap()
+        .into_iter()
+        .map(|i| i.from.unwrap())
+        .collect();
+    let ns = |p: &k8s_openapi::api::networking::v1::NetworkPolicyPeer| {
+        p.namespace_selector
+            .as_ref()
+            .unwrap()
+            .match_labels
+            .clone()
+            .unwrap()["kubernetes.io/metadata.name"]
+            .clone()
+    };
+    assert_eq!(ns(&peers[0][0]), "bigfleet-system");
+    assert_eq!(
+        peers[0][0]
+            .pod_selector
+            .as_ref()
+            .unwrap()
+            .match_labels
+            .as_ref()
+            .unwrap()["app.kubernetes.io/name"],
+        "bigfleet"
+    );
+    assert_eq!(ns(&peers[1][0]), "monitoring");
+
+    let r = render(&with_minimal("networkPolicy: {enabled: false}"));
+    assert!(r.network_policy.is_none());
+}
+
+#[test]
+fn monitoring_objects_are_off_by_default() {
+    let r = render(MINIMAL_CA);
+    assert!(r.service_monitor.is_none());
+    assert!(r.prometheus_rule.is_none());
+    assert!(r.config_maps.is_empty(), "no dashboard ConfigMap");
+}
+
+#[test]
+fn service_monitor_scrapes_the_metrics_port_as_the_rules_job() {
+    let r = render(&with_minimal(
+        "metrics: {serviceMonitor: {enabled: true, labels: {release: kps}, interval: 1m}}",
+    ));
+    let sm = r.service_monitor.as_ref().unwrap();
+    assert_eq!(sm.api_version, "monitoring.coreos.com/v1");
+    assert_eq!(sm.metadata.labels.as_ref().unwrap()["release"], "kps");
+    assert_eq!(sm.spec.namespace_selector.match_names, ["bigfleet"]);
+    let svc = r.service.as_ref().unwrap();
+    let svc_labels = svc.metadata.labels.as_ref().unwrap();
+    for (k, v) in sm.spec.selector.match_labels.as_ref().unwrap() {
+        assert_eq!(
+            svc_labels.get(k),
+            Some(v),
+            "the ServiceMonitor selects the Service"
+        );
+    }
+    let ep = &sm.spec.endpoints[0];
+    assert!(svc
+        .spec
+        .as_ref()
+        .unwrap()
+        .ports
+        .as_ref()
+        .unwrap()
+        .iter()
+        .any(|p| p.name.as_deref() == Some(ep.port.as_str())));
+    assert_eq!(ep.path, "/metrics");
+    assert_eq!(ep.interval, "1m");
+    assert_eq!(ep.scrape_timeout, "10s");
+    let job = &ep.relabelings[0];
+    assert_eq!(
+        (job.target_label.as_str(), job.replacement.as_str()),
+        ("job", "bigfleet-proxmox")
+    );
+    // The alert rules select exactly that job.
+    let rules =
+        std::fs::read_to_string(workspace_root().join("deploy/monitoring/alerts.yaml")).unwrap();
+    assert!(rules.contains(r#"up{job="bigfleet-proxmox"}"#));
+}
+
+#[test]
+fn prometheus_rule_ships_the_rules_file_verbatim() {
+    let r = render(&with_minimal(
+        "metrics: {prometheusRule: {enabled: true, labels: {release: kps}}}",
+    ));
+    let pr = r.prometheus_rule.as_ref().unwrap();
+    assert_eq!(pr.metadata.labels.as_ref().unwrap()["release"], "kps");
+    let raw = &r.raw["PrometheusRule/pve-bigfleet-proxmox"];
+    let file: Json = serde_yaml::from_str(
+        &std::fs::read_to_string(workspace_root().join("deploy/monitoring/alerts.yaml")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(raw["spec"], file, "spec is the rule file");
+    let alerts = pr.spec.groups[0]
+        .rules
+        .iter()
+        .filter(|r| r.alert.is_some())
+        .count();
+    assert!(alerts >= 8, "{alerts} alerts");
+    // Prometheus' templates survive the chart untouched.
+    assert!(
+        pr.spec.groups[0].rules[0].annotations.as_ref().unwrap()["summary"]
+            .contains("{{ $labels.instance }}")
+    );
+}
+
+#[test]
+fn dashboard_configmap_for_the_grafana_sidecar() {
+    let r = render(&with_minimal(
+        "metrics: {grafanaDashboard: {enabled: true, annotations: {grafana_folder: BigFleet}, namespace: monitoring}}",
+    ));
+    assert_eq!(r.config_maps.len(), 1);
+    let cm = &r.config_maps[0];
+    assert_eq!(cm.metadata.namespace.as_deref(), Some("monitoring"));
+    assert_eq!(
+        cm.metadata.labels.as_ref().unwrap()["grafana_dashboard"],
+        "1"
+    );
+    assert_eq!(
+        cm.metadata.annotations.as_ref().unwrap()["grafana_folder"],
+        "BigFleet"
+    );
+    let shipped: Json =
+        serde_json::from_str(&cm.data.as_ref().unwrap()["bigfleet-proxmox.json"]).unwrap();
+    let file: Json = serde_json::from_str(
+        &std::fs::read_to_string(workspace_root().join("deploy/monitoring/dashboard.json"))
+            .unwrap(),
+    )
+    .unwrap();
+    assert_eq!(shipped, file);
+    let r = render(&with_minimal(
+        "metrics: {grafanaDashboard: {enabled: true}}",
+    ));
+    assert_eq!(
+        r.config_maps[0].metadata.namespace.as_deref(),
+        Some("bigfleet")
+    );
+}
+
+fn secret(
+    name: &str,
+    key: &str,
+    data: &str,
+) -> ((String, String, String, String), serde_yaml::Value) {
+    (
+        ("v1".into(), "Secret".into(), "bigfleet".into(), name.into()),
+        values(&format!(
+            "apiVersion: v1\nkind: Secret\nmetadata: {{name: {name}, namespace: bigfleet}}\ndata: {{{key}: {data}}}\n"
+        )),
+    )
+}
+
+#[test]
+fn checksums_roll_the_pod_when_config_or_secrets_change() {
+    let base = pod_annotations(&render(MINIMAL_CA));
+    for k in [
+        "checksum/config",
+        "checksum/proxmox-token",
+        "checksum/proxmox-ca",
+    ] {
+        assert!(base.contains_key(k), "{k} on the pod template: {base:?}");
+    }
+    assert!(!base.contains_key("checksum/tls"));
+    let changed = |extra: &str, key: &str| {
+        let a = pod_annotations(&render(&with_minimal(extra)));
+        assert_ne!(a[key], base[key], "{extra} must change {key}");
+        for (k, v) in &a {
+            if k != key && k.starts_with("checksum/") && base.contains_key(k) {
+                assert_eq!(v, &base[k], "{extra} must change only {key}, not {k}");
+            }
+        }
+    };
+    changed("offerings: {content: '[]'}", "checksum/config");
+    changed("instanceTypes: {content: '{}'}", "checksum/config");
+    changed(
+        "credentials: {token: {secretName: pve-token-2}}",
+        "checksum/proxmox-token",
+    );
+    changed(
+        "credentials: {token: {secretKey: secret}}",
+        "checksum/proxmox-token",
+    );
+    changed(
+        "credentials: {ca: {secretName: pve-ca-2}}",
+        "checksum/proxmox-ca",
+    );
+
+    // At install and upgrade helm reads the Secrets: new content, new checksum.
+    let cluster = |token: &str| -> Cluster {
+        [
+            secret("pve-token", "token", token),
+            secret("pve-ca", "ca.crt", "Y2E="),
+        ]
+        .into_iter()
+        .collect()
+    };
+    let v1 = pod_annotations(&render_in(MINIMAL_CA, &cluster("c2VjcmV0MQ==")));
+    let v2 = pod_annotations(&render_in(MINIMAL_CA, &cluster("c2VjcmV0Mg==")));
+    assert_ne!(v1["checksum/proxmox-token"], v2["checksum/proxmox-token"]);
+    assert_ne!(v1["checksum/proxmox-token"], base["checksum/proxmox-token"]);
+    assert_eq!(v1["checksum/proxmox-ca"], v2["checksum/proxmox-ca"]);
+    // The Secret's content never appears in the rendered output.
+    let docs = chart()
+        .render_in(
+            &values(MINIMAL_CA),
+            &Release::default(),
+            &cluster("c2VjcmV0MQ=="),
+        )
+        .unwrap();
+    assert!(docs.iter().all(|d| !d.yaml.contains("c2VjcmV0MQ==")));
+
+    let tls = pod_annotations(&render(&with_minimal(
+        "tls: {enabled: true, secretName: provider-tls}",
+    )));
+    assert!(tls.contains_key("checksum/tls"));
+    let fake = pod_annotations(&render(
+        "fakeBackend: {enabled: true}\nstate: {enabled: false}\n",
+    ));
+    assert!(!fake.contains_key("checksum/proxmox-token"));
+    assert!(fake.contains_key("checksum/config"));
+}
+
+#[test]
+fn chart_metadata_is_complete() {
+    let chart = chart();
+    let m = &chart.metadata;
+    let get = |k: &str| m.get(k).unwrap_or_else(|| panic!("Chart.yaml has no {k}"));
+    assert_eq!(get("apiVersion").as_str(), Some("v2"));
+    assert_eq!(get("type").as_str(), Some("application"));
+    assert!(get("description").as_str().unwrap().len() > 40);
+    assert!(get("kubeVersion").as_str().unwrap().starts_with(">="));
+    let cargo = std::fs::read_to_string(workspace_root().join("Cargo.toml")).unwrap();
+    let field = |k: &str| {
+        cargo
+            .lines()
+            .find_map(|l| l.strip_prefix(&format!("{k} = ")))
+            .map(|v| v.trim_matches('"').to_owned())
+            .unwrap()
+    };
+    assert_eq!(
+        get("appVersion").as_str(),
+        Some(field("version").as_str()),
+        "appVersion is the provider's version"
+    );
+    assert!(get("keywords").as_sequence().unwrap().len() >= 3);
+    for maint in get("maintainers").as_sequence().unwrap() {
+        assert!(maint["name"].as_str().is_some_and(|n| !n.is_empty()));
+    }
+    let ann = get("annotations");
+    assert_eq!(
+        ann["artifacthub.io/license"].as_str(),
+        Some(field("license").as_str())
+    );
+    let images: serde_yaml::Value =
+        serde_yaml::from_str(ann["artifacthub.io/images"].as_str().unwrap()).unwrap();
+    assert_eq!(
+        images[0]["image"].as_str(),
+        Some(format!("bigfleet-proxmox:{}", field("version")).as_str())
+    );
+}
+
+#[test]
+fn templates_use_only_values_that_values_yaml_defines() {
+    // A misspelt `.Values.x` renders as empty instead of failing; every path
+    // the templates read must exist in values.yaml (and so in the schema).
+    let chart = chart();
+    let mut sources: Vec<(String, String)> = chart.templates.clone();
+    sources.push(("_helpers.tpl".into(), chart.helpers.clone()));
+    sources.push(("NOTES.txt".into(), chart.notes.clone().unwrap_or_default()));
+    let mut checked = 0;
+    for (name, src) in sources {
+        for (i, _) in src.match_indices(".Values.") {
+            let path: String = src[i + 8..]
+                .chars()
+                .take_while(|c| c.is_ascii_alphanumeric() || *c == '.' || *c == '_')
+                .collect();
+            let mut v = &chart.values;
+            for seg in path.trim_end_matches('.').split('.') {
+                v = v.get(seg).unwrap_or_else(|| {
+                    panic!("{name}: .Values.{path} is not defined in values.yaml")
+                });
+            }
+            checked += 1;
+        }
+    }
+    assert!(checked > 50, "only {checked} value references found");
 }

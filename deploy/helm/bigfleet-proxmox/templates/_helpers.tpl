@@ -1,8 +1,9 @@
 {{/*
 Named templates shared by the manifests. The chart keeps to a small template
 subset (values, if/else, range, include, default, quote, required, fail,
-toYaml | nindent, join, trunc, trimSuffix) so crates/deploy-check can render
-and validate it without a helm binary.
+toYaml | nindent, join, trunc, trimSuffix, sha256sum, dict, dig, lookup and
+.Files.Get) so crates/deploy-check can render and validate it without a helm
+binary.
 */}}
 
 {{- define "bigfleet-proxmox.name" -}}
@@ -44,6 +45,30 @@ app.kubernetes.io/component: capacity-provider
 {{- else -}}
 {{- printf "%s-state" (include "bigfleet-proxmox.fullname" .) -}}
 {{- end -}}
+{{- end -}}
+
+{{/*
+The config ConfigMap's data; the pod template carries its checksum.
+*/}}
+{{- define "bigfleet-proxmox.configData" -}}
+{{- if .Values.offerings.content }}
+offerings.json: |
+  {{- .Values.offerings.content | nindent 2 }}
+{{- end }}
+{{- if .Values.instanceTypes.content }}
+instance-types.json: |
+  {{- .Values.instanceTypes.content | nindent 2 }}
+{{- end }}
+{{- end -}}
+
+{{/*
+Checksum of a Secret the chart mounts but does not create: its name, the key
+and, when helm can read the Secret (install and upgrade; not `helm template`),
+the key's data. Called with (dict "namespace" .. "name" .. "key" ..).
+*/}}
+{{- define "bigfleet-proxmox.secretChecksum" -}}
+{{- $secret := lookup "v1" "Secret" .namespace .name -}}
+{{- printf "%s/%s:%s" .name .key (dig "data" .key "" $secret) | sha256sum -}}
 {{- end -}}
 
 {{/*
