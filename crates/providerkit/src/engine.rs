@@ -523,7 +523,7 @@ impl Engine {
         self.store
             .durable(ticket)
             .await
-            .map_err(|e| KitError::Store(e.0))
+            .map_err(|e| KitError::Store(e.to_string()))
     }
 
     /// The current record of one machine.
@@ -754,7 +754,7 @@ impl Engine {
         self.store
             .durable(ticket)
             .await
-            .map_err(|e| KitError::Store(e.0))?;
+            .map_err(|e| KitError::Store(e.to_string()))?;
         result
     }
 
