@@ -12,6 +12,7 @@ use serde_json::Value as Json;
 /// The metric catalogue, as the spec names it.
 const METRICS: &[(&str, &str)] = &[
     ("bigfleet_proxmox_api_calls_total", "counter"),
+    ("bigfleet_proxmox_api_errors_total", "counter"),
     ("bigfleet_proxmox_api_duration_seconds", "histogram"),
     ("bigfleet_proxmox_grpc_requests_total", "counter"),
     (

@@ -1,17 +1,12 @@
 //! The BigFleet capacity provider for Proxmox VE: configuration, the real
 //! and fake backends, metrics and serving. `main.rs` only calls [`run`].
 
-pub mod backend;
-pub mod catalog;
 pub mod config;
 pub mod ctl;
-pub mod fake;
 pub mod layers;
 pub mod logging;
 pub mod metrics;
-pub mod proxmox;
 pub mod serve;
-pub mod substrate;
 pub mod tls;
 
 use std::collections::BTreeMap;
@@ -21,8 +16,8 @@ use std::sync::Arc;
 
 use providerkit::{AuxAddr, EngineOptions, Limits, Timeouts};
 
-use crate::catalog::{InstanceType, Pricing, Slot};
 use crate::config::{Args, BackendChoice};
+use proxmox_backend::catalog::{self, InstanceType, Pricing, Slot};
 
 /// Which substrate the process drives, after the gating rules.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -12,12 +12,19 @@ use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::Registry;
 
-use crate::substrate::ApiObserver;
+use providerkit::ErrorKind;
+use proxmox_backend::substrate::{ApiObserver, API_OPS};
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ApiCallLabels {
     pub op: String,
     pub outcome: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ApiErrorLabels {
+    pub op: String,
+    pub kind: String,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -49,6 +56,7 @@ fn latency_histogram() -> Histogram {
 pub struct Metrics {
     registry: Registry,
     pub api_calls: Family<ApiCallLabels, Counter>,
+    pub api_errors: Family<ApiErrorLabels, Counter>,
     pub api_duration: Family<OpLabels, Histogram>,
     pub grpc_requests: Family<GrpcLabels, Counter>,
     pub grpc_duration: Family<MethodLabels, Histogram>,
@@ -60,6 +68,7 @@ impl Metrics {
     pub fn new() -> Arc<Metrics> {
         let mut registry = Registry::default();
         let api_calls = Family::<ApiCallLabels, Counter>::default();
+        let api_errors = Family::<ApiErrorLabels, Counter>::default();
         let api_duration =
             Family::<OpLabels, Histogram>::new_with_constructor(latency_histogram as fn() -> _);
         let grpc_requests = Family::<GrpcLabels, Counter>::default();
@@ -71,6 +80,11 @@ impl Metrics {
             "bigfleet_proxmox_api_calls",
             "Proxmox substrate calls by operation and outcome",
             api_calls.clone(),
+        );
+        registry.register(
+            "bigfleet_proxmox_api_errors",
+            "Failed Proxmox substrate calls by operation and error kind",
+            api_errors.clone(),
         );
         registry.register(
             "bigfleet_proxmox_api_duration_seconds",
@@ -98,9 +112,31 @@ impl Metrics {
             reconcile.clone(),
         );
         registry.register_collector(Box::new(ProcessCollector));
+        // Every known label value starts at 0, so rate() and absent()-style
+        // alerts see the series from the first scrape on.
+        for op in API_OPS {
+            for outcome in ["success", "error"] {
+                let _ = api_calls.get_or_create(&ApiCallLabels {
+                    op: op.to_string(),
+                    outcome: outcome.to_string(),
+                });
+            }
+            for kind in ErrorKind::ALL {
+                let _ = api_errors.get_or_create(&ApiErrorLabels {
+                    op: op.to_string(),
+                    kind: kind.name().to_string(),
+                });
+            }
+        }
+        for outcome in ["success", "error"] {
+            let _ = reconcile.get_or_create(&OutcomeLabels {
+                outcome: outcome.to_string(),
+            });
+        }
         Arc::new(Metrics {
             registry,
             api_calls,
+            api_errors,
             api_duration,
             grpc_requests,
             grpc_duration,
@@ -140,13 +176,21 @@ impl Metrics {
 }
 
 impl ApiObserver for Metrics {
-    fn observe(&self, op: &'static str, ok: bool, elapsed: Duration) {
+    fn observe(&self, op: &'static str, outcome: Result<(), ErrorKind>, elapsed: Duration) {
         self.api_calls
             .get_or_create(&ApiCallLabels {
                 op: op.to_string(),
-                outcome: if ok { "success" } else { "error" }.to_string(),
+                outcome: if outcome.is_ok() { "success" } else { "error" }.to_string(),
             })
             .inc();
+        if let Err(kind) = outcome {
+            self.api_errors
+                .get_or_create(&ApiErrorLabels {
+                    op: op.to_string(),
+                    kind: kind.name().to_string(),
+                })
+                .inc();
+        }
         self.api_duration
             .get_or_create(&OpLabels { op: op.to_string() })
             .observe(elapsed.as_secs_f64());

@@ -18,13 +18,13 @@ use tokio_stream::wrappers::TcpListenerStream;
 use tokio_stream::StreamExt;
 use tonic_health::ServingStatus;
 
-use crate::backend::ProxmoxBackend;
-use crate::fake::FakeCluster;
 use crate::layers::{CatchPanicLayer, ObserveLayer};
 use crate::metrics::Metrics;
-use crate::proxmox::{PveOptions, PveSubstrate};
-use crate::substrate::{Metered, Substrate, VmRef};
 use crate::{BackendKind, Plan};
+use proxmox_backend::backend::ProxmoxBackend;
+use proxmox_backend::fake::FakeCluster;
+use proxmox_backend::proxmox::{PveOptions, PveSubstrate};
+use proxmox_backend::substrate::{Metered, Substrate, VmRef};
 
 /// Shared by `/readyz` and gRPC health.
 #[derive(Clone, Default)]

@@ -522,9 +522,39 @@ async fn lifecycle_metrics_logs_and_secrets() {
     assert!(
         !exp.samples
             .iter()
-            .any(|s| s.name == api && s.labels["outcome"] != "success"),
+            .any(|s| s.name == api && s.labels["outcome"] != "success" && s.value != 0.0),
         "a clean lifecycle recorded API errors:\n{text}"
     );
+    // Every op's error series and every error kind exist from the start, at 0.
+    let errors = "bigfleet_proxmox_api_errors_total";
+    for op in [
+        "CloneVM",
+        "DeleteVM",
+        "DescribeManaged",
+        "EnsureRunning",
+        "Configure",
+        "Drain",
+    ] {
+        assert_eq!(
+            exp.get(api, &[("op", op), ("outcome", "error")]),
+            Some(0.0),
+            "{op}"
+        );
+        for kind in ["transient", "permanent", "not_found", "refused"] {
+            assert_eq!(
+                exp.get(errors, &[("op", op), ("kind", kind)]),
+                Some(0.0),
+                "{op} {kind}"
+            );
+        }
+    }
+    for outcome in ["success", "error"] {
+        assert!(
+            exp.get("bigfleet_proxmox_reconcile_total", &[("outcome", outcome)])
+                .is_some(),
+            "reconcile_total{{outcome={outcome}}} missing: labelled counters start at 0:\n{text}"
+        );
+    }
     let api_dur = "bigfleet_proxmox_api_duration_seconds";
     for op in [
         "CloneVM",

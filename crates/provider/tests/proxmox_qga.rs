@@ -11,8 +11,8 @@ use std::time::Duration;
 use bigfleet_proto::v1alpha1::{
     ConfigureRequest, CreateRequest, DeleteRequest, DrainRequest, MachineState,
 };
-use bigfleet_proxmox::substrate::VmRef;
 use common::{path_str, wait_state, Provider};
+use proxmox_backend::substrate::VmRef;
 use pve_sim::{GuestAgentMode, PveSim, SimConfig};
 
 const DEADLINE: Duration = Duration::from_secs(60);

@@ -1,23 +1,103 @@
 //! The small trait a substrate implements to get the whole contract.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::Duration;
 
 use crate::model::SharedFacts;
 use async_trait::async_trait;
 
-/// A substrate failure; its text becomes the machine's `last_error`.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+/// What kind of failure a substrate reports: how a caller may react to it
+/// (retry, give up, treat as gone, fix a permission) and how metrics label it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ErrorKind {
+    /// May clear by itself (a node or the network is down for a while, a
+    /// lock is held, a timeout): retrying within the deadline is reasonable.
+    Transient,
+    /// Will not clear by retrying (bad input, a refused operation, a guest
+    /// command that failed).
+    Permanent,
+    /// The object does not exist (any more).
+    NotFound,
+    /// The substrate refused the credentials or the permission.
+    Refused,
+}
+
+impl ErrorKind {
+    pub const ALL: [ErrorKind; 4] = [
+        ErrorKind::Transient,
+        ErrorKind::Permanent,
+        ErrorKind::NotFound,
+        ErrorKind::Refused,
+    ];
+
+    /// The label value in metrics and logs.
+    pub fn name(self) -> &'static str {
+        match self {
+            ErrorKind::Transient => "transient",
+            ErrorKind::Permanent => "permanent",
+            ErrorKind::NotFound => "not_found",
+            ErrorKind::Refused => "refused",
+        }
+    }
+}
+
+impl std::fmt::Display for ErrorKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// The typed cause behind an error, shared so errors stay `Clone`.
+pub type Cause = Arc<dyn std::error::Error + Send + Sync + 'static>;
+
+/// A substrate failure: a kind, the whole operator-facing message (it becomes
+/// the machine's `last_error` verbatim, so it already includes the cause's
+/// text) and the typed cause, if any.
+#[derive(Debug, Clone, thiserror::Error)]
 #[error("{message}")]
 pub struct BackendError {
-    pub message: String,
+    kind: ErrorKind,
+    message: String,
+    #[source]
+    cause: Option<Cause>,
 }
 
 impl BackendError {
+    /// A permanent failure with no typed cause.
     pub fn new(message: impl Into<String>) -> BackendError {
+        BackendError::with_kind(ErrorKind::Permanent, message)
+    }
+
+    pub fn with_kind(kind: ErrorKind, message: impl Into<String>) -> BackendError {
         BackendError {
+            kind,
             message: message.into(),
+            cause: None,
         }
+    }
+
+    /// `message` should already say what `cause` says (see the type's docs).
+    pub fn caused_by(kind: ErrorKind, message: impl Into<String>, cause: Cause) -> BackendError {
+        BackendError {
+            kind,
+            message: message.into(),
+            cause: Some(cause),
+        }
+    }
+
+    pub fn kind(&self) -> ErrorKind {
+        self.kind
+    }
+
+    pub fn message(&self) -> &str {
+        &self.message
+    }
+}
+
+impl PartialEq for BackendError {
+    fn eq(&self, other: &BackendError) -> bool {
+        self.kind == other.kind && self.message == other.message
     }
 }
 

@@ -990,7 +990,7 @@ impl Engine {
                 let limit = self.opts.timeouts.for_kind(kind);
                 match tokio::time::timeout_at(deadline, self.execute(work)).await {
                     Ok(Ok(outcome)) => Ok(outcome),
-                    Ok(Err(e)) => Err(e.message),
+                    Ok(Err(e)) => Err(e.to_string()),
                     Err(_) => Err(format!(
                         "{} timed out after {} (deadline exceeded)",
                         kind.name(),

@@ -19,7 +19,8 @@ pub mod service;
 pub mod store;
 
 pub use backend::{
-    Backend, BackendError, ConfigureCtx, CreateCtx, DeleteCtx, DrainCtx, SlotSpec, SubstrateHost,
+    Backend, BackendError, Cause, ConfigureCtx, CreateCtx, DeleteCtx, DrainCtx, ErrorKind,
+    SlotSpec, SubstrateHost,
 };
 #[cfg(feature = "mutants")]
 pub use engine::Mutants;

@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 /// Everything a [`crate::PveClient`] call can fail with.
-#[derive(Debug, thiserror::Error)]
+#[derive(Clone, Debug, thiserror::Error)]
 pub enum PveError {
     /// The client configuration is unusable (bad URL, missing trust material, ...).
     #[error("invalid PVE client configuration: {0}")]
@@ -172,6 +172,38 @@ impl PveError {
     /// TLS verification failed.
     pub fn is_tls(&self) -> bool {
         matches!(self, PveError::Tls { .. })
+    }
+
+    /// The VM or one of its files is locked: a lock timeout, or `VM 104 is
+    /// locked (backup)` and the like. Nothing was applied.
+    pub fn is_locked(&self) -> bool {
+        self.is_lock_timeout()
+            || matches!(self, PveError::Api { message, .. } if message.contains("is locked"))
+    }
+
+    /// The guest agent does not know the exec pid (`invalid parameter 'pid'`,
+    /// `no such pid`): qemu-ga forgets a pid once it has reported its exit.
+    pub fn is_unknown_pid(&self) -> bool {
+        let m = self.to_string().to_ascii_lowercase();
+        m.contains("invalid parameter 'pid'") || m.contains("no such pid")
+    }
+
+    /// A failure after which the request may or may not have been applied:
+    /// the request was sent but no answer came back.
+    pub fn may_have_been_applied(&self) -> bool {
+        matches!(
+            self,
+            PveError::Timeout { .. } | PveError::Transport { connect: false, .. }
+        )
+    }
+
+    /// Failures worth polling through while a VM boots and its agent starts.
+    pub fn is_agent_transient(&self) -> bool {
+        self.is_agent_not_running()
+            || self.is_vm_not_running()
+            || self.is_timeout()
+            || self.is_transport()
+            || self.is_node_unreachable()
     }
 }
 

@@ -22,7 +22,7 @@ pub struct ProxmoxBackend {
 }
 
 fn be(e: SubstrateError) -> BackendError {
-    BackendError::new(e.0)
+    e.into()
 }
 
 fn parse_host(host_ref: &str) -> Result<VmRef, BackendError> {

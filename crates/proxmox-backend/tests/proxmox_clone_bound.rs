@@ -5,8 +5,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use bigfleet_proxmox::proxmox::{PveOptions, PveSubstrate};
-use bigfleet_proxmox::substrate::{CloneRequest, Substrate, VmRef};
+use proxmox_backend::proxmox::{PveOptions, PveSubstrate};
+use proxmox_backend::substrate::{CloneRequest, Substrate, VmRef};
 use pve::{PveClient, PveConfig, RetryPolicy};
 use pve_sim::{endpoints, PveSim, SimConfig, TemplateSpec};
 use tokio::task::JoinHandle;
@@ -83,7 +83,7 @@ fn template_config_reads(sim: &PveSim, template: u32) -> usize {
 fn spawn_create(
     sub: &Arc<PveSubstrate>,
     r: CloneRequest,
-) -> JoinHandle<Result<VmRef, bigfleet_proxmox::substrate::SubstrateError>> {
+) -> JoinHandle<Result<VmRef, proxmox_backend::substrate::SubstrateError>> {
     let sub = sub.clone();
     tokio::spawn(async move { sub.clone_vm(&r).await })
 }
@@ -239,10 +239,13 @@ async fn unreadable_template_config_fails_the_create() {
         .clone_vm(&req("u/OnDemand/t/pve1/000", "pve1", 9000))
         .await
         .expect_err("config unreadable");
+    let text = e.to_string();
     assert!(
-        e.0.contains("template 9000") && e.0.contains("Permission check failed"),
+        text.contains("template 9000") && text.contains("Permission check failed"),
         "{e}"
     );
+    // A 403 is a refusal, not something to retry.
+    assert_eq!(e.kind(), providerkit::ErrorKind::Refused, "{e}");
     assert_eq!(sim.call_count(endpoints::CLONE), 0, "nothing was cloned");
     assert!(sim.vms().values().all(|v| v.template));
 

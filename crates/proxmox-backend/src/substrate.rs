@@ -5,6 +5,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
+use providerkit::{BackendError, Cause, ErrorKind};
 
 /// A VM on one node: `HostRef.ref` is `<node>/<vmid>`.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -57,13 +58,69 @@ pub struct ManagedVm {
     pub running: bool,
 }
 
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-#[error("{0}")]
-pub struct SubstrateError(pub String);
+/// A substrate failure: a kind, the whole operator-facing message (it
+/// becomes `last_error` verbatim, so it includes the cause's text) and the
+/// typed cause (a [`pve::PveError`], say), if any.
+#[derive(Clone, Debug, thiserror::Error)]
+#[error("{message}")]
+pub struct SubstrateError {
+    kind: ErrorKind,
+    message: String,
+    #[source]
+    cause: Option<Cause>,
+}
 
 impl SubstrateError {
+    /// A permanent failure with no typed cause.
     pub fn new(message: impl Into<String>) -> SubstrateError {
-        SubstrateError(message.into())
+        SubstrateError::with_kind(ErrorKind::Permanent, message)
+    }
+
+    pub fn with_kind(kind: ErrorKind, message: impl Into<String>) -> SubstrateError {
+        SubstrateError {
+            kind,
+            message: message.into(),
+            cause: None,
+        }
+    }
+
+    /// `{context}: {cause}`, keeping `cause` as the typed source.
+    pub fn caused_by<E>(
+        kind: ErrorKind,
+        context: impl std::fmt::Display,
+        cause: E,
+    ) -> SubstrateError
+    where
+        E: std::error::Error + Send + Sync + 'static,
+    {
+        SubstrateError {
+            kind,
+            message: format!("{context}: {cause}"),
+            cause: Some(Arc::new(cause)),
+        }
+    }
+
+    /// The same failure with more context in front of its message.
+    pub fn context(mut self, context: impl std::fmt::Display) -> SubstrateError {
+        self.message = format!("{context}: {}", self.message);
+        self
+    }
+
+    pub fn kind(&self) -> ErrorKind {
+        self.kind
+    }
+}
+
+impl PartialEq for SubstrateError {
+    fn eq(&self, other: &SubstrateError) -> bool {
+        self.kind == other.kind && self.message == other.message
+    }
+}
+
+impl From<SubstrateError> for BackendError {
+    fn from(e: SubstrateError) -> BackendError {
+        let kind = e.kind;
+        BackendError::caused_by(kind, e.to_string(), Arc::new(e))
     }
 }
 
@@ -87,9 +144,20 @@ pub trait Substrate: Send + Sync + 'static {
     async fn drain(&self, vm: &VmRef, grace: Duration) -> Result<(), SubstrateError>;
 }
 
+/// The `op` label values [`Metered`] reports.
+pub const API_OPS: [&str; 6] = [
+    "CloneVM",
+    "DeleteVM",
+    "DescribeManaged",
+    "EnsureRunning",
+    "Configure",
+    "Drain",
+];
+
 /// Receives one observation per substrate call.
 pub trait ApiObserver: Send + Sync + 'static {
-    fn observe(&self, op: &'static str, ok: bool, elapsed: Duration);
+    /// `outcome` is `Ok` or the failure's kind.
+    fn observe(&self, op: &'static str, outcome: Result<(), ErrorKind>, elapsed: Duration);
 }
 
 /// Wraps a substrate and reports every call (`op`, outcome, duration).
@@ -110,7 +178,11 @@ impl Metered {
     ) -> Result<T, SubstrateError> {
         let started = Instant::now();
         let result = call.await;
-        self.observer.observe(op, result.is_ok(), started.elapsed());
+        let outcome = match &result {
+            Ok(_) => Ok(()),
+            Err(e) => Err(e.kind()),
+        };
+        self.observer.observe(op, outcome, started.elapsed());
         result
     }
 }

@@ -4,8 +4,8 @@ use std::collections::{BTreeMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
-use bigfleet_proxmox::proxmox::{parse_marker, vm_name, PveOptions, PveSubstrate};
-use bigfleet_proxmox::substrate::{CloneRequest, Substrate, VmRef};
+use proxmox_backend::proxmox::{parse_marker, vm_name, PveOptions, PveSubstrate};
+use proxmox_backend::substrate::{CloneRequest, Substrate, VmRef};
 use pve::{PveClient, PveConfig, RetryPolicy};
 use pve_sim::{endpoints, GuestOutput, PveSim, SimConfig, TemplateSpec};
 
@@ -154,10 +154,10 @@ async fn bootstrap_failure_reports_exit_code_and_stderr() {
         .configure(&vm, b"echo 'kubeadm join: token expired' >&2\nexit 3\n")
         .await
         .expect_err("hook exits 3");
-    assert!(e.0.contains("exited 3"), "{e}");
-    assert!(e.0.contains("kubeadm join: token expired"), "{e}");
+    assert!(e.to_string().contains("exited 3"), "{e}");
+    assert!(e.to_string().contains("kubeadm join: token expired"), "{e}");
     assert!(
-        !e.0.contains("exit 3\n"),
+        !e.to_string().contains("exit 3\n"),
         "the blob itself is never quoted: {e}"
     );
     sim.shutdown().await;
@@ -204,8 +204,8 @@ async fn failing_drain_is_an_error() {
         .drain(&vm, Duration::from_secs(5))
         .await
         .expect_err("drain fails");
-    assert!(e.0.contains("exited 1"), "{e}");
-    assert!(e.0.contains("cannot evict pod web-0"), "{e}");
+    assert!(e.to_string().contains("exited 1"), "{e}");
+    assert!(e.to_string().contains("cannot evict pod web-0"), "{e}");
     sim.shutdown().await;
 }
 
@@ -388,7 +388,7 @@ async fn cross_node_clone_needs_shared_storage() {
         .await
         .expect_err("local storage");
     assert!(
-        e.0.contains("local storage") && e.0.contains("shared storage"),
+        e.to_string().contains("local storage") && e.to_string().contains("shared storage"),
         "{e}"
     );
     let mut r = req("p/OnDemand/pve.small/pve2/001", "pve2");
@@ -437,7 +437,7 @@ async fn unmarked_vms_are_never_touched() {
         vmid: 500,
     };
     let e = sub.ensure_running(&vm).await.expect_err("refused");
-    assert!(e.0.contains("marker"), "{e}");
+    assert!(e.to_string().contains("marker"), "{e}");
     sub.delete_vm(&vm).await.expect("not ours: nothing to do");
     assert!(sim.vm(500).unwrap().running, "left alone");
     sim.shutdown().await;
@@ -526,11 +526,11 @@ async fn wrong_ca_or_pin_is_refused() {
         opts(),
     );
     let e = wrong_ca.describe_managed().await.expect_err("wrong CA");
-    assert!(e.0.contains("TLS"), "{e}");
+    assert!(e.to_string().contains("TLS"), "{e}");
 
     let wrong_pin = PveSubstrate::new(client_with(&sim, None, vec![[7u8; 32]]), opts());
     let e = wrong_pin.describe_managed().await.expect_err("wrong pin");
-    assert!(e.0.contains("TLS"), "{e}");
+    assert!(e.to_string().contains("TLS"), "{e}");
 
     let pin = pve::parse_fingerprint(sim.fingerprint()).unwrap();
     let pinned = PveSubstrate::new(client_with(&sim, None, vec![pin]), opts());
@@ -583,7 +583,7 @@ async fn lost_clone_answer_then_retry_gives_one_vm() {
         .clone_vm(&req(id, "pve1"))
         .await
         .expect_err("answer lost");
-    assert!(e.0.contains("timed out"), "{e}");
+    assert!(e.to_string().contains("timed out"), "{e}");
     sim.faults().set_latency(endpoints::CLONE, Duration::ZERO);
     tokio::time::sleep(Duration::from_millis(1500)).await;
     let vm = sub.clone_vm(&req(id, "pve1")).await.expect("retry");
@@ -612,7 +612,7 @@ async fn lost_exit_status_is_an_error_not_a_success() {
         .configure(&vm, b"true\n")
         .await
         .expect_err("exit status lost");
-    assert!(e.0.contains("exit status of guest pid"), "{e}");
+    assert!(e.to_string().contains("exit status of guest pid"), "{e}");
     sim.shutdown().await;
 }
 
@@ -629,12 +629,15 @@ async fn preflight_checks_nodes_and_templates() {
         .preflight(&["pve9".into()], &[9000])
         .await
         .expect_err("unknown node");
-    assert!(e.0.contains("\"pve9\"") && e.0.contains("pve1"), "{e}");
+    assert!(
+        e.to_string().contains("\"pve9\"") && e.to_string().contains("pve1"),
+        "{e}"
+    );
     let e = sub
         .preflight(&["pve1".into()], &[9999])
         .await
         .expect_err("unknown template");
-    assert!(e.0.contains("9999"), "{e}");
+    assert!(e.to_string().contains("9999"), "{e}");
     let mut bad = PveConfig::new(sim.base_url(), sim.token_id(), "wrong-secret");
     bad.ca_pem = Some(sim.ca_pem().as_bytes().to_vec());
     let sub = PveSubstrate::new(PveClient::new(bad).unwrap(), opts());
@@ -642,15 +645,16 @@ async fn preflight_checks_nodes_and_templates() {
         .preflight(&["pve1".into()], &[9000])
         .await
         .expect_err("401");
-    assert!(e.0.contains("401"), "{e}");
+    assert!(e.to_string().contains("401"), "{e}");
+    assert_eq!(e.kind(), providerkit::ErrorKind::Refused, "{e}");
     sim.shutdown().await;
 }
 
 #[tokio::test]
 async fn lifecycle_through_the_backend() {
-    use bigfleet_proxmox::backend::ProxmoxBackend;
-    use bigfleet_proxmox::catalog::{expand_slots, InstanceType, Offering, Pricing};
     use providerkit::{Backend, ConfigureCtx, CreateCtx, DeleteCtx, DrainCtx};
+    use proxmox_backend::backend::ProxmoxBackend;
+    use proxmox_backend::catalog::{expand_slots, InstanceType, Offering, Pricing};
 
     let sim = sim_with(SimConfig::default()).await;
     sim.on_guest_command("kubectl drain", GuestOutput::exit(0));

@@ -1,0 +1,80 @@
+//! How a VM is recognised as ours: the managed tag, the description marker
+//! naming the machine, and the clone's DNS-label name.
+
+/// Tag every VM we create carries.
+pub const MANAGED_TAG: &str = "bigfleet";
+
+/// The VM is recognisable as ours without reading its config.
+pub(super) fn looks_managed(tags: &[String], name: Option<&str>) -> bool {
+    tags.iter().any(|t| t == MANAGED_TAG) || name.is_some_and(|n| n.starts_with("bigfleet-"))
+}
+
+/// The description marker: `BigFleet managed VM. machine_id=<id> operation_id=<op>`.
+pub fn marker_description(machine_id: &str, operation_id: &str) -> String {
+    format!("BigFleet managed VM. machine_id={machine_id} operation_id={operation_id}")
+}
+
+/// The verbatim machine id from a description marker.
+pub fn parse_marker(description: &str) -> Option<String> {
+    if !description.contains("BigFleet managed VM") {
+        return None;
+    }
+    description
+        .split_whitespace()
+        .find_map(|w| w.strip_prefix("machine_id="))
+        .filter(|id| !id.is_empty())
+        .map(str::to_string)
+}
+
+/// `bigfleet-<type>-<id>` as a DNS label: lowercase `[a-z0-9-]`, no leading,
+/// trailing or repeated `-`, at most 63 characters.
+pub fn vm_name(instance_type: &str, machine_id: &str) -> String {
+    let raw = format!("bigfleet-{instance_type}-{machine_id}").to_ascii_lowercase();
+    let mut out = String::with_capacity(raw.len());
+    for c in raw.chars() {
+        let c = if c.is_ascii_alphanumeric() { c } else { '-' };
+        if c == '-' && (out.is_empty() || out.ends_with('-')) {
+            continue;
+        }
+        out.push(c);
+    }
+    if out.len() > 63 {
+        // Keep the tail (the slot index) distinguishable: `bigfleet-` + the last chars.
+        let tail_len = 63 - "bigfleet-".len();
+        let tail = &out[out.len() - tail_len..];
+        out = format!("bigfleet-{}", tail.trim_start_matches('-'));
+    }
+    out.trim_end_matches('-').to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_are_dns_labels() {
+        let n = vm_name("pve.medium", "proxmox-dc1/OnDemand/pve.medium/pve1/007");
+        assert_eq!(
+            n,
+            "bigfleet-pve-medium-proxmox-dc1-ondemand-pve-medium-pve1-007"
+        );
+        assert!(n.len() <= 63);
+        let long = vm_name("t", &"x/".repeat(80));
+        assert!(long.len() <= 63 && long.starts_with("bigfleet-") && !long.ends_with('-'));
+        assert!(long
+            .chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-'));
+    }
+
+    #[test]
+    fn marker_round_trip() {
+        let d = marker_description("Cap/OnDemand/t/z/001", "op-1");
+        assert_eq!(parse_marker(&d).as_deref(), Some("Cap/OnDemand/t/z/001"));
+        assert_eq!(
+            parse_marker(&format!("{d}\n")).as_deref(),
+            Some("Cap/OnDemand/t/z/001")
+        );
+        assert_eq!(parse_marker("machine_id=x but no marker"), None);
+        assert_eq!(parse_marker("BigFleet managed VM. machine_id="), None);
+    }
+}
