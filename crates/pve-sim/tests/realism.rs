@@ -497,3 +497,44 @@ async fn agent_info_osinfo_and_interfaces() {
         .any(|c| c["name"] == "guest-network-get-interfaces"));
     sim.shutdown().await;
 }
+
+#[tokio::test]
+async fn forgiving_turns_every_knob_off_and_ha_vms_migrate_through_the_ha_manager() {
+    let sim = PveSim::start(cfg().forgiving()).await.unwrap();
+    let api = Api::new(&sim);
+    clone(&api, "9001", "101").await;
+    let r = row(
+        api.get("/cluster/resources", &[("type", "vm")])
+            .await
+            .data(),
+        101,
+    );
+    assert_eq!(r["name"], "vm-101", "complete at once: {r}");
+    let r = api
+        .put(
+            "/nodes/pve1/qemu/101/config",
+            &[("description", "d\n\n"), ("tags", "B;a")],
+        )
+        .await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    let c = api.get("/nodes/pve1/qemu/101/config", &[]).await;
+    assert_eq!(
+        (c.data()["description"].as_str(), c.data()["tags"].as_str()),
+        (Some("d\n\n"), Some("B;a"))
+    );
+    let r = api
+        .post_raw("/nodes/pve1/qemu/101/config", "tags=x;y")
+        .await;
+    assert_eq!(api.wait_task_of(r).await["exitstatus"], "OK");
+
+    // HA-managed: the migrate call queues an hamigrate request.
+    sim.set_ha(101, Some("stopped"));
+    let r = api
+        .post("/nodes/pve1/qemu/101/migrate", &[("target", "pve2")])
+        .await;
+    let upid = r.data().as_str().expect("upid").to_string();
+    assert!(upid.contains(":hamigrate:101:"), "{upid}");
+    assert_eq!(api.wait_task(&upid).await["exitstatus"], "OK");
+    assert_eq!(sim.vm(101).unwrap().node, "pve2");
+    sim.shutdown().await;
+}
