@@ -22,7 +22,12 @@ fn proxmoxer_available() -> Result<(), String> {
         Err(format!(
             "python3 cannot import proxmoxer/requests ({}); install with \
              `python3 -m pip install proxmoxer requests`",
-            String::from_utf8_lossy(&out.stderr).trim()
+            // The traceback's last line names the missing module.
+            String::from_utf8_lossy(&out.stderr)
+                .lines()
+                .last()
+                .unwrap_or("no output")
+                .trim()
         ))
     }
 }
