@@ -88,6 +88,92 @@ fn is_executable(p: &Path) -> bool {
     std::fs::metadata(p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
 }
 
+/// The `libpve-http-server-perl` version the simulated nodes run. It decides
+/// how errors are rendered and how large a request body may be.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct HttpServerVersion(pub u32, pub u32, pub u32);
+
+impl HttpServerVersion {
+    /// What current PVE 8 nodes run.
+    pub const CURRENT: Self = Self(5, 2, 1);
+
+    /// Before 5.2 an error's text is only in the status line's reason phrase;
+    /// from 5.2 the JSON body also carries it as `message`.
+    pub fn json_error_message(self) -> bool {
+        self >= Self(5, 2, 0)
+    }
+
+    /// Request body limit: 64 KiB before 5.2.1, 512 KiB from 5.2.1.
+    pub fn body_limit(self) -> usize {
+        if self >= Self(5, 2, 1) {
+            512 * 1024
+        } else {
+            64 * 1024
+        }
+    }
+}
+
+impl Default for HttpServerVersion {
+    fn default() -> Self {
+        Self::CURRENT
+    }
+}
+
+impl std::fmt::Display for HttpServerVersion {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}.{}.{}", self.0, self.1, self.2)
+    }
+}
+
+impl FromStr for HttpServerVersion {
+    type Err = String;
+
+    /// `MAJOR.MINOR[.PATCH]`, e.g. `5.1` or `5.2.1`.
+    fn from_str(s: &str) -> Result<Self, String> {
+        let parts: Vec<&str> = s.trim().split('.').collect();
+        let num = |p: &str| {
+            p.parse::<u32>().map_err(|_| {
+                format!("invalid pve-http-server version '{s}' (expected MAJOR.MINOR[.PATCH])")
+            })
+        };
+        match parts.as_slice() {
+            [a, b] => Ok(Self(num(a)?, num(b)?, 0)),
+            [a, b, c] => Ok(Self(num(a)?, num(b)?, num(c)?)),
+            _ => Err(format!(
+                "invalid pve-http-server version '{s}' (expected MAJOR.MINOR[.PATCH])"
+            )),
+        }
+    }
+}
+
+/// How `tags` are stored (datacenter.cfg `tag-style`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum TagStyle {
+    /// PVE's defaults as the provider relies on them: split on `;`, `,` or
+    /// whitespace, lower-cased, sorted, de-duplicated, `;`-joined.
+    #[default]
+    Lowercase,
+    /// `case-sensitive=1`: sorted and de-duplicated, case kept.
+    CaseSensitive,
+    /// No normalisation: stored exactly as sent (a forgiving server).
+    Verbatim,
+}
+
+impl FromStr for TagStyle {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.trim() {
+            "lowercase" => Ok(Self::Lowercase),
+            "case-sensitive" => Ok(Self::CaseSensitive),
+            "verbatim" => Ok(Self::Verbatim),
+            other => Err(format!(
+                "unknown tag style '{other}' (expected lowercase, case-sensitive or verbatim)"
+            )),
+        }
+    }
+}
+
 /// A template VM present at startup.
 #[derive(Clone, Debug)]
 pub struct TemplateSpec {
@@ -146,7 +232,9 @@ pub struct SimConfig {
     pub token_secret: String,
     /// Delay before a 401 (PVE: ~3 s).
     pub auth_failure_delay: Duration,
-    /// Path of `pve-api-schema.json`; `None` = [`crate::schema::default_schema_path`].
+    /// The official PVE API schema to validate against in addition to the
+    /// embedded description; `None` = [`crate::schema::default_schema_path`]
+    /// (embedded only when none is found).
     pub schema_path: Option<PathBuf>,
     /// Parent of the per-VM guest scratch directories; `None` = a temp dir.
     pub scratch_dir: Option<PathBuf>,
@@ -170,16 +258,60 @@ pub struct SimConfig {
     pub max_parallel_local_clones: Option<usize>,
     /// Same for shared storage (cfs-lock timeout). `None` = unlimited.
     pub max_parallel_shared_clones: Option<usize>,
-    /// `/cluster/resources` may be this stale (PVE: a few seconds).
+    /// The whole `/cluster/resources` answer may be this stale (a cache; 0 = off).
     pub resources_staleness: Duration,
-    /// Request body limit (older PVE 64 KiB, newer 512 KiB).
-    pub body_limit: usize,
+    /// How often pvestatd refreshes a VM's RRD-sourced `/cluster/resources`
+    /// fields (`name`, `status`, `template`, `uptime`, `cpu`, `mem`, `maxmem`,
+    /// `maxcpu`, disk and net counters). A VM created through the API has none of
+    /// them for this long; afterwards they may be this old. PVE: 10 s; 0 = always
+    /// fresh and complete.
+    pub rrd_lag: Duration,
+    /// pve-http-server version: error rendering and the default body limit.
+    pub http_server_version: HttpServerVersion,
+    /// Request body limit; `None` = as [`HttpServerVersion::body_limit`].
+    pub body_limit: Option<usize>,
+    /// Return `description` the way PVE stores it, as a comment block: every
+    /// line, the last included, ends with `\n`. `false` = verbatim.
+    pub description_newline: bool,
+    /// Tag normalisation.
+    pub tag_style: TagStyle,
+    /// Agent `file-write` content (with `encode=1`) and exec `input-data` pass
+    /// through Perl's `encode_base64`: characters up to U+00FF become one byte
+    /// each (Latin-1), anything above fails with "Wide character". `false` =
+    /// UTF-8 bytes pass through.
+    pub agent_latin1: bool,
+    /// Like PVE's form decoding, `;` separates pairs as `&` does in query strings
+    /// and form bodies (a raw `;` in a value splits it). `false` = only `&`.
+    pub form_semicolon_separator: bool,
+    /// How long an offline migration task copies the VM.
+    pub migrate_duration: Duration,
     /// Max captured bytes per exec output stream before `*-truncated` (qemu-ga: 16 MiB).
     pub exec_output_limit: usize,
     /// Range `GET /cluster/nextid` searches.
     pub vmid_range: (u32, u32),
     /// Built-in agent or a real `qemu-ga` per running VM.
     pub guest_agent: GuestAgentMode,
+}
+
+impl SimConfig {
+    /// The request body limit in force.
+    pub fn effective_body_limit(&self) -> usize {
+        self.body_limit
+            .unwrap_or_else(|| self.http_server_version.body_limit())
+    }
+
+    /// Every realism knob off: complete and fresh `/cluster/resources`, JSON
+    /// error messages, verbatim descriptions and tags, UTF-8 agent data, `&`-only
+    /// form decoding. For tests that need a forgiving server on purpose.
+    pub fn forgiving(mut self) -> Self {
+        self.rrd_lag = Duration::ZERO;
+        self.http_server_version = HttpServerVersion::CURRENT;
+        self.description_newline = false;
+        self.tag_style = TagStyle::Verbatim;
+        self.agent_latin1 = false;
+        self.form_semicolon_separator = false;
+        self
+    }
 }
 
 impl Default for SimConfig {
@@ -207,7 +339,14 @@ impl Default for SimConfig {
             max_parallel_local_clones: Some(4),
             max_parallel_shared_clones: None,
             resources_staleness: Duration::ZERO,
-            body_limit: 512 * 1024,
+            rrd_lag: Duration::from_secs(10),
+            http_server_version: HttpServerVersion::CURRENT,
+            body_limit: None,
+            description_newline: true,
+            tag_style: TagStyle::Lowercase,
+            agent_latin1: true,
+            form_semicolon_separator: true,
+            migrate_duration: Duration::from_millis(200),
             exec_output_limit: 16 * 1024 * 1024,
             vmid_range: (100, 999_999),
             guest_agent: GuestAgentMode::Auto,

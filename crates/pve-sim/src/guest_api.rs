@@ -82,7 +82,7 @@ impl Shared {
         let file = p.get("file").unwrap_or_default();
         let content = p.get("content").unwrap_or_default();
         let bytes = if p.bool("encode").unwrap_or(true) {
-            content.as_bytes().to_vec()
+            self.perl_bytes(content)?
         } else {
             base64::engine::general_purpose::STANDARD
                 .decode(content.trim())
@@ -127,7 +127,10 @@ impl Shared {
             vmid,
             node: node.to_string(),
             command,
-            input: p.get("input-data").map(|s| s.as_bytes().to_vec()),
+            input: p
+                .get("input-data")
+                .map(|s| self.perl_bytes(s))
+                .transpose()?,
             root: vm.guest_root.clone(),
         };
         let handled = self.guest.handle(&exec);
@@ -262,6 +265,100 @@ impl Shared {
         }))
     }
 }
+
+impl Shared {
+    /// The bytes PVE hands the agent for a text parameter: it base64-encodes the
+    /// decoded string with Perl's `encode_base64`, which takes each character
+    /// up to U+00FF as one byte and dies on anything wider.
+    fn perl_bytes(&self, s: &str) -> ApiResult<Vec<u8>> {
+        if !self.cfg.agent_latin1 {
+            return Ok(s.as_bytes().to_vec());
+        }
+        s.chars()
+            .map(|ch| u8::try_from(u32::from(ch)).ok())
+            .collect::<Option<Vec<u8>>>()
+            .ok_or_else(|| ApiError::internal("Wide character in subroutine entry"))
+    }
+
+    /// `GET .../agent/network-get-interfaces`: the simulated guest's `lo` and
+    /// `eth0` (MAC as in the VM's `net0`, an address derived from the VMID).
+    pub async fn agent_network_interfaces(&self, node: &str, vmid: u32) -> ApiResult {
+        let (vm, _) = self.agent_vm(node, vmid)?;
+        let (hi, lo) = ((vm.vmid >> 8) & 0xff, vm.vmid & 0xff);
+        let mac = format!("bc:24:11:00:{hi:02x}:{lo:02x}");
+        let stats = json!({
+            "rx-bytes": 0, "rx-dropped": 0, "rx-errs": 0, "rx-packets": 0,
+            "tx-bytes": 0, "tx-dropped": 0, "tx-errs": 0, "tx-packets": 0,
+        });
+        Ok(json!({"result": [
+            {
+                "name": "lo",
+                "hardware-address": "00:00:00:00:00:00",
+                "ip-addresses": [
+                    {"ip-address": "127.0.0.1", "ip-address-type": "ipv4", "prefix": 8},
+                    {"ip-address": "::1", "ip-address-type": "ipv6", "prefix": 128},
+                ],
+                "statistics": stats,
+            },
+            {
+                "name": "eth0",
+                "hardware-address": mac,
+                "ip-addresses": [
+                    {"ip-address": format!("10.99.{hi}.{lo}"), "ip-address-type": "ipv4", "prefix": 16},
+                    {
+                        "ip-address": format!("fe80::be24:11ff:fe00:{:04x}", vm.vmid & 0xffff),
+                        "ip-address-type": "ipv6",
+                        "prefix": 64,
+                    },
+                ],
+                "statistics": stats,
+            },
+        ]}))
+    }
+
+    /// `GET .../agent/get-osinfo`: the simulated guest's OS.
+    pub async fn agent_osinfo(&self, node: &str, vmid: u32) -> ApiResult {
+        self.agent_vm(node, vmid)?;
+        Ok(json!({"result": {
+            "id": "debian",
+            "name": "Debian GNU/Linux",
+            "pretty-name": "Debian GNU/Linux 12 (bookworm)",
+            "version": "12 (bookworm)",
+            "version-id": "12",
+            "kernel-release": "6.1.0-28-amd64",
+            "kernel-version": "#1 SMP PREEMPT_DYNAMIC Debian 6.1.119-1 (2024-11-22)",
+            "machine": "x86_64",
+        }}))
+    }
+
+    /// `GET .../agent/info`: the agent's version and the commands it supports.
+    pub async fn agent_info(&self, node: &str, vmid: u32) -> ApiResult {
+        self.agent_vm(node, vmid)?;
+        let cmds: Vec<Value> = AGENT_COMMANDS
+            .iter()
+            .map(
+                |c| json!({"name": c, "enabled": true, "success-response": *c != "guest-shutdown"}),
+            )
+            .collect();
+        Ok(json!({"result": {"version": "7.2.15", "supported_commands": cmds}}))
+    }
+}
+
+/// Commands the simulated agent advertises in `guest-info`.
+const AGENT_COMMANDS: &[&str] = &[
+    "guest-exec",
+    "guest-exec-status",
+    "guest-file-close",
+    "guest-file-open",
+    "guest-file-write",
+    "guest-get-osinfo",
+    "guest-info",
+    "guest-network-get-interfaces",
+    "guest-ping",
+    "guest-shutdown",
+    "guest-sync",
+    "guest-sync-delimited",
+];
 
 /// A forwarded command's failure, in the same shape as the built-in agent's.
 fn qga_err(vmid: u32, e: &QgaError) -> ApiError {

@@ -29,6 +29,7 @@ impl Shared {
     }
 
     pub fn nodes(&self) -> Value {
+        // (`maxcpu`/`maxmem` match the node rows of `/cluster/resources`.)
         let c = self.cluster.lock();
         let rows: Vec<Value> = c
             .nodes
@@ -62,7 +63,7 @@ impl Shared {
         let vms = match (&c.resources_cache, stale_ok) {
             (Some((at, v)), true) if at.elapsed() < self.cfg.resources_staleness => v.clone(),
             _ => {
-                let v = Value::Array(c.vms.values().map(|vm| resource_row(&c, vm)).collect());
+                let v = self.vm_resource_rows(&mut c);
                 c.resources_cache = Some((Instant::now(), v.clone()));
                 v
             }
@@ -75,28 +76,266 @@ impl Shared {
         }
         if matches!(ty, None | Some("node")) {
             for (name, n) in &c.nodes {
-                rows.push(json!({
+                let mut row = json!({
                     "id": format!("node/{name}"), "type": "node", "node": name,
                     "status": if n.online { "online" } else { "offline" },
-                    "maxcpu": 64, "maxmem": 256u64 << 30, "level": "",
-                }));
+                    "maxcpu": NODE_CPUS, "maxmem": NODE_MEM, "level": "",
+                    "cgroup-mode": 2,
+                });
+                if n.online {
+                    row["cpu"] = json!(0.05);
+                    row["mem"] = json!(node_mem(&c, name));
+                    row["disk"] = json!(4u64 << 30);
+                    row["maxdisk"] = json!(ROOTFS_BYTES);
+                    row["uptime"] = json!(self.node_uptime());
+                }
+                rows.push(row);
             }
         }
         if matches!(ty, None | Some("storage")) {
-            let mut seen = Vec::new();
-            for vm in c.vms.values() {
-                let key = (vm.node.clone(), vm.storage.clone());
-                if !seen.contains(&key) {
-                    rows.push(json!({
-                        "id": format!("storage/{}/{}", vm.node, vm.storage), "type": "storage",
-                        "node": vm.node, "storage": vm.storage, "status": "available",
-                        "shared": u8::from(vm.shared_storage),
-                    }));
-                    seen.push(key);
+            for (node, n) in &c.nodes {
+                for st in self.storages_on(&c, node) {
+                    let mut row = json!({
+                        "id": format!("storage/{node}/{}", st.name), "type": "storage",
+                        "node": node, "storage": st.name, "plugintype": st.kind,
+                        "content": st.content, "shared": u8::from(st.shared),
+                        "status": if n.online { "available" } else { "unknown" },
+                    });
+                    if n.online {
+                        row["disk"] = json!(st.used);
+                        row["maxdisk"] = json!(st.total);
+                    }
+                    rows.push(row);
                 }
             }
         }
         Value::Array(rows)
+    }
+
+    /// VM rows of `/cluster/resources`. `id`, `vmid`, `node`, `type`, `tags`,
+    /// `lock`, `pool` and `hastate` come from the cluster filesystem and are
+    /// always current; the rest comes from pvestatd's RRD samples, which
+    /// [`crate::SimConfig::rrd_lag`] delays.
+    fn vm_resource_rows(&self, c: &mut Cluster) -> Value {
+        let lag = self.cfg.rrd_lag;
+        let now = Instant::now();
+        let vms: Vec<Vm> = c.vms.values().cloned().collect();
+        let mut rows = Vec::with_capacity(vms.len());
+        for vm in &vms {
+            let mut row = fresh_fields(vm);
+            let sample = if lag.is_zero() {
+                Some(rrd_fields(vm))
+            } else if c
+                .created
+                .get(&vm.vmid)
+                .is_some_and(|t| now.duration_since(*t) < lag)
+            {
+                None // pvestatd has not sampled the new VM yet
+            } else {
+                let due = c
+                    .rrd
+                    .get(&vm.vmid)
+                    .is_none_or(|(t, _)| now.duration_since(*t) >= lag);
+                if due {
+                    c.rrd.insert(vm.vmid, (now, rrd_fields(vm)));
+                }
+                c.rrd.get(&vm.vmid).map(|(_, v)| v.clone())
+            };
+            if let (Some(Value::Object(sample)), Some(o)) = (sample, row.as_object_mut()) {
+                o.extend(sample);
+            }
+            let online = c.nodes.get(&vm.node).is_some_and(|n| n.online);
+            if !online {
+                row["status"] = json!("unknown");
+            }
+            rows.push(row);
+        }
+        Value::Array(rows)
+    }
+
+    /// Storages visible on `node`: `local`, `local-lvm`, the shared storages,
+    /// and any other storage a VM on the node uses.
+    pub(crate) fn storages_on(&self, c: &Cluster, node: &str) -> Vec<StorageInfo> {
+        let mut names: Vec<(String, &'static str, &'static str, bool, u64)> = vec![
+            ("local".into(), "dir", "backup,iso,vztmpl", false, 100 << 30),
+            (
+                "local-lvm".into(),
+                "lvmthin",
+                "images,rootdir",
+                false,
+                1 << 40,
+            ),
+        ];
+        let mut shared: Vec<String> = self.cfg.shared_storages.clone();
+        shared.extend(
+            self.cfg
+                .templates
+                .iter()
+                .filter(|t| t.shared)
+                .map(|t| t.storage.clone()),
+        );
+        for s in shared {
+            if !names.iter().any(|n| n.0 == s) {
+                names.push((s, "rbd", "images,rootdir", true, 10 << 40));
+            }
+        }
+        for vm in c.vms.values().filter(|v| v.node == node) {
+            if !names.iter().any(|n| n.0 == vm.storage) {
+                names.push((vm.storage.clone(), "dir", "images", false, 1 << 40));
+            }
+        }
+        names
+            .into_iter()
+            .map(|(name, kind, content, shared, total)| {
+                let used = c
+                    .vms
+                    .values()
+                    .filter(|v| v.storage == name && (shared || v.node == node))
+                    .count() as u64
+                    * STORAGE_BYTES;
+                StorageInfo {
+                    name,
+                    kind,
+                    content,
+                    shared,
+                    total,
+                    used: used.min(total),
+                }
+            })
+            .collect()
+    }
+
+    /// `GET /nodes/{node}/storage`.
+    pub fn node_storages(&self, node: &str, p: &crate::params::Params) -> Value {
+        let c = self.cluster.lock();
+        let content = p.get("content").map(|c| {
+            crate::schema::split_tags(c)
+                .map(str::to_string)
+                .collect::<Vec<_>>()
+        });
+        let rows = self
+            .storages_on(&c, node)
+            .into_iter()
+            .filter(|st| p.get("storage").is_none_or(|want| want == st.name))
+            .filter(|st| {
+                content
+                    .as_ref()
+                    .is_none_or(|want| want.iter().any(|w| st.content.split(',').any(|h| h == w)))
+            })
+            .map(|st| st.status_json(true))
+            .collect();
+        Value::Array(rows)
+    }
+
+    /// `GET /nodes/{node}/storage/{storage}/status`.
+    pub fn storage_status(&self, node: &str, storage: &str) -> ApiResult {
+        let c = self.cluster.lock();
+        self.storages_on(&c, node)
+            .into_iter()
+            .find(|st| st.name == storage)
+            .map(|st| st.status_json(false))
+            .ok_or_else(|| ApiError::internal(format!("storage '{storage}' does not exist")))
+    }
+
+    /// `GET /cluster/status`: the cluster entry, then one entry per node.
+    pub fn cluster_status(&self) -> Value {
+        let c = self.cluster.lock();
+        let online = c.nodes.values().filter(|n| n.online).count();
+        let quorate = online * 2 > c.nodes.len();
+        let mut rows = vec![json!({
+            "type": "cluster", "id": "cluster", "name": "bigfleet-sim",
+            "version": c.nodes.len() + 1, "nodes": c.nodes.len(),
+            "quorate": u8::from(quorate),
+        })];
+        for (i, (name, n)) in c.nodes.iter().enumerate() {
+            rows.push(json!({
+                "type": "node", "id": format!("node/{name}"), "name": name,
+                "nodeid": i + 1, "ip": format!("10.0.0.{}", i + 1),
+                // The simulator answers as if it were the first node.
+                "local": u8::from(i == 0), "online": u8::from(n.online), "level": "",
+            }));
+        }
+        Value::Array(rows)
+    }
+
+    /// `GET /nodes/{node}/status` (the node is online: the router answers 595
+    /// for offline nodes before getting here).
+    pub fn node_status(&self, node: &str) -> Value {
+        let c = self.cluster.lock();
+        let used = node_mem(&c, node) + (2u64 << 30);
+        json!({
+            "uptime": self.node_uptime(),
+            "cpu": 0.05,
+            "wait": 0.0,
+            "idle": 0,
+            "loadavg": ["0.42", "0.38", "0.35"],
+            "cpuinfo": {
+                "cpus": NODE_CPUS, "cores": NODE_CPUS / 2, "sockets": 2,
+                "model": "QEMU Virtual CPU version 2.5+", "mhz": "2400.000",
+                "hvm": "1", "user_hz": 100, "flags": "fpu vme de pse tsc msr pae mce",
+            },
+            "memory": {"total": NODE_MEM, "used": used, "free": NODE_MEM.saturating_sub(used)},
+            "swap": {"total": 8u64 << 30, "used": 0, "free": 8u64 << 30},
+            "rootfs": {
+                "total": ROOTFS_BYTES, "used": 4u64 << 30,
+                "avail": ROOTFS_BYTES - (4u64 << 30), "free": ROOTFS_BYTES - (4u64 << 30),
+            },
+            "ksm": {"shared": 0},
+            "kversion": "Linux 6.8.12-4-pve #1 SMP PREEMPT_DYNAMIC PMX 6.8.12-4 (2024-11-06T15:04Z) x86_64",
+            "current-kernel": {
+                "sysname": "Linux", "release": "6.8.12-4-pve", "machine": "x86_64",
+                "version": "#1 SMP PREEMPT_DYNAMIC PMX 6.8.12-4 (2024-11-06T15:04Z)",
+            },
+            "boot-info": {"mode": "efi", "secureboot": 0},
+            "pveversion": format!("pve-manager/{PVE_VERSION}/{PVE_REPOID}"),
+        })
+    }
+
+    /// `GET /access/permissions`: the token's privileges per ACL path (the
+    /// simulated token has every privilege the provider could need, on `/`).
+    pub fn permissions(&self, path: Option<&str>) -> Value {
+        let privs: serde_json::Map<String, Value> = PRIVILEGES
+            .iter()
+            .map(|p| (p.to_string(), json!(1)))
+            .collect();
+        let c = self.cluster.lock();
+        let mut paths: Vec<String> = vec![
+            "/".into(),
+            "/nodes".into(),
+            "/storage".into(),
+            "/vms".into(),
+        ];
+        paths.extend(c.pools.keys().map(|p| format!("/pool/{p}")));
+        let mut out = serde_json::Map::new();
+        match path {
+            // ACLs propagate: any path gets the privileges granted on `/`.
+            Some(p) => {
+                out.insert(p.to_string(), Value::Object(privs));
+            }
+            None => {
+                for p in paths {
+                    out.insert(p, Value::Object(privs.clone()));
+                }
+            }
+        }
+        Value::Object(out)
+    }
+
+    /// `GET /nodes/{node}/qemu/{vmid}/status`: the directory index.
+    pub fn status_index(&self, node: &str, vmid: u32) -> ApiResult {
+        self.cluster.lock().vm_on(node, vmid)?;
+        Ok(Value::Array(
+            [
+                "current", "start", "stop", "reset", "shutdown", "suspend", "reboot", "resume",
+            ]
+            .iter()
+            .map(|s| json!({"subdir": s}))
+            .collect(),
+        ))
+    }
+
+    fn node_uptime(&self) -> u64 {
+        86_400 + self.started.elapsed().as_secs()
     }
 
     /// `GET /nodes/{node}/qemu`: the node's VMs (templates included).
@@ -168,7 +407,23 @@ impl Shared {
     }
 
     pub fn config(&self, node: &str, vmid: u32) -> ApiResult {
-        Ok(self.cluster.lock().vm_on(node, vmid)?.config_json())
+        let mut v = self.cluster.lock().vm_on(node, vmid)?.config_json();
+        if self.cfg.description_newline {
+            let block = v
+                .get("description")
+                .and_then(Value::as_str)
+                .map(comment_block);
+            match block {
+                Some(b) if b.is_empty() => {
+                    if let Some(o) = v.as_object_mut() {
+                        o.remove("description");
+                    }
+                }
+                Some(b) => v["description"] = json!(b),
+                None => {}
+            }
+        }
+        Ok(v)
     }
 
     pub fn status_current(&self, node: &str, vmid: u32) -> ApiResult {
@@ -219,24 +474,27 @@ fn node_mem(c: &Cluster, node: &str) -> u64 {
         .sum()
 }
 
+/// A complete, current row (what the node itself reports: `/nodes/{n}/qemu`,
+/// pool members).
 fn resource_row(c: &Cluster, vm: &Vm) -> Value {
+    let mut row = fresh_fields(vm);
+    if let (Value::Object(sample), Some(o)) = (rrd_fields(vm), row.as_object_mut()) {
+        o.extend(sample);
+    }
     let online = c.nodes.get(&vm.node).is_some_and(|n| n.online);
+    if !online {
+        row["status"] = json!("unknown");
+    }
+    row
+}
+
+/// Row fields read from the cluster filesystem (always current).
+fn fresh_fields(vm: &Vm) -> Value {
     let mut v = json!({
         "id": format!("qemu/{}", vm.vmid),
         "type": "qemu",
         "vmid": vm.vmid,
         "node": vm.node,
-        "name": vm.name,
-        "status": if online { vm.status_str() } else { "unknown" },
-        "template": u8::from(vm.template),
-        "maxmem": vm.memory_mib * 1024 * 1024,
-        "maxcpu": vm.cores * vm.sockets,
-        "maxdisk": STORAGE_BYTES,
-        "disk": 0,
-        "mem": if vm.running { vm.memory_mib * 1024 * 1024 / 4 } else { 0 },
-        "cpu": if vm.running { 0.01 } else { 0.0 },
-        "uptime": vm.started_at.map(|t| t.elapsed().as_secs()).unwrap_or(0),
-        "netin": 0, "netout": 0, "diskread": 0, "diskwrite": 0,
     });
     if let Some(t) = &vm.tags {
         v["tags"] = json!(t);
@@ -252,6 +510,99 @@ fn resource_row(c: &Cluster, vm: &Vm) -> Value {
     }
     v
 }
+
+/// Row fields from pvestatd's RRD sample of the VM.
+fn rrd_fields(vm: &Vm) -> Value {
+    json!({
+        "name": vm.name,
+        "status": vm.status_str(),
+        "template": u8::from(vm.template),
+        "maxmem": vm.memory_mib * 1024 * 1024,
+        "maxcpu": vm.cores * vm.sockets,
+        "maxdisk": STORAGE_BYTES,
+        "disk": 0,
+        "mem": if vm.running { vm.memory_mib * 1024 * 1024 / 4 } else { 0 },
+        "cpu": if vm.running { 0.01 } else { 0.0 },
+        "uptime": vm.started_at.map(|t| t.elapsed().as_secs()).unwrap_or(0),
+        "netin": 0, "netout": 0, "diskread": 0, "diskwrite": 0,
+    })
+}
+
+/// How PVE returns a stored description: it keeps it as `#` comment lines and
+/// joins them back with a `\n` after every line (Perl's `split` drops trailing
+/// empty lines, so they do not survive).
+pub fn comment_block(d: &str) -> String {
+    let lines: Vec<&str> = d.split('\n').collect();
+    let keep = lines
+        .iter()
+        .rposition(|l| !l.is_empty())
+        .map_or(0, |i| i + 1);
+    lines[..keep].iter().map(|l| format!("{l}\n")).collect()
+}
+
+/// One storage as the storage endpoints report it.
+pub(crate) struct StorageInfo {
+    pub name: String,
+    pub kind: &'static str,
+    pub content: &'static str,
+    pub shared: bool,
+    pub total: u64,
+    pub used: u64,
+}
+
+impl StorageInfo {
+    fn status_json(&self, with_name: bool) -> Value {
+        let mut v = json!({
+            "type": self.kind, "content": self.content, "shared": u8::from(self.shared),
+            "active": 1, "enabled": 1, "total": self.total, "used": self.used,
+            "avail": self.total - self.used,
+        });
+        if with_name {
+            v["storage"] = json!(self.name);
+            v["used_fraction"] = json!(self.used as f64 / self.total as f64);
+        }
+        v
+    }
+}
+
+/// Privileges of PVE 8's Administrator role that matter to a VM lifecycle client.
+const PRIVILEGES: &[&str] = &[
+    "Datastore.Allocate",
+    "Datastore.AllocateSpace",
+    "Datastore.AllocateTemplate",
+    "Datastore.Audit",
+    "Pool.Allocate",
+    "Pool.Audit",
+    "Sys.Audit",
+    "Sys.Console",
+    "Sys.Modify",
+    "Sys.PowerMgmt",
+    "Sys.Syslog",
+    "VM.Allocate",
+    "VM.Audit",
+    "VM.Backup",
+    "VM.Clone",
+    "VM.Config.CDROM",
+    "VM.Config.CPU",
+    "VM.Config.Cloudinit",
+    "VM.Config.Disk",
+    "VM.Config.HWType",
+    "VM.Config.Memory",
+    "VM.Config.Network",
+    "VM.Config.Options",
+    "VM.Console",
+    "VM.Migrate",
+    "VM.Monitor",
+    "VM.PowerMgmt",
+    "VM.Snapshot",
+    "VM.Snapshot.Rollback",
+];
+
+pub(crate) const PVE_VERSION: &str = "8.3.2";
+pub(crate) const PVE_REPOID: &str = "3e76eec21c4a14a7";
+const NODE_CPUS: u32 = 64;
+const NODE_MEM: u64 = 256 << 30;
+const ROOTFS_BYTES: u64 = 100 << 30;
 
 fn pool_members(c: &Cluster, pool: &str) -> Value {
     Value::Array(

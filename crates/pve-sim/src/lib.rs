@@ -1,13 +1,17 @@
 //! A Proxmox VE API simulator for tests of the real Proxmox backend.
 //!
-//! It serves the subset of `/api2/json` the provider uses over HTTPS (with a CA
-//! generated at startup), checks token auth, validates every request against the
-//! PVE API schema, runs worker tasks with UPIDs, models config/storage locks, HA
-//! and the guest agent, and offers fault injection. Agent calls go to a real
-//! `qemu-ga` per running VM when one is installed ([`GuestAgentMode`]), else to
-//! a built-in agent; either way commands run as real processes confined to a
-//! per-VM scratch dir. See `/work/shared/spec/proxmox-api.md` for the facts
-//! it reproduces.
+//! It serves the part of `/api2/json` a VM lifecycle client uses over HTTPS
+//! (with a CA generated at startup), checks token auth, validates every request
+//! against its embedded description of those endpoints (and against the
+//! official PVE API schema when one is available), runs worker tasks with
+//! UPIDs, models config/storage locks, HA, migration and the guest agent, and
+//! offers fault injection. PVE's less forgiving behaviours (RRD lag, old
+//! pve-http-server error rendering and body limits, description and tag
+//! storage, Latin-1 agent data, `;` in forms) are on by default; each has a
+//! [`SimConfig`] knob. Agent calls go to a real `qemu-ga` per running VM when
+//! one is installed ([`GuestAgentMode`]), else to a built-in agent; either way
+//! commands run as real processes confined to a per-VM scratch dir. The crate
+//! README lists every endpoint and knob.
 //!
 //! ```no_run
 //! # async fn demo() -> anyhow::Result<()> {
@@ -41,7 +45,10 @@ use anyhow::{Context, Result};
 use tokio::task::JoinHandle;
 
 pub use agent::{GuestExec, GuestHandler, GuestOutput, GUEST_ROOT_ENV};
-pub use config::{find_qemu_ga, GuestAgentMode, SimConfig, TemplateSpec, GUEST_AGENT_ENV};
+pub use config::{
+    find_qemu_ga, GuestAgentMode, HttpServerVersion, SimConfig, TagStyle, TemplateSpec,
+    GUEST_AGENT_ENV,
+};
 pub use faults::Faults;
 pub use params::Params;
 pub use sim::RecordedRequest;
@@ -70,6 +77,16 @@ pub mod endpoints {
     pub const AGENT_FILE_WRITE: &str = "POST /nodes/{node}/qemu/{vmid}/agent/file-write";
     pub const AGENT_EXEC: &str = "POST /nodes/{node}/qemu/{vmid}/agent/exec";
     pub const AGENT_EXEC_STATUS: &str = "GET /nodes/{node}/qemu/{vmid}/agent/exec-status";
+    pub const AGENT_NETWORK: &str = "GET /nodes/{node}/qemu/{vmid}/agent/network-get-interfaces";
+    pub const AGENT_OSINFO: &str = "GET /nodes/{node}/qemu/{vmid}/agent/get-osinfo";
+    pub const AGENT_INFO: &str = "GET /nodes/{node}/qemu/{vmid}/agent/info";
+    pub const MIGRATE: &str = "POST /nodes/{node}/qemu/{vmid}/migrate";
+    pub const TEMPLATE: &str = "POST /nodes/{node}/qemu/{vmid}/template";
+    pub const CLUSTER_STATUS: &str = "GET /cluster/status";
+    pub const NODE_STATUS: &str = "GET /nodes/{node}/status";
+    pub const NODE_STORAGE: &str = "GET /nodes/{node}/storage";
+    pub const STORAGE_STATUS: &str = "GET /nodes/{node}/storage/{storage}/status";
+    pub const PERMISSIONS: &str = "GET /access/permissions";
 }
 
 /// Description marker the provider writes (`proxmox-provider.md`).
@@ -89,14 +106,8 @@ pub struct PveSim {
 impl PveSim {
     /// Generate the CA, load the schema, bind and start serving.
     pub async fn start(cfg: SimConfig) -> Result<Self> {
-        let schema_path = match &cfg.schema_path {
-            Some(p) => p.clone(),
-            None => schema::default_schema_path().context(
-                "PVE API schema not found: set SimConfig::schema_path or PVE_SIM_SCHEMA \
-                 (looked for shared/spec/pve-api-schema.json)",
-            )?,
-        };
-        let schema = schema::Schema::load(&schema_path)?;
+        let schema = schema::Schema::load(cfg.schema_path.as_deref())?;
+        tracing::info!(schema = %schema.source(), "validating requests");
         anyhow::ensure!(!cfg.nodes.is_empty(), "at least one node is required");
         let (scratch, tmp) = match &cfg.scratch_dir {
             Some(d) => {
@@ -174,6 +185,12 @@ impl PveSim {
     /// The full `Authorization` header value.
     pub fn auth_header(&self) -> String {
         format!("PVEAPIToken={}={}", self.token_id(), self.token_secret())
+    }
+
+    /// Which descriptions requests are validated against: `embedded` or
+    /// `embedded+official:PATH`.
+    pub fn schema_source(&self) -> String {
+        self.shared.schema.source()
     }
 
     pub fn config(&self) -> &SimConfig {

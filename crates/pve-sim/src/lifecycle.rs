@@ -6,8 +6,9 @@ use std::time::Instant;
 
 use serde_json::{json, Value};
 
+use crate::config::TagStyle;
 use crate::params::Params;
-use crate::schema::normalize_tags;
+use crate::schema::normalize_tags_with;
 use crate::sim::{err_text, Shared};
 use crate::state::{locked, ApiError, ApiResult, Cluster, Vm};
 
@@ -94,6 +95,9 @@ impl Shared {
             guest_root: self.guest_root(newid),
         };
         c.vms.insert(newid, vm);
+        // pvestatd has no sample of the new VM yet (see `SimConfig::rrd_lag`).
+        c.created.insert(newid, Instant::now());
+        c.rrd.remove(&newid);
         let kind = if full { "full" } else { "linked" };
         let upid = self.spawn_task(
             &mut c,
@@ -176,7 +180,7 @@ impl Shared {
         let node = node.to_string();
         self.with_flock(vmid, |c| {
             let vm = c.vm_on_mut(&node, vmid).map_err(err_text)?;
-            apply_config(vm, p)
+            apply_config(vm, p, self.cfg.tag_style)
         })
         .await
         .map_err(ApiError::internal)?;
@@ -197,7 +201,7 @@ impl Shared {
                 tokio::time::sleep(me.cfg.config_task_duration).await;
                 me.with_flock(vmid, |c| {
                     let vm = c.vm_on_mut(&n, vmid).map_err(err_text)?;
-                    apply_config(vm, &p)
+                    apply_config(vm, &p, me.cfg.tag_style)
                 })
                 .await?;
                 Ok("OK".into())
@@ -393,8 +397,153 @@ impl Shared {
     }
 }
 
+impl Shared {
+    /// `POST .../migrate`. Offline migration moves the stopped VM (its local
+    /// disks are copied); a running VM needs `online=1`, and with local disks
+    /// also `with-local-disks=1`. HA-managed VMs get an `hamigrate` request.
+    pub fn migrate(self: &Arc<Self>, node: &str, vmid: u32, p: &Params) -> ApiResult {
+        let target = p.get("target").unwrap_or_default().to_string();
+        let online = p.bool("online").unwrap_or(false);
+        let with_local = p.bool("with-local-disks").unwrap_or(false);
+        let mut c = self.cluster.lock();
+        let vm = c.vm_on(node, vmid)?.clone();
+        if target == node {
+            return Err(ApiError::param("target", "target is local node."));
+        }
+        match c.nodes.get(&target) {
+            None => {
+                return Err(ApiError::internal(format!(
+                    "no such cluster node '{target}'"
+                )))
+            }
+            Some(n) if !n.online => {
+                return Err(ApiError::internal(format!(
+                    "target node '{target}' is not online"
+                )))
+            }
+            Some(_) => {}
+        }
+        if let Some(l) = &vm.lock {
+            return Err(ApiError::internal(locked(vmid, l)));
+        }
+        if vm.running && !online {
+            return Err(ApiError::internal(
+                "can't migrate running VM without --online",
+            ));
+        }
+        if vm.running && !vm.shared_storage && !with_local {
+            return Err(ApiError::internal(format!(
+                "can't live migrate attached local disks without with-local-disks option ({})",
+                vm.disk()
+            )));
+        }
+        if vm.ha.is_some() {
+            let upid = self.spawn_task(
+                &mut c,
+                node,
+                "hamigrate",
+                &vmid.to_string(),
+                move |me, upid| async move {
+                    let mut c = me.cluster.lock();
+                    c.task_log(
+                        &upid,
+                        format!("Requesting HA migration for VM {vmid} to node {target}"),
+                    );
+                    if let Some(vm) = c.vms.get_mut(&vmid) {
+                        vm.node = target;
+                    }
+                    c.resources_cache = None;
+                    Ok("OK".into())
+                },
+            );
+            return Ok(json!(upid));
+        }
+        let n = node.to_string();
+        let kind = if online { "online" } else { "offline" };
+        let upid = self.spawn_task(
+            &mut c,
+            node,
+            "qmigrate",
+            &vmid.to_string(),
+            move |me, upid| async move {
+                me.hold_flock(vmid, &n, |vm| match &vm.lock {
+                    Some(l) => Err(locked(vmid, l)),
+                    None if vm.running && !online => {
+                        Err("can't migrate running VM without --online".into())
+                    }
+                    None => Ok(()),
+                })
+                .await?;
+                {
+                    let mut c = me.cluster.lock();
+                    if let Some(vm) = c.vms.get_mut(&vmid) {
+                        vm.lock = Some("migrate".into());
+                    }
+                    c.task_log(
+                        &upid,
+                        format!("starting migration of VM {vmid} to node '{target}'"),
+                    );
+                }
+                tokio::time::sleep(me.cfg.migrate_duration).await;
+                me.release_flock(vmid, |c| {
+                    if let Some(vm) = c.vms.get_mut(&vmid) {
+                        vm.lock = None;
+                        vm.node = target.clone();
+                    }
+                    c.resources_cache = None;
+                    c.task_log(&upid, format!("migration finished successfully ({kind})"));
+                });
+                Ok("OK".into())
+            },
+        );
+        Ok(json!(upid))
+    }
+
+    /// `POST .../template`: convert a stopped VM into a template.
+    pub fn convert_to_template(self: &Arc<Self>, node: &str, vmid: u32, p: &Params) -> ApiResult {
+        let mut c = self.cluster.lock();
+        let vm = c.vm_on(node, vmid)?;
+        if let Some(l) = &vm.lock {
+            return Err(ApiError::internal(locked(vmid, l)));
+        }
+        if vm.template && !p.contains("disk") {
+            return Err(ApiError::internal(
+                "you can't convert a template to a template",
+            ));
+        }
+        if vm.running {
+            return Err(ApiError::internal(
+                "you can't convert a VM to template if VM is running",
+            ));
+        }
+        let n = node.to_string();
+        let upid = self.spawn_task(
+            &mut c,
+            node,
+            "qmtemplate",
+            &vmid.to_string(),
+            move |me, _| async move {
+                me.hold_flock(vmid, &n, |vm| {
+                    if vm.running {
+                        return Err("you can't convert a VM to template if VM is running".into());
+                    }
+                    Ok(())
+                })
+                .await?;
+                me.release_flock(vmid, |c| {
+                    if let Some(vm) = c.vms.get_mut(&vmid) {
+                        vm.template = true;
+                    }
+                });
+                Ok("OK".into())
+            },
+        );
+        Ok(json!(upid))
+    }
+}
+
 /// Apply a validated config update like qemu-server's update_vm_api.
-fn apply_config(vm: &mut Vm, p: &Params) -> Result<(), String> {
+fn apply_config(vm: &mut Vm, p: &Params, tag_style: TagStyle) -> Result<(), String> {
     let skiplock = p.bool("skiplock").unwrap_or(false);
     if let (Some(l), false) = (&vm.lock, skiplock) {
         // Setting or clearing `lock` itself is how operators fix leftovers.
@@ -443,7 +592,7 @@ fn apply_config(vm: &mut Vm, p: &Params) -> Result<(), String> {
             }
             "description" => vm.description = Some(v.clone()),
             "tags" => {
-                let t = normalize_tags(v);
+                let t = normalize_tags_with(v, tag_style);
                 vm.tags = (!t.is_empty()).then_some(t);
             }
             "name" => vm.name = v.clone(),

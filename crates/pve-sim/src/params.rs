@@ -39,10 +39,19 @@ impl Params {
         self.get(key).and_then(|v| v.trim().parse().ok())
     }
 
-    /// Parse a form-urlencoded string, appending to `self`.
-    pub fn extend_form(&mut self, input: &[u8]) {
-        for (k, v) in form_urlencoded::parse(input) {
-            self.push(k.into_owned(), v.into_owned());
+    /// Parse a form-urlencoded string, appending to `self`. With
+    /// `semicolon_separates`, a raw `;` separates pairs like `&` (as PVE's form
+    /// decoding does), so a value containing `;` must be sent as `%3B`.
+    pub fn extend_form(&mut self, input: &[u8], semicolon_separates: bool) {
+        let pieces: Vec<&[u8]> = if semicolon_separates {
+            input.split(|b| *b == b'&' || *b == b';').collect()
+        } else {
+            vec![input]
+        };
+        for piece in pieces {
+            for (k, v) in form_urlencoded::parse(piece) {
+                self.push(k.into_owned(), v.into_owned());
+            }
         }
     }
 

@@ -1,5 +1,8 @@
-//! Request validation against the PVE API schema (`pve-api-schema.json`), with
-//! PVE::JSONSchema's error strings so clients see what a real node answers.
+//! Request validation with PVE::JSONSchema's error strings, so clients see what
+//! a real node answers. The simulator carries its own structural description
+//! of every endpoint it serves (`api.json`: paths, methods, parameter names,
+//! types, formats and limits); when the official PVE API schema is available
+//! it validates against that as well.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -15,85 +18,173 @@ use crate::params::{parse_bool, Params};
 /// Per-parameter error messages, as in PVE's `{"errors":{...}}`.
 pub type ParamErrors = BTreeMap<String, String>;
 
-/// The loaded schema: `(METHOD, path template) -> parameter definitions`.
+/// The embedded endpoint description (see the module docs).
+pub const EMBEDDED_API: &str = include_str!("api.json");
+
+/// Env var naming the official schema file.
+pub const SCHEMA_ENV: &str = "PVE_SIM_SCHEMA";
+
+/// `(METHOD, path template) -> parameter definitions`.
+pub type EndpointMap = HashMap<(String, String), Map<String, Value>>;
+
+/// The validator: the embedded description, plus the official schema if loaded.
 pub struct Schema {
-    endpoints: HashMap<(String, String), Map<String, Value>>,
+    embedded: EndpointMap,
+    official: Option<(PathBuf, EndpointMap)>,
     regex_cache: Mutex<HashMap<String, Option<Regex>>>,
 }
 
-/// Where the schema is looked for when no path is given: `$PVE_SIM_SCHEMA`, the
-/// workspace's sibling `shared/spec`, then `shared/spec` in any ancestor of the cwd.
-pub fn default_schema_path() -> Option<PathBuf> {
-    if let Ok(p) = std::env::var("PVE_SIM_SCHEMA") {
-        return Some(PathBuf::from(p));
+/// Where the official schema is looked for when no path is given: `$PVE_SIM_SCHEMA`
+/// (which must then exist), else `shared/spec/pve-api-schema.json` beside the
+/// repository or in an ancestor of the cwd. `Ok(None)`: not present.
+pub fn default_schema_path() -> Result<Option<PathBuf>> {
+    if let Some(p) = std::env::var_os(SCHEMA_ENV).filter(|p| !p.is_empty()) {
+        let p = PathBuf::from(p);
+        anyhow::ensure!(
+            p.is_file(),
+            "{SCHEMA_ENV}={} does not name a readable file",
+            p.display()
+        );
+        return Ok(Some(p));
     }
     let rel = Path::new("shared/spec/pve-api-schema.json");
     let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
     let mut candidates: Vec<PathBuf> = manifest.ancestors().map(|a| a.join(rel)).collect();
     if let Ok(cwd) = std::env::current_dir() {
         candidates.extend(cwd.ancestors().map(|a| a.join(rel)));
-        candidates.extend(cwd.ancestors().map(|a| a.join("..").join(rel)));
     }
-    candidates.into_iter().find(|p| p.is_file())
+    Ok(candidates.into_iter().find(|p| p.is_file()))
+}
+
+/// Parse a document of the official schema's shape:
+/// `{"endpoints": {PATH: {METHOD: {"parameters": {"properties": {...}}}}}}`.
+pub fn parse_endpoints(text: &str) -> Result<EndpointMap> {
+    let root: Value = serde_json::from_str(text)?;
+    let eps = root
+        .get("endpoints")
+        .and_then(Value::as_object)
+        .ok_or_else(|| anyhow!("schema has no \"endpoints\" object"))?;
+    let mut endpoints = HashMap::new();
+    for (path, methods) in eps {
+        let Some(methods) = methods.as_object() else {
+            continue;
+        };
+        for (method, def) in methods {
+            let props = def
+                .pointer("/parameters/properties")
+                .and_then(Value::as_object)
+                .cloned()
+                .unwrap_or_default();
+            endpoints.insert((method.to_uppercase(), path.clone()), props);
+        }
+    }
+    Ok(endpoints)
 }
 
 impl Schema {
-    pub fn load(path: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path)
-            .with_context(|| format!("reading PVE API schema {}", path.display()))?;
-        Self::parse(&text).with_context(|| format!("parsing PVE API schema {}", path.display()))
-    }
-
-    pub fn parse(text: &str) -> Result<Self> {
-        let root: Value = serde_json::from_str(text)?;
-        let eps = root
-            .get("endpoints")
-            .and_then(Value::as_object)
-            .ok_or_else(|| anyhow!("schema has no \"endpoints\" object"))?;
-        let mut endpoints = HashMap::new();
-        for (path, methods) in eps {
-            let Some(methods) = methods.as_object() else {
-                continue;
-            };
-            for (method, def) in methods {
-                let props = def
-                    .pointer("/parameters/properties")
-                    .and_then(Value::as_object)
-                    .cloned()
-                    .unwrap_or_default();
-                endpoints.insert((method.to_uppercase(), path.clone()), props);
-            }
-        }
+    /// The embedded description only.
+    pub fn embedded() -> Result<Self> {
         Ok(Self {
-            endpoints,
+            embedded: parse_endpoints(EMBEDDED_API).context("parsing the embedded api.json")?,
+            official: None,
             regex_cache: Mutex::new(HashMap::new()),
         })
     }
 
-    /// Whether the schema defines `method template`.
+    /// The embedded description plus the official schema at `path`.
+    pub fn with_official(path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("reading PVE API schema {}", path.display()))?;
+        let official = parse_endpoints(&text)
+            .with_context(|| format!("parsing PVE API schema {}", path.display()))?;
+        let mut s = Self::embedded()?;
+        s.official = Some((path.to_path_buf(), official));
+        Ok(s)
+    }
+
+    /// `explicit` if given, else the official schema when [`default_schema_path`]
+    /// finds one, else the embedded description alone.
+    pub fn load(explicit: Option<&Path>) -> Result<Self> {
+        match explicit {
+            Some(p) => Self::with_official(p),
+            None => match default_schema_path()? {
+                Some(p) => Self::with_official(&p),
+                None => Self::embedded(),
+            },
+        }
+    }
+
+    /// For logs and startup output: `embedded` or `embedded+official:PATH`.
+    pub fn source(&self) -> String {
+        match &self.official {
+            Some((p, _)) => format!("embedded+official:{}", p.display()),
+            None => "embedded".into(),
+        }
+    }
+
+    pub fn official_path(&self) -> Option<&Path> {
+        self.official.as_ref().map(|(p, _)| p.as_path())
+    }
+
+    /// Whether the embedded description declares `method template`.
     pub fn has(&self, method: &str, template: &str) -> bool {
-        self.endpoints
+        self.embedded
             .contains_key(&(method.to_string(), template.to_string()))
     }
 
-    /// Validate `params` (path parameters included) for one endpoint.
+    /// Every `(METHOD, template)` the embedded description declares, sorted.
+    pub fn endpoints(&self) -> Vec<(String, String)> {
+        let mut v: Vec<_> = self.embedded.keys().cloned().collect();
+        v.sort();
+        v
+    }
+
+    /// Parameter definitions of one endpoint in the embedded description.
+    pub fn embedded_params(&self, method: &str, template: &str) -> Option<&Map<String, Value>> {
+        self.embedded
+            .get(&(method.to_string(), template.to_string()))
+    }
+
+    /// Parameter definitions of one endpoint in the official schema, if loaded
+    /// and declared there.
+    pub fn official_params(&self, method: &str, template: &str) -> Option<&Map<String, Value>> {
+        self.official
+            .as_ref()
+            .and_then(|(_, m)| m.get(&(method.to_string(), template.to_string())))
+    }
+
+    /// Validate `params` (path parameters included) for one endpoint against the
+    /// embedded description, then the official schema where it declares the
+    /// endpoint (the first message per parameter wins).
     pub fn validate(
         &self,
         method: &str,
         template: &str,
         params: &Params,
     ) -> Result<(), ParamErrors> {
-        let mut errors = ParamErrors::new();
-        let Some(props) = self
-            .endpoints
-            .get(&(method.to_string(), template.to_string()))
-        else {
+        let Some(props) = self.embedded_params(method, template) else {
+            let mut errors = ParamErrors::new();
             errors.insert(
                 "_endpoint".into(),
                 format!("{method} {template} is not in the API schema"),
             );
             return Err(errors);
         };
+        let mut errors = self.validate_against(props, params);
+        if let Some(official) = self.official_params(method, template) {
+            for (k, v) in self.validate_against(official, params) {
+                errors.entry(k).or_insert(v);
+            }
+        }
+        if errors.is_empty() {
+            Ok(())
+        } else {
+            Err(errors)
+        }
+    }
+
+    fn validate_against(&self, props: &Map<String, Value>, params: &Params) -> ParamErrors {
+        let mut errors = ParamErrors::new();
         for (name, values) in &params.0 {
             let Some(def) = lookup_prop(props, name) else {
                 errors.insert(
@@ -126,11 +217,7 @@ impl Schema {
                 }
             }
         }
-        if errors.is_empty() {
-            Ok(())
-        } else {
-            Err(errors)
-        }
+        errors
     }
 
     fn check_values(&self, def: &Value, values: &[String]) -> Result<(), String> {
@@ -244,7 +331,7 @@ impl Schema {
     }
 }
 
-fn lookup_prop<'a>(props: &'a Map<String, Value>, name: &str) -> Option<&'a Value> {
+pub fn lookup_prop<'a>(props: &'a Map<String, Value>, name: &str) -> Option<&'a Value> {
     if let Some(d) = props.get(name) {
         return Some(d);
     }
@@ -364,6 +451,21 @@ pub fn split_tags(v: &str) -> impl Iterator<Item = &str> {
         .filter(|s| !s.is_empty())
 }
 
+/// The stored form of a tag list under `style`.
+pub fn normalize_tags_with(v: &str, style: crate::config::TagStyle) -> String {
+    use crate::config::TagStyle;
+    match style {
+        TagStyle::Lowercase => normalize_tags(v),
+        TagStyle::CaseSensitive => {
+            let mut tags: Vec<&str> = split_tags(v).collect();
+            tags.sort_unstable();
+            tags.dedup();
+            tags.join(";")
+        }
+        TagStyle::Verbatim => v.to_string(),
+    }
+}
+
 /// PVE's stored form of a tag list: lowercased, sorted, de-duplicated, `;`-joined.
 pub fn normalize_tags(v: &str) -> String {
     let mut tags: Vec<String> = split_tags(v).map(str::to_lowercase).collect();
@@ -377,8 +479,7 @@ mod tests {
     use super::*;
 
     fn schema() -> Schema {
-        let path = default_schema_path().expect("schema file");
-        Schema::load(&path).expect("schema loads")
+        Schema::embedded().expect("embedded description loads")
     }
 
     fn params(pairs: &[(&str, &str)]) -> Params {
@@ -402,6 +503,20 @@ mod tests {
             assert_eq!(check_named_format(f, good), Ok(()), "{f} {good}");
             assert!(check_named_format(f, bad).is_err(), "{f} {bad}");
         }
+    }
+
+    #[test]
+    fn tag_styles() {
+        use crate::config::TagStyle;
+        assert_eq!(normalize_tags_with("B;a,B a", TagStyle::Lowercase), "a;b");
+        assert_eq!(
+            normalize_tags_with("B;a,B a", TagStyle::CaseSensitive),
+            "B;a"
+        );
+        assert_eq!(
+            normalize_tags_with("B;a,B a", TagStyle::Verbatim),
+            "B;a,B a"
+        );
     }
 
     #[test]

@@ -47,16 +47,37 @@ pub const ROUTES: &[(&str, &str)] = &[
     ("POST", "/nodes/{node}/qemu/{vmid}/agent/file-write"),
     ("POST", "/nodes/{node}/qemu/{vmid}/agent/exec"),
     ("GET", "/nodes/{node}/qemu/{vmid}/agent/exec-status"),
+    (
+        "GET",
+        "/nodes/{node}/qemu/{vmid}/agent/network-get-interfaces",
+    ),
+    ("GET", "/nodes/{node}/qemu/{vmid}/agent/get-osinfo"),
+    ("GET", "/nodes/{node}/qemu/{vmid}/agent/info"),
+    ("GET", "/nodes/{node}/qemu/{vmid}/status"),
+    ("POST", "/nodes/{node}/qemu/{vmid}/migrate"),
+    ("POST", "/nodes/{node}/qemu/{vmid}/template"),
+    ("GET", "/cluster/status"),
+    ("GET", "/nodes/{node}/status"),
+    ("GET", "/nodes/{node}/storage"),
+    ("GET", "/nodes/{node}/storage/{storage}/status"),
+    ("GET", "/access/permissions"),
 ];
 
 const API_PREFIX: &str = "/api2/json";
 
 pub fn router(shared: Arc<Shared>) -> Router {
-    let limit = shared.cfg.body_limit;
+    let limit = shared.cfg.effective_body_limit();
     Router::new()
         .fallback(handle)
         .layer(DefaultBodyLimit::max(limit))
         .with_state(shared)
+}
+
+/// How errors are rendered (decided by the simulated pve-http-server version).
+#[derive(Clone, Copy, Debug)]
+pub struct ErrorStyle {
+    /// Put the text in the body's `message` too, not only the reason phrase.
+    pub json_message: bool,
 }
 
 /// Accept TLS connections until the returned task is aborted; aborting it drops
@@ -111,8 +132,27 @@ async fn handle(
     method: Method,
     uri: Uri,
     headers: HeaderMap,
-    body: Bytes,
+    body: Result<Bytes, axum::extract::rejection::BytesRejection>,
 ) -> Response<Body> {
+    let style = ErrorStyle {
+        json_message: s.cfg.http_server_version.json_error_message(),
+    };
+    let error_response = |e: &ApiError| error_response(e, style);
+    let body = match body {
+        Ok(b) => b,
+        Err(e) => {
+            let status = e.status().as_u16();
+            let msg = if status == 413 {
+                format!(
+                    "request too large (limit {} bytes)",
+                    s.cfg.effective_body_limit()
+                )
+            } else {
+                e.body_text()
+            };
+            return error_response(&ApiError::Status(status, msg));
+        }
+    };
     if !authorized(&s, &headers) {
         if !s.cfg.auth_failure_delay.is_zero() {
             tokio::time::sleep(s.cfg.auth_failure_delay).await;
@@ -127,7 +167,7 @@ async fn handle(
     let path = uri.path().to_string();
     let mut params = Params::default();
     if let Some(q) = uri.query() {
-        params.extend_form(q.as_bytes());
+        params.extend_form(q.as_bytes(), s.cfg.form_semicolon_separator);
     }
     if !body.is_empty() {
         let is_json = headers
@@ -149,7 +189,7 @@ async fn handle(
                 }
             }
         } else {
-            params.extend_form(&body);
+            params.extend_form(&body, s.cfg.form_semicolon_separator);
         }
     }
     if let Some(rest) = path.strip_prefix("/_sim/") {
@@ -327,6 +367,21 @@ async fn dispatch(s: &Arc<Shared>, method: &str, template: &str, p: &Params) -> 
             s.agent_exec_status(&node, vmid, p.u64("pid").unwrap_or(0))
                 .await
         }
+        ("GET", "/nodes/{node}/qemu/{vmid}/agent/network-get-interfaces") => {
+            s.agent_network_interfaces(&node, vmid).await
+        }
+        ("GET", "/nodes/{node}/qemu/{vmid}/agent/get-osinfo") => s.agent_osinfo(&node, vmid).await,
+        ("GET", "/nodes/{node}/qemu/{vmid}/agent/info") => s.agent_info(&node, vmid).await,
+        ("GET", "/nodes/{node}/qemu/{vmid}/status") => s.status_index(&node, vmid),
+        ("POST", "/nodes/{node}/qemu/{vmid}/migrate") => s.migrate(&node, vmid, p),
+        ("POST", "/nodes/{node}/qemu/{vmid}/template") => s.convert_to_template(&node, vmid, p),
+        ("GET", "/cluster/status") => Ok(s.cluster_status()),
+        ("GET", "/nodes/{node}/status") => Ok(s.node_status(&node)),
+        ("GET", "/nodes/{node}/storage") => Ok(s.node_storages(&node, p)),
+        ("GET", "/nodes/{node}/storage/{storage}/status") => {
+            s.storage_status(&node, p.get("storage").unwrap_or_default())
+        }
+        ("GET", "/access/permissions") => Ok(s.permissions(p.get("path"))),
         _ => Err(ApiError::Status(
             501,
             format!("Method '{method} {template}' not implemented"),
@@ -354,8 +409,9 @@ fn json_response(status: StatusCode, v: &Value) -> Response<Body> {
     r
 }
 
-/// PVE error: message in the reason phrase and (like newer PVE) in the body.
-pub fn error_response(e: &ApiError) -> Response<Body> {
+/// PVE error: message in the reason phrase and (pve-http-server 5.2 and
+/// later) in the body's `message`.
+pub fn error_response(e: &ApiError, style: ErrorStyle) -> Response<Body> {
     let (code, msg, errors) = match e {
         ApiError::Status(c, m) => (*c, m.clone(), None),
         ApiError::Params(errs) => (
@@ -365,7 +421,10 @@ pub fn error_response(e: &ApiError) -> Response<Body> {
         ),
     };
     let status = StatusCode::from_u16(code).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-    let mut body = json!({"data": null, "message": format!("{msg}\n")});
+    let mut body = json!({ "data": null });
+    if style.json_message {
+        body["message"] = json!(format!("{msg}\n"));
+    }
     if let Some(errs) = errors {
         body["errors"] = json!(errs);
     }

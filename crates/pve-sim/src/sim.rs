@@ -43,6 +43,8 @@ pub struct Shared {
     pub fingerprint: String,
     /// `qemu-ga` to forward agent calls to; `None` = the built-in agent.
     pub qga_bin: Option<PathBuf>,
+    /// When the simulator started (node uptimes count from here).
+    pub started: Instant,
 }
 
 impl Shared {
@@ -72,6 +74,8 @@ impl Shared {
             next_pid: 0x1000 + rand::random::<u16>() as u32,
             pstart: 0x6AE8 + rand::random::<u16>() as u32,
             resources_cache: None,
+            created: HashMap::new(),
+            rrd: HashMap::new(),
         };
         let qga_bin = cfg.guest_agent.resolve()?;
         let s = Self {
@@ -85,6 +89,7 @@ impl Shared {
             guest: GuestHandlers::default(),
             scratch,
             fingerprint,
+            started: Instant::now(),
         };
         for t in s.cfg.templates.clone() {
             anyhow::ensure!(

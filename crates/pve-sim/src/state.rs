@@ -169,6 +169,11 @@ pub struct Cluster {
     pub next_pid: u32,
     pub pstart: u32,
     pub resources_cache: Option<(Instant, Value)>,
+    /// When each VM created through the API was created (seeded VMs and
+    /// templates count as old: their RRD data exists from the start).
+    pub created: HashMap<u32, Instant>,
+    /// pvestatd's last RRD sample per VM: when it was taken and its fields.
+    pub rrd: HashMap<u32, (Instant, Value)>,
 }
 
 impl Cluster {

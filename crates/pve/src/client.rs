@@ -653,16 +653,38 @@ impl PveClient {
     }
 
     /// `GET /cluster/resources?type=vm`, QEMU VMs only (containers are dropped).
+    /// Rows of VMs too new to have an RRD sample are completed with
+    /// `status/current` (see the body). Statuses of older VMs may still be up to
+    /// one sample interval (~10 s) old.
     pub async fn cluster_resources_vms(&self) -> Result<Vec<ClusterVm>, PveError> {
         let mut p = Params::new();
         p.push("type", "vm");
         let all: Vec<ClusterVm> = self
             .call("cluster_resources", Method::GET, "/cluster/resources", &p)
             .await?;
-        Ok(all
+        let mut vms: Vec<ClusterVm> = all
             .into_iter()
             .filter(|v| v.kind == "qemu" || (v.kind.is_empty() && v.id.starts_with("qemu/")))
-            .collect())
+            .collect();
+        // `name`, `status` and `template` come from pvestatd's RRD samples: a VM
+        // created in the last ~10 s has none yet. Complete those rows from the
+        // owning node, which knows; only brand-new VMs cost a call. A row whose
+        // node cannot answer (offline, VM gone meanwhile) stays as listed.
+        for v in vms.iter_mut().filter(|v| v.status.is_empty()) {
+            match self.status_current(&v.node, v.vmid).await {
+                Ok(st) => {
+                    v.status = st.status;
+                    v.template = st.template;
+                    if v.name.is_none() {
+                        v.name = st.name;
+                    }
+                }
+                Err(e) => {
+                    tracing::debug!(vmid = v.vmid, node = %v.node, error = %e, "could not complete an unsampled /cluster/resources row");
+                }
+            }
+        }
+        Ok(vms)
     }
 
     /// `GET /nodes`.
@@ -726,23 +748,17 @@ impl PveClient {
             return Err(PveError::InvalidArgument("file-write path is empty".into()));
         }
         let (payload, encode) = match encoding {
-            FileEncoding::PveEncodes => {
-                let s = std::str::from_utf8(content).map_err(|e| {
-                    PveError::InvalidArgument(format!(
-                        "file-write content for {path} is not UTF-8 ({e}); use FileEncoding::Base64"
-                    ))
-                })?;
-                (s.to_string(), true)
-            }
+            FileEncoding::PveEncodes => (latin1_text(content), true),
             FileEncoding::Base64 => (
                 base64::engine::general_purpose::STANDARD.encode(content),
                 false,
             ),
         };
-        if payload.len() > MAX_FILE_WRITE_CONTENT {
+        // PVE's limit counts characters; both encodings use one per byte sent.
+        let sent = payload.chars().count();
+        if sent > MAX_FILE_WRITE_CONTENT {
             return Err(PveError::InvalidArgument(format!(
-                "file-write content for {path} is {} bytes after encoding; the limit is {MAX_FILE_WRITE_CONTENT}",
-                payload.len()
+                "file-write content for {path} is {sent} bytes after encoding; the limit is {MAX_FILE_WRITE_CONTENT}"
             )));
         }
         let mut p = Params::new();
@@ -761,7 +777,8 @@ impl PveClient {
     }
 
     /// `POST .../agent/exec`: starts `argv` (no shell) with optional stdin and
-    /// returns the guest pid. `input_data` must be UTF-8 and at most 64 KiB.
+    /// returns the guest pid. `input_data` (any bytes, at most 64 KiB) reaches
+    /// the command's stdin unchanged.
     pub async fn agent_exec<S: AsRef<str>>(
         &self,
         node: &str,
@@ -775,18 +792,13 @@ impl PveClient {
         let mut p = Params::new();
         p.push_array("command", argv.iter().map(|a| a.as_ref()));
         if let Some(data) = input_data {
-            let s = std::str::from_utf8(data).map_err(|e| {
-                PveError::InvalidArgument(format!(
-                    "exec input-data is not UTF-8 ({e}); base64 it and decode in the guest"
-                ))
-            })?;
-            if s.len() > MAX_EXEC_INPUT {
+            if data.len() > MAX_EXEC_INPUT {
                 return Err(PveError::InvalidArgument(format!(
                     "exec input-data is {} bytes; the limit is {MAX_EXEC_INPUT}",
-                    s.len()
+                    data.len()
                 )));
             }
-            p.push("input-data", s);
+            p.push("input-data", latin1_text(data));
         }
         let r: ExecPid = self
             .call(
@@ -891,6 +903,16 @@ fn api_error(status: StatusCode, ext: &http::Extensions, bytes: &[u8]) -> PveErr
         message,
         param_errors,
     }
+}
+
+/// Text for a parameter PVE hands to the guest agent through Perl's
+/// `encode_base64` (`file-write` content with `encode=1`, exec `input-data`).
+/// PVE decodes the request as UTF-8 and `encode_base64` takes every character
+/// up to U+00FF as one byte (and dies with "Wide character" above), so sending
+/// each byte as the character with that code point delivers the bytes exactly,
+/// whatever they are; UTF-8 text sent as-is would arrive re-encoded or fail.
+pub(crate) fn latin1_text(bytes: &[u8]) -> String {
+    bytes.iter().map(|&b| char::from(b)).collect()
 }
 
 #[cfg(test)]

@@ -140,6 +140,18 @@ pub mod lenient {
             ))),
         }
     }
+    /// A config `description`. PVE stores it as `#` comment lines and returns
+    /// every line, the last included, terminated by `\n`; that newline is an
+    /// artefact of the storage, not part of what was written, so one is removed
+    /// (the text reads back as sent).
+    pub fn opt_description<'de, D: Deserializer<'de>>(d: D) -> Result<Option<String>, D::Error> {
+        Ok(opt_string(d)?.map(|mut s| {
+            if s.ends_with('\n') {
+                s.pop();
+            }
+            s
+        }))
+    }
     /// A PVE tag list string (`a;b`) normalised with [`crate::normalize_tags`].
     pub fn tags<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<String>, D::Error> {
         Ok(opt_string(d)?
@@ -205,7 +217,8 @@ pub struct ConfigParams {
 pub struct VmConfig {
     #[serde(default, deserialize_with = "lenient::opt_string")]
     pub name: Option<String>,
-    #[serde(default, deserialize_with = "lenient::opt_string")]
+    /// As written: PVE's trailing storage newline is removed.
+    #[serde(default, deserialize_with = "lenient::opt_description")]
     pub description: Option<String>,
     /// Normalised tag list.
     #[serde(default, deserialize_with = "lenient::tags")]
@@ -481,8 +494,9 @@ pub struct ExecStatus {
 /// How [`crate::PveClient::agent_file_write`] sends content.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FileEncoding {
-    /// `encode=1`: content is sent as text and PVE base64-encodes it for the agent.
-    /// The content must be UTF-8.
+    /// `encode=1`: content is sent as text and PVE base64-encodes it for the
+    /// agent. Any bytes arrive unchanged (each is sent as the character of the
+    /// same code point, which is what PVE's encoding turns back into that byte).
     PveEncodes,
     /// `encode=0`: the client base64-encodes the bytes itself (safe for binary).
     Base64,
@@ -513,6 +527,16 @@ mod tests {
         assert_eq!(lenient::as_u64(&json!(4.5)), None);
         assert_eq!(lenient::as_u64(&json!("x")), None);
         assert_eq!(lenient::as_f64(&json!("0.25")), Some(0.25));
+    }
+
+    #[test]
+    fn description_loses_pves_storage_newline() {
+        let c: VmConfig =
+            serde_json::from_value(json!({"description": "marker=1\nline 2\n"})).unwrap();
+        assert_eq!(c.description.as_deref(), Some("marker=1\nline 2"));
+        // Servers that return it verbatim are read the same way.
+        let c: VmConfig = serde_json::from_value(json!({"description": "marker=1"})).unwrap();
+        assert_eq!(c.description.as_deref(), Some("marker=1"));
     }
 
     #[test]

@@ -110,7 +110,7 @@ async fn exec_sends_argv_as_repeated_keys_and_file_write_encodes() {
     assert_eq!(
         rec[0].body,
         "command=%2Fbin%2Fsh&command=-c&command=echo%20a%3Db%26%26x%2By%20%27q%27\
-         &command=%2Frun%2Fbigfleet-bootstrap&input-data=stdin%20%E2%9C%93%0A"
+         &command=%2Frun%2Fbigfleet-bootstrap&input-data=stdin%20%C3%A2%C2%9C%C2%93%0A"
     );
     // base64 of fb ff fe 00 is "+//+AA==": every +, / and = escaped.
     assert_eq!(
@@ -119,7 +119,7 @@ async fn exec_sends_argv_as_repeated_keys_and_file_write_encodes() {
     );
     assert_eq!(rec[2].body, "file=%2Ftmp%2Ft&content=a%2Bb%3Dc&encode=1");
 
-    // Oversized or non-UTF-8 payloads are refused before sending.
+    // Oversized payloads are refused before sending.
     let big = vec![b'a'; pve::MAX_FILE_WRITE_CONTENT + 1];
     let e = c
         .agent_file_write("pve1", 112, "/x", &big, FileEncoding::PveEncodes)
@@ -127,12 +127,20 @@ async fn exec_sends_argv_as_repeated_keys_and_file_write_encodes() {
         .unwrap_err();
     assert!(matches!(e, PveError::InvalidArgument(_)) && e.to_string().contains("limit"));
     let e = c
-        .agent_exec("pve1", 112, &["/bin/true"], Some(&[0xff, 0xfe]))
+        .agent_exec("pve1", 112, &["/bin/true"], Some(&vec![b'a'; 65_537]))
         .await
         .unwrap_err();
-    assert!(e.to_string().contains("not UTF-8"), "{e}");
+    assert!(e.to_string().contains("limit"), "{e}");
     assert!(c.agent_exec::<&str>("pve1", 112, &[], None).await.is_err());
     assert_eq!(srv.recorded().len(), 3);
+    // Any bytes, not only UTF-8, go out as one character per byte.
+    c.agent_exec("pve1", 112, &["/bin/cat"], Some(&[0xff, 0xfe]))
+        .await
+        .unwrap();
+    assert_eq!(
+        srv.recorded()[3].body,
+        "command=%2Fbin%2Fcat&input-data=%C3%BF%C3%BE"
+    );
 }
 
 #[tokio::test]
@@ -343,6 +351,51 @@ async fn node_unreachable_retried_for_get_only() {
     let e = c.start("pve1", 101).await.unwrap_err();
     assert!(e.is_node_unreachable());
     assert_eq!(last_call(&calls), ("start".into(), false, 1));
+}
+
+/// PVE lists a VM pvestatd has not sampled yet without `name`, `status` or
+/// `template`; the client completes such rows from the VM's node.
+#[tokio::test]
+async fn unsampled_resource_rows_are_completed_from_the_node() {
+    let (srv, c, _) = setup(|r, _| {
+        if r.path.ends_with("/cluster/resources") {
+            ok(json!([
+                {"id": "qemu/101", "type": "qemu", "vmid": 101, "node": "pve1",
+                 "tags": "bigfleet", "status": "stopped", "name": "old"},
+                {"id": "qemu/102", "type": "qemu", "vmid": 102, "node": "pve2", "tags": "bigfleet"},
+                {"id": "qemu/103", "type": "qemu", "vmid": 103, "node": "pve2"}
+            ]))
+        } else if r.path.ends_with("/qemu/102/status/current") {
+            ok(json!({"status": "running", "name": "bigfleet-new", "vmid": 102}))
+        } else {
+            fail(
+                500,
+                "Configuration file 'nodes/pve2/qemu-server/103.conf' does not exist",
+            )
+        }
+    })
+    .await;
+    let vms = c.cluster_resources_vms().await.unwrap();
+    assert_eq!(vms.len(), 3);
+    assert_eq!(
+        (vms[0].status.as_str(), vms[0].name.as_deref()),
+        ("stopped", Some("old"))
+    );
+    assert_eq!(
+        (vms[1].status.as_str(), vms[1].name.as_deref()),
+        ("running", Some("bigfleet-new"))
+    );
+    // Gone meanwhile: listed as PVE listed it.
+    assert_eq!((vms[2].status.as_str(), vms[2].name.as_deref()), ("", None));
+    let paths: Vec<String> = srv.recorded().iter().map(|r| r.path.clone()).collect();
+    assert_eq!(
+        paths,
+        [
+            "/api2/json/cluster/resources",
+            "/api2/json/nodes/pve2/qemu/102/status/current",
+            "/api2/json/nodes/pve2/qemu/103/status/current",
+        ]
+    );
 }
 
 #[tokio::test]

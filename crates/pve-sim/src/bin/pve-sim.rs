@@ -5,8 +5,8 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
-use clap::Parser;
-use pve_sim::{GuestAgentMode, PveSim, SimConfig, TemplateSpec};
+use clap::{ArgAction, Parser};
+use pve_sim::{GuestAgentMode, HttpServerVersion, PveSim, SimConfig, TagStyle, TemplateSpec};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -35,9 +35,46 @@ struct Args {
     /// Write the CA PEM here.
     #[arg(long)]
     ca_out: Option<PathBuf>,
-    /// Path of pve-api-schema.json (default: found next to the workspace).
+    /// The official PVE API schema (pve-api-schema.json) to validate against in
+    /// addition to the embedded description (default: $PVE_SIM_SCHEMA, else
+    /// shared/spec/pve-api-schema.json beside the repository if present).
     #[arg(long)]
     schema: Option<PathBuf>,
+    /// RRD lag of /cluster/resources (PVE: 10s; 0s = always fresh and complete).
+    #[arg(long, default_value = "10s", value_parser = humantime_ms)]
+    rrd_lag: Duration,
+    /// Whole-answer staleness of /cluster/resources (0s = off).
+    #[arg(long, default_value = "0s", value_parser = humantime_ms)]
+    resources_staleness: Duration,
+    /// Simulated pve-http-server version: before 5.2 errors carry their text
+    /// only in the reason phrase; the body limit is 64 KiB before 5.2.1.
+    #[arg(long, default_value_t = HttpServerVersion::CURRENT,
+          value_parser = |s: &str| s.parse::<HttpServerVersion>())]
+    pve_http_server_version: HttpServerVersion,
+    /// Request body limit in bytes (default: by --pve-http-server-version).
+    #[arg(long)]
+    body_limit: Option<usize>,
+    /// Return descriptions with PVE's trailing newline.
+    #[arg(long, default_value_t = true, action = ArgAction::Set)]
+    description_newline: bool,
+    /// Tag normalisation: lowercase, case-sensitive or verbatim.
+    #[arg(long, default_value = "lowercase", value_parser = |s: &str| s.parse::<TagStyle>())]
+    tag_style: TagStyle,
+    /// Agent file-write content and exec input-data are Latin-1 only
+    /// ("Wide character" above U+00FF).
+    #[arg(long, default_value_t = true, action = ArgAction::Set)]
+    agent_latin1: bool,
+    /// `;` separates form pairs like `&`.
+    #[arg(long, default_value_t = true, action = ArgAction::Set)]
+    form_semicolon_separator: bool,
+    /// Turn every realism knob off (fresh resources, JSON error messages,
+    /// verbatim descriptions and tags, UTF-8 agent data, `&`-only forms);
+    /// explicit knob flags are ignored when set.
+    #[arg(long)]
+    forgiving: bool,
+    /// Offline migration task duration.
+    #[arg(long, default_value = "1s", value_parser = humantime_ms)]
+    migrate_duration: Duration,
     /// Clone task duration, e.g. 2s.
     #[arg(long, default_value = "2s", value_parser = humantime_ms)]
     clone_duration: Duration,
@@ -128,8 +165,20 @@ async fn main() -> Result<()> {
         max_parallel_local_clones: (a.max_parallel_local_clones > 0)
             .then_some(a.max_parallel_local_clones),
         guest_agent: a.guest_agent,
+        rrd_lag: a.rrd_lag,
+        resources_staleness: a.resources_staleness,
+        http_server_version: a.pve_http_server_version,
+        body_limit: a.body_limit,
+        description_newline: a.description_newline,
+        tag_style: a.tag_style,
+        agent_latin1: a.agent_latin1,
+        form_semicolon_separator: a.form_semicolon_separator,
+        migrate_duration: a.migrate_duration,
         ..SimConfig::default()
     };
+    if a.forgiving {
+        cfg = cfg.forgiving();
+    }
     if let Some(s) = a.token_secret {
         cfg.token_secret = s;
     }
@@ -151,6 +200,19 @@ async fn main() -> Result<()> {
     }
     println!("fingerprint: {}", sim.fingerprint());
     println!("guest_agent: {}", sim.guest_agent_description());
+    println!("schema: {}", sim.schema_source());
+    let c = sim.config();
+    println!(
+        "realism: rrd_lag={:?} pve_http_server={} body_limit={} description_newline={} \
+         tag_style={:?} agent_latin1={} form_semicolon_separator={}",
+        c.rrd_lag,
+        c.http_server_version,
+        c.effective_body_limit(),
+        c.description_newline,
+        c.tag_style,
+        c.agent_latin1,
+        c.form_semicolon_separator
+    );
     println!(
         "admin: POST {}/_sim/faults etc.",
         sim.base_url().trim_end_matches("/api2/json")

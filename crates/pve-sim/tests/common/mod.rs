@@ -69,6 +69,22 @@ impl Api {
         Resp { status, body }
     }
 
+    /// POST `body` exactly as given, as a form.
+    pub async fn post_raw(&self, path: &str, body: &str) -> Resp {
+        let mut rb = self
+            .c
+            .post(format!("{}{}", self.base, path))
+            .header("content-type", "application/x-www-form-urlencoded")
+            .body(body.to_string());
+        if let Some(a) = &self.auth {
+            rb = rb.header("authorization", a);
+        }
+        let r = rb.send().await.expect("request");
+        let status = r.status().as_u16();
+        let body: Value = r.json().await.unwrap_or(Value::Null);
+        Resp { status, body }
+    }
+
     pub async fn get(&self, path: &str, q: &[(&str, &str)]) -> Resp {
         self.call(reqwest::Method::GET, path, q).await
     }
