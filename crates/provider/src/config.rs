@@ -207,7 +207,7 @@ pub struct Args {
 pub enum Command {
     /// Operator client for a running provider: list, get, create, configure,
     /// drain, delete and watch machines.
-    Ctl(crate::ctl::CtlArgs),
+    Ctl(bigfleet_ctl::CtlArgs),
 }
 
 /// `0` means zero; otherwise humantime (`50ms`, `2m`, `1h30m`).
@@ -219,10 +219,10 @@ pub fn parse_duration(text: &str) -> Result<Duration, String> {
     humantime::parse_duration(text).map_err(|e| format!("invalid duration {text:?}: {e}"))
 }
 
-/// Go-style `:9000` means every interface.
 /// The metrics listener's address when `--metrics-addr` is not given.
 pub const DEFAULT_METRICS_ADDR: &str = ":9090";
 
+/// Go-style `:9000` means every interface.
 pub fn parse_listen_addr(flag: &str, value: &str) -> Result<SocketAddr, String> {
     let full = if value.starts_with(':') {
         format!("0.0.0.0{value}")
@@ -236,6 +236,41 @@ pub fn parse_listen_addr(flag: &str, value: &str) -> Result<SocketAddr, String> 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use clap::Parser;
+
+    #[test]
+    fn the_binary_flags_mount_ctl() {
+        let args = Args::try_parse_from([
+            "bigfleet-proxmox",
+            "ctl",
+            "--target",
+            "h:1",
+            "watch",
+            "m1",
+            "--until",
+            "idle",
+            "--tls-ca",
+            "/ca.pem",
+        ])
+        .unwrap();
+        match args.command {
+            Some(Command::Ctl(ctl)) => {
+                assert_eq!(ctl.target, "h:1");
+                assert_eq!(ctl.tls_ca.as_deref(), Some(std::path::Path::new("/ca.pem")));
+                assert!(matches!(
+                    ctl.command,
+                    bigfleet_ctl::CtlCommand::Watch {
+                        until: Some(bigfleet_proto::v1alpha1::MachineState::Idle),
+                        ..
+                    }
+                ));
+            }
+            other => panic!("parsed {other:?}"),
+        }
+        // ctl's --tls-ca has its own id, so clap does not copy the value
+        // into the server's --tls-ca.
+        assert!(args.tls_ca.is_none());
+    }
 
     #[test]
     fn durations() {

@@ -36,7 +36,7 @@ fn code_of(response: &HttpResponse) -> Code {
 }
 
 /// gRPC code names as dashboards expect them (`OK`, `NotFound`, ...).
-pub fn code_name(code: Code) -> &'static str {
+pub fn metric_code_name(code: Code) -> &'static str {
     match code {
         Code::Ok => "OK",
         Code::Cancelled => "Canceled",
@@ -110,7 +110,7 @@ where
             // Health and reflection calls are not part of the provider API.
             if path.starts_with("/bigfleet.") {
                 let method = method_of(&path);
-                let name = code_name(code);
+                let name = metric_code_name(code);
                 metrics.observe_grpc(method, name, elapsed);
                 // Formatted only if the line is actually written.
                 let ms = elapsed.as_secs_f64() * 1000.0;

@@ -2,7 +2,6 @@
 //! and fake backends, metrics and serving. `main.rs` only calls [`run`].
 
 pub mod config;
-pub mod ctl;
 pub mod layers;
 pub mod logging;
 pub mod metrics;

@@ -19,7 +19,7 @@ fn main() -> std::process::ExitCode {
             Ok(rt) => rt,
             Err(code) => return code,
         };
-        return match runtime.block_on(bigfleet_proxmox::ctl::run(ctl)) {
+        return match runtime.block_on(bigfleet_ctl::run(ctl)) {
             Ok(()) => std::process::ExitCode::SUCCESS,
             Err(e) => {
                 eprintln!("error: {e}");

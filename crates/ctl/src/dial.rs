@@ -1,0 +1,306 @@
+//! Dialling the provider: target parsing, plaintext or TLS/mTLS channels,
+//! and the connection facts error hints depend on.
+
+use crate::args::CtlArgs;
+use crate::render::canonical_code_name;
+use crate::render::cell;
+use crate::render::error_chain;
+use crate::render::join_chain;
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bigfleet_proto::v1alpha1::capacity_provider_client::CapacityProviderClient;
+use bigfleet_proto::v1alpha1::{Machine, MachineRef};
+use hyper_util::rt::TokioIo;
+use rustls::client::ResolvesClientCert;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
+use rustls::sign::CertifiedKey;
+use rustls::{ClientConfig, RootCertStore, SignatureScheme};
+use tokio::net::TcpStream;
+use tokio_rustls::client::TlsStream;
+use tokio_rustls::TlsConnector;
+use tonic::transport::{Channel, Endpoint};
+use tonic::Code;
+
+pub(crate) type Client = CapacityProviderClient<Channel>;
+
+/// Connection facts the error hints depend on.
+pub(crate) struct Session {
+    pub(crate) client: Client,
+    pub(crate) target: String,
+    pub(crate) tls: bool,
+    pub(crate) client_cert: bool,
+    pub(crate) timeout: Duration,
+}
+
+impl Session {
+    pub(crate) fn status_error(&self, what: &str, status: &tonic::Status) -> String {
+        let message = status.message().trim();
+        let message = if message.is_empty() {
+            String::new()
+        } else {
+            cell(message)
+        };
+        let detail = join_chain(message, std::error::Error::source(status));
+        let mut msg = format!("{what}: {}", canonical_code_name(status.code()));
+        if !detail.is_empty() {
+            msg.push_str(&format!(": {detail}"));
+        }
+        let hint = match status.code() {
+            Code::FailedPrecondition => {
+                Some("fenced out: retry with a higher --epoch or --sequence".to_string())
+            }
+            // Locally generated transport failures carry a source; answers
+            // from the provider never do.
+            _ if std::error::Error::source(status).is_some()
+                || status.code() == Code::Unavailable =>
+            {
+                Some(if !self.tls {
+                    format!(
+                        "check that the provider runs at {}; if it serves TLS, pass --tls-ca \
+                         (and --tls-cert/--tls-key for mTLS)",
+                        self.target
+                    )
+                } else if !self.client_cert {
+                    format!(
+                        "check that the provider runs at {} and whether it requires a client \
+                         certificate (--tls-cert/--tls-key)",
+                        self.target
+                    )
+                } else {
+                    format!("check that the provider runs at {}", self.target)
+                })
+            }
+            Code::DeadlineExceeded => Some(format!(
+                "no answer within --timeout {}",
+                humantime::format_duration(self.timeout)
+            )),
+            _ => None,
+        };
+        if let Some(hint) = hint {
+            msg.push_str(&format!(" ({hint})"));
+        }
+        msg
+    }
+
+    pub(crate) async fn get(&mut self, id: &str) -> Result<Machine, tonic::Status> {
+        self.client
+            .get(MachineRef { id: id.to_string() })
+            .await
+            .map(tonic::Response::into_inner)
+    }
+}
+
+pub(crate) fn split_target(target: &str) -> (Option<&str>, &str) {
+    for scheme in ["http", "https"] {
+        if let Some(rest) = target
+            .strip_prefix(scheme)
+            .and_then(|r| r.strip_prefix("://"))
+        {
+            return (Some(scheme), rest);
+        }
+    }
+    (None, target)
+}
+
+pub(crate) fn read_pem_certs(
+    flag: &str,
+    path: &Path,
+) -> Result<Vec<CertificateDer<'static>>, String> {
+    let pem =
+        std::fs::read(path).map_err(|e| format!("cannot read {flag} {}: {e}", path.display()))?;
+    let certs = rustls_pemfile::certs(&mut pem.as_slice())
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| format!("{flag} {} is not PEM: {e}", path.display()))?;
+    if certs.is_empty() {
+        return Err(format!(
+            "{flag} {} holds no PEM certificate",
+            path.display()
+        ));
+    }
+    Ok(certs)
+}
+
+pub(crate) fn read_pem_key(path: &Path) -> Result<PrivateKeyDer<'static>, String> {
+    let pem = std::fs::read(path)
+        .map_err(|e| format!("cannot read --tls-key {}: {e}", path.display()))?;
+    match rustls_pemfile::private_key(&mut pem.as_slice()) {
+        Ok(Some(key)) => Ok(key),
+        Ok(None) => Err(format!(
+            "--tls-key {} holds no PEM private key",
+            path.display()
+        )),
+        Err(e) => Err(format!(
+            "--tls-key {} is not a PEM private key: {e}",
+            path.display()
+        )),
+    }
+}
+
+/// Stands in for a missing client identity and records whether the server
+/// asked for one, so a refused handshake can be explained instead of
+/// surfacing later as a broken pipe.
+#[derive(Debug, Default)]
+pub(crate) struct CertRequestProbe(AtomicBool);
+
+impl ResolvesClientCert for CertRequestProbe {
+    fn resolve(
+        &self,
+        _root_hint_subjects: &[&[u8]],
+        _sigschemes: &[SignatureScheme],
+    ) -> Option<Arc<CertifiedKey>> {
+        self.0.store(true, Ordering::SeqCst);
+        None
+    }
+
+    fn has_certs(&self) -> bool {
+        false
+    }
+}
+
+/// Everything a TLS dial needs, validated before the first connection.
+pub(crate) struct TlsDial {
+    pub(crate) roots: Arc<RootCertStore>,
+    pub(crate) identity: Option<(Vec<CertificateDer<'static>>, PrivateKeyDer<'static>)>,
+    pub(crate) server_name: ServerName<'static>,
+    pub(crate) address: String,
+}
+
+impl TlsDial {
+    fn config(&self) -> Result<(ClientConfig, Option<Arc<CertRequestProbe>>), String> {
+        let builder =
+            ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+                .with_protocol_versions(&[&rustls::version::TLS13])
+                .map_err(|e| format!("TLS setup failed: {e}"))?
+                .with_root_certificates(self.roots.clone());
+        let (mut config, probe) = match &self.identity {
+            Some((certs, key)) => (
+                builder
+                    .with_client_auth_cert(certs.clone(), key.clone_key())
+                    .map_err(|e| {
+                        format!("--tls-cert and --tls-key do not form a usable keypair: {e}")
+                    })?,
+                None,
+            ),
+            None => {
+                let probe = Arc::new(CertRequestProbe::default());
+                (
+                    builder.with_client_cert_resolver(probe.clone()),
+                    Some(probe),
+                )
+            }
+        };
+        config.alpn_protocols = vec![b"h2".to_vec()];
+        Ok((config, probe))
+    }
+
+    async fn dial(&self) -> std::io::Result<TokioIo<TlsStream<TcpStream>>> {
+        let (config, probe) = self.config().map_err(std::io::Error::other)?;
+        let tcp = TcpStream::connect(&self.address).await?;
+        tcp.set_nodelay(true)?;
+        let tls = TlsConnector::from(Arc::new(config))
+            .connect(self.server_name.clone(), tcp)
+            .await
+            .map_err(|e| std::io::Error::other(format!("TLS handshake failed: {e}")))?;
+        if probe.is_some_and(|p| p.0.load(Ordering::SeqCst)) {
+            return Err(std::io::Error::other(
+                "the provider requires a client certificate (mTLS): pass --tls-cert and \
+                 --tls-key",
+            ));
+        }
+        Ok(TokioIo::new(tls))
+    }
+}
+
+pub(crate) fn tls_dial(args: &CtlArgs, authority: &str) -> Result<TlsDial, String> {
+    let ca = args
+        .tls_ca
+        .as_deref()
+        .ok_or("TLS needs --tls-ca: the CA (PEM) that signed the provider's certificate")?;
+    let mut roots = RootCertStore::empty();
+    for cert in read_pem_certs("--tls-ca", ca)? {
+        roots
+            .add(cert)
+            .map_err(|e| format!("--tls-ca {}: unusable CA certificate: {e}", ca.display()))?;
+    }
+    let identity = match (&args.tls_cert, &args.tls_key) {
+        (Some(cert), Some(key)) => Some((read_pem_certs("--tls-cert", cert)?, read_pem_key(key)?)),
+        (None, None) => None,
+        _ => return Err("--tls-cert and --tls-key must be given together".into()),
+    };
+    let uri: http::Uri = format!("https://{authority}")
+        .parse()
+        .map_err(|e| format!("--target {authority:?} is not a valid address: {e}"))?;
+    let host = uri
+        .host()
+        .map(|h| h.trim_start_matches('[').trim_end_matches(']'))
+        .filter(|h| !h.is_empty())
+        .ok_or_else(|| format!("--target {authority:?} names no host"))?;
+    let port = uri
+        .port_u16()
+        .ok_or_else(|| format!("--target {authority:?} names no port"))?;
+    let name = args.tls_domain.as_deref().unwrap_or(host);
+    let server_name = ServerName::try_from(name.to_string())
+        .map_err(|e| format!("{name:?} is not a valid TLS server name: {e}"))?;
+    let dial = TlsDial {
+        roots: Arc::new(roots),
+        identity,
+        server_name,
+        address: if host.contains(':') {
+            format!("[{host}]:{port}")
+        } else {
+            format!("{host}:{port}")
+        },
+    };
+    // Surfaces a mismatched cert/key pair before anything is dialled.
+    dial.config()?;
+    Ok(dial)
+}
+
+pub(crate) async fn connect(args: &CtlArgs) -> Result<Session, String> {
+    let target = args.target.trim();
+    let (scheme, authority) = split_target(target);
+    let authority = authority.trim_end_matches('/');
+    if authority.is_empty() {
+        return Err(format!("--target {target:?} names no host:port"));
+    }
+    let tls_flags = args.tls_ca.is_some()
+        || args.tls_cert.is_some()
+        || args.tls_key.is_some()
+        || args.tls_domain.is_some();
+    if scheme == Some("http") && tls_flags {
+        return Err(format!(
+            "--target {target} is http:// but --tls-* flags are set: use https:// or a bare \
+             HOST:PORT"
+        ));
+    }
+    let tls = tls_flags || scheme == Some("https");
+    // TLS is layered by our own connector, so the channel URI stays http.
+    let endpoint = Endpoint::from_shared(format!("http://{authority}"))
+        .map_err(|e| format!("--target {target:?} is not a valid address: {e}"))?
+        .connect_timeout(args.timeout)
+        .timeout(args.timeout);
+    let mut client_cert = false;
+    let channel = if tls {
+        let dial = Arc::new(tls_dial(args, authority)?);
+        client_cert = dial.identity.is_some();
+        let connector = tower::service_fn(move |_: http::Uri| {
+            let dial = dial.clone();
+            async move { dial.dial().await }
+        });
+        endpoint.connect_with_connector(connector).await
+    } else {
+        endpoint.connect().await
+    };
+    let channel =
+        channel.map_err(|e| format!("cannot connect to {target}: {}", error_chain(&e)))?;
+    Ok(Session {
+        client: CapacityProviderClient::new(channel),
+        target: target.to_string(),
+        tls,
+        client_cert,
+        timeout: args.timeout,
+    })
+}

@@ -1,0 +1,529 @@
+//! `bigfleet-proxmox ctl`: an operator CLI that drives a running provider
+//! over its own gRPC contract (plain, TLS or mTLS). It never prints the
+//! bootstrap blob, and every failure is one line naming the RPC, the gRPC
+//! code and what to check.
+//!
+//! A library of its own that depends only on the wire contract
+//! (`bigfleet-proto`): the compiler keeps it from reaching into the provider.
+
+mod args;
+mod dial;
+mod render;
+mod wait;
+
+pub use args::{CtlArgs, CtlCommand, Fence, Output, Wait};
+pub use render::{canonical_code_name, render_table, state_name};
+
+use crate::dial::connect;
+use crate::dial::Session;
+use crate::render::cell;
+use crate::render::emit;
+use crate::render::json;
+use crate::render::list_table;
+use crate::render::machine_details;
+use crate::render::AckView;
+use crate::render::MachineView;
+use crate::wait::wait_for;
+use crate::wait::watch;
+use std::path::Path;
+
+use bigfleet_proto::v1alpha1::{
+    ConfigureRequest, CreateRequest, DeleteRequest, DrainRequest, ListFilter, Machine,
+    MachineState, TransitionAck,
+};
+
+pub(crate) async fn mutate(
+    session: &mut Session,
+    output: Output,
+    rpc: &str,
+    id: &str,
+    target: MachineState,
+    wait: &Wait,
+    ack: Result<tonic::Response<TransitionAck>, tonic::Status>,
+) -> Result<(), String> {
+    let ack = ack
+        .map_err(|s| session.status_error(&format!("{rpc} {}", cell(id)), &s))?
+        .into_inner();
+    let snapshot = ack.machine.clone().unwrap_or_else(|| Machine {
+        id: id.to_string(),
+        ..Machine::default()
+    });
+    // `None`: a waited-for Delete removed the machine entirely.
+    let machine = if wait.wait {
+        wait_for(session, id, target, snapshot, wait).await?
+    } else {
+        Some(snapshot)
+    };
+    let text = match output {
+        Output::Json => json(&AckView {
+            operation_id: ack.operation_id.clone(),
+            machine: machine.as_ref().map(MachineView::from),
+        })?,
+        Output::Table => {
+            let state = machine
+                .as_ref()
+                .map(|m| state_name(m.state))
+                .unwrap_or_else(|| "gone".into());
+            format!(
+                "{}: {state} (operation {})\n",
+                cell(id),
+                cell(&ack.operation_id)
+            )
+        }
+    };
+    emit(&text)
+}
+
+pub(crate) fn read_blob(path: &Path) -> Result<Vec<u8>, String> {
+    if path == Path::new("-") {
+        let mut buf = Vec::new();
+        std::io::Read::read_to_end(&mut std::io::stdin(), &mut buf)
+            .map_err(|e| format!("cannot read the bootstrap blob from stdin: {e}"))?;
+        return Ok(buf);
+    }
+    std::fs::read(path).map_err(|e| format!("cannot read --blob-file {}: {e}", path.display()))
+}
+
+pub(crate) fn metadata_map(
+    pairs: &[(String, String)],
+) -> Result<std::collections::HashMap<String, String>, String> {
+    let mut map = std::collections::HashMap::new();
+    for (k, v) in pairs {
+        if map.insert(k.clone(), v.clone()).is_some() {
+            return Err(format!("--metadata key {k:?} is given more than once"));
+        }
+    }
+    Ok(map)
+}
+
+/// Run one `ctl` invocation; the error is the one line to print.
+pub async fn run(args: CtlArgs) -> Result<(), String> {
+    // Local input problems are reported before anything is dialled.
+    let blob = match &args.command {
+        CtlCommand::Configure { blob_file, .. } => Some(read_blob(blob_file)?),
+        _ => None,
+    };
+    let mut session = connect(&args).await?;
+    let output = args.output;
+    match args.command {
+        CtlCommand::List { states, max } => {
+            let filter = ListFilter {
+                states: states.iter().map(|s| *s as i32).collect(),
+                max_results: max.unwrap_or(0),
+                since_revision: Vec::new(),
+            };
+            let list = session
+                .client
+                .list(filter)
+                .await
+                .map_err(|s| session.status_error("List", &s))?
+                .into_inner();
+            let text = match output {
+                Output::Json => json(
+                    &list
+                        .machines
+                        .iter()
+                        .map(MachineView::from)
+                        .collect::<Vec<_>>(),
+                )?,
+                Output::Table => list_table(&list.machines),
+            };
+            emit(&text)
+        }
+        CtlCommand::Get { id } => {
+            let m = session
+                .get(&id)
+                .await
+                .map_err(|s| session.status_error(&format!("Get {}", cell(&id)), &s))?;
+            let text = match output {
+                Output::Json => json(&MachineView::from(&m))?,
+                Output::Table => machine_details(&m),
+            };
+            emit(&text)
+        }
+        CtlCommand::Create { id, fence, wait } => {
+            let (shard_id, shard_epoch, sequence_number) = fence.token();
+            let req = CreateRequest {
+                machine_id: id.clone(),
+                shard_id,
+                shard_epoch,
+                sequence_number,
+            };
+            let ack = session.client.create(req).await;
+            mutate(
+                &mut session,
+                output,
+                "Create",
+                &id,
+                MachineState::Idle,
+                &wait,
+                ack,
+            )
+            .await
+        }
+        CtlCommand::Configure {
+            id,
+            cluster,
+            metadata,
+            fence,
+            wait,
+            ..
+        } => {
+            let (shard_id, shard_epoch, sequence_number) = fence.token();
+            let req = ConfigureRequest {
+                machine_id: id.clone(),
+                cluster_id: cluster,
+                bootstrap_blob: blob.unwrap_or_default(),
+                shard_id,
+                shard_epoch,
+                sequence_number,
+                shard_metadata: metadata_map(&metadata)?,
+            };
+            let ack = session.client.configure(req).await;
+            mutate(
+                &mut session,
+                output,
+                "Configure",
+                &id,
+                MachineState::Configured,
+                &wait,
+                ack,
+            )
+            .await
+        }
+        CtlCommand::Drain {
+            id,
+            grace,
+            fence,
+            wait,
+        } => {
+            let (shard_id, shard_epoch, sequence_number) = fence.token();
+            let req = DrainRequest {
+                machine_id: id.clone(),
+                grace_period_seconds: grace,
+                shard_id,
+                shard_epoch,
+                sequence_number,
+            };
+            let ack = session.client.drain(req).await;
+            mutate(
+                &mut session,
+                output,
+                "Drain",
+                &id,
+                MachineState::Idle,
+                &wait,
+                ack,
+            )
+            .await
+        }
+        CtlCommand::Delete { id, fence, wait } => {
+            let (shard_id, shard_epoch, sequence_number) = fence.token();
+            let req = DeleteRequest {
+                machine_id: id.clone(),
+                shard_id,
+                shard_epoch,
+                sequence_number,
+            };
+            let ack = session.client.delete(req).await;
+            mutate(
+                &mut session,
+                output,
+                "Delete",
+                &id,
+                MachineState::Speculative,
+                &wait,
+                ack,
+            )
+            .await
+        }
+        CtlCommand::Watch {
+            id,
+            interval,
+            until,
+        } => watch(&mut session, output, &id, interval, until).await,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::args::*;
+    use crate::dial::*;
+    use crate::render::*;
+    use std::path::{Path, PathBuf};
+    use std::time::Duration;
+
+    use bigfleet_proto::v1alpha1::{CapacityType, HostRef, Resources};
+    use clap::{CommandFactory, Parser, Subcommand};
+
+    /// Mirrors how the binary mounts `ctl`: a parent with its own
+    /// --tls-* flags and an optional subcommand.
+    #[derive(Parser, Debug)]
+    struct Parent {
+        #[arg(long)]
+        tls_ca: Option<PathBuf>,
+        #[arg(long)]
+        tls_cert: Option<PathBuf>,
+        #[command(subcommand)]
+        command: Option<ParentCommand>,
+    }
+
+    #[derive(Subcommand, Debug)]
+    enum ParentCommand {
+        Ctl(CtlArgs),
+    }
+
+    fn parse(argv: &[&str]) -> Result<CtlArgs, clap::Error> {
+        let mut full = vec!["bigfleet-proxmox", "ctl"];
+        full.extend_from_slice(argv);
+        Parent::try_parse_from(full).map(|p| match p.command {
+            Some(ParentCommand::Ctl(c)) => c,
+            None => panic!("no subcommand parsed"),
+        })
+    }
+
+    #[test]
+    fn clap_definition_is_consistent() {
+        Parent::command().debug_assert();
+    }
+
+    #[test]
+    fn global_options_work_before_and_after_the_subcommand() {
+        let a = parse(&[
+            "--target", "h:1", "--output", "json", "list", "--state", "idle",
+        ])
+        .unwrap();
+        assert_eq!(a.target, "h:1");
+        assert_eq!(a.output, Output::Json);
+        let b = parse(&[
+            "list",
+            "--tls-ca",
+            "/ca.pem",
+            "--state",
+            "IDLE,failed",
+            "--max",
+            "3",
+        ])
+        .unwrap();
+        assert_eq!(b.tls_ca.as_deref(), Some(Path::new("/ca.pem")));
+        match b.command {
+            CtlCommand::List { states, max } => {
+                assert_eq!(states, vec![MachineState::Idle, MachineState::Failed]);
+                assert_eq!(max, Some(3));
+            }
+            other => panic!("parsed {other:?}"),
+        }
+        assert_eq!(b.timeout, Duration::from_secs(10));
+        assert_eq!(b.target, "127.0.0.1:9000");
+    }
+
+    #[test]
+    fn mutating_commands_parse_fencing_and_wait() {
+        let a = parse(&[
+            "configure",
+            "m1",
+            "--cluster",
+            "c1",
+            "--blob-file",
+            "/b",
+            "--metadata",
+            "a=1",
+            "--metadata",
+            "b=x=y",
+            "--shard-id",
+            "s",
+            "--epoch",
+            "2",
+            "--sequence",
+            "9",
+            "--wait",
+            "--poll-interval",
+            "50ms",
+        ])
+        .unwrap();
+        match a.command {
+            CtlCommand::Configure {
+                id,
+                cluster,
+                metadata,
+                fence,
+                wait,
+                ..
+            } => {
+                assert_eq!(id, "m1");
+                assert_eq!(cluster, "c1");
+                assert_eq!(
+                    metadata,
+                    vec![("a".into(), "1".into()), ("b".into(), "x=y".into())]
+                );
+                assert_eq!(fence.token(), ("s".into(), 2, 9));
+                assert!(wait.wait);
+                assert_eq!(wait.poll_interval, Duration::from_millis(50));
+            }
+            other => panic!("parsed {other:?}"),
+        }
+        match parse(&["create", "m1"]).unwrap().command {
+            CtlCommand::Create { fence, wait, .. } => {
+                assert_eq!(fence.token(), (String::new(), 0, 0));
+                assert!(!wait.wait);
+            }
+            other => panic!("parsed {other:?}"),
+        }
+    }
+
+    #[test]
+    fn bad_input_is_rejected_by_the_parser() {
+        assert!(parse(&["list", "--state", "sleeping"]).is_err());
+        assert!(parse(&["drain", "m1", "--grace", "-1"]).is_err());
+        assert!(parse(&["create", "m1", "--epoch", "1"]).is_err());
+        assert!(parse(&["create", "m1", "--shard-id", "s", "--epoch", "-1"]).is_err());
+        assert!(parse(&["watch", "m1", "--interval", "0"]).is_err());
+        assert!(parse(&["configure", "m1", "--cluster", "c"]).is_err());
+        assert!(parse(&[
+            "configure",
+            "m1",
+            "--cluster",
+            "c",
+            "--blob-file",
+            "b",
+            "--metadata",
+            "=v"
+        ])
+        .is_err());
+    }
+
+    #[test]
+    fn states_parse_in_every_spelling() {
+        assert_eq!(parse_state("idle"), Ok(MachineState::Idle));
+        assert_eq!(parse_state("CONFIGURED"), Ok(MachineState::Configured));
+        assert_eq!(
+            parse_state("MACHINE_STATE_DRAINING"),
+            Ok(MachineState::Draining)
+        );
+        let err = parse_state("unspecified").unwrap_err();
+        assert!(err.contains("SPECULATIVE"), "{err}");
+        assert_eq!(state_name(3), "IDLE");
+        assert_eq!(state_name(99), "UNKNOWN(99)");
+    }
+
+    #[test]
+    fn duplicate_metadata_keys_are_an_error() {
+        let pairs = vec![("k".to_string(), "1".to_string()), ("k".into(), "2".into())];
+        assert!(metadata_map(&pairs).unwrap_err().contains("\"k\""));
+    }
+
+    fn machine() -> Machine {
+        Machine {
+            id: "p/OnDemand/pve.small/z/000".into(),
+            state: MachineState::Failed as i32,
+            host: Some(HostRef {
+                provider: "proxmox".into(),
+                r#ref: "z/101".into(),
+            }),
+            instance_type: "pve.small".into(),
+            zone: "z".into(),
+            capacity_type: CapacityType::OnDemand as i32,
+            price_per_hour: 0.5,
+            resources: Some(Resources {
+                resources: [("cpu".to_string(), "2".to_string())].into(),
+            }),
+            shard_metadata: [("b".to_string(), "2".to_string()), ("a".into(), "1".into())].into(),
+            last_error: "clone failed\nlock timeout".into(),
+            ..Machine::default()
+        }
+    }
+
+    #[test]
+    fn json_view_uses_plain_names() {
+        let v = serde_json::to_value(MachineView::from(&machine())).unwrap();
+        assert_eq!(v["state"], "FAILED");
+        assert_eq!(v["capacity_type"], "ON_DEMAND");
+        assert_eq!(v["host"]["ref"], "z/101");
+        assert_eq!(v["resources"]["cpu"], "2");
+        assert_eq!(v["shard_metadata"]["a"], "1");
+        assert_eq!(v["last_error"], "clone failed\nlock timeout");
+        let bare = serde_json::to_value(MachineView::from(&Machine::default())).unwrap();
+        assert!(bare["host"].is_null());
+        assert_eq!(bare["state"], "UNSPECIFIED");
+    }
+
+    #[test]
+    fn table_aligns_columns_and_escapes_control_bytes() {
+        let text = list_table(&[machine()]);
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines.len(), 2);
+        assert!(lines[0].starts_with("ID  "), "{text}");
+        let col = lines[0].find("STATE").unwrap();
+        assert_eq!(&lines[1][col..col + 6], "FAILED");
+        assert!(lines[1].ends_with("clone failed\\nlock timeout"), "{text}");
+        assert!(
+            lines[1].contains("  -  "),
+            "empty cluster shows '-': {text}"
+        );
+        let details = machine_details(&machine());
+        assert!(details.contains("host:"));
+        assert!(details.contains("proxmox/z/101"));
+        assert!(
+            details.contains("shard_metadata:            a=1,b=2"),
+            "{details}"
+        );
+        assert!(
+            details.contains("interruption_probability:  0\n"),
+            "{details}"
+        );
+    }
+
+    #[test]
+    fn targets_split_into_scheme_and_authority() {
+        assert_eq!(split_target("h:1"), (None, "h:1"));
+        assert_eq!(split_target("https://h:1"), (Some("https"), "h:1"));
+        assert_eq!(split_target("http://[::1]:9"), (Some("http"), "[::1]:9"));
+    }
+
+    #[tokio::test]
+    async fn tls_misconfiguration_fails_before_dialling() {
+        let base = parse(&["list"]).unwrap();
+        let https = CtlArgs {
+            target: "https://127.0.0.1:1".into(),
+            ..base.clone()
+        };
+        let err = connect(&https).await.err().unwrap();
+        assert!(err.contains("--tls-ca"), "{err}");
+        let mixed = CtlArgs {
+            target: "http://127.0.0.1:1".into(),
+            tls_ca: Some("/nonexistent".into()),
+            ..base.clone()
+        };
+        let err = connect(&mixed).await.err().unwrap();
+        assert!(err.contains("http://"), "{err}");
+        let missing = CtlArgs {
+            tls_ca: Some("/nonexistent/ca.pem".into()),
+            ..base.clone()
+        };
+        let err = connect(&missing).await.err().unwrap();
+        assert!(
+            err.contains("cannot read --tls-ca /nonexistent/ca.pem"),
+            "{err}"
+        );
+    }
+
+    #[tokio::test]
+    async fn unreachable_target_names_the_address() {
+        // A port nothing listens on: bind, learn it, release it.
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let args = CtlArgs {
+            target: format!("127.0.0.1:{port}"),
+            ..parse(&["list"]).unwrap()
+        };
+        let err = connect(&args).await.err().unwrap();
+        assert!(
+            err.starts_with(&format!("cannot connect to 127.0.0.1:{port}")),
+            "{err}"
+        );
+    }
+}

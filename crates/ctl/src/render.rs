@@ -1,0 +1,287 @@
+//! What `ctl` prints: state and code names, the table and JSON views, and
+//! one-line error chains.
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::time::Duration;
+
+use bigfleet_proto::v1alpha1::{CapacityType, Machine, MachineState};
+use serde::Serialize;
+use tonic::Code;
+
+/// `IDLE` for a known state, `UNKNOWN(n)` for a value this build does not know.
+pub fn state_name(value: i32) -> String {
+    match MachineState::try_from(value) {
+        Ok(s) => s
+            .as_str_name()
+            .trim_start_matches("MACHINE_STATE_")
+            .to_string(),
+        Err(_) => format!("UNKNOWN({value})"),
+    }
+}
+
+pub(crate) fn capacity_name(value: i32) -> String {
+    match CapacityType::try_from(value) {
+        Ok(c) => c
+            .as_str_name()
+            .trim_start_matches("CAPACITY_TYPE_")
+            .to_string(),
+        Err(_) => format!("UNKNOWN({value})"),
+    }
+}
+
+/// The JSON shape of a machine: plain names, sorted maps.
+#[derive(Serialize, Debug, Clone, PartialEq)]
+pub struct MachineView {
+    pub id: String,
+    pub state: String,
+    pub host: Option<HostView>,
+    pub instance_type: String,
+    pub zone: String,
+    pub capacity_type: String,
+    pub price_per_hour: f64,
+    pub interruption_probability: f64,
+    pub resources: BTreeMap<String, String>,
+    pub allocatable: BTreeMap<String, String>,
+    pub labels: BTreeMap<String, String>,
+    pub cluster: String,
+    pub shard_metadata: BTreeMap<String, String>,
+    pub last_error: String,
+}
+
+#[derive(Serialize, Debug, Clone, PartialEq)]
+pub struct HostView {
+    pub provider: String,
+    #[serde(rename = "ref")]
+    pub reference: String,
+}
+
+impl From<&Machine> for MachineView {
+    fn from(m: &Machine) -> MachineView {
+        let sorted = |map: &std::collections::HashMap<String, String>| {
+            map.iter()
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect::<BTreeMap<_, _>>()
+        };
+        MachineView {
+            id: m.id.clone(),
+            state: state_name(m.state),
+            host: m.host.as_ref().map(|h| HostView {
+                provider: h.provider.clone(),
+                reference: h.r#ref.clone(),
+            }),
+            instance_type: m.instance_type.clone(),
+            zone: m.zone.clone(),
+            capacity_type: capacity_name(m.capacity_type),
+            price_per_hour: m.price_per_hour,
+            interruption_probability: m.interruption_probability,
+            resources: m
+                .resources
+                .as_ref()
+                .map(|r| sorted(&r.resources))
+                .unwrap_or_default(),
+            allocatable: m
+                .allocatable
+                .as_ref()
+                .map(|r| sorted(&r.resources))
+                .unwrap_or_default(),
+            labels: sorted(&m.labels),
+            cluster: m.cluster.clone(),
+            shard_metadata: sorted(&m.shard_metadata),
+            last_error: m.last_error.clone(),
+        }
+    }
+}
+
+#[derive(Serialize)]
+pub(crate) struct AckView {
+    pub(crate) operation_id: String,
+    /// `null` when a waited-for Delete removed the machine entirely.
+    pub(crate) machine: Option<MachineView>,
+}
+
+#[derive(Serialize)]
+pub(crate) struct WatchLine {
+    pub(crate) elapsed_ms: u128,
+    pub(crate) machine: Option<MachineView>,
+}
+
+/// Escape control bytes so a hostile value cannot rewrite the terminal.
+pub(crate) fn cell(text: &str) -> String {
+    if text.is_empty() {
+        return "-".into();
+    }
+    let mut out = String::with_capacity(text.len());
+    for c in text.chars() {
+        if c.is_control() {
+            out.extend(c.escape_default());
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+/// Left-aligned columns; the last column is not padded.
+pub fn render_table(header: &[&str], rows: &[Vec<String>]) -> String {
+    let mut widths: Vec<usize> = header.iter().map(|h| h.chars().count()).collect();
+    for row in rows {
+        for (w, c) in widths.iter_mut().zip(row) {
+            *w = (*w).max(c.chars().count());
+        }
+    }
+    let line = |cells: Vec<&str>| {
+        let last = cells.len().saturating_sub(1);
+        let mut s = String::new();
+        for (i, c) in cells.iter().enumerate() {
+            if i == last {
+                s.push_str(c);
+            } else {
+                s.push_str(c);
+                let pad = widths[i] - c.chars().count() + 2;
+                s.extend(std::iter::repeat_n(' ', pad));
+            }
+        }
+        s.trim_end().to_string()
+    };
+    let mut out = line(header.to_vec());
+    out.push('\n');
+    for row in rows {
+        out.push_str(&line(row.iter().map(String::as_str).collect()));
+        out.push('\n');
+    }
+    out
+}
+
+pub(crate) fn list_table(machines: &[Machine]) -> String {
+    let rows: Vec<Vec<String>> = machines
+        .iter()
+        .map(|m| {
+            vec![
+                cell(&m.id),
+                state_name(m.state),
+                cell(m.host.as_ref().map(|h| h.r#ref.as_str()).unwrap_or("")),
+                cell(&m.cluster),
+                cell(&m.instance_type),
+                cell(&m.zone),
+                cell(&m.last_error),
+            ]
+        })
+        .collect();
+    render_table(
+        &[
+            "ID",
+            "STATE",
+            "HOST",
+            "CLUSTER",
+            "TYPE",
+            "ZONE",
+            "LAST_ERROR",
+        ],
+        &rows,
+    )
+}
+
+pub(crate) fn map_cell(map: &BTreeMap<String, String>) -> String {
+    if map.is_empty() {
+        return "-".into();
+    }
+    map.iter()
+        .map(|(k, v)| format!("{}={}", cell(k), cell(v)))
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+pub(crate) fn machine_details(m: &Machine) -> String {
+    let v = MachineView::from(m);
+    let host = v
+        .host
+        .as_ref()
+        .map(|h| format!("{}/{}", cell(&h.provider), cell(&h.reference)))
+        .unwrap_or_else(|| "-".into());
+    let rows = [
+        ("id", cell(&v.id)),
+        ("state", v.state.clone()),
+        ("host", host),
+        ("instance_type", cell(&v.instance_type)),
+        ("zone", cell(&v.zone)),
+        ("capacity_type", v.capacity_type.clone()),
+        ("price_per_hour", format!("{}", v.price_per_hour)),
+        (
+            "interruption_probability",
+            format!("{}", v.interruption_probability),
+        ),
+        ("resources", map_cell(&v.resources)),
+        ("allocatable", map_cell(&v.allocatable)),
+        ("labels", map_cell(&v.labels)),
+        ("cluster", cell(&v.cluster)),
+        ("shard_metadata", map_cell(&v.shard_metadata)),
+        ("last_error", cell(&v.last_error)),
+    ];
+    let mut out = String::new();
+    for (k, val) in rows {
+        out.push_str(&format!("{:<27}{val}\n", format!("{k}:")));
+    }
+    out
+}
+
+pub(crate) fn json<T: Serialize>(value: &T) -> Result<String, String> {
+    serde_json::to_string_pretty(value)
+        .map(|s| s + "\n")
+        .map_err(|e| format!("cannot encode JSON output: {e}"))
+}
+
+pub(crate) fn emit(text: &str) -> Result<(), String> {
+    let mut out = std::io::stdout().lock();
+    out.write_all(text.as_bytes())
+        .and_then(|()| out.flush())
+        .map_err(|e| format!("cannot write to stdout: {e}"))
+}
+
+pub(crate) fn elapsed(d: Duration) -> String {
+    format!("{:.2}s", d.as_secs_f64())
+}
+
+/// gRPC's canonical upper-case code names, as operators see them in docs.
+pub fn canonical_code_name(code: Code) -> &'static str {
+    match code {
+        Code::Ok => "OK",
+        Code::Cancelled => "CANCELLED",
+        Code::Unknown => "UNKNOWN",
+        Code::InvalidArgument => "INVALID_ARGUMENT",
+        Code::DeadlineExceeded => "DEADLINE_EXCEEDED",
+        Code::NotFound => "NOT_FOUND",
+        Code::AlreadyExists => "ALREADY_EXISTS",
+        Code::PermissionDenied => "PERMISSION_DENIED",
+        Code::ResourceExhausted => "RESOURCE_EXHAUSTED",
+        Code::FailedPrecondition => "FAILED_PRECONDITION",
+        Code::Aborted => "ABORTED",
+        Code::OutOfRange => "OUT_OF_RANGE",
+        Code::Unimplemented => "UNIMPLEMENTED",
+        Code::Internal => "INTERNAL",
+        Code::Unavailable => "UNAVAILABLE",
+        Code::DataLoss => "DATA_LOSS",
+        Code::Unauthenticated => "UNAUTHENTICATED",
+    }
+}
+
+/// `outer: inner: innermost`, skipping links that repeat what came before.
+pub(crate) fn join_chain(
+    first: String,
+    mut next: Option<&(dyn std::error::Error + 'static)>,
+) -> String {
+    let mut parts: Vec<String> = vec![first];
+    while let Some(e) = next {
+        let text = e.to_string();
+        if !text.is_empty() && parts.last().is_none_or(|p| !p.contains(&text)) {
+            parts.push(text);
+        }
+        next = e.source();
+    }
+    parts.retain(|p| !p.is_empty());
+    parts.join(": ")
+}
+
+pub(crate) fn error_chain(err: &(dyn std::error::Error + 'static)) -> String {
+    join_chain(err.to_string(), err.source())
+}

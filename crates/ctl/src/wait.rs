@@ -1,0 +1,201 @@
+//! Waiting on a machine: `--wait` polling with progress lines, Ctrl-C, and
+//! `watch`.
+
+use crate::args::Output;
+use crate::args::Wait;
+use crate::dial::Session;
+use crate::render::cell;
+use crate::render::elapsed;
+use crate::render::emit;
+use crate::render::state_name;
+use crate::render::MachineView;
+use crate::render::WatchLine;
+use std::time::{Duration, Instant};
+
+use bigfleet_proto::v1alpha1::{Machine, MachineState};
+use tonic::Code;
+
+pub(crate) fn progress(start: Instant, id: &str, m: &Machine) {
+    let mut line = format!(
+        "[{:>8}] {}: {}",
+        elapsed(start.elapsed()),
+        cell(id),
+        state_name(m.state)
+    );
+    if m.state == MachineState::Failed as i32 && !m.last_error.is_empty() {
+        line.push_str(&format!(" ({})", cell(&m.last_error)));
+    }
+    eprintln!("{line}");
+}
+
+/// Ctrl-C, registered at creation: a bare `ctrl_c()` future only installs
+/// its handler when first polled, so an early Ctrl-C would kill the process.
+pub(crate) struct Interrupt {
+    #[cfg(unix)]
+    signal: tokio::signal::unix::Signal,
+}
+
+impl Interrupt {
+    pub(crate) fn new() -> Result<Interrupt, String> {
+        #[cfg(unix)]
+        {
+            let signal = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())
+                .map_err(|e| format!("cannot install the Ctrl-C handler: {e}"))?;
+            Ok(Interrupt { signal })
+        }
+        #[cfg(not(unix))]
+        {
+            Ok(Interrupt {})
+        }
+    }
+
+    async fn recv(&mut self) {
+        #[cfg(unix)]
+        {
+            if self.signal.recv().await.is_none() {
+                std::future::pending::<()>().await;
+            }
+        }
+        #[cfg(not(unix))]
+        {
+            if tokio::signal::ctrl_c().await.is_err() {
+                std::future::pending::<()>().await;
+            }
+        }
+    }
+}
+
+/// Poll until `target` (or FAILED); `None` when a Delete made Get answer
+/// NOT_FOUND, i.e. the slot itself is gone.
+pub(crate) async fn wait_for(
+    session: &mut Session,
+    id: &str,
+    target: MachineState,
+    accepted: Machine,
+    opts: &Wait,
+) -> Result<Option<Machine>, String> {
+    let start = Instant::now();
+    let mut ctrl_c = Interrupt::new()?;
+    let mut current = accepted;
+    progress(start, id, &current);
+    loop {
+        if current.state == target as i32 {
+            return Ok(Some(current));
+        }
+        if current.state == MachineState::Failed as i32 {
+            return Err(format!(
+                "{} landed in FAILED after {}: {}",
+                cell(id),
+                elapsed(start.elapsed()),
+                cell(&current.last_error)
+            ));
+        }
+        if start.elapsed() >= opts.wait_timeout {
+            return Err(format!(
+                "gave up after --wait-timeout {}: {} is still {} (the transition continues on \
+                 the provider)",
+                humantime::format_duration(opts.wait_timeout),
+                cell(id),
+                state_name(current.state)
+            ));
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(opts.poll_interval) => {}
+            _ = ctrl_c.recv() => {
+                return Err(format!(
+                    "interrupted while {} was {} (the transition continues on the provider)",
+                    cell(id),
+                    state_name(current.state)
+                ));
+            }
+        }
+        let next = match session.get(id).await {
+            Ok(m) => m,
+            Err(s) if s.code() == Code::NotFound && target == MachineState::Speculative => {
+                eprintln!("[{:>8}] {}: gone", elapsed(start.elapsed()), cell(id));
+                return Ok(None);
+            }
+            Err(s) => return Err(session.status_error(&format!("Get {}", cell(id)), &s)),
+        };
+        if next.state != current.state {
+            progress(start, id, &next);
+        }
+        current = next;
+    }
+}
+
+pub(crate) async fn watch(
+    session: &mut Session,
+    output: Output,
+    id: &str,
+    interval: Duration,
+    until: Option<MachineState>,
+) -> Result<(), String> {
+    let start = Instant::now();
+    let mut ctrl_c = Interrupt::new()?;
+    let mut last: Option<i32> = None;
+    loop {
+        let machine = match session.get(id).await {
+            Ok(m) => Some(m),
+            // A machine we already saw can vanish when its slot is gone.
+            Err(s) if s.code() == Code::NotFound && last.is_some() => None,
+            Err(s) => return Err(session.status_error(&format!("Get {}", cell(id)), &s)),
+        };
+        let state = machine.as_ref().map(|m| m.state);
+        if state.is_none() || state != last {
+            let text = match output {
+                Output::Json => {
+                    let line = WatchLine {
+                        elapsed_ms: start.elapsed().as_millis(),
+                        machine: machine.as_ref().map(MachineView::from),
+                    };
+                    serde_json::to_string(&line)
+                        .map_err(|e| format!("cannot encode JSON output: {e}"))?
+                        + "\n"
+                }
+                Output::Table => {
+                    let mut line = format!(
+                        "[{:>8}] {}: {}",
+                        elapsed(start.elapsed()),
+                        cell(id),
+                        state.map(state_name).unwrap_or_else(|| "gone".into())
+                    );
+                    if let Some(m) = &machine {
+                        if m.state == MachineState::Failed as i32 && !m.last_error.is_empty() {
+                            line.push_str(&format!(" ({})", cell(&m.last_error)));
+                        }
+                    }
+                    line + "\n"
+                }
+            };
+            emit(&text)?;
+        }
+        let Some(state) = state else {
+            return match until {
+                None | Some(MachineState::Speculative) => Ok(()),
+                Some(u) => Err(format!(
+                    "{} is gone; it will never reach {}",
+                    cell(id),
+                    state_name(u as i32)
+                )),
+            };
+        };
+        last = Some(state);
+        if let Some(u) = until {
+            if state == u as i32 {
+                return Ok(());
+            }
+            if state == MachineState::Failed as i32 {
+                return Err(format!(
+                    "{} is FAILED and will not reach {}",
+                    cell(id),
+                    state_name(u as i32)
+                ));
+            }
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(interval) => {}
+            _ = ctrl_c.recv() => return Ok(()),
+        }
+    }
+}
