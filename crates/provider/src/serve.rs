@@ -89,7 +89,7 @@ fn open_store(plan: &Plan) -> Result<Arc<dyn Store>, String> {
         None => Ok(Arc::new(MemoryStore::new())),
         Some(path) => sqlite_store::SqliteStore::open(path)
             .map(|store| Arc::new(store) as Arc<dyn Store>)
-            .map_err(|e| e.0),
+            .map_err(|e| e.to_string()),
     }
 }
 
