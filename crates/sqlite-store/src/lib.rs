@@ -9,8 +9,8 @@
 //! on a second connection in a background thread, so commits never wait
 //! for them.
 //!
-//! The file is owned by one process at a time: an exclusive `flock` on
-//! `<path>.lock`, which also records the owner's pid.
+//! The file is owned by one process at a time: an exclusive `flock` on the
+//! database file itself (see `lock`).
 //!
 //! Modules: `schema` (what is on disk), `lock` (one writer), `writer`
 //! (group commit and checkpoints), `decode` (loading), `error` (messages).
@@ -56,7 +56,6 @@ impl SqliteStore {
     pub fn open(path: &Path) -> Result<SqliteStore, StoreError> {
         let path = std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf());
         let lock = lock::acquire(&path)?;
-        schema::create_private_file(&path)?;
         let mut conn = Connection::open_with_flags(&path, schema::OPEN_FLAGS)
             .map_err(|e| sql_error(&path, "cannot open", e))?;
         schema::configure(&path, &conn)?;

@@ -1,15 +1,13 @@
 //! What is on disk: creating the file, connection settings and schema
 //! migrations.
 
-use std::fs::{File, OpenOptions};
-use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::Path;
 use std::time::Duration;
 
 use providerkit::StoreError;
 use rusqlite::{Connection, OpenFlags, TransactionBehavior};
 
-use crate::error::{invalid, io_error, parent_dir, sql_error};
+use crate::error::{invalid, sql_error};
 
 /// The schema this build writes. Older files are migrated forward on open.
 pub const SCHEMA_VERSION: i64 = 1;
@@ -44,42 +42,8 @@ const MIGRATIONS: &[&str] = &[
 pub(crate) const OPEN_FLAGS: OpenFlags =
     OpenFlags::SQLITE_OPEN_READ_WRITE.union(OpenFlags::SQLITE_OPEN_NO_MUTEX);
 
-/// Create the database file ourselves with mode 0600 (independent of the
-/// umask); SQLite gives its `-wal` file the same mode.
-pub(crate) fn create_private_file(path: &Path) -> Result<(), StoreError> {
-    let existed = path.exists();
-    let file = OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create(true)
-        .truncate(false)
-        .mode(0o600)
-        .open(path)
-        .map_err(|e| io_error(path, "cannot create or open", e))?;
-    let meta = file
-        .metadata()
-        .map_err(|e| io_error(path, "cannot inspect", e))?;
-    if !meta.is_file() {
-        return Err(StoreError::inaccessible(format!(
-            "state file {}: not a regular file",
-            path.display()
-        )));
-    }
-    if meta.permissions().mode() & 0o777 != 0o600 {
-        file.set_permissions(std::fs::Permissions::from_mode(0o600))
-            .map_err(|e| io_error(path, "cannot restrict permissions to 0600", e))?;
-    }
-    if !existed {
-        // Make the new directory entry itself durable.
-        File::open(parent_dir(path))
-            .and_then(|dir| dir.sync_all())
-            .map_err(|e| io_error(path, "cannot sync its directory", e))?;
-    }
-    Ok(())
-}
-
 pub(crate) fn configure(path: &Path, conn: &Connection) -> Result<(), StoreError> {
-    // Exclusion between processes is the flock on `<path>.lock` (see
+    // Exclusion between processes is the flock on the database file (see
     // `lock`); SQLite's own locks stay shared so the checkpoint connection
     // can work alongside the writer.
     conn.busy_timeout(Duration::from_secs(5))
