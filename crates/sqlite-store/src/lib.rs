@@ -10,7 +10,10 @@
 //! for them.
 //!
 //! The file is owned by one process at a time: an exclusive `flock` on the
-//! database file itself (see `lock`).
+//! database file itself (see `lock`). A missing file is created complete
+//! (schema included) under a temporary name and linked into place; an
+//! existing file that is empty, not SQLite, or SQLite without this schema is
+//! refused instead of being taken for a fresh state.
 //!
 //! Modules: `schema` (what is on disk), `lock` (one writer), `writer`
 //! (group commit and checkpoints), `decode` (loading), `error` (messages).
@@ -38,9 +41,29 @@ use crate::writer::{checkpoint_loop, shutdown, writer_loop, Shared};
 
 pub use schema::SCHEMA_VERSION;
 
+/// How [`SqliteStore::open`] found the state.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Origin {
+    /// Nothing was at the path: a new, empty state was created.
+    Created,
+    /// An existing state was opened.
+    Loaded,
+}
+
+/// What [`SqliteStore::open`] found, for the start-up log.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct OpenReport {
+    pub origin: Origin,
+    /// Machine records in the state when it was opened.
+    pub machines: u64,
+    /// Fence marks in the state when it was opened.
+    pub fence_marks: u64,
+}
+
 /// A [`Store`] backed by one SQLite database file.
 pub struct SqliteStore {
     path: PathBuf,
+    report: OpenReport,
     shared: Arc<Shared>,
     done: watch::Receiver<Ticket>,
     writer: Option<JoinHandle<()>>,
@@ -51,15 +74,19 @@ pub struct SqliteStore {
 }
 
 impl SqliteStore {
-    /// Open (creating if needed) the state database at `path`, take the
-    /// exclusive lock and migrate the schema to [`SCHEMA_VERSION`].
+    /// Open the state database at `path` (creating it if nothing is there),
+    /// take the exclusive lock and migrate the schema to [`SCHEMA_VERSION`].
     pub fn open(path: &Path) -> Result<SqliteStore, StoreError> {
         let path = std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf());
+        let created = schema::create_if_missing(&path)?;
         let lock = lock::acquire(&path)?;
+        schema::inspect(&path, lock.file())?;
         let mut conn = Connection::open_with_flags(&path, schema::OPEN_FLAGS)
             .map_err(|e| sql_error(&path, "cannot open", e))?;
+        let version = schema::existing_version(&path, &conn)?;
         schema::configure(&path, &conn)?;
-        schema::migrate(&path, &mut conn)?;
+        schema::migrate(&path, &mut conn, version)?;
+        let (machines, fence_marks) = schema::counts(&path, &conn)?;
         // Checkpoints run on their own connection so commits never wait
         // for the database file to be written and synced.
         let checkpoint_conn = Connection::open_with_flags(&path, schema::OPEN_FLAGS)
@@ -103,8 +130,18 @@ impl SqliteStore {
                 return Err(e);
             }
         };
+        let origin = if created {
+            Origin::Created
+        } else {
+            Origin::Loaded
+        };
         Ok(SqliteStore {
             path,
+            report: OpenReport {
+                origin,
+                machines,
+                fence_marks,
+            },
             shared,
             done,
             writer: Some(writer),
@@ -112,6 +149,11 @@ impl SqliteStore {
             conn,
             _lock: lock,
         })
+    }
+
+    /// Whether the state was created or loaded, and what it held.
+    pub fn report(&self) -> &OpenReport {
+        &self.report
     }
 
     /// The database file's path.

@@ -36,7 +36,7 @@ static HELD: Mutex<Option<HashSet<(u64, u64)>>> = Mutex::new(None);
 
 /// Held for the life of a store; dropping it releases the state.
 pub(crate) struct StateLock {
-    _db: File,
+    db: File,
     _pid_file: File,
     key: (u64, u64),
 }
@@ -49,6 +49,13 @@ impl Drop for StateLock {
     }
 }
 
+impl StateLock {
+    /// The locked database file (open read-write).
+    pub(crate) fn file(&self) -> &File {
+        &self.db
+    }
+}
+
 /// `<path>.lock`: the owner's pid, and the lock older builds take.
 pub(crate) fn pid_path(path: &Path) -> PathBuf {
     let mut name = OsString::from(path.as_os_str());
@@ -56,8 +63,8 @@ pub(crate) fn pid_path(path: &Path) -> PathBuf {
     PathBuf::from(name)
 }
 
-/// Lock the database file at `path` (creating it with mode 0600 if
-/// missing), refusing if another process holds it, and record our pid.
+/// Lock the existing database file at `path`, refusing if another process
+/// holds it, and record our pid.
 pub(crate) fn acquire(path: &Path) -> Result<StateLock, StoreError> {
     // Held throughout, so two threads of this process cannot both get past
     // the check. `stat` opens no descriptor (see the module comment).
@@ -68,23 +75,11 @@ pub(crate) fn acquire(path: &Path) -> Result<StateLock, StoreError> {
             return Err(in_use(path, Some(std::process::id())));
         }
     }
-    let existed = path.exists();
-    // Mode 0600 independent of the umask; SQLite gives its `-wal` and
-    // `-shm` files the same mode.
     let db = OpenOptions::new()
         .read(true)
         .write(true)
-        .create(true)
-        .truncate(false)
-        .mode(0o600)
         .open(path)
-        .map_err(|e| io_error(path, "cannot create or open", e))?;
-    if !existed {
-        // Make the new directory entry itself durable.
-        File::open(crate::error::parent_dir(path))
-            .and_then(|dir| dir.sync_all())
-            .map_err(|e| io_error(path, "cannot sync its directory", e))?;
-    }
+        .map_err(|e| io_error(path, "cannot open", e))?;
     let meta = db
         .metadata()
         .map_err(|e| io_error(path, "cannot inspect", e))?;
@@ -111,7 +106,7 @@ pub(crate) fn acquire(path: &Path) -> Result<StateLock, StoreError> {
     let pid_file = lock_pid_file(path)?;
     held.insert(key);
     Ok(StateLock {
-        _db: db,
+        db,
         _pid_file: pid_file,
         key,
     })

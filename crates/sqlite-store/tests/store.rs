@@ -203,6 +203,7 @@ fn corrupt_file_is_rejected() {
     assert_eq!(err.kind(), StoreErrorKind::Corrupt);
     let err = err.to_string();
     eprintln!("{err}");
+    assert!(err.contains("not an SQLite database"), "{err}");
     assert!(err.contains("point --state at a new path"), "{err}");
     assert!(
         err.contains(&format!(
