@@ -92,7 +92,7 @@ fn open_store(plan: &Plan) -> Result<Arc<dyn Store>, String> {
     // Says which of the two happened, so a state that was expected but
     // silently replaced by a fresh one shows in the first lines of the log.
     let report = store.report();
-    match report.origin {
+    match &report.origin {
         sqlite_store::Origin::Created => {
             tracing::info!(path = %store.path().display(), "state created");
         }
@@ -101,6 +101,14 @@ fn open_store(plan: &Plan) -> Result<Arc<dyn Store>, String> {
             machines = report.machines,
             fence_marks = report.fence_marks,
             "state loaded"
+        ),
+        sqlite_store::Origin::Imported(imported) => tracing::info!(
+            path = %store.path().display(),
+            backup = %imported.backup.display(),
+            machines = report.machines,
+            fence_marks = report.fence_marks,
+            operation_ids = imported.operation_ids,
+            "state imported from the reference implementation's JSON file"
         ),
     }
     Ok(Arc::new(store))

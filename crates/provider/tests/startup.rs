@@ -655,3 +655,73 @@ async fn state_is_created_then_loaded_with_its_counts() {
         second.stderr()
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reference_json_state_is_imported_once() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let state = dir.path().join("state.json");
+    // The reference implementation's JSON state, in its published layout.
+    let reference = r#"{
+  "machines": [
+    {"ID": "m-ref", "State": "Configured", "Host": {"Provider": "proxmox", "Ref": "pve-a/900"},
+     "InstanceType": "pve.small", "Zone": "pve-a", "CapacityType": "OnDemand",
+     "PricePerHour": 0.1, "InterruptionProbability": 0, "Resources": null,
+     "Allocatable": null, "Labels": null, "Cluster": "c1",
+     "ShardMetadata": {"k": "v"}, "LastError": ""}
+  ],
+  "fences": [{"shard_id": "shard-a", "machine_id": "m-ref", "epoch": 4, "sequence": 9}],
+  "ops": [{"machine_id": "m-ref", "kind": "configure", "operation_id": "op-3"}],
+  "rev": 5,
+  "next_op": 4
+}"#;
+    std::fs::write(&state, reference).expect("write");
+    let args = ["--use-fake-backend", "--state", path_str(&state)];
+    let first = tokio::task::block_in_place(|| Provider::start(&args));
+    let line = first
+        .logs
+        .lines()
+        .into_iter()
+        .find(|l| l.contains("state imported from the reference implementation"))
+        .unwrap_or_else(|| panic!("no import line:\n{}", first.stderr()));
+    let backup = dir.path().join("state.json.reference-backup");
+    assert_eq!(
+        common::field(&line, "backup"),
+        Some(path_str(&backup)),
+        "{line}"
+    );
+    assert_eq!(common::field(&line, "machines"), Some("1"), "{line}");
+    assert_eq!(common::field(&line, "fence_marks"), Some("1"), "{line}");
+    assert_eq!(common::field(&line, "operation_ids"), Some("1"), "{line}");
+    assert_eq!(std::fs::read_to_string(&backup).expect("backup"), reference);
+    drop(first);
+
+    let second = tokio::task::block_in_place(|| Provider::start(&args));
+    assert!(
+        second
+            .logs
+            .lines()
+            .iter()
+            .any(|l| l.contains("state loaded")),
+        "imported once, then loaded:\n{}",
+        second.stderr()
+    );
+}
+
+#[test]
+fn a_new_json_state_path_is_created_as_a_database() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let state = dir.path().join("state.json");
+    let provider = Provider::start(&["--use-fake-backend", "--state", path_str(&state)]);
+    assert!(
+        provider
+            .logs
+            .lines()
+            .iter()
+            .any(|l| l.contains("state created")),
+        "{}",
+        provider.stderr()
+    );
+    drop(provider);
+    let head = std::fs::read(&state).expect("state");
+    assert!(head.starts_with(b"SQLite format 3\0"));
+}

@@ -13,13 +13,15 @@
 //! database file itself (see `lock`). A missing file is created complete
 //! (schema included) under a temporary name and linked into place; an
 //! existing file that is empty, not SQLite, or SQLite without this schema is
-//! refused instead of being taken for a fresh state.
+//! refused instead of being taken for a fresh state. The reference
+//! implementation's JSON state is imported once (see `import`).
 //!
 //! Modules: `schema` (what is on disk), `lock` (one writer), `writer`
 //! (group commit and checkpoints), `decode` (loading), `error` (messages).
 
 mod decode;
 mod error;
+mod import;
 mod lock;
 mod schema;
 mod writer;
@@ -39,6 +41,7 @@ use crate::error::sql_error;
 use crate::lock::StateLock;
 use crate::writer::{checkpoint_loop, shutdown, writer_loop, Shared};
 
+pub use import::Imported;
 pub use schema::SCHEMA_VERSION;
 
 /// How [`SqliteStore::open`] found the state.
@@ -48,6 +51,9 @@ pub enum Origin {
     Created,
     /// An existing state was opened.
     Loaded,
+    /// The reference implementation's JSON state was found at the path,
+    /// imported, and replaced by a new database there.
+    Imported(Imported),
 }
 
 /// What [`SqliteStore::open`] found, for the start-up log.
@@ -79,8 +85,11 @@ impl SqliteStore {
     pub fn open(path: &Path) -> Result<SqliteStore, StoreError> {
         let path = std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf());
         let created = schema::create_if_missing(&path)?;
-        let lock = lock::acquire(&path)?;
-        schema::inspect(&path, lock.file())?;
+        let mut lock = lock::acquire(&path)?;
+        let imported = match schema::inspect(&path, lock.file())? {
+            schema::Content::Sqlite => None,
+            schema::Content::ReferenceJson => Some(import::import(&path, &mut lock)?),
+        };
         let mut conn = Connection::open_with_flags(&path, schema::OPEN_FLAGS)
             .map_err(|e| sql_error(&path, "cannot open", e))?;
         let version = schema::existing_version(&path, &conn)?;
@@ -130,10 +139,10 @@ impl SqliteStore {
                 return Err(e);
             }
         };
-        let origin = if created {
-            Origin::Created
-        } else {
-            Origin::Loaded
+        let origin = match imported {
+            Some(imported) => Origin::Imported(imported),
+            None if created => Origin::Created,
+            None => Origin::Loaded,
         };
         Ok(SqliteStore {
             path,

@@ -54,6 +54,29 @@ impl StateLock {
     pub(crate) fn file(&self) -> &File {
         &self.db
     }
+
+    /// Move the lock to `file`, which is about to replace the locked file
+    /// at `path` (an import): it is locked before the old one is let go.
+    pub(crate) fn adopt(&mut self, path: &Path, file: File) -> Result<(), StoreError> {
+        flock(&file, FlockOperation::NonBlockingLockExclusive).map_err(|e| {
+            io_error(
+                path,
+                "cannot lock the imported database",
+                io::Error::from(e),
+            )
+        })?;
+        let meta = file
+            .metadata()
+            .map_err(|e| io_error(path, "cannot inspect the imported database", e))?;
+        let key = (meta.dev(), meta.ino());
+        let mut held = HELD.lock();
+        let held = held.get_or_insert_with(HashSet::new);
+        held.remove(&self.key);
+        held.insert(key);
+        self.key = key;
+        self.db = file;
+        Ok(())
+    }
 }
 
 /// `<path>.lock`: the owner's pid, and the lock older builds take.

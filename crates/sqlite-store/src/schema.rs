@@ -50,14 +50,14 @@ const SQLITE_HEADER: &[u8; 16] = b"SQLite format 3\0";
 pub(crate) const OPEN_FLAGS: OpenFlags =
     OpenFlags::SQLITE_OPEN_READ_WRITE.union(OpenFlags::SQLITE_OPEN_NO_MUTEX);
 
-fn sibling(path: &Path, suffix: &str) -> PathBuf {
+pub(crate) fn sibling(path: &Path, suffix: &str) -> PathBuf {
     let mut name = OsString::from(path.as_os_str());
     name.push(suffix);
     PathBuf::from(name)
 }
 
 /// Make the directory entries in `path`'s directory durable.
-fn sync_dir(path: &Path) -> Result<(), StoreError> {
+pub(crate) fn sync_dir(path: &Path) -> Result<(), StoreError> {
     File::open(parent_dir(path))
         .and_then(|dir| dir.sync_all())
         .map_err(|e| io_error(path, "cannot sync its directory", e))
@@ -87,7 +87,7 @@ pub(crate) fn create_if_missing(path: &Path) -> Result<bool, StoreError> {
 }
 
 /// Write a complete schema-only database at `temp` and sync it.
-fn build_new(path: &Path, temp: &Path) -> Result<(), StoreError> {
+pub(crate) fn build_new(path: &Path, temp: &Path) -> Result<(), StoreError> {
     // A leftover of an earlier process with our pid is never in use.
     let _ = std::fs::remove_file(temp);
     // Created by us with mode 0600, independent of the umask; SQLite gives
@@ -139,9 +139,18 @@ fn publish(path: &Path, temp: &Path) -> Result<bool, StoreError> {
     }
 }
 
+/// What an existing file at the state path holds.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Content {
+    Sqlite,
+    /// The reference implementation's JSON state, to be imported.
+    ReferenceJson,
+}
+
 /// Refuse, before SQLite touches it, a file that cannot be a state
-/// database: empty, or not SQLite at all.
-pub(crate) fn inspect(path: &Path, file: &File) -> Result<(), StoreError> {
+/// database: empty, or neither SQLite nor the reference implementation's
+/// JSON state.
+pub(crate) fn inspect(path: &Path, file: &File) -> Result<Content, StoreError> {
     let len = file
         .metadata()
         .map_err(|e| io_error(path, "cannot inspect", e))?
@@ -151,7 +160,7 @@ pub(crate) fn inspect(path: &Path, file: &File) -> Result<(), StoreError> {
         // here; SQLite recovers it from the log.
         let wal = std::fs::metadata(sibling(path, "-wal")).map_or(0, |m| m.len());
         if wal > 0 {
-            return Ok(());
+            return Ok(Content::Sqlite);
         }
         return Err(StoreError::corrupt(format!(
             "state file {} is empty (0 bytes): it is not a state database; {NOT_A_STATE_FIX}",
@@ -160,13 +169,16 @@ pub(crate) fn inspect(path: &Path, file: &File) -> Result<(), StoreError> {
     }
     let mut head = [0u8; 16];
     let read = read_prefix(file, &mut head).map_err(|e| io_error(path, "cannot read", e))?;
-    if &head[..read] != SQLITE_HEADER {
-        return Err(invalid(
-            path,
-            "it is not an SQLite database (it lacks the SQLite file header)",
-        ));
+    if &head[..read] == SQLITE_HEADER {
+        return Ok(Content::Sqlite);
     }
-    Ok(())
+    if crate::import::looks_like_json(&head[..read]) {
+        return Ok(Content::ReferenceJson);
+    }
+    Err(invalid(
+        path,
+        "it is not an SQLite database (it lacks the SQLite file header)",
+    ))
 }
 
 /// Fill as much of `buf` as the file has, from offset 0.

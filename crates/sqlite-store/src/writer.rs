@@ -183,6 +183,14 @@ impl Batch {
     }
 }
 
+/// Write `changes` in one transaction outside the writer thread (an
+/// import into a database nobody else has open yet).
+pub(crate) fn write_changes(conn: &mut Connection, changes: Vec<Change>) -> rusqlite::Result<()> {
+    let mut batch = Batch::default();
+    batch.merge(changes);
+    write_batch(conn, &batch)
+}
+
 fn write_batch(conn: &mut Connection, batch: &Batch) -> rusqlite::Result<()> {
     let tx = conn.transaction()?;
     {

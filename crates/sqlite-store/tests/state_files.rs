@@ -170,8 +170,8 @@ fn schema_less_sqlite_file_is_refused() {
 #[test]
 fn foreign_file_is_refused() {
     let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("state.json");
-    std::fs::write(&path, br#"{"fences": {}}"#).unwrap();
+    let path = dir.path().join("state.db");
+    std::fs::write(&path, "machines:\n  - m-1\n").unwrap();
     let err = SqliteStore::open(&path).err().expect("foreign must fail");
     assert_eq!(err.kind(), StoreErrorKind::Corrupt);
     let text = err.to_string();
