@@ -115,7 +115,10 @@ pub(crate) fn acquire(path: &Path) -> Result<StateLock, StoreError> {
     match flock(&db, FlockOperation::NonBlockingLockExclusive) {
         Ok(()) => {}
         Err(e) if e == rustix::io::Errno::WOULDBLOCK => {
-            let pid = holder_pid(&meta).or_else(|| recorded_pid(path));
+            // The kernel's answer when it is certain, then the pid file,
+            // then a match on the inode alone.
+            let (exact, loose) = holder_pid(&meta);
+            let pid = exact.or_else(|| recorded_pid(path)).or(loose);
             return Err(in_use(path, pid));
         }
         Err(e) => return Err(io_error(path, "cannot lock", e.into())),
@@ -189,16 +192,20 @@ fn recorded_pid(path: &Path) -> Option<u32> {
 
 /// The pid holding a `flock` on the file, from the kernel's lock table
 /// (Linux `/proc/locks`): right even when `<path>.lock` was deleted or
-/// rewritten. `None` where the table is unavailable.
-fn holder_pid(meta: &std::fs::Metadata) -> Option<u32> {
-    let table = std::fs::read_to_string("/proc/locks").ok()?;
-    holder_in(&table, meta.dev(), meta.ino())
+/// rewritten. Nothing where the table is unavailable.
+fn holder_pid(meta: &std::fs::Metadata) -> (Option<u32>, Option<u32>) {
+    match std::fs::read_to_string("/proc/locks") {
+        Ok(table) => holder_in(&table, meta.dev(), meta.ino()),
+        Err(_) => (None, None),
+    }
 }
 
-/// Lines look like `3: FLOCK  ADVISORY  WRITE 4242 08:01:1234 0 EOF`. The
-/// device is the filesystem's, which can differ from `st_dev` (btrfs
-/// subvolumes), so a unique inode match counts when the device does not.
-pub(crate) fn holder_in(table: &str, dev: u64, ino: u64) -> Option<u32> {
+/// Lines look like `3: FLOCK  ADVISORY  WRITE 4242 08:01:1234 0 EOF`.
+/// Returns the holder matched on device and inode, and failing that the
+/// only holder matched on the inode alone: the device listed is the
+/// filesystem's, which can differ from `st_dev` (btrfs subvolumes), but an
+/// inode number alone may also belong to another filesystem's file.
+pub(crate) fn holder_in(table: &str, dev: u64, ino: u64) -> (Option<u32>, Option<u32>) {
     let want_dev = format!(
         "{:02x}:{:02x}",
         rustix::fs::major(dev),
@@ -222,13 +229,13 @@ pub(crate) fn holder_in(table: &str, dev: u64, ino: u64) -> Option<u32> {
             continue;
         }
         if device == want_dev {
-            return Some(pid);
+            return (Some(pid), None);
         }
         by_inode.push(pid);
     }
     match by_inode.as_slice() {
-        [pid] => Some(*pid),
-        _ => None,
+        [pid] => (None, Some(*pid)),
+        _ => (None, None),
     }
 }
 
@@ -243,9 +250,15 @@ mod tests {
                      2: FLOCK  ADVISORY  WRITE 4242 08:01:77 0 EOF\n\
                      2: -> FLOCK  ADVISORY  WRITE 5151 08:01:77 0 EOF\n\
                      3: FLOCK  ADVISORY  WRITE 99 08:01:78 0 EOF\n";
-        assert_eq!(holder_in(table, dev, 77), Some(4242));
-        assert_eq!(holder_in(table, dev, 79), None);
-        // Another device number, one inode match: still that holder.
-        assert_eq!(holder_in(table, rustix::fs::makedev(0, 40), 78), Some(99));
+        assert_eq!(holder_in(table, dev, 77), (Some(4242), None));
+        assert_eq!(holder_in(table, dev, 79), (None, None));
+        // Another device number, one inode match: a likely holder only.
+        assert_eq!(
+            holder_in(table, rustix::fs::makedev(0, 40), 78),
+            (None, Some(99))
+        );
+        // A holder outside our pid namespace is listed as 0: no pid.
+        let hidden = "1: FLOCK  ADVISORY  WRITE 0 08:01:77 0 EOF\n";
+        assert_eq!(holder_in(hidden, dev, 77), (None, None));
     }
 }
