@@ -17,7 +17,8 @@
 //! implementation's JSON state is imported once (see `import`).
 //!
 //! Modules: `schema` (what is on disk), `lock` (one writer), `writer`
-//! (group commit and checkpoints), `decode` (loading), `error` (messages).
+//! (group commit and checkpoints), `decode` (loading), `import` (the
+//! reference implementation's state), `error` (messages).
 
 mod decode;
 mod error;
