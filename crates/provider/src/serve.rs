@@ -85,12 +85,33 @@ fn http_router(metrics: Arc<Metrics>, ready: Readiness) -> Router {
 }
 
 fn open_store(plan: &Plan) -> Result<Arc<dyn Store>, String> {
-    match &plan.state {
-        None => Ok(Arc::new(MemoryStore::new())),
-        Some(path) => sqlite_store::SqliteStore::open(path)
-            .map(|store| Arc::new(store) as Arc<dyn Store>)
-            .map_err(|e| e.0),
+    let Some(path) = &plan.state else {
+        return Ok(Arc::new(MemoryStore::new()));
+    };
+    let store = sqlite_store::SqliteStore::open(path).map_err(|e| e.to_string())?;
+    // Says which of the two happened, so a state that was expected but
+    // silently replaced by a fresh one shows in the first lines of the log.
+    let report = store.report();
+    match &report.origin {
+        sqlite_store::Origin::Created => {
+            tracing::info!(path = %store.path().display(), "state created");
+        }
+        sqlite_store::Origin::Loaded => tracing::info!(
+            path = %store.path().display(),
+            machines = report.machines,
+            fence_marks = report.fence_marks,
+            "state loaded"
+        ),
+        sqlite_store::Origin::Imported(imported) => tracing::info!(
+            path = %store.path().display(),
+            backup = %imported.backup.display(),
+            machines = report.machines,
+            fence_marks = report.fence_marks,
+            operation_ids = imported.operation_ids,
+            "state imported from the reference implementation's JSON file"
+        ),
     }
+    Ok(Arc::new(store))
 }
 
 /// The real substrate, checked against the cluster before serving: the

@@ -1111,3 +1111,57 @@ async fn a_landing_seen_by_get_survives_an_immediate_kill() {
         drop(proc);
     }
 }
+
+/// One writer per state, enforced on the database file: with the first
+/// provider alive a second one is refused (naming the first's pid) even
+/// after `<state>.lock` is deleted; once the first is killed -9, the next
+/// one starts on the same state.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_provider_is_refused_even_without_the_lock_file() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("state.db");
+    let mut first = start_blocking(&path);
+    let first_pid = format!("pid {}", first.child.id());
+    std::fs::remove_file(dir.path().join("state.db.lock")).expect("the .lock file exists");
+
+    let second = tokio::task::block_in_place(|| {
+        common::run_to_exit(
+            &[
+                "--use-fake-backend",
+                "--addr",
+                "127.0.0.1:0",
+                "--metrics-addr",
+                "",
+                "--state",
+                common::path_str(&path),
+            ],
+            common::STARTUP_DEADLINE,
+        )
+    });
+    assert!(
+        !second.status.success(),
+        "a second provider on a held state must exit:\n{}",
+        second.stderr
+    );
+    assert!(
+        second.stderr.contains("in use by another provider process")
+            && second.stderr.contains(&first_pid),
+        "the refusal names the holder ({first_pid}):\n{}",
+        second.stderr
+    );
+    assert!(
+        !second.stderr.contains("serving CapacityProvider"),
+        "{}",
+        second.stderr
+    );
+    // The first one still serves its state.
+    list_all(&mut first.client().await, "first after the refusal").await;
+
+    first.kill();
+    let third = start_blocking(&path);
+    let lines = third.lines.lock().unwrap().join("\n");
+    assert!(
+        lines.contains("state loaded"),
+        "the killed provider's state is loaded:\n{lines}"
+    );
+}

@@ -491,3 +491,237 @@ fn use_fake_backend_conflicts_with_an_api_url() {
         &["--use-fake-backend", "--proxmox-api-url"],
     );
 }
+
+/// Run the fake backend on `state` (ephemeral ports) and expect a refusal
+/// whose stderr has every `expect` fragment; the file must be left as it was.
+fn state_refused(state: &std::path::Path, expect: &[&str]) {
+    let before = std::fs::read(state).expect("read the state file");
+    let run = run_to_exit(
+        &[
+            "--use-fake-backend",
+            "--addr",
+            "127.0.0.1:0",
+            "--metrics-addr",
+            "",
+            "--state",
+            path_str(state),
+        ],
+        EXIT_DEADLINE,
+    );
+    assert!(!run.status.success(), "must refuse:\n{}", run.stderr);
+    for e in expect {
+        assert!(
+            run.stderr.contains(e),
+            "stderr lacks {e:?}:\n{}",
+            run.stderr
+        );
+    }
+    assert!(
+        !run.stderr.contains("serving CapacityProvider"),
+        "{}",
+        run.stderr
+    );
+    assert!(!run.stderr.contains("state created"), "{}", run.stderr);
+    assert!(
+        std::fs::read(state).expect("read the state file") == before,
+        "a refused state file is not modified"
+    );
+}
+
+#[test]
+fn empty_state_file_is_refused() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let state = dir.path().join("state.db");
+    std::fs::write(&state, b"").expect("write");
+    state_refused(
+        &state,
+        &[
+            &format!("state file {} is empty (0 bytes)", state.display()),
+            "point --state at a new path",
+        ],
+    );
+}
+
+/// A valid SQLite database without tables, byte for byte (one 4096-byte
+/// page): what `sqlite3 FILE 'PRAGMA user_version = 1'` writes, i.e. a file
+/// some tool opened and left without this provider's schema.
+fn schema_less_sqlite() -> Vec<u8> {
+    let mut page = vec![0u8; 4096];
+    page[..16].copy_from_slice(b"SQLite format 3\0");
+    page[16] = 0x10; // page size 0x1000, big-endian
+    page[18] = 1; // write version: rollback journal
+    page[19] = 1; // read version
+    page[21] = 64; // payload fractions, fixed by the format
+    page[22] = 32;
+    page[23] = 32;
+    page[27] = 1; // file change counter
+    page[31] = 1; // database size: one page
+    page[63] = 1; // user version
+    page[95] = 1; // "version valid for" = the change counter
+    page[100] = 13; // page 1 is an empty table b-tree leaf (the schema table)
+    page[105] = 0x10; // its cell content area starts at 4096: no cells
+    page
+}
+
+#[test]
+fn schema_less_sqlite_state_file_is_refused() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let state = dir.path().join("state.db");
+    std::fs::write(&state, schema_less_sqlite()).expect("write");
+    state_refused(
+        &state,
+        &[
+            &state.display().to_string(),
+            "without the state schema",
+            "point --state at a new path",
+        ],
+    );
+}
+
+#[test]
+fn foreign_state_file_is_refused() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let state = dir.path().join("state.db");
+    std::fs::write(&state, "machines:\n  - m-1\n").expect("write");
+    state_refused(
+        &state,
+        &[
+            &state.display().to_string(),
+            "not an SQLite database",
+            "point --state at a new path",
+        ],
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn state_is_created_then_loaded_with_its_counts() {
+    use bigfleet_proto::v1alpha1 as pb;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let state = dir.path().join("state.db");
+    let args = [
+        "--use-fake-backend",
+        "--seed-count",
+        "2",
+        "--state",
+        path_str(&state),
+    ];
+    let first = tokio::task::block_in_place(|| Provider::start(&args));
+    let created = first
+        .logs
+        .lines()
+        .into_iter()
+        .find(|l| l.contains("state created"))
+        .unwrap_or_else(|| panic!("no `state created` line:\n{}", first.stderr()));
+    assert!(created.contains(&state.display().to_string()), "{created}");
+    assert!(
+        !first.stderr().contains("state loaded"),
+        "{}",
+        first.stderr()
+    );
+
+    // One fenced mutation leaves one fence mark.
+    let mut client = first.client().await;
+    let id = client
+        .list(pb::ListFilter::default())
+        .await
+        .expect("List")
+        .into_inner()
+        .machines[0]
+        .id
+        .clone();
+    client
+        .create(pb::CreateRequest {
+            machine_id: id,
+            shard_id: "shard-a".into(),
+            shard_epoch: 1,
+            sequence_number: 1,
+        })
+        .await
+        .expect("Create");
+    drop(first); // SIGKILL: acknowledged means durable
+
+    let second = tokio::task::block_in_place(|| Provider::start(&args));
+    let loaded = second
+        .logs
+        .lines()
+        .into_iter()
+        .find(|l| l.contains("state loaded"))
+        .unwrap_or_else(|| panic!("no `state loaded` line:\n{}", second.stderr()));
+    assert_eq!(common::field(&loaded, "machines"), Some("2"), "{loaded}");
+    assert_eq!(common::field(&loaded, "fence_marks"), Some("1"), "{loaded}");
+    assert!(
+        !second.stderr().contains("state created"),
+        "{}",
+        second.stderr()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reference_json_state_is_imported_once() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let state = dir.path().join("state.json");
+    // The reference implementation's JSON state, in its published layout.
+    let reference = r#"{
+  "machines": [
+    {"ID": "m-ref", "State": "Configured", "Host": {"Provider": "proxmox", "Ref": "pve-a/900"},
+     "InstanceType": "pve.small", "Zone": "pve-a", "CapacityType": "OnDemand",
+     "PricePerHour": 0.1, "InterruptionProbability": 0, "Resources": null,
+     "Allocatable": null, "Labels": null, "Cluster": "c1",
+     "ShardMetadata": {"k": "v"}, "LastError": ""}
+  ],
+  "fences": [{"shard_id": "shard-a", "machine_id": "m-ref", "epoch": 4, "sequence": 9}],
+  "ops": [{"machine_id": "m-ref", "kind": "configure", "operation_id": "op-3"}],
+  "rev": 5,
+  "next_op": 4
+}"#;
+    std::fs::write(&state, reference).expect("write");
+    let args = ["--use-fake-backend", "--state", path_str(&state)];
+    let first = tokio::task::block_in_place(|| Provider::start(&args));
+    let line = first
+        .logs
+        .lines()
+        .into_iter()
+        .find(|l| l.contains("state imported from the reference implementation"))
+        .unwrap_or_else(|| panic!("no import line:\n{}", first.stderr()));
+    let backup = dir.path().join("state.json.reference-backup");
+    assert_eq!(
+        common::field(&line, "backup"),
+        Some(path_str(&backup)),
+        "{line}"
+    );
+    assert_eq!(common::field(&line, "machines"), Some("1"), "{line}");
+    assert_eq!(common::field(&line, "fence_marks"), Some("1"), "{line}");
+    assert_eq!(common::field(&line, "operation_ids"), Some("1"), "{line}");
+    assert_eq!(std::fs::read_to_string(&backup).expect("backup"), reference);
+    drop(first);
+
+    let second = tokio::task::block_in_place(|| Provider::start(&args));
+    assert!(
+        second
+            .logs
+            .lines()
+            .iter()
+            .any(|l| l.contains("state loaded")),
+        "imported once, then loaded:\n{}",
+        second.stderr()
+    );
+}
+
+#[test]
+fn a_new_json_state_path_is_created_as_a_database() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let state = dir.path().join("state.json");
+    let provider = Provider::start(&["--use-fake-backend", "--state", path_str(&state)]);
+    assert!(
+        provider
+            .logs
+            .lines()
+            .iter()
+            .any(|l| l.contains("state created")),
+        "{}",
+        provider.stderr()
+    );
+    drop(provider);
+    let head = std::fs::read(&state).expect("state");
+    assert!(head.starts_with(b"SQLite format 3\0"));
+}

@@ -34,4 +34,7 @@ pub use listen::{bind_aux, AuxAddr, AuxListener, BindError};
 pub use model::{
     CatalogFacts, Facts, FactsInterner, MachineRecord, SharedFacts, State, TransitionKind,
 };
-pub use store::{Change, FenceMark, Loaded, MemoryStore, Store, StoreError, Ticket};
+pub use store::{
+    Change, FenceMark, Loaded, MemoryStore, Store, StoreError, StoreErrorKind, StoreErrorSource,
+    Ticket,
+};

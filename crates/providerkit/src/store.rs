@@ -45,9 +45,125 @@ pub struct Loaded {
     pub boot_generation: u64,
 }
 
-#[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
-#[error("{0}")]
-pub struct StoreError(pub String);
+/// What went wrong with a store, so callers can react without parsing text.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum StoreErrorKind {
+    /// A commit or read failed (I/O error, disk full); the store keeps
+    /// retrying and the condition may clear by itself.
+    Unavailable,
+    /// The state cannot be opened or created (missing directory, permission
+    /// denied, read-only filesystem, not a regular file).
+    Inaccessible,
+    /// The state is unreadable or is not a state at all (empty, foreign or
+    /// damaged file).
+    Corrupt,
+    /// The state was written by a newer version of the store.
+    Incompatible,
+    /// Another process owns the state.
+    Locked,
+    /// The store stopped before the change was committed.
+    Closed,
+}
+
+impl StoreErrorKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            StoreErrorKind::Unavailable => "unavailable",
+            StoreErrorKind::Inaccessible => "inaccessible",
+            StoreErrorKind::Corrupt => "corrupt",
+            StoreErrorKind::Incompatible => "incompatible",
+            StoreErrorKind::Locked => "locked",
+            StoreErrorKind::Closed => "closed",
+        }
+    }
+}
+
+impl std::fmt::Display for StoreErrorKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// The underlying cause, shared so the error stays cheap to clone (one
+/// failed commit is reported to every waiter of its batch).
+pub type StoreErrorSource = Arc<dyn std::error::Error + Send + Sync + 'static>;
+
+/// A store failure: its kind, a message that names the problem and the fix
+/// (this is what Display prints), and the underlying cause if any.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("{message}")]
+pub struct StoreError {
+    kind: StoreErrorKind,
+    message: String,
+    #[source]
+    source: Option<StoreErrorSource>,
+}
+
+impl StoreError {
+    pub fn new(kind: StoreErrorKind, message: impl Into<String>) -> StoreError {
+        StoreError {
+            kind,
+            message: message.into(),
+            source: None,
+        }
+    }
+
+    /// Attach the underlying cause (kept for `Error::source`, not printed
+    /// by Display: the message already says what it means).
+    pub fn with_source(mut self, source: impl std::error::Error + Send + Sync + 'static) -> Self {
+        self.source = Some(Arc::new(source));
+        self
+    }
+
+    /// The same error under another kind (a caller that knows better what
+    /// the failure means to it, e.g. a commit that will be retried).
+    pub fn with_kind(mut self, kind: StoreErrorKind) -> Self {
+        self.kind = kind;
+        self
+    }
+
+    pub fn unavailable(message: impl Into<String>) -> StoreError {
+        StoreError::new(StoreErrorKind::Unavailable, message)
+    }
+
+    pub fn inaccessible(message: impl Into<String>) -> StoreError {
+        StoreError::new(StoreErrorKind::Inaccessible, message)
+    }
+
+    pub fn corrupt(message: impl Into<String>) -> StoreError {
+        StoreError::new(StoreErrorKind::Corrupt, message)
+    }
+
+    pub fn incompatible(message: impl Into<String>) -> StoreError {
+        StoreError::new(StoreErrorKind::Incompatible, message)
+    }
+
+    pub fn locked(message: impl Into<String>) -> StoreError {
+        StoreError::new(StoreErrorKind::Locked, message)
+    }
+
+    pub fn closed(message: impl Into<String>) -> StoreError {
+        StoreError::new(StoreErrorKind::Closed, message)
+    }
+
+    pub fn kind(&self) -> StoreErrorKind {
+        self.kind
+    }
+
+    pub fn message(&self) -> &str {
+        &self.message
+    }
+}
+
+/// Equal when kind and message are: a source has no equality of its own.
+impl PartialEq for StoreError {
+    fn eq(&self, other: &StoreError) -> bool {
+        self.kind == other.kind && self.message == other.message
+    }
+}
+
+impl Eq for StoreError {}
 
 pub trait Store: Send + Sync + 'static {
     /// Load everything and durably start a new boot generation.

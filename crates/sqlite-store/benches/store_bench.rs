@@ -249,10 +249,10 @@ impl Store for NaiveJsonStore {
             tokio::task::spawn_blocking(move || {
                 let _one_writer = write.lock();
                 NaiveJsonStore::rewrite(&path, &state)
-                    .map_err(|e| StoreError(format!("{}: {e}", path.display())))
+                    .map_err(|e| StoreError::unavailable(format!("{}: {e}", path.display())))
             })
             .await
-            .map_err(|e| StoreError(e.to_string()))?
+            .map_err(|e| StoreError::unavailable(e.to_string()))?
         })
     }
 

@@ -6,7 +6,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use bigfleet_proto::v1alpha1 as pb;
-use providerkit::{CatalogFacts, Change, FenceMark, MachineRecord, State, Store};
+use providerkit::{CatalogFacts, Change, FenceMark, MachineRecord, State, Store, StoreErrorKind};
 use sqlite_store::{SqliteStore, SCHEMA_VERSION};
 
 fn record(id: &str, rev: u64, state: State) -> MachineRecord {
@@ -181,8 +181,9 @@ fn second_open_while_alive_is_refused() {
     let first = SqliteStore::open(&path).unwrap();
     let err = SqliteStore::open(&path)
         .err()
-        .expect("second open must fail")
-        .0;
+        .expect("second open must fail");
+    assert_eq!(err.kind(), StoreErrorKind::Locked);
+    let err = err.to_string();
     assert!(
         err.contains("is in use by another provider process")
             && err.contains(&format!("pid {}", std::process::id()))
@@ -198,8 +199,12 @@ fn corrupt_file_is_rejected() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("state.db");
     std::fs::write(&path, "this is not a database\n".repeat(500)).unwrap();
-    let err = SqliteStore::open(&path).err().expect("garbage must fail").0;
+    let err = SqliteStore::open(&path).err().expect("garbage must fail");
+    assert_eq!(err.kind(), StoreErrorKind::Corrupt);
+    let err = err.to_string();
     eprintln!("{err}");
+    assert!(err.contains("not an SQLite database"), "{err}");
+    assert!(err.contains("point --state at a new path"), "{err}");
     assert!(
         err.contains(&format!(
             "state file {} is not a valid state database",
@@ -219,8 +224,9 @@ fn foreign_database_is_rejected() {
     drop(conn);
     let err = SqliteStore::open(&path)
         .err()
-        .expect("foreign db must fail")
-        .0;
+        .expect("foreign db must fail");
+    assert_eq!(err.kind(), StoreErrorKind::Corrupt);
+    let err = err.to_string();
     assert!(err.contains("is not a valid state database"), "{err}");
     assert!(err.contains("users"), "{err}");
 }
@@ -237,7 +243,9 @@ fn undecodable_record_is_reported_on_load() {
     )
     .unwrap();
     drop(conn);
-    let err = SqliteStore::open(&path).unwrap().load().err().unwrap().0;
+    let err = SqliteStore::open(&path).unwrap().load().err().unwrap();
+    assert_eq!(err.kind(), StoreErrorKind::Corrupt);
+    let err = err.to_string();
     assert!(err.contains("is not a valid state database"), "{err}");
     assert!(err.contains("\"m-1\""), "{err}");
 }
@@ -253,8 +261,9 @@ fn newer_schema_is_refused() {
     drop(conn);
     let err = SqliteStore::open(&path)
         .err()
-        .expect("newer schema must fail")
-        .0;
+        .expect("newer schema must fail");
+    assert_eq!(err.kind(), StoreErrorKind::Incompatible);
+    let err = err.to_string();
     assert_eq!(
         err,
         format!(
@@ -268,9 +277,16 @@ fn newer_schema_is_refused() {
 fn missing_directory_is_named() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("nope").join("state.db");
-    let err = SqliteStore::open(&path).err().unwrap().0;
+    let err = SqliteStore::open(&path).err().unwrap();
+    assert_eq!(err.kind(), StoreErrorKind::Inaccessible);
+    assert!(
+        std::error::Error::source(&err).is_some(),
+        "the I/O error is kept as the source"
+    );
+    let err = err.to_string();
     assert!(err.contains(&path.display().to_string()), "{err}");
     assert!(err.contains("does not exist"), "{err}");
+    assert!(!path.exists() && !dir.path().join("nope").exists());
 }
 
 #[test]
@@ -288,7 +304,9 @@ fn unwritable_directory_is_named() {
         eprintln!("skipped: no unwritable directory available to this user");
         return;
     };
-    let err = SqliteStore::open(&target).err().expect("must fail").0;
+    let err = SqliteStore::open(&target).err().expect("must fail");
+    assert_eq!(err.kind(), StoreErrorKind::Inaccessible);
+    let err = err.to_string();
     eprintln!("{err}");
     assert!(err.contains(&target.display().to_string()), "{err}");
     assert!(
@@ -315,8 +333,9 @@ async fn failed_commit_reports_and_later_commit_heals() {
     let err = store
         .durable(t)
         .await
-        .expect_err("a full database must fail")
-        .0;
+        .expect_err("a full database must fail");
+    assert_eq!(err.kind(), StoreErrorKind::Unavailable);
+    let err = err.to_string();
     eprintln!("{err}");
     assert!(err.contains(&path.display().to_string()), "{err}");
     assert!(err.contains("no space"), "{err}");

@@ -1,0 +1,304 @@
+//! The write path: one thread drains every queued change into a single
+//! transaction (group commit), a second copies the WAL into the database
+//! in the background, and failed commits are carried until one succeeds.
+
+use std::collections::HashMap;
+use std::ffi::OsString;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use parking_lot::{Condvar, Mutex};
+use providerkit::{Change, FenceMark, MachineRecord, StoreError, StoreErrorKind, Ticket};
+use rusqlite::Connection;
+use tokio::sync::watch;
+
+use crate::error::sql_error;
+
+const UPSERT_MACHINE: &str = "INSERT INTO machines
+     (id, rev, record, op_create, op_configure, op_drain, op_delete)
+     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)
+     ON CONFLICT (id) DO UPDATE SET rev = excluded.rev, record = excluded.record,
+         op_create = excluded.op_create, op_configure = excluded.op_configure,
+         op_drain = excluded.op_drain, op_delete = excluded.op_delete";
+
+const UPSERT_FENCE: &str = "INSERT INTO fences (shard_id, machine_id, epoch, sequence)
+     VALUES (?1, ?2, ?3, ?4)
+     ON CONFLICT (shard_id, machine_id) DO UPDATE SET epoch = excluded.epoch,
+         sequence = excluded.sequence";
+
+/// How long the writer waits before retrying changes whose commit failed
+/// when no new submission arrives to carry them.
+const RETRY_INTERVAL: Duration = Duration::from_secs(1);
+
+/// How often the checkpointer copies committed WAL frames into the database.
+const CHECKPOINT_INTERVAL: Duration = Duration::from_millis(200);
+
+/// WAL size at which the writer itself forces a checkpoint (backpressure
+/// when the background checkpointer cannot keep up).
+const WAL_LIMIT_BYTES: u64 = 64 * 1024 * 1024;
+
+pub(crate) struct Shared {
+    pub(crate) path: PathBuf,
+    pub(crate) queue: Mutex<Queue>,
+    pub(crate) wake: Condvar,
+    /// Ticket ranges whose commit failed and whose changes are not yet
+    /// durable; cleared by the next successful commit (which carries them).
+    failures: Mutex<Vec<Failure>>,
+    pub(crate) commits: AtomicU64,
+    stop_checkpoints: Mutex<bool>,
+    checkpoint_wake: Condvar,
+}
+
+#[derive(Default)]
+pub(crate) struct Queue {
+    /// The last ticket handed out.
+    pub(crate) issued: Ticket,
+    /// Every change submitted since the writer last drained, in order.
+    pub(crate) pending: Vec<Change>,
+    shutdown: bool,
+}
+
+struct Failure {
+    first: Ticket,
+    last: Ticket,
+    error: StoreError,
+}
+
+impl Shared {
+    pub(crate) fn new(path: PathBuf) -> Shared {
+        Shared {
+            path,
+            queue: Mutex::new(Queue::default()),
+            wake: Condvar::new(),
+            failures: Mutex::new(Vec::new()),
+            commits: AtomicU64::new(0),
+            stop_checkpoints: Mutex::new(false),
+            checkpoint_wake: Condvar::new(),
+        }
+    }
+
+    pub(crate) fn failure_for(&self, ticket: Ticket) -> Option<StoreError> {
+        self.failures
+            .lock()
+            .iter()
+            .find(|f| (f.first..=f.last).contains(&ticket))
+            .map(|f| f.error.clone())
+    }
+
+    fn record_failure(&self, first: Ticket, last: Ticket, error: StoreError) {
+        let mut failures = self.failures.lock();
+        // Consecutive failures (a dead disk) coalesce into one range.
+        if let Some(prev) = failures.last_mut() {
+            if prev.last + 1 == first {
+                prev.last = last;
+                prev.error = error;
+                return;
+            }
+        }
+        failures.push(Failure { first, last, error });
+    }
+}
+
+/// Let the writer commit what is queued, then stop both threads.
+pub(crate) fn shutdown(
+    shared: &Shared,
+    writer: Option<JoinHandle<()>>,
+    checkpointer: Option<JoinHandle<()>>,
+) {
+    shared.queue.lock().shutdown = true;
+    shared.wake.notify_all();
+    if let Some(writer) = writer {
+        if writer.join().is_err() {
+            tracing::error!(path = %shared.path.display(), "state store writer thread panicked");
+        }
+    }
+    *shared.stop_checkpoints.lock() = true;
+    shared.checkpoint_wake.notify_all();
+    if let Some(checkpointer) = checkpointer {
+        if checkpointer.join().is_err() {
+            tracing::error!(path = %shared.path.display(), "state store checkpoint thread panicked");
+        }
+    }
+}
+
+/// Copy committed frames from the WAL into the database in the background
+/// (PASSIVE: never blocks the writer).
+pub(crate) fn checkpoint_loop(shared: &Shared, conn: Connection) {
+    let mut seen = 0;
+    loop {
+        {
+            let mut stop = shared.stop_checkpoints.lock();
+            if !*stop {
+                shared
+                    .checkpoint_wake
+                    .wait_for(&mut stop, CHECKPOINT_INTERVAL);
+            }
+            if *stop {
+                return;
+            }
+        }
+        let commits = shared.commits.load(Ordering::Relaxed);
+        if commits == seen {
+            continue;
+        }
+        seen = commits;
+        if let Err(e) = conn.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(())) {
+            tracing::warn!(path = %shared.path.display(), error = %e, "background checkpoint failed");
+        }
+    }
+}
+
+/// The latest version of every changed row; later changes overwrite earlier.
+#[derive(Default)]
+struct Batch {
+    machines: HashMap<String, Arc<MachineRecord>>,
+    fences: HashMap<(String, String), FenceMark>,
+}
+
+impl Batch {
+    fn merge(&mut self, changes: Vec<Change>) {
+        for change in changes {
+            match change {
+                Change::Machine(record) => {
+                    self.machines.insert(record.id.clone(), record);
+                }
+                Change::Fence(mark) => {
+                    self.fences
+                        .insert((mark.shard_id.clone(), mark.machine_id.clone()), mark);
+                }
+            }
+        }
+    }
+
+    fn is_empty(&self) -> bool {
+        self.machines.is_empty() && self.fences.is_empty()
+    }
+
+    fn clear(&mut self) {
+        self.machines.clear();
+        self.fences.clear();
+    }
+}
+
+/// Write `changes` in one transaction outside the writer thread (an
+/// import into a database nobody else has open yet).
+pub(crate) fn write_changes(conn: &mut Connection, changes: Vec<Change>) -> rusqlite::Result<()> {
+    let mut batch = Batch::default();
+    batch.merge(changes);
+    write_batch(conn, &batch)
+}
+
+fn write_batch(conn: &mut Connection, batch: &Batch) -> rusqlite::Result<()> {
+    let tx = conn.transaction()?;
+    {
+        let mut put = tx.prepare_cached(UPSERT_MACHINE)?;
+        for record in batch.machines.values() {
+            let [create, configure, drain, delete] = &record.ops;
+            put.execute(rusqlite::params![
+                record.id,
+                record.rev,
+                record.encoded().as_bytes(),
+                create,
+                configure,
+                drain,
+                delete,
+            ])?;
+        }
+        let mut put = tx.prepare_cached(UPSERT_FENCE)?;
+        for mark in batch.fences.values() {
+            put.execute(rusqlite::params![
+                mark.shard_id,
+                mark.machine_id,
+                mark.epoch,
+                mark.sequence,
+            ])?;
+        }
+    }
+    tx.commit()
+}
+
+/// Drain the queue into one transaction per round until shut down. Changes
+/// whose commit failed (after one retry) stay in `carry` and ride along with
+/// the next round, so memory and disk converge once the disk recovers.
+pub(crate) fn writer_loop(
+    shared: &Shared,
+    conn: &Mutex<Connection>,
+    done_tx: &watch::Sender<Ticket>,
+) {
+    let mut carry = Batch::default();
+    let mut done: Ticket = 0;
+    loop {
+        let (changes, upto, shutdown) = {
+            let mut queue = shared.queue.lock();
+            while queue.pending.is_empty() && !queue.shutdown {
+                if carry.is_empty() {
+                    shared.wake.wait(&mut queue);
+                } else if shared.wake.wait_for(&mut queue, RETRY_INTERVAL).timed_out() {
+                    break;
+                }
+            }
+            (
+                std::mem::take(&mut queue.pending),
+                queue.issued,
+                queue.shutdown,
+            )
+        };
+        carry.merge(changes);
+        if !carry.is_empty() {
+            let mut guard = conn.lock();
+            let result = write_batch(&mut guard, &carry).or_else(|e| {
+                tracing::warn!(path = %shared.path.display(), error = %e, "state commit failed; retrying once");
+                write_batch(&mut guard, &carry)
+            });
+            drop(guard);
+            match result {
+                Ok(()) => {
+                    carry.clear();
+                    shared.failures.lock().clear();
+                    shared.commits.fetch_add(1, Ordering::Relaxed);
+                    limit_wal(shared, conn);
+                }
+                Err(e) => {
+                    let mut error = sql_error(&shared.path, "cannot commit changes", e);
+                    // Whatever the cause, the change is carried and retried:
+                    // to a waiter the state is unavailable, not gone.
+                    if error.kind() != StoreErrorKind::Corrupt {
+                        error = error.with_kind(StoreErrorKind::Unavailable);
+                    }
+                    tracing::error!(path = %shared.path.display(), error = %error, "state commit failed");
+                    if upto > done {
+                        shared.record_failure(done + 1, upto, error);
+                    }
+                }
+            }
+        }
+        if upto > done {
+            done = upto;
+            // No receiver left only means nobody is waiting.
+            let _ = done_tx.send(done);
+        }
+        if shutdown {
+            return;
+        }
+    }
+}
+
+/// When the WAL outgrows [`WAL_LIMIT_BYTES`] (the checkpointer never found
+/// a quiet moment to let it restart), checkpoint and restart it here.
+fn limit_wal(shared: &Shared, conn: &Mutex<Connection>) {
+    let mut wal = OsString::from(shared.path.as_os_str());
+    wal.push("-wal");
+    let size = std::fs::metadata(&wal).map_or(0, |m| m.len());
+    if size <= WAL_LIMIT_BYTES {
+        return;
+    }
+    if let Err(e) = conn
+        .lock()
+        .query_row("PRAGMA wal_checkpoint(RESTART)", [], |_| Ok(()))
+    {
+        tracing::warn!(path = %shared.path.display(), error = %e, "WAL restart checkpoint failed");
+    }
+}
