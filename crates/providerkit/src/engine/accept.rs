@@ -1,0 +1,278 @@
+//! The accepting half of a transition, under the state lock: validate the
+//! request, fence, then not-found, idempotency and position, and accept
+//! (the background half is in [`super::worker`]).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use tokio::time::Instant;
+
+use super::{Ack, Engine, Inner, Params, Work};
+use crate::backend::{ConfigureCtx, CreateCtx, DeleteCtx, DrainCtx};
+use crate::error::KitError;
+use crate::fence::Token;
+use crate::model::{State, TransitionKind};
+use crate::store::{Change, FenceMark};
+
+impl Engine {
+    pub(super) fn validate(
+        &self,
+        id: &str,
+        token: &Token,
+        params: &Params,
+    ) -> Result<(), KitError> {
+        if id.is_empty() {
+            return Err(KitError::InvalidArgument(
+                "machine_id must not be empty".into(),
+            ));
+        }
+        token.validate()?;
+        if let Some(e) = self.mutant_token_error(token) {
+            return Err(e);
+        }
+        if let Params::Configure {
+            cluster_id,
+            bootstrap_blob,
+            shard_metadata,
+        } = params
+        {
+            let limits = &self.opts.limits;
+            if cluster_id.is_empty() {
+                return Err(KitError::InvalidArgument(
+                    "cluster_id must not be empty".into(),
+                ));
+            }
+            if cluster_id.len() > limits.max_cluster_id_bytes {
+                return Err(KitError::InvalidArgument(format!(
+                    "cluster_id is {} bytes; the cap is {}",
+                    cluster_id.len(),
+                    limits.max_cluster_id_bytes
+                )));
+            }
+            if bootstrap_blob.len() > limits.max_bootstrap_blob_bytes {
+                return Err(KitError::InvalidArgument(format!(
+                    "bootstrap_blob is {} bytes; the cap is {}",
+                    bootstrap_blob.len(),
+                    limits.max_bootstrap_blob_bytes
+                )));
+            }
+            if shard_metadata.len() > limits.max_metadata_entries {
+                return Err(KitError::InvalidArgument(format!(
+                    "shard_metadata has {} entries; the cap is {}",
+                    shard_metadata.len(),
+                    limits.max_metadata_entries
+                )));
+            }
+            let bytes: usize = shard_metadata.iter().map(|(k, v)| k.len() + v.len()).sum();
+            if bytes > limits.max_metadata_bytes {
+                return Err(KitError::InvalidArgument(format!(
+                    "shard_metadata is {bytes} bytes; the cap is {}",
+                    limits.max_metadata_bytes
+                )));
+            }
+        }
+        if params.kind() == TransitionKind::Delete && !self.supports_delete {
+            return Err(KitError::Unimplemented(
+                "this provider cannot delete machines".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Fence, then not-found, then idempotency, then position; accept.
+    pub(super) async fn transition(
+        self: &Arc<Self>,
+        id: &str,
+        token: Token,
+        params: Params,
+    ) -> Result<Ack, KitError> {
+        self.validate(id, &token, &params)?;
+        let kind = params.kind();
+        let mut work = None;
+        let (result, ticket) = {
+            let mut inner = self.inner.write();
+            let mut changes = Vec::new();
+            let result = self.decide(&mut inner, id, &token, params, &mut changes, &mut work);
+            (result, self.store.submit(changes))
+        };
+        if let Some(work) = work {
+            let engine = Arc::clone(self);
+            let deadline = Instant::now() + self.opts.timeouts.for_kind(kind);
+            tokio::spawn(async move { engine.run(kind, work, ticket, deadline).await });
+        }
+        self.store
+            .durable(ticket)
+            .await
+            .map_err(|e| KitError::Store(e.to_string()))?;
+        result
+    }
+
+    pub(super) fn fence(
+        &self,
+        inner: &mut Inner,
+        id: &str,
+        token: &Token,
+        changes: &mut Vec<Change>,
+    ) -> Result<(), KitError> {
+        if token.is_absent() {
+            return Ok(());
+        }
+        let mark_key = self.fence_key(id);
+        let mark = inner
+            .fences
+            .get(&token.shard_id)
+            .and_then(|m| m.get(mark_key))
+            .copied();
+        if !token.is_newer_than(mark) {
+            let (epoch, sequence) = mark.unwrap_or_default();
+            return Err(KitError::Fenced(format!(
+                "stale fencing token for shard {:?} on machine {id:?}: ({}, {}) is not newer \
+                 than ({epoch}, {sequence})",
+                token.shard_id, token.epoch, token.sequence
+            )));
+        }
+        let mark = (token.epoch, token.sequence);
+        // Keys are allocated only the first time a pair is seen.
+        match inner
+            .fences
+            .get_mut(&token.shard_id)
+            .and_then(|marks| marks.get_mut(mark_key))
+        {
+            Some(slot) => *slot = mark,
+            None => {
+                inner
+                    .fences
+                    .entry(token.shard_id.clone())
+                    .or_default()
+                    .insert(mark_key.to_string(), mark);
+            }
+        }
+        changes.push(Change::Fence(FenceMark {
+            shard_id: token.shard_id.clone(),
+            machine_id: mark_key.to_string(),
+            epoch: token.epoch,
+            sequence: token.sequence,
+        }));
+        Ok(())
+    }
+
+    pub(super) fn decide(
+        &self,
+        inner: &mut Inner,
+        id: &str,
+        token: &Token,
+        params: Params,
+        changes: &mut Vec<Change>,
+        work: &mut Option<Work>,
+    ) -> Result<Ack, KitError> {
+        let kind = params.kind();
+        self.fence(inner, id, token, changes)?;
+        let slot = *inner
+            .index
+            .get(id)
+            .ok_or_else(|| KitError::NotFound(format!("machine {id:?} not found")))?;
+        let state = inner.machines[slot].state();
+        if state == State::Failed {
+            return Err(self.out_of_position(format!(
+                "machine {id:?} is FAILED and needs intervention; {} is not accepted (last_error: {})",
+                kind.name(),
+                inner.machines[slot].last_error
+            )));
+        }
+        if state == kind.via_state() || state == kind.to_state() {
+            let record = &inner.machines[slot];
+            if let Some(op) = record.op(kind) {
+                return Ok(Ack {
+                    operation_id: op.to_string(),
+                    machine: Arc::clone(record),
+                });
+            }
+            // A machine adopted from the substrate is at Create's target with
+            // no Create on record: record one so retries see the same id.
+            if kind == TransitionKind::Create && state == State::Idle {
+                let op = self.mint_operation_id();
+                inner.record_mut(slot).ops[kind.index()] = Some(op.clone());
+                let record = Arc::clone(&inner.machines[slot]);
+                changes.push(Change::Machine(Arc::clone(&record)));
+                return Ok(Ack {
+                    operation_id: op,
+                    machine: record,
+                });
+            }
+        }
+        if state != kind.from_state() {
+            return Err(self.out_of_position(format!(
+                "machine {id:?} is {state}; {} needs {}",
+                kind.name(),
+                kind.from_state()
+            )));
+        }
+        let op = self.mint_operation_id();
+        let stored_metadata = match &params {
+            Params::Configure { shard_metadata, .. } => self.stored_metadata(shard_metadata),
+            _ => HashMap::new(),
+        };
+        let record = inner.record_mut(slot);
+        record.set_state(kind.via_state());
+        record.last_error.clear();
+        record.ops[kind.index()] = Some(op.clone());
+        let host_ref = record
+            .host
+            .as_ref()
+            .map(|h| h.r#ref.clone())
+            .unwrap_or_default();
+        *work = Some(match params {
+            Params::Create => {
+                // A new cycle: earlier ops no longer describe this machine.
+                record.ops = Default::default();
+                record.ops[kind.index()] = Some(op.clone());
+                Work::Create(CreateCtx {
+                    machine_id: id.to_string(),
+                    operation_id: op.clone(),
+                    instance_type: record.facts.instance_type.clone(),
+                    zone: record.facts.zone.clone(),
+                })
+            }
+            Params::Configure {
+                cluster_id,
+                bootstrap_blob,
+                shard_metadata,
+            } => {
+                record.ops[TransitionKind::Drain.index()] = None;
+                record.cluster = cluster_id.clone();
+                record.shard_metadata = stored_metadata;
+                Work::Configure(ConfigureCtx {
+                    machine_id: id.to_string(),
+                    operation_id: op.clone(),
+                    host_ref,
+                    cluster_id,
+                    bootstrap_blob,
+                    shard_metadata,
+                })
+            }
+            Params::Drain { grace } => Work::Drain(DrainCtx {
+                machine_id: id.to_string(),
+                operation_id: op.clone(),
+                host_ref,
+                cluster_id: record.cluster.clone(),
+                grace_period: grace,
+            }),
+            Params::Delete => {
+                record.ops[TransitionKind::Create.index()] = None;
+                record.ops[TransitionKind::Configure.index()] = None;
+                record.ops[TransitionKind::Drain.index()] = None;
+                Work::Delete(DeleteCtx {
+                    machine_id: id.to_string(),
+                    operation_id: op.clone(),
+                    host_ref,
+                })
+            }
+        });
+        let change = inner.bump(slot);
+        changes.push(change);
+        Ok(Ack {
+            operation_id: op,
+            machine: Arc::clone(&inner.machines[slot]),
+        })
+    }
+}

@@ -1,0 +1,411 @@
+//! The contract engine: every rule of the wire contract, in one place.
+//!
+//! All state lives behind one `RwLock`. Critical sections are short and
+//! never await: substrate work runs in spawned tasks and re-enters the lock
+//! only to land its outcome, and durability is awaited after the lock is
+//! released (see [`crate::store`]).
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bigfleet_proto::raw::EncodedMachine;
+use bigfleet_proto::v1alpha1 as pb;
+use parking_lot::RwLock;
+
+use crate::backend::{
+    Backend, BackendError, ConfigureCtx, CreateCtx, DeleteCtx, DrainCtx, SlotSpec, SubstrateHost,
+};
+use crate::cursor::CursorCodec;
+use crate::error::KitError;
+use crate::fence::Token;
+use crate::model::{MachineRecord, State, TransitionKind};
+use crate::store::{Change, Store, StoreError};
+
+/// Slots applied per hold of the state lock during a reconcile pass.
+mod accept;
+mod list;
+mod mutants;
+mod options;
+mod worker;
+
+pub use list::ListPage;
+#[cfg(feature = "mutants")]
+pub use options::Mutants;
+pub use options::{EngineOptions, Limits, Timeouts};
+
+const INVENTORY_BATCH: usize = 2048;
+
+/// What one reconcile pass changed.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ReconcileReport {
+    pub added: usize,
+    pub refreshed: usize,
+}
+
+/// The accepted (or idempotently repeated) transition.
+#[derive(Clone, Debug)]
+pub struct Ack {
+    pub operation_id: String,
+    /// The machine as of the ack (a snapshot; the engine moves on).
+    pub machine: Arc<MachineRecord>,
+}
+
+/// Request parameters that differ per transition.
+enum Params {
+    Create,
+    Configure {
+        cluster_id: String,
+        bootstrap_blob: Vec<u8>,
+        shard_metadata: HashMap<String, String>,
+    },
+    Drain {
+        grace: Duration,
+    },
+    Delete,
+}
+
+impl Params {
+    fn kind(&self) -> TransitionKind {
+        match self {
+            Params::Create => TransitionKind::Create,
+            Params::Configure { .. } => TransitionKind::Configure,
+            Params::Drain { .. } => TransitionKind::Drain,
+            Params::Delete => TransitionKind::Delete,
+        }
+    }
+}
+
+/// Substrate work handed to a background task once a transition is accepted.
+enum Work {
+    Create(CreateCtx),
+    Configure(ConfigureCtx),
+    Drain(DrainCtx),
+    Delete(DeleteCtx),
+}
+
+enum Outcome {
+    Created(SubstrateHost),
+    Done,
+}
+
+#[derive(Default)]
+struct Inner {
+    /// Shared with List snapshots and the store; changed copy-on-write.
+    machines: Vec<Arc<MachineRecord>>,
+    index: HashMap<String, usize>,
+    /// rev -> machine slot; every machine appears exactly once.
+    by_rev: BTreeMap<u64, usize>,
+    revision: u64,
+    /// shard_id -> machine_id -> (epoch, sequence).
+    fences: HashMap<String, HashMap<String, (i64, i64)>>,
+}
+
+impl Inner {
+    /// Add a machine; returns its slot.
+    fn insert(&mut self, record: MachineRecord) -> usize {
+        let slot = self.machines.len();
+        self.index.insert(record.id.clone(), slot);
+        self.by_rev.insert(record.rev, slot);
+        self.revision = self.revision.max(record.rev);
+        self.machines.push(Arc::new(record));
+        slot
+    }
+
+    /// The record in `slot`, for changing (copied only if a reader holds it).
+    fn record_mut(&mut self, slot: usize) -> &mut MachineRecord {
+        Arc::make_mut(&mut self.machines[slot])
+    }
+
+    /// Give the machine in `slot` a fresh revision (after a visible change)
+    /// and return the change to persist.
+    fn bump(&mut self, slot: usize) -> Change {
+        self.revision += 1;
+        let revision = self.revision;
+        let old = self.machines[slot].rev;
+        self.by_rev.remove(&old);
+        self.record_mut(slot).rev = revision;
+        self.by_rev.insert(revision, slot);
+        Change::Machine(Arc::clone(&self.machines[slot]))
+    }
+}
+
+pub struct Engine {
+    backend: Arc<dyn Backend>,
+    store: Arc<dyn Store>,
+    opts: EngineOptions,
+    inner: RwLock<Inner>,
+    cursor: CursorCodec,
+    generation: u64,
+    next_op: AtomicU64,
+    /// Where the next capped, cursor-less List starts: the revision of the
+    /// head the previous one returned.
+    list_head: AtomicU64,
+    supports_delete: bool,
+}
+
+impl Engine {
+    /// Load the store, turn interrupted transitions into FAILED, merge the
+    /// substrate's inventory, and make all of it durable.
+    pub async fn start(
+        backend: Arc<dyn Backend>,
+        store: Arc<dyn Store>,
+        opts: EngineOptions,
+    ) -> Result<Arc<Engine>, StartError> {
+        let loaded = store.load().map_err(StartError::Store)?;
+        let mut inner = Inner::default();
+        let mut recovered = Vec::new();
+        for mut record in loaded.machines {
+            let state = record.state();
+            if state.is_transitional() {
+                record.set_state(State::Failed);
+                record.last_error = format!(
+                    "interrupted by a provider restart while {state}; the substrate may hold \
+                     a partial result"
+                );
+                recovered.push(record.id.clone());
+            }
+            inner.insert(record);
+        }
+        for mark in loaded.fences {
+            inner
+                .fences
+                .entry(mark.shard_id)
+                .or_default()
+                .insert(mark.machine_id, (mark.epoch, mark.sequence));
+        }
+        let supports_delete = backend.supports_delete();
+        let engine = Arc::new(Engine {
+            backend,
+            store,
+            opts,
+            inner: RwLock::new(inner),
+            cursor: CursorCodec::new(loaded.boot_generation),
+            generation: loaded.boot_generation,
+            next_op: AtomicU64::new(1),
+            list_head: AtomicU64::new(0),
+            supports_delete,
+        });
+        // Interrupted transitions get a fresh revision so delta readers see them.
+        let ticket = {
+            let mut inner = engine.inner.write();
+            let mut changes = Vec::new();
+            for id in &recovered {
+                if let Some(&slot) = inner.index.get(id) {
+                    changes.push(inner.bump(slot));
+                }
+            }
+            engine.store.submit(changes)
+        };
+        engine
+            .store
+            .durable(ticket)
+            .await
+            .map_err(StartError::Store)?;
+        for id in &recovered {
+            tracing::warn!(machine_id = %id, "transition interrupted by restart recovered as FAILED");
+        }
+        let specs = engine
+            .backend
+            .describe()
+            .await
+            .map_err(StartError::Backend)?;
+        engine
+            .apply_inventory(specs)
+            .await
+            .map_err(StartError::Store)?;
+        Ok(engine)
+    }
+
+    pub fn options(&self) -> &EngineOptions {
+        &self.opts
+    }
+
+    pub fn supports_delete(&self) -> bool {
+        self.supports_delete
+    }
+
+    pub fn machine_count(&self) -> usize {
+        self.inner.read().machines.len()
+    }
+
+    /// One background reconcile pass against the substrate.
+    pub async fn reconcile(&self) -> Result<ReconcileReport, ReconcileError> {
+        let specs = self
+            .backend
+            .describe()
+            .await
+            .map_err(ReconcileError::Backend)?;
+        self.apply_inventory(specs)
+            .await
+            .map_err(ReconcileError::Store)
+    }
+
+    /// Add new slots and refresh catalogue facts of known ones. Lifecycle
+    /// state, host, binding and metadata are the engine's and are never
+    /// overwritten; nothing is bumped when nothing changed.
+    async fn apply_inventory(&self, specs: Vec<SlotSpec>) -> Result<ReconcileReport, StoreError> {
+        let mut report = ReconcileReport::default();
+        let mut ticket = None;
+        let mut specs = specs.into_iter().peekable();
+        // In batches, so a pass over a large fleet never holds the lock
+        // long enough to stall the RPCs waiting on it.
+        while specs.peek().is_some() {
+            let mut inner = self.inner.write();
+            let mut changes = Vec::new();
+            for spec in specs.by_ref().take(INVENTORY_BATCH) {
+                self.apply_spec(&mut inner, spec, &mut changes, &mut report);
+            }
+            ticket = Some(self.store.submit(changes));
+        }
+        if let Some(ticket) = ticket {
+            self.store.durable(ticket).await?;
+        }
+        Ok(report)
+    }
+
+    fn apply_spec(
+        &self,
+        inner: &mut Inner,
+        spec: SlotSpec,
+        changes: &mut Vec<Change>,
+        report: &mut ReconcileReport,
+    ) {
+        match inner.index.get(&spec.id).copied() {
+            Some(slot) => {
+                let current = &inner.machines[slot].facts;
+                let shared = Arc::ptr_eq(current, &spec.facts);
+                let changed = !shared && !current.same_as(&spec.facts);
+                if !shared {
+                    // Equal facts from another source (a load) are swapped
+                    // for the substrate's copy too, without a bump.
+                    inner.record_mut(slot).facts = spec.facts;
+                }
+                if changed || self.mutant_bump_on_reconcile() {
+                    changes.push(inner.bump(slot));
+                    report.refreshed += 1;
+                }
+            }
+            None => {
+                let record = self.new_record(spec, inner.revision + 1);
+                let slot = inner.insert(record);
+                changes.push(Change::Machine(Arc::clone(&inner.machines[slot])));
+                report.added += 1;
+            }
+        }
+    }
+
+    fn new_record(&self, spec: SlotSpec, rev: u64) -> MachineRecord {
+        let mut record = MachineRecord::new(spec.id, spec.facts, rev);
+        if let Some(host) = &spec.host {
+            record.state = State::Idle;
+            record.host = Some(self.host_ref(host));
+        }
+        record
+    }
+
+    fn host_ref(&self, host: &SubstrateHost) -> pb::HostRef {
+        pb::HostRef {
+            provider: self.opts.provider.clone(),
+            r#ref: host.host_ref.clone(),
+        }
+    }
+
+    fn mint_operation_id(&self) -> String {
+        let n = self.next_op.fetch_add(1, Ordering::Relaxed);
+        format!("op-{:x}-{:x}", self.generation, n)
+    }
+
+    /// Wait until everything submitted so far is durable, so a read never
+    /// shows state a crash could take back.
+    pub async fn read_barrier(&self) -> Result<(), KitError> {
+        let ticket = self.store.submit(Vec::new());
+        self.store
+            .durable(ticket)
+            .await
+            .map_err(|e| KitError::Store(e.to_string()))
+    }
+
+    /// The current record of one machine.
+    pub fn get_record(&self, id: &str) -> Result<Arc<MachineRecord>, KitError> {
+        if id.is_empty() {
+            return Err(KitError::InvalidArgument("id must not be empty".into()));
+        }
+        let inner = self.inner.read();
+        let slot = inner
+            .index
+            .get(id)
+            .ok_or_else(|| KitError::NotFound(format!("machine {id:?} not found")))?;
+        Ok(Arc::clone(&inner.machines[*slot]))
+    }
+
+    /// One machine as a message tree (tests and tools).
+    pub fn get(&self, id: &str) -> Result<pb::Machine, KitError> {
+        Ok(self.get_record(id)?.to_wire())
+    }
+
+    /// One machine, encoded for the wire (what Get serves).
+    pub fn get_encoded(&self, id: &str) -> Result<EncodedMachine, KitError> {
+        Ok(self.get_record(id)?.encoded())
+    }
+
+    pub async fn create(self: &Arc<Self>, id: &str, token: Token) -> Result<Ack, KitError> {
+        self.transition(id, token, Params::Create).await
+    }
+
+    pub async fn configure(
+        self: &Arc<Self>,
+        id: &str,
+        token: Token,
+        cluster_id: String,
+        bootstrap_blob: Vec<u8>,
+        shard_metadata: HashMap<String, String>,
+    ) -> Result<Ack, KitError> {
+        self.transition(
+            id,
+            token,
+            Params::Configure {
+                cluster_id,
+                bootstrap_blob,
+                shard_metadata,
+            },
+        )
+        .await
+    }
+
+    pub async fn drain(
+        self: &Arc<Self>,
+        id: &str,
+        token: Token,
+        grace_period_seconds: i64,
+    ) -> Result<Ack, KitError> {
+        if grace_period_seconds < 0 {
+            return Err(KitError::InvalidArgument(format!(
+                "grace_period_seconds must be >= 0, got {grace_period_seconds}"
+            )));
+        }
+        let grace = Duration::from_secs(grace_period_seconds as u64);
+        self.transition(id, token, Params::Drain { grace }).await
+    }
+
+    pub async fn delete(self: &Arc<Self>, id: &str, token: Token) -> Result<Ack, KitError> {
+        self.transition(id, token, Params::Delete).await
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error("state store: {0}")]
+    Store(StoreError),
+    #[error("describing the substrate's inventory failed: {0}")]
+    Backend(BackendError),
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ReconcileError {
+    #[error("describing the substrate's inventory failed: {0}")]
+    Backend(BackendError),
+    #[error("state store: {0}")]
+    Store(StoreError),
+}

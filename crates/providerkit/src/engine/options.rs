@@ -1,0 +1,100 @@
+//! What an engine is built with: provider label, per-transition deadlines,
+//! documented input caps, and (for the mutation check only) deliberately
+//! broken behaviours.
+
+use std::time::Duration;
+
+use crate::model::TransitionKind;
+
+/// Per-transition deadlines, measured from acceptance.
+#[derive(Clone, Debug)]
+pub struct Timeouts {
+    pub create: Duration,
+    pub configure: Duration,
+    pub drain: Duration,
+    pub delete: Duration,
+    /// Pause between node-readiness probes after a successful configure.
+    pub readiness_poll: Duration,
+}
+
+impl Default for Timeouts {
+    fn default() -> Timeouts {
+        Timeouts {
+            create: Duration::from_secs(8 * 60),
+            configure: Duration::from_secs(8 * 60),
+            drain: Duration::from_secs(15 * 60),
+            delete: Duration::from_secs(5 * 60),
+            readiness_poll: Duration::from_secs(2),
+        }
+    }
+}
+
+impl Timeouts {
+    pub fn for_kind(&self, kind: TransitionKind) -> Duration {
+        match kind {
+            TransitionKind::Create => self.create,
+            TransitionKind::Configure => self.configure,
+            TransitionKind::Drain => self.drain,
+            TransitionKind::Delete => self.delete,
+        }
+    }
+}
+
+/// Documented input caps. Beyond them a request is INVALID_ARGUMENT as a
+/// whole: nothing is truncated and no transition starts.
+#[derive(Clone, Debug)]
+pub struct Limits {
+    pub max_metadata_entries: usize,
+    /// Sum of key and value lengths in bytes.
+    pub max_metadata_bytes: usize,
+    pub max_bootstrap_blob_bytes: usize,
+    pub max_cluster_id_bytes: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Limits {
+        Limits {
+            max_metadata_entries: 1024,
+            max_metadata_bytes: 256 * 1024,
+            max_bootstrap_blob_bytes: 1024 * 1024,
+            max_cluster_id_bytes: 1024,
+        }
+    }
+}
+
+/// Deliberately broken behaviours, compiled only for the certification
+/// suite's mutation check (it proves the suite can fail).
+#[cfg(feature = "mutants")]
+#[derive(Clone, Debug, Default)]
+pub struct Mutants {
+    pub fence_per_shard: bool,
+    pub truncate_metadata: bool,
+    pub out_of_position_failed_precondition: bool,
+    pub bump_revision_on_reconcile: bool,
+    /// A capped, cursor-less List always starts at the same head.
+    pub frozen_list_head: bool,
+    /// Tokens with a negative epoch or sequence are INVALID_ARGUMENT.
+    pub reject_negative_tokens: bool,
+}
+
+#[derive(Clone, Debug)]
+pub struct EngineOptions {
+    /// Stamped on every `HostRef.provider`.
+    pub provider: String,
+    pub timeouts: Timeouts,
+    pub limits: Limits,
+    #[cfg(feature = "mutants")]
+    pub mutants: Mutants,
+}
+
+impl Default for EngineOptions {
+    fn default() -> EngineOptions {
+        EngineOptions {
+            provider: "proxmox".to_string(),
+            timeouts: Timeouts::default(),
+            limits: Limits::default(),
+            #[cfg(feature = "mutants")]
+            mutants: Mutants::default(),
+        }
+    }
+}
