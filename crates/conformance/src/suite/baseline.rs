@@ -4,7 +4,10 @@ use anyhow::{bail, ensure};
 use bigfleet_proto::v1alpha1::MachineState as S;
 use tonic::Code;
 
-use crate::harness::*;
+use crate::harness::{
+    code_of, describe, expect_code, expect_fp, expect_ok, meta, Outcome, SharedCtx, TestResult,
+    Token,
+};
 
 pub async fn full_lifecycle(ctx: SharedCtx) -> TestResult {
     let mut s = ctx.session("bl-life");

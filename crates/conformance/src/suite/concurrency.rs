@@ -7,7 +7,10 @@ use bigfleet_proto::v1alpha1::{MachineState as S, TransitionAck};
 use futures::future::join_all;
 use tonic::Code;
 
-use crate::harness::*;
+use crate::harness::{
+    burst, code_of, connections, create_req, describe, expect_fp, expect_ok, meta, Outcome,
+    RpcResult, ShardSession, SharedCtx, TestResult, Token,
+};
 
 const N: usize = 16;
 static NONE: Token = Token {

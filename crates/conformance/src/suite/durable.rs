@@ -11,7 +11,10 @@ use anyhow::{bail, ensure, Context as _};
 use bigfleet_proto::v1alpha1::MachineState as S;
 use tokio::sync::Mutex;
 
-use crate::harness::*;
+use crate::harness::{
+    code_of, describe, expect_fp, expect_ok, id_set, is_stable, is_transitional, meta, probe, Ctx,
+    Outcome, SharedCtx, TestResult, Token,
+};
 use crate::process::ProviderProcess;
 
 /// What was recorded before the kills, plus a live context on the restarted provider.

@@ -8,7 +8,10 @@ use bigfleet_proto::v1alpha1::MachineState as S;
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::net::TcpStream;
 
-use crate::harness::*;
+use crate::harness::{
+    expect_ok, expect_rejected_not_fp, fmt_states, meta, wait_for_state, Outcome, ShardSession,
+    SharedCtx, TestResult, Trace,
+};
 
 /// Sends one control command (`SET <id> <op> <mode> [ms]` or `READY <id>`) and expects `OK`.
 pub async fn control(addr: &str, cmd: &str) -> anyhow::Result<()> {

@@ -5,7 +5,10 @@ use bigfleet_proto::v1alpha1::MachineState as S;
 use rand::Rng;
 use tonic::Code;
 
-use crate::harness::*;
+use crate::harness::{
+    code_of, describe, expect_code, expect_fp, expect_ok, expect_rejected_not_fp, meta, Outcome,
+    RpcResult, SharedCtx, TestResult, Token,
+};
 
 /// Accepted (passed the fence) iff the code is anything but FAILED_PRECONDITION.
 fn fenced<T>(r: &RpcResult<T>) -> bool {

@@ -3,7 +3,7 @@
 use anyhow::{bail, ensure};
 use bigfleet_proto::v1alpha1::MachineState as S;
 
-use crate::harness::*;
+use crate::harness::{fmt_states, is_transitional, meta, Outcome, SharedCtx, TestResult, Trace};
 
 fn transitional_only(tr: &Trace, allowed: S, what: &str) -> anyhow::Result<()> {
     for st in tr.states() {

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, ensure};
 use bigfleet_proto::v1alpha1::MachineState as S;
 
-use crate::harness::*;
+use crate::harness::{expect_ok, id_set, meta, Client, Outcome, SharedCtx, TestResult};
 
 const ALL_STATES: [S; 8] = [
     S::Speculative,

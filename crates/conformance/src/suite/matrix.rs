@@ -6,7 +6,10 @@ use anyhow::{bail, ensure};
 use bigfleet_proto::v1alpha1::{MachineRef, MachineState as S, TransitionAck};
 use tonic::Code;
 
-use crate::harness::*;
+use crate::harness::{
+    code_of, configure_req, describe, expect_code, expect_fp, expect_ok, expect_rejected_not_fp,
+    meta, Outcome, RpcResult, SharedCtx, TestResult, Token,
+};
 
 pub async fn b201(ctx: SharedCtx) -> TestResult {
     let mut s = ctx.session("b201");

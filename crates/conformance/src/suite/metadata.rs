@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use anyhow::ensure;
 use bigfleet_proto::v1alpha1::MachineState as S;
 
-use crate::harness::*;
+use crate::harness::{configure_req, expect_ok, meta, Outcome, SharedCtx, TestResult};
 
 /// 55 keys: NUL, control bytes, unicode, empty values, unknown-looking keys.
 pub fn tricky_map() -> HashMap<String, String> {

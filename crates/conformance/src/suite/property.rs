@@ -8,7 +8,10 @@ use rand::seq::IndexedRandom;
 use rand::Rng;
 use tonic::Code;
 
-use crate::harness::*;
+use crate::harness::{
+    code_of, configure_req, describe, expect_code, expect_ok, expect_rejected_not_fp, meta,
+    Outcome, RpcResult, SharedCtx, TestResult, Token,
+};
 
 pub async fn b1201(ctx: SharedCtx) -> TestResult {
     let id = ctx.fresh1().await?;

@@ -13,7 +13,9 @@ use futures::future::join_all;
 use parking_lot::Mutex;
 use serde::Serialize;
 
-use crate::harness::*;
+use crate::harness::{
+    expect_ok, id_set, meta, probe, Client, Ctx, Outcome, SharedCtx, TestResult, Token,
+};
 use crate::process::ProviderProcess;
 use crate::suite::list::{check_pages, page_fleet};
 use crate::suite::shape::{cost_shape, density_rule, field_shape};

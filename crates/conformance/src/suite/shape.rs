@@ -3,7 +3,7 @@
 use anyhow::ensure;
 use bigfleet_proto::v1alpha1::{CapacityType, Machine, MachineState as S};
 
-use crate::harness::*;
+use crate::harness::{is_stable, meta, Outcome, SharedCtx, TestResult};
 
 const HIDDEN_LABEL_KEYS: &[&str] = &[
     "instance_type",
