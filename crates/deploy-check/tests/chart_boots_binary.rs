@@ -76,7 +76,7 @@ fn boot(values: &str, dir: &std::path::Path) -> String {
         // Ends on the serving line, on exit (channel closes), or after 30 s.
         match rx.recv_timeout(Duration::from_secs(30)) {
             Ok(line) => {
-                let done = line.contains("serving CapacityProvider");
+                let done = line.contains(provider_testkit::STARTUP_LINE);
                 seen.push(line);
                 if done {
                     break true;

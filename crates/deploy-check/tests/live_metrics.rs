@@ -66,7 +66,7 @@ fn start() -> Provider {
         match rx.recv_timeout(left) {
             Ok(line) => {
                 let addrs = line
-                    .contains("serving CapacityProvider")
+                    .contains(provider_testkit::STARTUP_LINE)
                     .then(|| Some((field(&line, "addr=")?, field(&line, "metrics_addr=")?)))
                     .flatten();
                 seen.push(line);

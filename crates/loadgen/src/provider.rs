@@ -9,8 +9,7 @@ use anyhow::{anyhow, bail, Context, Result};
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 
-/// The line the provider logs once its gRPC listener accepts calls.
-const SERVING_MARKER: &str = "serving CapacityProvider";
+use provider_testkit::STARTUP_LINE as SERVING_MARKER;
 
 /// A provider child process; killed on drop so a failed run never leaks one.
 pub struct Provider {
@@ -122,10 +121,9 @@ impl Provider {
 }
 
 fn parse_addr(line: &str) -> Result<String> {
-    line.split_whitespace()
-        .find_map(|f| f.strip_prefix("addr="))
-        .map(|a| a.trim_matches('"').to_string())
-        .ok_or_else(|| anyhow!("serving line has no addr= field: {line}"))
+    provider_testkit::addr_field(line, "addr")
+        .map(|a| a.to_string())
+        .map_err(|e| anyhow!("serving line: {e}"))
 }
 
 #[cfg(test)]

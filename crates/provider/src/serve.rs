@@ -361,7 +361,8 @@ pub async fn run(plan: Plan) -> Result<(), String> {
         zones = %plan.zones.join(","),
         metrics_addr = %metrics_local,
         store = %engine_store_name(&plan),
-        "serving CapacityProvider"
+        "{}",
+        providerkit::service::STARTUP_MESSAGE
     );
 
     // Signal -> not ready -> drain in-flight RPCs for at most the grace

@@ -87,7 +87,7 @@ impl Proc {
         let reader = std::thread::spawn(move || {
             for line in BufReader::new(stderr).lines() {
                 let Ok(line) = line else { break };
-                if line.contains("serving CapacityProvider") {
+                if line.contains(provider_testkit::STARTUP_LINE) {
                     let _ = tx.send(line.clone());
                 }
                 sink.lock().unwrap().push(line);
@@ -1150,7 +1150,7 @@ async fn a_second_provider_is_refused_even_without_the_lock_file() {
         second.stderr
     );
     assert!(
-        !second.stderr.contains("serving CapacityProvider"),
+        !second.stderr.contains(provider_testkit::STARTUP_LINE),
         "{}",
         second.stderr
     );

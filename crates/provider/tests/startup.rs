@@ -68,7 +68,7 @@ fn fails(args: &[&str], expect: &[&str]) -> String {
         run.stderr
     );
     assert!(
-        !run.stderr.contains("serving CapacityProvider"),
+        !run.stderr.contains(provider_testkit::STARTUP_LINE),
         "{args:?}: must not serve:\n{}",
         run.stderr
     );
@@ -301,7 +301,7 @@ fn grpc_address_in_use() {
         run.stderr
     );
     assert!(
-        !run.stderr.contains("serving CapacityProvider"),
+        !run.stderr.contains(provider_testkit::STARTUP_LINE),
         "{}",
         run.stderr
     );
@@ -328,7 +328,7 @@ fn metrics_address_in_use() {
         run.stderr
     );
     assert!(
-        !run.stderr.contains("serving CapacityProvider"),
+        !run.stderr.contains(provider_testkit::STARTUP_LINE),
         "{}",
         run.stderr
     );
@@ -517,7 +517,7 @@ fn state_refused(state: &std::path::Path, expect: &[&str]) {
         );
     }
     assert!(
-        !run.stderr.contains("serving CapacityProvider"),
+        !run.stderr.contains(provider_testkit::STARTUP_LINE),
         "{}",
         run.stderr
     );

@@ -10,6 +10,10 @@ use tonic::{Request, Response, Status};
 use crate::engine::{Ack, Engine};
 use crate::fence::Token;
 
+/// The message the serving binary logs once its gRPC listener accepts calls;
+/// tools that boot a provider wait for it.
+pub const STARTUP_MESSAGE: &str = "serving CapacityProvider";
+
 /// Largest request the service decodes: room for the bootstrap blob cap
 /// plus metadata; anything larger is refused by the transport.
 pub const MAX_DECODING_MESSAGE_SIZE: usize = 4 * 1024 * 1024;

@@ -188,9 +188,9 @@ impl Provider {
             .spawn()
             .expect("spawn bigfleet-proxmox");
         let logs = Logs::spawn_reader(child.stderr.take().expect("stderr"));
-        let Some(line) =
-            logs.wait_for(STARTUP_DEADLINE, |l| l.contains("serving CapacityProvider"))
-        else {
+        let Some(line) = logs.wait_for(STARTUP_DEADLINE, |l| {
+            l.contains(provider_testkit::STARTUP_LINE)
+        }) else {
             let _ = child.kill();
             let _ = child.wait();
             panic!(

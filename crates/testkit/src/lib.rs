@@ -1,0 +1,77 @@
+//! Test support shared by everything that boots the provider binary (its
+//! own tests, the crash campaign, the deployment checks, the load
+//! generator): the one start-up line the binary logs once it serves, and
+//! the fields read off it, in either log format.
+//!
+//! The certification runner does not use this on purpose: it is a
+//! black-box client and waits for a List to answer, as the published runner
+//! does.
+
+use std::net::SocketAddr;
+
+/// The message of the line the provider logs once its gRPC listener
+/// accepts calls (`msg="serving CapacityProvider"` with `addr=`,
+/// `metrics_addr=`, ...).
+pub const STARTUP_LINE: &str = providerkit::service::STARTUP_MESSAGE;
+
+/// Whether `line` is the start-up line, in the key=value or the JSON format.
+pub fn is_startup_line(line: &str) -> bool {
+    line.contains(STARTUP_LINE)
+}
+
+/// The value of `key` on a log line: `key=value`, `key="quoted value"`, or
+/// a JSON line's top-level or `fields` member.
+pub fn field(line: &str, key: &str) -> Option<String> {
+    if line.trim_start().starts_with('{') {
+        let json: serde_json::Value = serde_json::from_str(line).ok()?;
+        let v = json.get(key).or_else(|| json.get("fields")?.get(key))?;
+        return Some(match v {
+            serde_json::Value::String(s) => s.clone(),
+            other => other.to_string(),
+        });
+    }
+    let needle = format!(" {key}=");
+    let start = line.find(&needle)? + needle.len();
+    let rest = &line[start..];
+    if let Some(q) = rest.strip_prefix('"') {
+        return q.find('"').map(|end| q[..end].to_string());
+    }
+    Some(rest.split(' ').next().unwrap_or(rest).to_string())
+}
+
+/// A socket address field of the start-up line (`addr`, `metrics_addr`).
+pub fn addr_field(line: &str, key: &str) -> Result<SocketAddr, String> {
+    let value = field(line, key).ok_or_else(|| format!("the line has no {key}= field: {line}"))?;
+    value
+        .parse()
+        .map_err(|_| format!("{key}={value:?} on the start-up line is not host:port"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_both_log_formats() {
+        let kv = format!(
+            r#"ts=x level=info msg="{STARTUP_LINE}" addr=127.0.0.1:46493 provider=proxmox metrics_addr="unavailable (0.0.0.0:9090 in use)""#
+        );
+        assert!(is_startup_line(&kv));
+        assert_eq!(
+            addr_field(&kv, "addr"),
+            Ok("127.0.0.1:46493".parse().unwrap())
+        );
+        assert_eq!(
+            field(&kv, "metrics_addr").as_deref(),
+            Some("unavailable (0.0.0.0:9090 in use)")
+        );
+        assert!(addr_field(&kv, "metrics_addr").is_err());
+        let json = format!(
+            r#"{{"level":"INFO","fields":{{"message":"{STARTUP_LINE}","addr":"127.0.0.1:9","offerings":4}}}}"#
+        );
+        assert!(is_startup_line(&json));
+        assert_eq!(field(&json, "addr").as_deref(), Some("127.0.0.1:9"));
+        assert_eq!(field(&json, "offerings").as_deref(), Some("4"));
+        assert_eq!(field("no fields here", "addr"), None);
+    }
+}
