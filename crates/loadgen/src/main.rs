@@ -83,12 +83,14 @@ impl Report {
 
 /// CPUs online on the machine (not just those this process may use, which
 /// `--pin` narrows to one).
+#[allow(unsafe_code)] // libc call; see the SAFETY note inside
 fn online_cpus() -> i64 {
     // SAFETY: sysconf has no preconditions.
     unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) }
 }
 
 /// Restrict the calling thread (and what it spawns or execs) to one CPU.
+#[allow(unsafe_code)] // libc call; see the SAFETY note inside
 pub fn pin_to_cpu(cpu: usize) -> std::io::Result<()> {
     // SAFETY: the set is zeroed then filled by the libc macros; the call
     // only reads it.

@@ -20,6 +20,7 @@ pub struct Provider {
 }
 
 impl Provider {
+    #[allow(unsafe_code)] // libc call; see the SAFETY note inside
     pub async fn spawn(
         bin: &Path,
         seed_count: usize,

@@ -75,7 +75,7 @@ pub struct Args {
     #[arg(long, value_delimiter = ',')]
     pub nodes: Vec<String>,
 
-    /// Fake backend: two synthetic zones <seed>-a and <seed>-b.
+    /// Fake backend: two synthetic zones, this value with -a and -b appended.
     #[arg(long, default_value = "pve")]
     pub default_zone: String,
 
@@ -124,7 +124,7 @@ pub struct Args {
     pub readiness_command: String,
 
     /// Shell command run in the guest to drain the node; the grace period
-    /// is passed as --grace-period=<seconds>.
+    /// is passed as --grace-period=SECONDS.
     #[arg(
         long,
         default_value = "kubectl drain \"$(hostname)\" --ignore-daemonsets --delete-emptydir-data"

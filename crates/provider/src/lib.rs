@@ -1,5 +1,9 @@
-//! The BigFleet capacity provider for Proxmox VE: configuration, the real
-//! and fake backends, metrics and serving. `main.rs` only calls [`run`].
+//! The `bigfleet-proxmox` binary's composition root: configuration
+//! ([`config`], validated into a [`Plan`] by [`plan`]), serving
+//! ([`serve::run`]: the gRPC server, the metrics and probe listener, the
+//! reconcile loop), metrics, logging and TLS. The Proxmox policy lives in
+//! `proxmox-backend`, the contract engine in `providerkit`, the operator
+//! client in `bigfleet-ctl`.
 
 pub mod config;
 pub mod layers;

@@ -209,13 +209,16 @@ struct ProcessSample {
     start_time_seconds: i64,
 }
 
+#[allow(unsafe_code)] // libc call; see the SAFETY note inside
 fn sample_process() -> Option<ProcessSample> {
     let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
     // Fields after the parenthesised command name (which may hold spaces).
     let rest = stat.rsplit_once(')')?.1;
     let fields: Vec<&str> = rest.split_whitespace().collect();
     // SAFETY: sysconf has no preconditions.
+    // SAFETY: sysconf reads a configuration value; no memory is shared.
     let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
+    // SAFETY: as above.
     let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) }.max(1) as i64;
     let utime: f64 = fields.get(11)?.parse().ok()?;
     let stime: f64 = fields.get(12)?.parse().ok()?;

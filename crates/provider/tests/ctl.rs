@@ -454,6 +454,7 @@ fn watch_prints_state_changes_until_the_requested_state() {
 }
 
 #[test]
+#[allow(unsafe_code)] // libc call; see the SAFETY note inside
 fn watch_stops_cleanly_on_ctrl_c() {
     let p = plaintext();
     let id = p.first_speculative();
@@ -467,6 +468,7 @@ fn watch_stops_cleanly_on_ctrl_c() {
     let first: Value = serde_json::from_str(&first).unwrap();
     assert_eq!(first["machine"]["state"], "SPECULATIVE");
     // SAFETY: signalling our own child by its pid.
+    // SAFETY: kill(2) on our own, not yet reaped child.
     let rc = unsafe { libc::kill(watch.id() as libc::pid_t, libc::SIGINT) };
     assert_eq!(rc, 0);
     let status = wait_exit(&mut watch, Duration::from_secs(20));

@@ -227,6 +227,7 @@ pub struct QgaProcess {
 impl QgaProcess {
     /// Start `bin` for the guest rooted at `root` (which must exist). Its socket,
     /// state dir and log live in `<root>/run/qemu-ga/`.
+    #[allow(unsafe_code)] // libc call; see the SAFETY note inside
     pub fn spawn(bin: &Path, root: &Path) -> Result<Self, String> {
         let root = std::path::absolute(root)
             .map_err(|e| format!("resolving guest root {}: {e}", root.display()))?;
@@ -326,6 +327,7 @@ impl QgaProcess {
     }
 
     /// Kill qemu-ga and its process group, then reap it off-thread.
+    #[allow(unsafe_code)] // libc call; see the SAFETY note inside
     pub fn kill(&self) {
         let st = std::mem::replace(&mut *self.child.lock(), ChildState::Killed);
         let ChildState::Running(mut child) = st else {

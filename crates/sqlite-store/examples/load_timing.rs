@@ -86,6 +86,7 @@ fn main() {
 }
 
 /// User + system CPU time of the whole process (all threads).
+#[allow(unsafe_code)] // libc call; see the SAFETY note inside
 fn cpu_time() -> std::time::Duration {
     // SAFETY: getrusage fills the struct we pass; no other memory is touched.
     let usage = unsafe {

@@ -146,12 +146,15 @@ async fn boot_generation_increases_across_opens_and_loads() {
 }
 
 #[tokio::test]
+#[allow(unsafe_code)] // libc call; see the SAFETY note inside
 async fn files_are_private() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("state.db");
     // SAFETY: umask is process-wide but only widens what this test checks.
+    // SAFETY: umask(2) only swaps the process file-mode mask.
     let old = unsafe { libc::umask(0o000) };
     let store = SqliteStore::open(&path);
+    // SAFETY: as above, restoring the previous mask.
     unsafe { libc::umask(old) };
     let store = store.unwrap();
     store.load().unwrap();

@@ -235,8 +235,11 @@ impl Provider {
         self.child.id()
     }
 
+    #[allow(unsafe_code)] // libc call; see the SAFETY note inside
     pub fn signal(&self, sig: i32) {
         // SAFETY: kill(2) on our own child's pid.
+        // SAFETY: kill(2) on our own child's pid; it is not reaped yet, so the
+        // pid cannot have been reused.
         let rc = unsafe { libc::kill(self.child.id() as libc::pid_t, sig) };
         assert_eq!(rc, 0, "kill({sig}) failed");
     }

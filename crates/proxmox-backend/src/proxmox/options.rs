@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-/// Behaviour knobs of [`PveSubstrate`].
+/// Behaviour knobs of [`super::PveSubstrate`].
 #[derive(Clone, Debug)]
 pub struct PveOptions {
     /// Resource pool clones are placed in.
