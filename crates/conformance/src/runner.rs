@@ -1,4 +1,7 @@
 //! Lanes (endpoint core/cloud, fault, durable, scale), result mapping onto the registry, verdict.
+//!
+//! One file past 600 lines on purpose: the lanes all record into one report
+//! under one fail-fast rule, and read best side by side.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;

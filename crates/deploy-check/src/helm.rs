@@ -1,5 +1,6 @@
 //! A Helm-compatible renderer for the subset of the template language the
-//! chart in `deploy/helm/` uses.
+//! chart in `deploy/helm/` uses. (One file past 600 lines on purpose: the
+//! render context, the functions and the schema check are one renderer.)
 //!
 //! Go text/template itself (actions, `if`/`else`/`range`/`with`, `define`,
 //! `{{-`/`-}}` trimming, pipelines) comes from `gtmpl`. On top of it this

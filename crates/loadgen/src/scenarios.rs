@@ -1,4 +1,7 @@
 //! The measured scenarios. Each one prints its figures through `Report`.
+//!
+//! One file past 600 lines on purpose: the scenarios share their setup and
+//! their figures' shape, and BENCHMARKS.md cites them in this order.
 
 use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};

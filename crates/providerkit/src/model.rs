@@ -1,4 +1,8 @@
 //! Lifecycle states, transition kinds and the persisted machine record.
+//!
+//! One file past 600 lines on purpose: the record, its hand-written wire
+//! encoding and its decoding (with their round-trip tests) must change
+//! together, field by field.
 
 use std::collections::HashMap;
 use std::sync::Arc;
