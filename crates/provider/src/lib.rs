@@ -218,16 +218,18 @@ pub fn plan(args: Args) -> Result<Plan, String> {
         return Err("--provider must not be empty".into());
     }
     let types = match &args.instance_types {
-        Some(path) => catalog::load_instance_types(path, args.template_vmid)?,
+        Some(path) => {
+            catalog::load_instance_types(path, args.template_vmid).map_err(|e| e.to_string())?
+        }
         None => catalog::builtin_instance_types(args.template_vmid),
     };
     let offerings = match &args.offerings {
-        Some(path) => catalog::load_offerings(path)?,
+        Some(path) => catalog::load_offerings(path).map_err(|e| e.to_string())?,
         None => catalog::builtin_offerings(&zones, args.seed_count),
     };
     let pricing = Pricing {
         explicit: match &args.prices {
-            Some(text) => catalog::parse_prices(text)?,
+            Some(text) => catalog::parse_prices(text).map_err(|e| e.to_string())?,
             None => Default::default(),
         },
         per_vcpu_hour: args.price_per_vcpu_hour,
@@ -242,7 +244,8 @@ pub fn plan(args: Args) -> Result<Plan, String> {
         BackendKind::Proxmox => Some(zones.as_slice()),
         BackendKind::Fake => None,
     };
-    let slots = catalog::expand_slots(&args.provider, &offerings, &types, zone_check, &pricing)?;
+    let slots = catalog::expand_slots(&args.provider, &offerings, &types, zone_check, &pricing)
+        .map_err(|e| e.to_string())?;
     let zones = match backend {
         BackendKind::Proxmox => zones,
         BackendKind::Fake => {

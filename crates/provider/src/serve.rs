@@ -171,7 +171,7 @@ fn pve_substrate(plan: &Plan) -> Result<PveSubstrate, String> {
         drain_timeout: args.drain_timeout * 9 / 10,
         ..PveOptions::default()
     };
-    options.validate()?;
+    options.validate().map_err(|e| e.to_string())?;
     if options.readiness_command.is_empty() {
         tracing::warn!(
             "--readiness-command is empty: the node-readiness gate is off and a \

@@ -32,7 +32,8 @@ pub use error::KitError;
 pub use fence::Token;
 pub use listen::{bind_aux, AuxAddr, AuxListener, BindError};
 pub use model::{
-    CatalogFacts, Facts, FactsInterner, MachineRecord, SharedFacts, State, TransitionKind,
+    CatalogFacts, Facts, FactsInterner, MachineRecord, RecordError, SharedFacts, State,
+    TransitionKind,
 };
 pub use store::{
     Change, FenceMark, Loaded, MemoryStore, Store, StoreError, StoreErrorKind, StoreErrorSource,

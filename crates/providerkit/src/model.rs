@@ -425,7 +425,7 @@ impl MachineRecord {
         rev: u64,
         ops: [Option<String>; 4],
         interner: &mut FactsInterner,
-    ) -> Result<MachineRecord, String> {
+    ) -> Result<MachineRecord, RecordError> {
         let mut id = String::new();
         let mut state = 0i32;
         let mut host = None;
@@ -468,12 +468,14 @@ impl MachineRecord {
             }
             Ok(())
         };
-        fields().map_err(|e| e.to_string())?;
-        let facts = interner.intern(&catalogue).map_err(|e| e.to_string());
+        fields().map_err(RecordError::Protobuf)?;
+        let facts = interner.intern(&catalogue).map_err(RecordError::Protobuf);
         // The buffer is reused for the next record's key.
         interner.key = catalogue;
-        let state = State::from_wire(state)
-            .ok_or_else(|| format!("machine {id:?} has no valid state ({state})"))?;
+        let state = State::from_wire(state).ok_or(RecordError::State {
+            id: id.clone(),
+            state,
+        })?;
         Ok(MachineRecord {
             facts: facts?,
             id,
@@ -486,6 +488,15 @@ impl MachineRecord {
             ops,
         })
     }
+}
+
+/// Why a stored machine record could not be rebuilt.
+#[derive(Debug, thiserror::Error)]
+pub enum RecordError {
+    #[error("{0}")]
+    Protobuf(#[source] DecodeError),
+    #[error("machine {id:?} has no valid state ({state})")]
+    State { id: String, state: i32 },
 }
 
 /// The canonical encoding of one set of facts (head, tail).

@@ -7,6 +7,8 @@ use bigfleet_proto::v1alpha1 as pb;
 use providerkit::{CatalogFacts, SharedFacts};
 use serde::Deserialize;
 
+use crate::ConfigError;
+
 /// One instance type: the template to clone and the clone's size.
 #[derive(Clone, Debug, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -63,26 +65,39 @@ pub fn builtin_instance_types(template_vmid: u32) -> BTreeMap<String, InstanceTy
 pub fn load_instance_types(
     path: &Path,
     template_vmid: u32,
-) -> Result<BTreeMap<String, InstanceType>, String> {
-    let text = std::fs::read_to_string(path)
-        .map_err(|e| format!("cannot read --instance-types {}: {e}", path.display()))?;
-    let mut types: BTreeMap<String, InstanceType> = serde_json::from_str(&text)
-        .map_err(|e| format!("--instance-types {} is not valid: {e}", path.display()))?;
+) -> Result<BTreeMap<String, InstanceType>, ConfigError> {
+    let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+        flag: "--instance-types",
+        path: path.to_path_buf(),
+        source,
+    })?;
+    let mut types: BTreeMap<String, InstanceType> =
+        serde_json::from_str(&text).map_err(|source| ConfigError::Parse {
+            flag: "--instance-types",
+            path: path.to_path_buf(),
+            source,
+        })?;
     if types.is_empty() {
-        return Err(format!(
+        return Err(ConfigError::Invalid(format!(
             "--instance-types {} defines no types",
             path.display()
-        ));
+        )));
     }
     for (name, t) in types.iter_mut() {
         if name.trim().is_empty() {
-            return Err("--instance-types has an entry with an empty name".into());
+            return Err(ConfigError::Invalid(
+                "--instance-types has an entry with an empty name".into(),
+            ));
         }
         if t.vcpu == 0 {
-            return Err(format!("instance type {name}: vcpu must be > 0"));
+            return Err(ConfigError::Invalid(format!(
+                "instance type {name}: vcpu must be > 0"
+            )));
         }
         if t.memory_mib == 0 {
-            return Err(format!("instance type {name}: memory_mib must be > 0"));
+            return Err(ConfigError::Invalid(format!(
+                "instance type {name}: memory_mib must be > 0"
+            )));
         }
         if t.template_vmid == 0 {
             t.template_vmid = template_vmid;
@@ -118,26 +133,33 @@ pub fn builtin_offerings(zones: &[String], seed_count: usize) -> Vec<Offering> {
         .collect()
 }
 
-pub fn load_offerings(path: &Path) -> Result<Vec<Offering>, String> {
-    let text = std::fs::read_to_string(path)
-        .map_err(|e| format!("cannot read --offerings {}: {e}", path.display()))?;
-    serde_json::from_str(&text)
-        .map_err(|e| format!("--offerings {} is not valid: {e}", path.display()))
+pub fn load_offerings(path: &Path) -> Result<Vec<Offering>, ConfigError> {
+    let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+        flag: "--offerings",
+        path: path.to_path_buf(),
+        source,
+    })?;
+    serde_json::from_str(&text).map_err(|source| ConfigError::Parse {
+        flag: "--offerings",
+        path: path.to_path_buf(),
+        source,
+    })
 }
 
 /// `type=usd,type=usd`.
-pub fn parse_prices(text: &str) -> Result<HashMap<String, f64>, String> {
+pub fn parse_prices(text: &str) -> Result<HashMap<String, f64>, ConfigError> {
     let mut prices = HashMap::new();
     for entry in text.split(',').map(str::trim).filter(|e| !e.is_empty()) {
-        let (name, usd) = entry
-            .split_once('=')
-            .ok_or_else(|| format!("--prices entry {entry:?} is not type=usd"))?;
-        let usd: f64 = usd
-            .trim()
-            .parse()
-            .map_err(|_| format!("--prices entry {entry:?}: {usd:?} is not a number"))?;
+        let (name, usd) = entry.split_once('=').ok_or_else(|| {
+            ConfigError::Invalid(format!("--prices entry {entry:?} is not type=usd"))
+        })?;
+        let usd: f64 = usd.trim().parse().map_err(|_| {
+            ConfigError::Invalid(format!("--prices entry {entry:?}: {usd:?} is not a number"))
+        })?;
         if !usd.is_finite() || usd < 0.0 {
-            return Err(format!("--prices entry {entry:?}: price must be >= 0"));
+            return Err(ConfigError::Invalid(format!(
+                "--prices entry {entry:?}: price must be >= 0"
+            )));
         }
         prices.insert(name.trim().to_string(), usd);
     }
@@ -206,56 +228,63 @@ pub fn expand_slots(
     types: &BTreeMap<String, InstanceType>,
     zones: Option<&[String]>,
     pricing: &Pricing,
-) -> Result<Vec<Slot>, String> {
+) -> Result<Vec<Slot>, ConfigError> {
     if offerings.is_empty() {
-        return Err("no offerings: the provider would have no capacity to offer".into());
+        return Err(ConfigError::Invalid(
+            "no offerings: the provider would have no capacity to offer".into(),
+        ));
     }
     let mut next_index: HashMap<(String, String), usize> = HashMap::new();
     let mut slots = Vec::new();
     for o in offerings {
         if o.instance_type.trim().is_empty() {
-            return Err("an offering has an empty instance_type".into());
+            return Err(ConfigError::Invalid(
+                "an offering has an empty instance_type".into(),
+            ));
         }
         if o.zone.trim().is_empty() {
-            return Err(format!("offering {} has an empty zone", o.instance_type));
+            return Err(ConfigError::Invalid(format!(
+                "offering {} has an empty zone",
+                o.instance_type
+            )));
         }
         let Some(t) = types.get(&o.instance_type) else {
             let known: Vec<&str> = types.keys().map(String::as_str).collect();
-            return Err(format!(
+            return Err(ConfigError::Invalid(format!(
                 "offering {} names an instance type not in the catalog ({})",
                 o.instance_type,
                 known.join(", ")
-            ));
+            )));
         };
         if o.count <= 0 {
-            return Err(format!(
+            return Err(ConfigError::Invalid(format!(
                 "offering {} on {}: count must be > 0, got {}",
                 o.instance_type, o.zone, o.count
-            ));
+            )));
         }
         if !capacity_type_ok(&o.capacity_type) {
-            return Err(format!(
+            return Err(ConfigError::Invalid(format!(
                 "offering {} has capacity_type {:?}: Proxmox VMs are on-demand only \
                  (spot, reserved and bare_metal are not offered)",
                 o.instance_type, o.capacity_type
-            ));
+            )));
         }
         if let Some(zones) = zones {
             if !zones.contains(&o.zone) {
-                return Err(format!(
+                return Err(ConfigError::Invalid(format!(
                     "offering {} is placed on node {:?}, which is not in --nodes ({})",
                     o.instance_type,
                     o.zone,
                     zones.join(",")
-                ));
+                )));
             }
         }
         if let Some(key) = o.labels.keys().find(|k| reserved_label(k)) {
-            return Err(format!(
+            return Err(ConfigError::Invalid(format!(
                 "offering {} has label {key:?}: instance type, zone and capacity type are \
                  top-level fields, not labels",
                 o.instance_type
-            ));
+            )));
         }
         let alloc = allocatable(t);
         let resources: HashMap<String, String> = if o.resources.is_empty() {
@@ -348,8 +377,11 @@ mod tests {
             resources: BTreeMap::new(),
             labels: BTreeMap::new(),
         };
-        let err =
-            |o: Offering| expand_slots("p", &[o], &types, Some(&nodes), &pricing()).unwrap_err();
+        let err = |o: Offering| {
+            expand_slots("p", &[o], &types, Some(&nodes), &pricing())
+                .unwrap_err()
+                .to_string()
+        };
         assert!(err(mk("", "pve1", 1, "")).contains("empty instance_type"));
         assert!(err(mk("pve.small", "", 1, "")).contains("empty zone"));
         assert!(err(mk("pve.huge", "pve1", 1, "")).contains("not in the catalog"));
@@ -387,10 +419,22 @@ mod tests {
             r#"[{"instance_type":"pve.small","zone":"a","count":1,"cnt":2}]"#,
         )
         .unwrap();
-        assert!(load_offerings(&path).unwrap_err().contains("unknown field"));
+        let e = load_offerings(&path).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                ConfigError::Parse {
+                    flag: "--offerings",
+                    ..
+                }
+            ),
+            "{e:?}"
+        );
+        assert!(e.to_string().contains("unknown field"), "{e}");
         std::fs::write(&path, r#"{"pve.x":{"vcpu":0,"memory_mib":1}}"#).unwrap();
         assert!(load_instance_types(&path, 9000)
             .unwrap_err()
+            .to_string()
             .contains("vcpu must be > 0"));
         std::fs::write(&path, r#"{"pve.x":{"vcpu":2,"memory_mib":1024}}"#).unwrap();
         assert_eq!(

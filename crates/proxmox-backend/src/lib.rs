@@ -17,3 +17,27 @@ pub mod catalog;
 pub mod fake;
 pub mod proxmox;
 pub mod substrate;
+
+/// Configuration the backend was handed that it cannot use: a file it
+/// cannot read or parse, or a value that is not allowed. Each message names
+/// the flag and what to change.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read {flag} {}: {source}", path.display())]
+    Read {
+        flag: &'static str,
+        path: std::path::PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{flag} {} is not valid: {source}", path.display())]
+    Parse {
+        flag: &'static str,
+        path: std::path::PathBuf,
+        #[source]
+        source: serde_json::Error,
+    },
+    /// A value that parses but is not allowed.
+    #[error("{0}")]
+    Invalid(String),
+}

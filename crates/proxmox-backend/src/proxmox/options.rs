@@ -2,6 +2,8 @@
 
 use std::time::Duration;
 
+use crate::ConfigError;
+
 /// Behaviour knobs of [`super::PveSubstrate`].
 #[derive(Clone, Debug)]
 pub struct PveOptions {
@@ -60,31 +62,37 @@ impl Default for PveOptions {
 
 impl PveOptions {
     /// Rejects options the substrate cannot work with, naming the problem.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), ConfigError> {
         if self.bootstrap_path.trim().is_empty() || !self.bootstrap_path.starts_with('/') {
-            return Err(format!(
+            return Err(ConfigError::Invalid(format!(
                 "--bootstrap-path {:?} must be an absolute in-guest path",
                 self.bootstrap_path
-            ));
+            )));
         }
         if self
             .bootstrap_exec
             .first()
             .is_none_or(|a| a.trim().is_empty())
         {
-            return Err("--bootstrap-exec must name a program".into());
+            return Err(ConfigError::Invalid(
+                "--bootstrap-exec must name a program".into(),
+            ));
         }
         if self.drain_command.trim().is_empty() {
-            return Err("--drain-command must not be empty".into());
+            return Err(ConfigError::Invalid(
+                "--drain-command must not be empty".into(),
+            ));
         }
         if self.max_parallel_clones == 0 {
-            return Err("--max-parallel-clones must be at least 1".into());
+            return Err(ConfigError::Invalid(
+                "--max-parallel-clones must be at least 1".into(),
+            ));
         }
         let (lo, hi) = self.vmid_range;
         if lo < 100 || hi < lo {
-            return Err(format!(
+            return Err(ConfigError::Invalid(format!(
                 "VMID range {lo}-{hi} is invalid (PVE ids start at 100)"
-            ));
+            )));
         }
         Ok(())
     }
@@ -101,7 +109,11 @@ mod tests {
             bootstrap_exec: vec![],
             ..PveOptions::default()
         };
-        assert!(bad.validate().unwrap_err().contains("--bootstrap-exec"));
+        assert!(bad
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("--bootstrap-exec"));
         let bad = PveOptions {
             max_parallel_clones: 0,
             ..PveOptions::default()
