@@ -9,7 +9,8 @@ use clap::{Args, Subcommand, ValueEnum};
 /// Operate a running provider: list, inspect and drive machines.
 #[derive(Args, Debug, Clone)]
 pub struct CtlArgs {
-    /// Provider gRPC address: HOST:PORT, or an http:// or https:// URL.
+    /// Provider gRPC address: HOST:PORT, or an http:// or https:// URL. A
+    /// bare HOST means port 9000, and `:PORT` means 127.0.0.1.
     #[arg(
         long,
         global = true,
@@ -66,6 +67,7 @@ pub struct CtlArgs {
 
     /// Output format on stdout.
     #[arg(
+        short = 'o',
         long,
         global = true,
         help_heading = "Global options",
@@ -91,10 +93,18 @@ pub enum CtlCommand {
         /// Only machines in this state (repeatable or comma list).
         #[arg(long = "state", value_delimiter = ',', value_parser = parse_state)]
         states: Vec<MachineState>,
+        /// Only machines in this zone (Proxmox node; repeatable or comma list).
+        #[arg(long = "zone", value_delimiter = ',')]
+        zones: Vec<String>,
+        /// Only machines of this instance type (repeatable or comma list).
+        #[arg(long = "type", value_delimiter = ',')]
+        types: Vec<String>,
         /// At most this many machines (0 = no cap).
         #[arg(long, value_parser = clap::value_parser!(i32).range(0..))]
         max: Option<i32>,
     },
+    /// Counts of machines by state, per zone and instance type.
+    Summary,
     /// Show one machine.
     Get {
         /// Machine id, as `list` shows it.

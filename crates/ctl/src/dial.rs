@@ -1,11 +1,6 @@
 //! Dialling the provider: target parsing, plaintext or TLS/mTLS channels,
 //! and the connection facts error hints depend on.
 
-use crate::args::CtlArgs;
-use crate::render::canonical_code_name;
-use crate::render::cell;
-use crate::render::error_chain;
-use crate::render::join_chain;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -23,6 +18,9 @@ use tokio_rustls::client::TlsStream;
 use tokio_rustls::TlsConnector;
 use tonic::transport::{Channel, Endpoint};
 use tonic::Code;
+
+use crate::args::CtlArgs;
+use crate::render::{canonical_code_name, cell, error_chain, join_chain};
 
 pub(crate) type Client = CapacityProviderClient<Channel>;
 
@@ -103,6 +101,32 @@ pub(crate) fn split_target(target: &str) -> (Option<&str>, &str) {
         }
     }
     (None, target)
+}
+
+/// The port a bare host means: the provider's default gRPC port.
+pub(crate) const DEFAULT_PORT: u16 = 9000;
+
+/// `HOST` -> `HOST:9000`, `:PORT` -> `127.0.0.1:PORT`, a bare IPv6 address
+/// -> `[ADDR]:9000`; anything with a port stays as it is.
+pub(crate) fn normalize_authority(authority: &str) -> String {
+    if let Some(port) = authority
+        .strip_prefix(':')
+        .filter(|p| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()))
+    {
+        return format!("127.0.0.1:{port}");
+    }
+    if authority.starts_with('[') {
+        return if authority.contains("]:") {
+            authority.to_string()
+        } else {
+            format!("{authority}:{DEFAULT_PORT}")
+        };
+    }
+    match authority.matches(':').count() {
+        0 => format!("{authority}:{DEFAULT_PORT}"),
+        1 => authority.to_string(),
+        _ => format!("[{authority}]:{DEFAULT_PORT}"),
+    }
 }
 
 pub(crate) fn read_pem_certs(
@@ -266,6 +290,7 @@ pub(crate) async fn connect(args: &CtlArgs) -> Result<Session, String> {
     if authority.is_empty() {
         return Err(format!("--target {target:?} names no host:port"));
     }
+    let authority = &normalize_authority(authority);
     let tls_flags = args.tls_ca.is_some()
         || args.tls_cert.is_some()
         || args.tls_key.is_some()
@@ -295,7 +320,7 @@ pub(crate) async fn connect(args: &CtlArgs) -> Result<Session, String> {
         endpoint.connect().await
     };
     let channel =
-        channel.map_err(|e| format!("cannot connect to {target}: {}", error_chain(&e)))?;
+        channel.map_err(|e| format!("cannot connect to {authority}: {}", error_chain(&e)))?;
     Ok(Session {
         client: CapacityProviderClient::new(channel),
         target: target.to_string(),

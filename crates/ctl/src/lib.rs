@@ -14,23 +14,18 @@ mod wait;
 pub use args::{CtlArgs, CtlCommand, Fence, Output, Wait};
 pub use render::{canonical_code_name, render_table, state_name};
 
-use crate::dial::connect;
-use crate::dial::Session;
-use crate::render::cell;
-use crate::render::emit;
-use crate::render::json;
-use crate::render::list_table;
-use crate::render::machine_details;
-use crate::render::AckView;
-use crate::render::MachineView;
-use crate::wait::wait_for;
-use crate::wait::watch;
 use std::path::Path;
 
 use bigfleet_proto::v1alpha1::{
     ConfigureRequest, CreateRequest, DeleteRequest, DrainRequest, ListFilter, Machine,
     MachineState, TransitionAck,
 };
+
+use crate::dial::{connect, Session};
+use crate::render::{
+    cell, emit, json, list_table, machine_details, summarize, summary_table, AckView, MachineView,
+};
+use crate::wait::{wait_for, watch};
 
 pub(crate) async fn mutate(
     session: &mut Session,
@@ -106,10 +101,18 @@ pub async fn run(args: CtlArgs) -> Result<(), String> {
     let mut session = connect(&args).await?;
     let output = args.output;
     match args.command {
-        CtlCommand::List { states, max } => {
+        CtlCommand::List {
+            states,
+            zones,
+            types,
+            max,
+        } => {
+            // Zone and type are not on the wire's ListFilter: filter here,
+            // and then cap here too.
+            let local = !zones.is_empty() || !types.is_empty();
             let filter = ListFilter {
                 states: states.iter().map(|s| *s as i32).collect(),
-                max_results: max.unwrap_or(0),
+                max_results: if local { 0 } else { max.unwrap_or(0) },
                 since_revision: Vec::new(),
             };
             let list = session
@@ -118,15 +121,32 @@ pub async fn run(args: CtlArgs) -> Result<(), String> {
                 .await
                 .map_err(|s| session.status_error("List", &s))?
                 .into_inner();
+            let mut machines: Vec<Machine> = list
+                .machines
+                .into_iter()
+                .filter(|m| zones.is_empty() || zones.contains(&m.zone))
+                .filter(|m| types.is_empty() || types.contains(&m.instance_type))
+                .collect();
+            if let Some(cap) = max.filter(|&c| local && c > 0) {
+                machines.truncate(cap as usize);
+            }
             let text = match output {
-                Output::Json => json(
-                    &list
-                        .machines
-                        .iter()
-                        .map(MachineView::from)
-                        .collect::<Vec<_>>(),
-                )?,
-                Output::Table => list_table(&list.machines),
+                Output::Json => json(&machines.iter().map(MachineView::from).collect::<Vec<_>>())?,
+                Output::Table => list_table(&machines),
+            };
+            emit(&text)
+        }
+        CtlCommand::Summary => {
+            let list = session
+                .client
+                .list(ListFilter::default())
+                .await
+                .map_err(|s| session.status_error("List", &s))?
+                .into_inner();
+            let rows = summarize(&list.machines);
+            let text = match output {
+                Output::Json => json(&rows)?,
+                Output::Table => summary_table(&rows),
             };
             emit(&text)
         }
@@ -308,7 +328,7 @@ mod tests {
         .unwrap();
         assert_eq!(b.tls_ca.as_deref(), Some(Path::new("/ca.pem")));
         match b.command {
-            CtlCommand::List { states, max } => {
+            CtlCommand::List { states, max, .. } => {
                 assert_eq!(states, vec![MachineState::Idle, MachineState::Failed]);
                 assert_eq!(max, Some(3));
             }
@@ -525,5 +545,66 @@ mod tests {
             err.starts_with(&format!("cannot connect to 127.0.0.1:{port}")),
             "{err}"
         );
+    }
+
+    #[test]
+    fn targets_default_their_port_and_host() {
+        assert_eq!(normalize_authority("pve-ctl"), "pve-ctl:9000");
+        assert_eq!(normalize_authority("127.0.0.1"), "127.0.0.1:9000");
+        assert_eq!(normalize_authority(":9100"), "127.0.0.1:9100");
+        assert_eq!(normalize_authority("h:1"), "h:1");
+        assert_eq!(normalize_authority("::1"), "[::1]:9000");
+        assert_eq!(normalize_authority("[::1]"), "[::1]:9000");
+        assert_eq!(normalize_authority("[::1]:7"), "[::1]:7");
+    }
+
+    #[test]
+    fn summary_counts_every_state_per_zone_and_type() {
+        let mut a = machine();
+        a.state = MachineState::Idle as i32;
+        a.zone = "pve1".into();
+        a.instance_type = "pve.small".into();
+        let mut b = a.clone();
+        b.state = MachineState::Failed as i32;
+        let mut c = a.clone();
+        c.zone = "pve2".into();
+        let rows = summarize(&[a.clone(), b, c]);
+        assert_eq!(rows.len(), 2);
+        assert_eq!(rows[0].zone, "pve1");
+        assert_eq!(rows[0].total, 2);
+        assert_eq!(rows[0].counts["FAILED"], 1);
+        assert_eq!(rows[0].counts.len(), 8, "every state is a column");
+        let table = summary_table(&rows);
+        let last = table.lines().last().unwrap();
+        assert!(
+            last.starts_with("(all)") && last.trim_end().ends_with('3'),
+            "{table}"
+        );
+    }
+
+    #[test]
+    fn list_filters_and_short_output_parse() {
+        let a = parse(&[
+            "-o",
+            "json",
+            "list",
+            "--zone",
+            "pve1,pve2",
+            "--type",
+            "pve.small",
+        ])
+        .unwrap();
+        assert_eq!(a.output, Output::Json);
+        match a.command {
+            CtlCommand::List { zones, types, .. } => {
+                assert_eq!(zones, vec!["pve1", "pve2"]);
+                assert_eq!(types, vec!["pve.small"]);
+            }
+            other => panic!("parsed {other:?}"),
+        }
+        assert!(matches!(
+            parse(&["summary"]).unwrap().command,
+            CtlCommand::Summary
+        ));
     }
 }

@@ -285,3 +285,81 @@ pub(crate) fn join_chain(
 pub(crate) fn error_chain(err: &(dyn std::error::Error + 'static)) -> String {
     join_chain(err.to_string(), err.source())
 }
+
+/// The states a summary has a column for, in lifecycle order.
+const SUMMARY_STATES: [MachineState; 8] = [
+    MachineState::Speculative,
+    MachineState::Creating,
+    MachineState::Idle,
+    MachineState::Configuring,
+    MachineState::Configured,
+    MachineState::Draining,
+    MachineState::Deleting,
+    MachineState::Failed,
+];
+
+/// One zone and instance type of `ctl summary`.
+#[derive(Debug, Serialize, PartialEq)]
+pub(crate) struct SummaryRow {
+    pub(crate) zone: String,
+    pub(crate) instance_type: String,
+    /// State name -> machines in it (every state, zeros included).
+    pub(crate) counts: BTreeMap<String, usize>,
+    pub(crate) total: usize,
+}
+
+pub(crate) fn summarize(machines: &[Machine]) -> Vec<SummaryRow> {
+    let mut by: BTreeMap<(String, String), BTreeMap<String, usize>> = BTreeMap::new();
+    for m in machines {
+        let counts = by
+            .entry((m.zone.clone(), m.instance_type.clone()))
+            .or_insert_with(|| {
+                SUMMARY_STATES
+                    .iter()
+                    .map(|s| (state_name(*s as i32), 0))
+                    .collect()
+            });
+        *counts.entry(state_name(m.state)).or_insert(0) += 1;
+    }
+    by.into_iter()
+        .map(|((zone, instance_type), counts)| SummaryRow {
+            total: counts.values().sum(),
+            zone,
+            instance_type,
+            counts,
+        })
+        .collect()
+}
+
+pub(crate) fn summary_table(rows: &[SummaryRow]) -> String {
+    let mut header = vec!["ZONE", "TYPE"];
+    let names: Vec<String> = SUMMARY_STATES
+        .iter()
+        .map(|s| state_name(*s as i32))
+        .collect();
+    header.extend(names.iter().map(String::as_str));
+    header.push("TOTAL");
+    let mut body: Vec<Vec<String>> = rows
+        .iter()
+        .map(|r| {
+            let mut row = vec![cell(&r.zone), cell(&r.instance_type)];
+            row.extend(
+                names
+                    .iter()
+                    .map(|n| r.counts.get(n).copied().unwrap_or(0).to_string()),
+            );
+            row.push(r.total.to_string());
+            row
+        })
+        .collect();
+    let mut totals = vec!["(all)".to_string(), String::new()];
+    totals.extend(names.iter().map(|n| {
+        rows.iter()
+            .map(|r| r.counts.get(n).copied().unwrap_or(0))
+            .sum::<usize>()
+            .to_string()
+    }));
+    totals.push(rows.iter().map(|r| r.total).sum::<usize>().to_string());
+    body.push(totals);
+    render_table(&header, &body)
+}

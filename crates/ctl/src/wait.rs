@@ -1,19 +1,14 @@
 //! Waiting on a machine: `--wait` polling with progress lines, Ctrl-C, and
 //! `watch`.
 
-use crate::args::Output;
-use crate::args::Wait;
-use crate::dial::Session;
-use crate::render::cell;
-use crate::render::elapsed;
-use crate::render::emit;
-use crate::render::state_name;
-use crate::render::MachineView;
-use crate::render::WatchLine;
 use std::time::{Duration, Instant};
 
 use bigfleet_proto::v1alpha1::{Machine, MachineState};
 use tonic::Code;
+
+use crate::args::{Output, Wait};
+use crate::dial::Session;
+use crate::render::{cell, elapsed, emit, state_name, MachineView, WatchLine};
 
 pub(crate) fn progress(start: Instant, id: &str, m: &Machine) {
     let mut line = format!(
@@ -78,6 +73,8 @@ pub(crate) async fn wait_for(
     let mut ctrl_c = Interrupt::new()?;
     let mut current = accepted;
     progress(start, id, &current);
+    // A long transition is not silent: a line at least this often.
+    let mut last_line = Instant::now();
     loop {
         if current.state == target as i32 {
             return Ok(Some(current));
@@ -117,12 +114,16 @@ pub(crate) async fn wait_for(
             }
             Err(s) => return Err(session.status_error(&format!("Get {}", cell(id)), &s)),
         };
-        if next.state != current.state {
+        if next.state != current.state || last_line.elapsed() >= HEARTBEAT {
             progress(start, id, &next);
+            last_line = Instant::now();
         }
         current = next;
     }
 }
+
+/// How often `--wait` says where a machine is when nothing changes.
+pub(crate) const HEARTBEAT: Duration = Duration::from_secs(10);
 
 pub(crate) async fn watch(
     session: &mut Session,

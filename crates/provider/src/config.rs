@@ -222,15 +222,26 @@ pub fn parse_duration(text: &str) -> Result<Duration, String> {
 /// The metrics listener's address when `--metrics-addr` is not given.
 pub const DEFAULT_METRICS_ADDR: &str = ":9090";
 
-/// Go-style `:9000` means every interface.
+/// Go-style `:9000` means every interface; a host name (`localhost:9200`)
+/// is resolved, and its first address is used.
 pub fn parse_listen_addr(flag: &str, value: &str) -> Result<SocketAddr, String> {
     let full = if value.starts_with(':') {
         format!("0.0.0.0{value}")
     } else {
         value.to_string()
     };
-    full.parse()
-        .map_err(|_| format!("{flag} {value:?} is not a host:port listen address"))
+    if let Ok(addr) = full.parse() {
+        return Ok(addr);
+    }
+    let bad = || format!("{flag} {value:?} is not a host:port listen address");
+    let (host, port) = full.rsplit_once(':').ok_or_else(bad)?;
+    if host.is_empty() || port.parse::<u16>().is_err() {
+        return Err(bad());
+    }
+    std::net::ToSocketAddrs::to_socket_addrs(&full)
+        .map_err(|e| format!("{flag} {value:?}: cannot resolve {host:?}: {e}"))?
+        .next()
+        .ok_or_else(|| format!("{flag} {value:?}: {host:?} resolves to no address"))
 }
 
 #[cfg(test)]
@@ -278,6 +289,14 @@ mod tests {
         assert_eq!(parse_duration("2m"), Ok(Duration::from_secs(120)));
         assert_eq!(parse_duration("50ms"), Ok(Duration::from_millis(50)));
         assert!(parse_duration("soon").is_err());
+    }
+
+    #[test]
+    fn listen_addrs_accept_host_names() {
+        let a = parse_listen_addr("--addr", "localhost:9200").unwrap();
+        assert!(a.ip().is_loopback() && a.port() == 9200, "{a}");
+        let e = parse_listen_addr("--addr", "localhost").unwrap_err();
+        assert!(e.contains("not a host:port"), "{e}");
     }
 
     #[test]

@@ -652,3 +652,65 @@ fn mtls_lifecycle_and_rejections() {
     );
     assert!(!p.log().contains(SECRET), "the provider logged the blob");
 }
+
+#[test]
+fn list_filters_summary_and_short_targets() {
+    let p = plaintext();
+    // -o is --output.
+    let all: Value = serde_json::from_str(&p.ok(&["-o", "json", "list"])).unwrap();
+    let all = all.as_array().unwrap().clone();
+    assert_eq!(all.len(), 4, "{all:?}");
+    let zone = all[0]["zone"].as_str().unwrap().to_string();
+    let typ = all[0]["instance_type"].as_str().unwrap().to_string();
+
+    let in_zone = p.json(&["list", "--zone", &zone]);
+    let in_zone = in_zone.as_array().unwrap();
+    let want = all.iter().filter(|m| m["zone"] == zone.as_str()).count();
+    assert!(
+        want > 0 && want < all.len(),
+        "the fake backend spreads over two zones"
+    );
+    assert_eq!(in_zone.len(), want, "{in_zone:?}");
+    assert!(in_zone.iter().all(|m| m["zone"] == zone.as_str()));
+    let one = p.json(&["list", "--zone", &zone, "--type", &typ, "--max", "1"]);
+    let one = one.as_array().unwrap();
+    assert_eq!(one.len(), 1);
+    assert_eq!(one[0]["instance_type"], typ.as_str());
+    assert!(p
+        .json(&["list", "--zone", "no-such-node"])
+        .as_array()
+        .unwrap()
+        .is_empty());
+
+    // Summary: every machine counted once, per zone and type, every state a column.
+    let summary = p.json(&["summary"]);
+    let rows = summary.as_array().unwrap();
+    let total: u64 = rows.iter().map(|r| r["total"].as_u64().unwrap()).sum();
+    assert_eq!(total, 4);
+    for r in rows {
+        assert_eq!(r["counts"]["SPECULATIVE"], r["total"], "{r}");
+        assert_eq!(r["counts"]["FAILED"], 0, "{r}");
+    }
+    let table = p.ok(&["summary"]);
+    assert!(table.starts_with("ZONE"), "{table}");
+    assert!(
+        table.lines().last().unwrap().starts_with("(all)"),
+        "{table}"
+    );
+
+    // `:PORT` means 127.0.0.1; a bare host means port 9000 (nothing listens
+    // there in this test, and the error names the address it tried).
+    let port = p.target.rsplit_once(':').unwrap().1;
+    let out = Command::new(BIN)
+        .args(["ctl", "--target", &format!(":{port}"), "list", "--max", "1"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", stderr(&out));
+    let out = Command::new(BIN)
+        .args(["ctl", "--timeout", "1s", "--target", "127.0.0.1", "list"])
+        .output()
+        .unwrap();
+    if !out.status.success() {
+        assert!(stderr(&out).contains("127.0.0.1:9000"), "{}", stderr(&out));
+    }
+}
