@@ -46,7 +46,7 @@ use tokio::task::JoinHandle;
 
 pub use agent::{GuestExec, GuestHandler, GuestOutput, GUEST_ROOT_ENV};
 pub use config::{
-    find_qemu_ga, GuestAgentMode, HttpServerVersion, SimConfig, TagStyle, TemplateSpec,
+    find_qemu_ga, GuestAgentMode, HttpServerVersion, SimConfig, TagAccess, TagStyle, TemplateSpec,
     GUEST_AGENT_ENV,
 };
 pub use faults::Faults;
@@ -134,7 +134,8 @@ impl PveSim {
             ca.fingerprint.clone(),
         )?);
         let app = server::router(Arc::clone(&shared));
-        let server = tokio::spawn(server::serve(listener, tls_cfg, app));
+        let idle = shared.cfg.keepalive_idle;
+        let server = tokio::spawn(server::serve_with(listener, tls_cfg, app, idle));
         Ok(Self {
             shared,
             addr,
