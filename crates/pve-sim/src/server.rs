@@ -10,8 +10,8 @@ use axum::body::{Body, Bytes};
 use axum::extract::{DefaultBodyLimit, State};
 use axum::http::{header, HeaderMap, Method, Response, StatusCode, Uri};
 use axum::Router;
-use hyper_util::rt::{TokioExecutor, TokioIo};
 use http::Request;
+use hyper_util::rt::{TokioExecutor, TokioIo};
 use percent_encoding::percent_decode_str;
 use serde::Deserialize;
 use serde_json::{json, Value};
@@ -105,9 +105,7 @@ impl ConnIdle {
     async fn idle_for(&self, idle: Duration) {
         loop {
             let due = *self.last_done.lock() + idle;
-            if self.in_flight.load(Ordering::SeqCst) == 0
-                && tokio::time::Instant::now() >= due
-            {
+            if self.in_flight.load(Ordering::SeqCst) == 0 && tokio::time::Instant::now() >= due {
                 return;
             }
             let next = due.max(tokio::time::Instant::now() + idle / 8);

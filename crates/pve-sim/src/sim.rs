@@ -110,7 +110,9 @@ impl Shared {
             return true;
         }
         match c.vms.get(&vmid) {
-            Some(vm) => vm.template || (vm.pool.is_some() && vm.pool == self.cfg.pools.first().cloned()),
+            Some(vm) => {
+                vm.template || (vm.pool.is_some() && vm.pool == self.cfg.pools.first().cloned())
+            }
             None => false,
         }
     }

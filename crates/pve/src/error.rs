@@ -251,9 +251,10 @@ impl PveError {
     /// nothing about whether it was applied. A request timeout or a transport
     /// failure after the connection was made, and pveproxy's 596 (timed out
     /// forwarding to the node) and 597 (the node's answer was lost): the node
-    /// may have run the request. 595 means pveproxy could not connect at all.
+    /// may have run the request; likewise a 502/504 from a gateway in front
+    /// of pveproxy. 595 means pveproxy could not connect at all.
     pub fn may_have_been_applied_post(&self) -> bool {
-        self.may_have_been_applied() || matches!(self.status(), Some(596 | 597))
+        self.may_have_been_applied() || matches!(self.status(), Some(502 | 504 | 596 | 597))
     }
 
     /// Failures worth polling through while a VM boots and its agent starts.
