@@ -359,6 +359,10 @@ pub struct SimConfig {
     /// its pool. A VMID taken between the POST and the worker fails the task
     /// with `unable to create VM N: config file already exists`.
     pub clone_timeline: bool,
+    /// A clone worker failing through [`crate::Faults::fail_next_task`] does
+    /// so at the end of its copy and leaves the half-made VM behind (as when
+    /// a worker is killed mid-copy), instead of PVE's usual clean-up.
+    pub keep_failed_clone: bool,
     /// Datacenter `user-tag-access`.
     pub tag_access: TagAccess,
     /// pveproxy closes a keep-alive connection idle this long (PVE: ~5 s);
@@ -428,6 +432,7 @@ impl Default for SimConfig {
             guest_agent: GuestAgentMode::Auto,
             pool_acl: false,
             clone_timeline: false,
+            keep_failed_clone: false,
             tag_access: TagAccess::Free,
             keepalive_idle: Some(Duration::from_secs(5)),
             close_after_error: true,

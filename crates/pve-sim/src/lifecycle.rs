@@ -162,6 +162,17 @@ impl Shared {
             kind,
             pending,
         } = w;
+        if self.cfg.keep_failed_clone && pending.is_none() {
+            if let Some(msg) = self.faults.take_task_failure("qmclone") {
+                tokio::time::sleep(self.cfg.clone_duration).await;
+                // The worker's lock goes with it; the config stays.
+                self.update_vm(newid, |vm| {
+                    vm.lock = None;
+                    vm.flock = 0;
+                });
+                return Err(msg.replace("{newid}", &newid.to_string()));
+            }
+        }
         if let Some(msg) = self.faults.take_task_failure("qmclone") {
             // A collision found before the worker created anything of its own.
             let mut c = self.cluster.lock();
