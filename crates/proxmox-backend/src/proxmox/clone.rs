@@ -52,6 +52,7 @@ impl PveSubstrate {
         &self,
         template: u32,
         template_node: &str,
+        deadline: Instant,
     ) -> Result<String, SubstrateError> {
         let cell = self
             .template_storage
@@ -61,18 +62,16 @@ impl PveSubstrate {
             .clone();
         cell.get_or_try_init(|| async {
             let cfg = self
-                .client
-                .get_config(template_node, template)
-                .await
-                .map_err(|e| {
-                    err(
-                        format!(
-                            "reading the config of template {template} on node {template_node} \
-                             (needed to bound clones per storage)"
-                        ),
-                        &e,
-                    )
-                })?;
+                .retry_pve(
+                    format!(
+                        "reading the config of template {template} on node {template_node} \
+                         (needed to bound clones per storage)"
+                    ),
+                    Some(template_node),
+                    deadline,
+                    || self.client.get_config(template_node, template),
+                )
+                .await?;
             let key = storage_key(&cfg.disk_storages());
             tracing::debug!(template, storage = %key, "template disk storage resolved");
             Ok(key)
@@ -95,7 +94,7 @@ impl PveSubstrate {
         deadline: Instant,
     ) -> Result<VmRef, SubstrateError> {
         let storage = self
-            .template_storage(req.template_vmid, template_node)
+            .template_storage(req.template_vmid, template_node, deadline)
             .await?;
         let _permit = self.clone_permit(&req.node, &storage).await?;
         let description = marker_description(&req.machine_id, &req.operation_id);

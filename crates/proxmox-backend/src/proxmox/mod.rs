@@ -4,9 +4,16 @@
 //! Create = 1 inventory read + 1 `nextid` + clone + task polls + 1 config PUT +
 //! start + task polls + agent pings (the first Create per template also reads
 //! the template's config once, for its disk storage); Configure/Drain =
-//! status + ping + exec + exec-status polls; Delete = status + stop + destroy + task polls; a
+//! status + ping + exec + exec-status polls; Delete = status + config (the
+//! marker is the ownership proof) + stop + destroy + task polls; a
 //! reconcile pass = 1 inventory read plus config reads only for marked VMs that
 //! are new or whose tags/name changed since the last pass.
+//!
+//! Transient failures (595/596/597, 502-504, refused or reset connections,
+//! timeouts, an offline node, a template locked by a backup) are retried with
+//! backoff within [`PveOptions::retry_window`]. Nothing is destroyed unless
+//! its description marker names the machine; under a pool-scoped token a 403
+//! on a VM is told apart (gone, or not ours) with `GET /cluster/nextid?vmid=N`.
 
 use std::collections::HashMap;
 use std::future::Future;
