@@ -100,6 +100,7 @@ pub struct PveSim {
     addr: SocketAddr,
     ca: tls::TestCa,
     server: JoinHandle<()>,
+    accepted: Arc<std::sync::atomic::AtomicU64>,
     _scratch: Option<tempfile::TempDir>,
 }
 
@@ -135,12 +136,20 @@ impl PveSim {
         )?);
         let app = server::router(Arc::clone(&shared));
         let idle = shared.cfg.keepalive_idle;
-        let server = tokio::spawn(server::serve_with(listener, tls_cfg, app, idle));
+        let accepted = Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let server = tokio::spawn(server::serve_with(
+            listener,
+            tls_cfg,
+            app,
+            idle,
+            Arc::clone(&accepted),
+        ));
         Ok(Self {
             shared,
             addr,
             ca,
             server,
+            accepted,
             _scratch: tmp,
         })
     }
@@ -157,6 +166,11 @@ impl PveSim {
 
     pub fn addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// TCP connections accepted so far (each closed one is a new one next time).
+    pub fn connections_accepted(&self) -> u64 {
+        self.accepted.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     /// PEM of the CA that signed the server certificate.

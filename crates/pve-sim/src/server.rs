@@ -2,7 +2,7 @@
 //! injection and PVE's response envelopes.
 
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -118,15 +118,17 @@ impl ConnIdle {
 /// the JoinSet, which aborts every open connection too. A connection idle for
 /// `keepalive_idle` is closed, as pveproxy does.
 pub async fn serve(listener: TcpListener, tls: Arc<rustls::ServerConfig>, app: Router) {
-    serve_with(listener, tls, app, None).await
+    serve_with(listener, tls, app, None, Arc::default()).await
 }
 
-/// [`serve`] with pveproxy's keep-alive idle timeout.
+/// [`serve`] with pveproxy's keep-alive idle timeout, counting accepted
+/// connections in `connections`.
 pub async fn serve_with(
     listener: TcpListener,
     tls: Arc<rustls::ServerConfig>,
     app: Router,
     keepalive_idle: Option<Duration>,
+    connections: Arc<AtomicU64>,
 ) {
     let acceptor = TlsAcceptor::from(tls);
     let mut conns = JoinSet::new();
@@ -143,6 +145,7 @@ pub async fn serve_with(
                 continue;
             }
         };
+        connections.fetch_add(1, Ordering::SeqCst);
         let acceptor = acceptor.clone();
         let idle = Arc::new(ConnIdle::new());
         let router = app.clone();
