@@ -321,6 +321,11 @@ impl PveSubstrate {
             {
                 Ok(())
             }
+            // A repeated start (after a lost answer) waited on the first
+            // one's config lock: the first start is the one to wait for.
+            Err(e) if e.is_lock_timeout() => {
+                self.wait_status(vm, "running", |s| s.is_running()).await
+            }
             Err(e) => Err(err(format!("starting VM {vm}"), &e)),
         }
     }
