@@ -249,6 +249,61 @@ async fn pool_scoped_token_retried_create_waits_for_the_clone_in_progress() {
     sim.shutdown().await;
 }
 
+#[tokio::test]
+async fn pool_scoped_token_clears_a_pending_clone_that_never_came() {
+    let sim = sim_with(pool_acl()).await;
+    let id = "p/OnDemand/pve.small/pve1/012";
+    // The clone's answer is lost and its worker fails before creating
+    // anything: the VMID answers 403 (no VM, so not in the pool).
+    sim.faults()
+        .fail_after_apply(endpoints::CLONE, 1, 596, "Connection timed out");
+    sim.faults()
+        .fail_next_task("qmclone", 1, "clone failed: no space left on device");
+    let impatient = PveSubstrate::new(
+        client(&sim),
+        PveOptions {
+            retry_window: Duration::from_millis(400),
+            ambiguous_settle: Duration::from_secs(30),
+            ..opts()
+        },
+    );
+    let e = impatient
+        .clone_vm(&req(id, "pve1"))
+        .await
+        .expect_err("unresolved within the window");
+    assert!(e.to_string().contains("may have been applied"), "{e}");
+    // The retried Create finds the pending VMID free (403, then nextid 200),
+    // clears it and clones once more.
+    sim.reset_counts();
+    let vm = impatient
+        .clone_vm(&req(id, "pve1"))
+        .await
+        .expect("pending cleared, cloned");
+    assert_eq!(sim.call_count(endpoints::CLONE), 1, "one new clone");
+    assert!(sim.call_count(endpoints::NEXTID) >= 1);
+    assert_eq!(clones(&sim).len(), 1, "exactly one VM");
+    assert_eq!(clones(&sim)[0].vmid, vm.vmid);
+    sim.shutdown().await;
+}
+
+#[tokio::test]
+async fn lost_answer_of_a_clone_that_was_not_applied_clones_again() {
+    let sim = sim_with(pool_acl()).await;
+    let sub = PveSubstrate::new(client(&sim), opts());
+    sim.faults()
+        .fail_after_apply(endpoints::CLONE, 1, 596, "Connection timed out");
+    sim.faults()
+        .fail_next_task("qmclone", 1, "clone failed: no space left on device");
+    let vm = sub
+        .clone_vm(&req("p/OnDemand/pve.small/pve1/013", "pve1"))
+        .await
+        .expect("the VMID stayed free: cloned again with a fresh one");
+    assert_eq!(sim.call_count(endpoints::CLONE), 2);
+    assert_eq!(clones(&sim).len(), 1);
+    assert!(sim.vm(vm.vmid).unwrap().running);
+    sim.shutdown().await;
+}
+
 // ---- item 5: VMIDs ----
 
 #[tokio::test]
