@@ -58,6 +58,7 @@ const SPEC_FLAGS: &[&str] = &[
     "--readiness-command",
     "--drain-command",
     "--max-parallel-clones",
+    "--vmid-range",
     "--shutdown-grace",
     "--proxmox-poll-interval",
 ];

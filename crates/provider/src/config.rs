@@ -139,6 +139,11 @@ pub struct Args {
     #[arg(long, default_value_t = 2)]
     pub max_parallel_clones: usize,
 
+    /// VMIDs this provider allocates, MIN-MAX inclusive (e.g. 10000-19999);
+    /// unset, PVE's whole range 100-999999.
+    #[arg(long, value_parser = parse_vmid_range_arg)]
+    pub vmid_range: Option<VmidRange>,
+
     /// Background reconcile period (0 = off).
     #[arg(long, default_value = "2m", value_parser = parse_duration)]
     pub reconcile_interval: Duration,
@@ -211,6 +216,14 @@ pub enum Command {
 }
 
 /// `0` means zero; otherwise humantime (`50ms`, `2m`, `1h30m`).
+/// `--vmid-range MIN-MAX`, inclusive.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct VmidRange(pub u32, pub u32);
+
+fn parse_vmid_range_arg(text: &str) -> Result<VmidRange, String> {
+    proxmox_backend::proxmox::parse_vmid_range(text).map(|(lo, hi)| VmidRange(lo, hi))
+}
+
 pub fn parse_duration(text: &str) -> Result<Duration, String> {
     let text = text.trim();
     if text == "0" {

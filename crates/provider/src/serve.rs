@@ -169,6 +169,17 @@ fn pve_substrate(plan: &Plan) -> Result<PveSubstrate, String> {
         poll_interval: args.proxmox_poll_interval,
         // Leave the engine's Drain deadline room for EnsureRunning.
         drain_timeout: args.drain_timeout * 9 / 10,
+        vmid_range: args
+            .vmid_range
+            .map_or(PveOptions::default().vmid_range, |r| (r.0, r.1)),
+        // Retries of transient failures end before the engine's shortest
+        // transition deadline, so last_error names the cause (the node, the
+        // lock) rather than "deadline exceeded".
+        retry_window: args
+            .create_timeout
+            .min(args.delete_timeout)
+            .min(args.configure_timeout)
+            .mul_f64(0.75),
         ..PveOptions::default()
     };
     options.validate().map_err(|e| e.to_string())?;

@@ -150,7 +150,10 @@ impl Backend for ProxmoxBackend {
 
     async fn delete(&self, ctx: DeleteCtx) -> Result<(), BackendError> {
         let vm = parse_host(&ctx.host_ref)?;
-        self.substrate.delete_vm(&vm).await.map_err(be)
+        self.substrate
+            .delete_vm(&vm, &ctx.machine_id)
+            .await
+            .map_err(be)
     }
 
     fn supports_readiness(&self) -> bool {

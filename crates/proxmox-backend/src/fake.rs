@@ -159,12 +159,19 @@ impl Substrate for FakeCluster {
         Ok(vm)
     }
 
-    async fn delete_vm(&self, vm: &VmRef) -> Result<(), SubstrateError> {
+    async fn delete_vm(&self, vm: &VmRef, machine_id: &str) -> Result<(), SubstrateError> {
         self.step(1).await;
         let mut state = self.state.lock();
-        if let Some(removed) = state.vms.remove(&vm.vmid) {
-            if state.by_machine.get(&removed.machine_id) == Some(&vm.vmid) {
-                state.by_machine.remove(&removed.machine_id);
+        // Like the real substrate: only a VM marked for this machine is destroyed.
+        if state
+            .vms
+            .get(&vm.vmid)
+            .is_some_and(|v| v.machine_id == machine_id)
+        {
+            if let Some(removed) = state.vms.remove(&vm.vmid) {
+                if state.by_machine.get(&removed.machine_id) == Some(&vm.vmid) {
+                    state.by_machine.remove(&removed.machine_id);
+                }
             }
         }
         Ok(())

@@ -129,8 +129,10 @@ pub trait Substrate: Send + Sync + 'static {
     /// Clone, size, mark, start and wait for the guest agent. A VM already
     /// marked for this machine id is adopted (and powered on) instead.
     async fn clone_vm(&self, req: &CloneRequest) -> Result<VmRef, SubstrateError>;
-    /// Stop and destroy with disks; an already-gone VM is success.
-    async fn delete_vm(&self, vm: &VmRef) -> Result<(), SubstrateError>;
+    /// Stop and destroy with disks; an already-gone VM is success. Only a VM
+    /// whose description marker names `machine_id` is destroyed: anything
+    /// else at that VMID (reused id, a look-alike) is left alone as "gone".
+    async fn delete_vm(&self, vm: &VmRef, machine_id: &str) -> Result<(), SubstrateError>;
     /// Every VM carrying our marker.
     async fn describe_managed(&self) -> Result<Vec<ManagedVm>, SubstrateError>;
     /// Power on if stopped and wait for the agent; no-op when running.
@@ -192,8 +194,9 @@ impl Substrate for Metered {
     async fn clone_vm(&self, req: &CloneRequest) -> Result<VmRef, SubstrateError> {
         self.timed("CloneVM", self.inner.clone_vm(req)).await
     }
-    async fn delete_vm(&self, vm: &VmRef) -> Result<(), SubstrateError> {
-        self.timed("DeleteVM", self.inner.delete_vm(vm)).await
+    async fn delete_vm(&self, vm: &VmRef, machine_id: &str) -> Result<(), SubstrateError> {
+        self.timed("DeleteVM", self.inner.delete_vm(vm, machine_id))
+            .await
     }
     async fn describe_managed(&self) -> Result<Vec<ManagedVm>, SubstrateError> {
         self.timed("DescribeManaged", self.inner.describe_managed())

@@ -40,6 +40,8 @@ fn opts() -> PveOptions {
         readiness_timeout: Duration::from_secs(10),
         drain_timeout: Duration::from_secs(30),
         poll_interval: Duration::from_millis(50),
+        retry_window: Duration::from_secs(20),
+        ambiguous_settle: Duration::from_millis(500),
         ..PveOptions::default()
     }
 }
@@ -134,9 +136,11 @@ async fn full_lifecycle() {
         "{cmd:?}"
     );
 
-    sub.delete_vm(&vm).await.expect("delete");
+    sub.delete_vm(&vm, id).await.expect("delete");
     assert!(sim.vm(vm.vmid).is_none(), "destroyed");
-    sub.delete_vm(&vm).await.expect("already gone is success");
+    sub.delete_vm(&vm, id)
+        .await
+        .expect("already gone is success");
     assert!(sub.describe_managed().await.unwrap().is_empty());
     assert_no_violations(&sim);
     sim.shutdown().await;
@@ -414,12 +418,10 @@ async fn cross_node_clone_needs_shared_storage() {
 async fn delete_waits_for_ha_stop() {
     let sim = sim_with(SimConfig::default()).await;
     let sub = PveSubstrate::new(client(&sim), opts());
-    let vm = sub
-        .clone_vm(&req("p/OnDemand/pve.small/pve1/008", "pve1"))
-        .await
-        .unwrap();
+    let id = "p/OnDemand/pve.small/pve1/008";
+    let vm = sub.clone_vm(&req(id, "pve1")).await.unwrap();
     assert!(sim.set_ha(vm.vmid, Some("started")));
-    sub.delete_vm(&vm).await.expect("delete HA VM");
+    sub.delete_vm(&vm, id).await.expect("delete HA VM");
     assert!(sim.vm(vm.vmid).is_none());
     sim.shutdown().await;
 }
@@ -438,7 +440,9 @@ async fn unmarked_vms_are_never_touched() {
     };
     let e = sub.ensure_running(&vm).await.expect_err("refused");
     assert!(e.to_string().contains("marker"), "{e}");
-    sub.delete_vm(&vm).await.expect("not ours: nothing to do");
+    sub.delete_vm(&vm, "p/OnDemand/pve.small/pve1/000")
+        .await
+        .expect("not ours: nothing to do");
     assert!(sim.vm(500).unwrap().running, "left alone");
     sim.shutdown().await;
 }
@@ -469,10 +473,8 @@ async fn api_call_accounting_with_1000_marked_vms() {
     let steady = total_calls(&sim);
 
     sim.reset_counts();
-    let vm = sub
-        .clone_vm(&req("acct/OnDemand/pve.small/pve1/000", "pve1"))
-        .await
-        .unwrap();
+    let acct = "acct/OnDemand/pve.small/pve1/000";
+    let vm = sub.clone_vm(&req(acct, "pve1")).await.unwrap();
     let create = sim.faults().counts();
 
     sim.reset_counts();
@@ -486,7 +488,7 @@ async fn api_call_accounting_with_1000_marked_vms() {
     let drain = sim.faults().counts();
 
     sim.reset_counts();
-    sub.delete_vm(&vm).await.unwrap();
+    sub.delete_vm(&vm, acct).await.unwrap();
     let delete = sim.faults().counts();
 
     sim.reset_counts();
@@ -574,7 +576,11 @@ async fn lost_clone_answer_then_retry_gives_one_vm() {
     let mut cfg = PveConfig::new(sim.base_url(), sim.token_id(), sim.token_secret());
     cfg.ca_pem = Some(sim.ca_pem().as_bytes().to_vec());
     cfg.request_timeout = Duration::from_millis(700);
-    let sub = PveSubstrate::new(PveClient::new(cfg).unwrap(), opts());
+    let o = PveOptions {
+        retry_window: Duration::from_secs(3),
+        ..opts()
+    };
+    let sub = PveSubstrate::new(PveClient::new(cfg).unwrap(), o);
     let id = "p/OnDemand/pve.small/pve1/010";
     // The clone POST outlives the client's request timeout: its answer is lost.
     sim.faults()

@@ -174,6 +174,58 @@ impl FromStr for TagStyle {
     }
 }
 
+/// Who may set tags that no VM carries yet (datacenter.cfg `user-tag-access`).
+/// A tag a request is not allowed to set answers 403 `Permission check failed
+/// (/, Sys.Modify)`, as PVE does for a token without `Sys.Modify` on `/`.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum TagAccess {
+    /// `user-allow=free` (PVE's default): any tag.
+    #[default]
+    Free,
+    /// `user-allow=existing`: tags some VM already carries, or listed.
+    Existing(Vec<String>),
+    /// `user-allow=list`: only the listed tags.
+    List(Vec<String>),
+    /// `user-allow=none`: no tags at all.
+    None,
+}
+
+impl TagAccess {
+    /// Whether `tag` may be set, given the tags already in use in the cluster.
+    pub fn allows(&self, tag: &str, in_use: &dyn Fn(&str) -> bool) -> bool {
+        match self {
+            Self::Free => true,
+            Self::Existing(list) => list.iter().any(|t| t == tag) || in_use(tag),
+            Self::List(list) => list.iter().any(|t| t == tag),
+            Self::None => false,
+        }
+    }
+}
+
+impl FromStr for TagAccess {
+    type Err = String;
+
+    /// `free`, `none`, `existing[:a,b]` or `list:a,b`.
+    fn from_str(s: &str) -> Result<Self, String> {
+        let (kind, list) = s.trim().split_once(':').unwrap_or((s.trim(), ""));
+        let list: Vec<String> = list
+            .split(',')
+            .map(str::trim)
+            .filter(|t| !t.is_empty())
+            .map(str::to_string)
+            .collect();
+        match kind {
+            "free" => Ok(Self::Free),
+            "none" => Ok(Self::None),
+            "existing" => Ok(Self::Existing(list)),
+            "list" => Ok(Self::List(list)),
+            other => Err(format!(
+                "unknown user-tag-access '{other}' (expected free, none, existing[:TAGS] or list:TAGS)"
+            )),
+        }
+    }
+}
+
 /// A template VM present at startup.
 #[derive(Clone, Debug)]
 pub struct TemplateSpec {
@@ -291,6 +343,34 @@ pub struct SimConfig {
     pub vmid_range: (u32, u32),
     /// Built-in agent or a real `qemu-ga` per running VM.
     pub guest_agent: GuestAgentMode,
+    /// The token's rights derive from a pool ACL (the documented setup):
+    /// calls on `/nodes/{node}/qemu/{vmid}/...` for a VM outside the first
+    /// pool of [`SimConfig::pools`] answer 403 `Permission check failed
+    /// (/vms/N, VM.Audit)` whether or not the VM exists, and such VMs are
+    /// left out of `/cluster/resources` and `/nodes/{node}/qemu`. Templates
+    /// stay visible (the setup grants rights on them explicitly).
+    /// `false` = the token may do everything.
+    pub pool_acl: bool,
+    /// The clone worker's real timeline instead of creating the finished VM
+    /// when the POST is answered: the worker takes the new id's lock (1 s),
+    /// writes a temporary config (`lock: clone`, nothing else) on the source
+    /// node, copies the disks, and only at the end writes name, description
+    /// and sizing, moves the config to the `target` node and adds the VM to
+    /// its pool. A VMID taken between the POST and the worker fails the task
+    /// with `unable to create VM N: config file already exists`.
+    pub clone_timeline: bool,
+    /// A clone worker failing through [`crate::Faults::fail_next_task`] does
+    /// so at the end of its copy and leaves the half-made VM behind (as when
+    /// a worker is killed mid-copy), instead of PVE's usual clean-up.
+    pub keep_failed_clone: bool,
+    /// Datacenter `user-tag-access`.
+    pub tag_access: TagAccess,
+    /// pveproxy closes a keep-alive connection idle this long (PVE: ~5 s);
+    /// `None` = never.
+    pub keepalive_idle: Option<Duration>,
+    /// pveproxy answers every response with status >= 400 with `Connection:
+    /// close` and closes the connection.
+    pub close_after_error: bool,
 }
 
 impl SimConfig {
@@ -350,6 +430,12 @@ impl Default for SimConfig {
             exec_output_limit: 16 * 1024 * 1024,
             vmid_range: (100, 999_999),
             guest_agent: GuestAgentMode::Auto,
+            pool_acl: false,
+            clone_timeline: false,
+            keep_failed_clone: false,
+            tag_access: TagAccess::Free,
+            keepalive_idle: Some(Duration::from_secs(5)),
+            close_after_error: true,
         }
     }
 }

@@ -19,9 +19,22 @@ pub struct FailRule {
     pub message: String,
 }
 
+/// The next `count` worker tasks of type `kind` (`qmclone`, `qmstart`, ...)
+/// fail with `message` before doing anything; `{newid}` in the message is
+/// replaced by the clone's new VMID.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct TaskFailRule {
+    pub kind: String,
+    pub count: u32,
+    pub message: String,
+}
+
 #[derive(Default)]
 struct Inner {
     fail: Vec<FailRule>,
+    /// Applied first, then answered with the error (a lost answer).
+    fail_after: Vec<FailRule>,
+    fail_task: Vec<TaskFailRule>,
     latency: HashMap<String, Duration>,
     drop_exec_status: u32,
     counts: BTreeMap<String, u64>,
@@ -40,6 +53,32 @@ impl Faults {
             endpoint: endpoint.to_string(),
             count,
             status,
+            message: message.to_string(),
+        });
+    }
+
+    /// The next `count` calls of `endpoint` are carried out, then answered with
+    /// `status` + `message`: what a client sees when pveproxy loses the node's
+    /// answer (596/597) for a request the node has already run.
+    pub fn fail_after_apply(&self, endpoint: &str, count: u32, status: u16, message: &str) {
+        self.inner.lock().fail_after.push(FailRule {
+            endpoint: endpoint.to_string(),
+            count,
+            status,
+            message: message.to_string(),
+        });
+    }
+
+    /// The next `count` worker tasks of type `kind` fail with `message`
+    /// (`{newid}` is replaced by a clone's new VMID). For clones nothing is
+    /// left behind: this models a collision the worker finds before it
+    /// creates anything (`unable to create VM {newid}: config file already
+    /// exists`, `close (rename) atomic file '...' failed: File exists`, the
+    /// new id's lock timing out).
+    pub fn fail_next_task(&self, kind: &str, count: u32, message: &str) {
+        self.inner.lock().fail_task.push(TaskFailRule {
+            kind: kind.to_string(),
+            count,
             message: message.to_string(),
         });
     }
@@ -64,6 +103,8 @@ impl Faults {
     pub fn clear(&self) {
         let mut g = self.inner.lock();
         g.fail.clear();
+        g.fail_after.clear();
+        g.fail_task.clear();
         g.latency.clear();
         g.drop_exec_status = 0;
     }
@@ -103,6 +144,27 @@ impl Faults {
         (latency, fail)
     }
 
+    /// The post-apply failure for this call of `endpoint`, if one is due.
+    pub(crate) fn take_fail_after(&self, endpoint: &str) -> Option<(u16, String)> {
+        take_rule(&mut self.inner.lock().fail_after, endpoint)
+    }
+
+    /// The injected failure for the next worker of type `kind`, if any.
+    pub(crate) fn take_task_failure(&self, kind: &str) -> Option<String> {
+        let mut g = self.inner.lock();
+        let pos = g
+            .fail_task
+            .iter()
+            .position(|r| r.kind == kind && r.count > 0)?;
+        let rule = &mut g.fail_task[pos];
+        rule.count -= 1;
+        let msg = rule.message.clone();
+        if rule.count == 0 {
+            g.fail_task.remove(pos);
+        }
+        Some(msg)
+    }
+
     /// Whether to swallow this exited exec-status reply.
     pub(crate) fn take_exec_status_drop(&self) -> bool {
         let mut g = self.inner.lock();
@@ -113,4 +175,17 @@ impl Faults {
             false
         }
     }
+}
+
+fn take_rule(rules: &mut Vec<FailRule>, endpoint: &str) -> Option<(u16, String)> {
+    let pos = rules
+        .iter()
+        .position(|r| r.endpoint == endpoint && r.count > 0)?;
+    let rule = &mut rules[pos];
+    rule.count -= 1;
+    let out = (rule.status, rule.message.clone());
+    if rule.count == 0 {
+        rules.remove(pos);
+    }
+    Some(out)
 }

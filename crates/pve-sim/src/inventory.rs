@@ -71,7 +71,11 @@ impl Shared {
         let mut rows: Vec<Value> = Vec::new();
         if matches!(ty, None | Some("vm")) {
             if let Value::Array(v) = vms {
-                rows.extend(v);
+                // PVE lists only what the token may audit.
+                rows.extend(v.into_iter().filter(|r| {
+                    let vmid = r.get("vmid").and_then(Value::as_u64).unwrap_or(0) as u32;
+                    self.visible(&c, vmid)
+                }));
             }
         }
         if matches!(ty, None | Some("node")) {
@@ -344,7 +348,7 @@ impl Shared {
         Value::Array(
             c.vms
                 .values()
-                .filter(|vm| vm.node == node)
+                .filter(|vm| vm.node == node && self.visible(&c, vm.vmid))
                 .map(|vm| {
                     let mut r = resource_row(&c, vm);
                     if let Some(o) = r.as_object_mut() {

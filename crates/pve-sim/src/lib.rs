@@ -46,7 +46,7 @@ use tokio::task::JoinHandle;
 
 pub use agent::{GuestExec, GuestHandler, GuestOutput, GUEST_ROOT_ENV};
 pub use config::{
-    find_qemu_ga, GuestAgentMode, HttpServerVersion, SimConfig, TagStyle, TemplateSpec,
+    find_qemu_ga, GuestAgentMode, HttpServerVersion, SimConfig, TagAccess, TagStyle, TemplateSpec,
     GUEST_AGENT_ENV,
 };
 pub use faults::Faults;
@@ -100,6 +100,7 @@ pub struct PveSim {
     addr: SocketAddr,
     ca: tls::TestCa,
     server: JoinHandle<()>,
+    accepted: Arc<std::sync::atomic::AtomicU64>,
     _scratch: Option<tempfile::TempDir>,
 }
 
@@ -134,12 +135,21 @@ impl PveSim {
             ca.fingerprint.clone(),
         )?);
         let app = server::router(Arc::clone(&shared));
-        let server = tokio::spawn(server::serve(listener, tls_cfg, app));
+        let idle = shared.cfg.keepalive_idle;
+        let accepted = Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let server = tokio::spawn(server::serve_with(
+            listener,
+            tls_cfg,
+            app,
+            idle,
+            Arc::clone(&accepted),
+        ));
         Ok(Self {
             shared,
             addr,
             ca,
             server,
+            accepted,
             _scratch: tmp,
         })
     }
@@ -156,6 +166,11 @@ impl PveSim {
 
     pub fn addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// TCP connections accepted so far (each closed one is a new one next time).
+    pub fn connections_accepted(&self) -> u64 {
+        self.accepted.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     /// PEM of the CA that signed the server certificate.

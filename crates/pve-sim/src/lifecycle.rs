@@ -12,6 +12,20 @@ use crate::schema::normalize_tags_with;
 use crate::sim::{err_text, Shared};
 use crate::state::{locked, ApiError, ApiResult, Cluster, Vm};
 
+/// What a clone worker needs; `pending` is the finished VM when the worker
+/// creates it (the real timeline), `None` when the POST already did.
+struct CloneWork {
+    upid: String,
+    node: String,
+    source: String,
+    storage: String,
+    shared: bool,
+    newid: u32,
+    vmid: u32,
+    kind: &'static str,
+    pending: Option<Vm>,
+}
+
 impl Shared {
     // ---- VM lifecycle ----
 
@@ -68,7 +82,7 @@ impl Shared {
         } else {
             self.is_shared(&storage)
         };
-        let vm = Vm {
+        let final_vm = Vm {
             vmid: newid,
             node: target.clone(),
             name: p
@@ -94,19 +108,38 @@ impl Shared {
             extra: BTreeMap::new(),
             guest_root: self.guest_root(newid),
         };
-        c.vms.insert(newid, vm);
-        // pvestatd has no sample of the new VM yet (see `SimConfig::rrd_lag`).
-        c.created.insert(newid, Instant::now());
-        c.rrd.remove(&newid);
+        // With the real timeline the worker creates the VM; else it exists,
+        // finished but locked, from the moment the POST is answered.
+        let timeline = self.cfg.clone_timeline;
+        let pending = if timeline {
+            Some(final_vm)
+        } else {
+            c.vms.insert(newid, final_vm);
+            // pvestatd has no sample of the new VM yet (see `SimConfig::rrd_lag`).
+            c.created.insert(newid, Instant::now());
+            c.rrd.remove(&newid);
+            None
+        };
         let kind = if full { "full" } else { "linked" };
+        let source = node.to_string();
         let upid = self.spawn_task(
             &mut c,
             node,
             "qmclone",
             &vmid.to_string(),
             move |me, upid| async move {
-                me.clone_worker(upid, target, storage, shared, newid, vmid, kind)
-                    .await
+                let w = CloneWork {
+                    upid,
+                    node: target,
+                    source,
+                    storage,
+                    shared,
+                    newid,
+                    vmid,
+                    kind,
+                    pending,
+                };
+                me.clone_worker(w).await
             },
         );
         c.task_log(
@@ -117,17 +150,57 @@ impl Shared {
         Ok(json!(upid))
     }
 
-    #[allow(clippy::too_many_arguments)]
-    async fn clone_worker(
-        self: Arc<Self>,
-        upid: String,
-        node: String,
-        storage: String,
-        shared: bool,
-        newid: u32,
-        vmid: u32,
-        kind: &'static str,
-    ) -> Result<String, String> {
+    async fn clone_worker(self: Arc<Self>, w: CloneWork) -> Result<String, String> {
+        let CloneWork {
+            upid,
+            node,
+            source,
+            storage,
+            shared,
+            newid,
+            vmid,
+            kind,
+            pending,
+        } = w;
+        if self.cfg.keep_failed_clone && pending.is_none() {
+            if let Some(msg) = self.faults.take_task_failure("qmclone") {
+                tokio::time::sleep(self.cfg.clone_duration).await;
+                // The worker's lock goes with it; the config stays.
+                self.update_vm(newid, |vm| {
+                    vm.lock = None;
+                    vm.flock = 0;
+                });
+                return Err(msg.replace("{newid}", &newid.to_string()));
+            }
+        }
+        if let Some(msg) = self.faults.take_task_failure("qmclone") {
+            // A collision found before the worker created anything of its own.
+            let mut c = self.cluster.lock();
+            if pending.is_none() {
+                c.vms.remove(&newid);
+                c.agents.remove(&newid);
+            }
+            return Err(msg.replace("{newid}", &newid.to_string()));
+        }
+        if pending.is_some() {
+            // qemu-server: lock the new id (1 s), then create the temporary
+            // config on the source node; a VMID taken meanwhile fails here.
+            let mut c = self.cluster.lock();
+            if c.vms.contains_key(&newid) {
+                return Err(format!(
+                    "unable to create VM {newid}: config file already exists"
+                ));
+            }
+            let mut temp = self.blank_vm(newid, &source);
+            temp.lock = Some("clone".into());
+            temp.flock = 1;
+            temp.storage = storage.clone();
+            temp.shared_storage = shared;
+            c.vms.insert(newid, temp);
+            c.created.insert(newid, Instant::now());
+            c.rrd.remove(&newid);
+            self.touch(&mut c);
+        }
         let key = (node, storage.clone());
         let limit = if shared {
             self.cfg.max_parallel_shared_clones
@@ -164,7 +237,14 @@ impl Shared {
             };
             return Err(msg);
         }
-        if let Some(vm) = c.vms.get_mut(&newid) {
+        if let Some(mut done) = pending {
+            // The end of the worker: the full config (name, description,
+            // sizing) is written, moved to the target node, and the VM joins
+            // its pool.
+            done.lock = None;
+            done.flock = 0;
+            c.vms.insert(newid, done);
+        } else if let Some(vm) = c.vms.get_mut(&newid) {
             vm.lock = None;
             vm.flock = vm.flock.saturating_sub(1);
         }
@@ -175,8 +255,44 @@ impl Shared {
         Ok("OK".into())
     }
 
+    /// Datacenter `user-tag-access`: setting a tag the VM does not carry yet
+    /// needs the policy's leave, else `Sys.Modify` on `/` (which the token
+    /// lacks).
+    fn check_tag_access(&self, c: &Cluster, vmid: u32, p: &Params) -> ApiResult<()> {
+        let Some(raw) = p.get("tags") else {
+            return Ok(());
+        };
+        let have: Vec<String> = c
+            .vms
+            .get(&vmid)
+            .and_then(|vm| vm.tags.clone())
+            .map(|t| t.split(';').map(str::to_string).collect())
+            .unwrap_or_default();
+        let in_use = |tag: &str| {
+            c.vms.values().any(|vm| {
+                vm.tags
+                    .as_deref()
+                    .is_some_and(|t| t.split(';').any(|x| x == tag))
+            })
+        };
+        let wanted = normalize_tags_with(raw, self.cfg.tag_style);
+        for tag in wanted.split(';').filter(|t| !t.is_empty()) {
+            if !have.iter().any(|h| h == tag) && !self.cfg.tag_access.allows(tag, &in_use) {
+                return Err(ApiError::Status(
+                    403,
+                    "Permission check failed (/, Sys.Modify)".into(),
+                ));
+            }
+        }
+        Ok(())
+    }
+
     pub async fn update_config_sync(&self, node: &str, vmid: u32, p: &Params) -> ApiResult {
-        self.cluster.lock().vm_on(node, vmid)?;
+        {
+            let c = self.cluster.lock();
+            c.vm_on(node, vmid)?;
+            self.check_tag_access(&c, vmid, p)?;
+        }
         let node = node.to_string();
         self.with_flock(vmid, |c| {
             let vm = c.vm_on_mut(&node, vmid).map_err(err_text)?;
@@ -190,6 +306,7 @@ impl Shared {
     pub fn update_config_async(self: &Arc<Self>, node: &str, vmid: u32, p: &Params) -> ApiResult {
         let mut c = self.cluster.lock();
         c.vm_on(node, vmid)?;
+        self.check_tag_access(&c, vmid, p)?;
         let p = p.clone();
         let n = node.to_string();
         let upid = self.spawn_task(

@@ -2,6 +2,7 @@
 //! injection and PVE's response envelopes.
 
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -9,8 +10,8 @@ use axum::body::{Body, Bytes};
 use axum::extract::{DefaultBodyLimit, State};
 use axum::http::{header, HeaderMap, Method, Response, StatusCode, Uri};
 use axum::Router;
+use http::Request;
 use hyper_util::rt::{TokioExecutor, TokioIo};
-use hyper_util::service::TowerToHyperService;
 use percent_encoding::percent_decode_str;
 use serde::Deserialize;
 use serde_json::{json, Value};
@@ -80,9 +81,55 @@ pub struct ErrorStyle {
     pub json_message: bool,
 }
 
+/// Requests in flight on one connection and when the last one ended: what
+/// pveproxy's keep-alive idle timeout is measured against.
+struct ConnIdle {
+    in_flight: AtomicUsize,
+    last_done: parking_lot::Mutex<tokio::time::Instant>,
+}
+
+impl ConnIdle {
+    fn new() -> ConnIdle {
+        ConnIdle {
+            in_flight: AtomicUsize::new(0),
+            last_done: parking_lot::Mutex::new(tokio::time::Instant::now()),
+        }
+    }
+
+    fn end(&self) {
+        *self.last_done.lock() = tokio::time::Instant::now();
+        self.in_flight.fetch_sub(1, Ordering::SeqCst);
+    }
+
+    /// Resolves once no request has been in flight for `idle`.
+    async fn idle_for(&self, idle: Duration) {
+        loop {
+            let due = *self.last_done.lock() + idle;
+            if self.in_flight.load(Ordering::SeqCst) == 0 && tokio::time::Instant::now() >= due {
+                return;
+            }
+            let next = due.max(tokio::time::Instant::now() + idle / 8);
+            tokio::time::sleep_until(next.min(tokio::time::Instant::now() + idle)).await;
+        }
+    }
+}
+
 /// Accept TLS connections until the returned task is aborted; aborting it drops
-/// the JoinSet, which aborts every open connection too.
+/// the JoinSet, which aborts every open connection too. A connection idle for
+/// `keepalive_idle` is closed, as pveproxy does.
 pub async fn serve(listener: TcpListener, tls: Arc<rustls::ServerConfig>, app: Router) {
+    serve_with(listener, tls, app, None, Arc::default()).await
+}
+
+/// [`serve`] with pveproxy's keep-alive idle timeout, counting accepted
+/// connections in `connections`.
+pub async fn serve_with(
+    listener: TcpListener,
+    tls: Arc<rustls::ServerConfig>,
+    app: Router,
+    keepalive_idle: Option<Duration>,
+    connections: Arc<AtomicU64>,
+) {
     let acceptor = TlsAcceptor::from(tls);
     let mut conns = JoinSet::new();
     loop {
@@ -98,8 +145,21 @@ pub async fn serve(listener: TcpListener, tls: Arc<rustls::ServerConfig>, app: R
                 continue;
             }
         };
+        connections.fetch_add(1, Ordering::SeqCst);
         let acceptor = acceptor.clone();
-        let svc = TowerToHyperService::new(app.clone());
+        let idle = Arc::new(ConnIdle::new());
+        let router = app.clone();
+        let tracked = Arc::clone(&idle);
+        let svc = hyper::service::service_fn(move |req: Request<hyper::body::Incoming>| {
+            let router = router.clone();
+            let tracked = Arc::clone(&tracked);
+            tracked.in_flight.fetch_add(1, Ordering::SeqCst);
+            async move {
+                let res = tower::ServiceExt::oneshot(router, req.map(Body::new)).await;
+                tracked.end();
+                res
+            }
+        });
         conns.spawn(async move {
             let tls = match acceptor.accept(tcp).await {
                 Ok(t) => t,
@@ -108,13 +168,21 @@ pub async fn serve(listener: TcpListener, tls: Arc<rustls::ServerConfig>, app: R
                     return;
                 }
             };
-            let builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
-            if let Err(e) = builder
-                .http1_only()
-                .serve_connection(TokioIo::new(tls), svc)
-                .await
-            {
-                tracing::debug!(error = %e, "connection ended with error");
+            let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+            builder = builder.http1_only();
+            let conn = builder.serve_connection(TokioIo::new(tls), svc);
+            tokio::pin!(conn);
+            let ended = match keepalive_idle {
+                Some(d) => tokio::select! {
+                    r = conn.as_mut() => Some(r),
+                    () = idle.idle_for(d) => None,
+                },
+                None => Some(conn.await),
+            };
+            match ended {
+                Some(Err(e)) => tracing::debug!(error = %e, "connection ended with error"),
+                Some(Ok(())) => {}
+                None => tracing::debug!("closing an idle keep-alive connection"),
             }
         });
     }
@@ -137,7 +205,18 @@ async fn handle(
     let style = ErrorStyle {
         json_message: s.cfg.http_server_version.json_error_message(),
     };
-    let error_response = |e: &ApiError| error_response(e, style);
+    let close = s.cfg.close_after_error;
+    let error_response = |e: &ApiError| {
+        let mut r = error_response(e, style);
+        if close {
+            // pveproxy: no keep-alive after a response >= 400.
+            r.headers_mut().insert(
+                header::CONNECTION,
+                header::HeaderValue::from_static("close"),
+            );
+        }
+        r
+    };
     let body = match body {
         Ok(b) => b,
         Err(e) => {
@@ -245,7 +324,15 @@ async fn handle(
     if let Some(errs) = schema_errors {
         return error_response(&ApiError::Params(errs));
     }
+    if let Err(e) = check_acl(&s, template, &params) {
+        return error_response(&e);
+    }
     let res = dispatch(&s, method.as_str(), template, &params).await;
+    if res.is_ok() {
+        if let Some((status, msg)) = s.faults.take_fail_after(&endpoint) {
+            return error_response(&ApiError::Status(status, msg));
+        }
+    }
     // Parameters may carry secrets (bootstrap content): log only the route.
     match &res {
         Ok(_) => tracing::debug!(%method, path = %path, "ok"),
@@ -288,6 +375,23 @@ fn check_node(s: &Shared, node: &str) -> ApiResult<()> {
         Some(n) if !n.online => Err(ApiError::Status(595, "No route to host".into())),
         Some(_) => Ok(()),
     }
+}
+
+/// Under [`crate::SimConfig::pool_acl`], a VM path outside the token's pool is
+/// a 403 whether or not the VM exists (PVE checks the privilege on
+/// `/vms/{vmid}` before looking the VM up).
+fn check_acl(s: &Shared, template: &str, p: &Params) -> ApiResult<()> {
+    if !s.cfg.pool_acl || !template.starts_with("/nodes/{node}/qemu/{vmid}") {
+        return Ok(());
+    }
+    let vmid = p.u64("vmid").unwrap_or(0) as u32;
+    if s.visible(&s.cluster.lock(), vmid) {
+        return Ok(());
+    }
+    Err(ApiError::Status(
+        403,
+        format!("Permission check failed (/vms/{vmid}, VM.Audit)"),
+    ))
 }
 
 /// Match an API path against [`ROUTES`]; returns the template and path params.
@@ -455,6 +559,8 @@ fn reason_phrase(msg: &str) -> String {
 //
 // Same token auth as the API; JSON bodies; `{"data": ...}` replies.
 //   POST   /_sim/faults            {"endpoint","count"(=1),"status","message"}
+//   POST   /_sim/faults-after-apply {"endpoint","count","status","message"}: run, then fail
+//   POST   /_sim/task-faults       {"kind","count","message"}: fail the next workers
 //   DELETE /_sim/faults            clear faults and latencies
 //   POST   /_sim/latency           {"endpoint","ms"}
 //   POST   /_sim/drop-exec-status  {"count"}
@@ -541,6 +647,17 @@ fn admin(s: &Arc<Shared>, method: &Method, rest: &str, body: &[u8]) -> ApiResult
             let r: FailReq = admin_json(body)?;
             s.faults
                 .fail_next(&r.endpoint, r.count, r.status, &r.message);
+            Ok(Value::Null)
+        }
+        ("POST", ["faults-after-apply"]) => {
+            let r: FailReq = admin_json(body)?;
+            s.faults
+                .fail_after_apply(&r.endpoint, r.count, r.status, &r.message);
+            Ok(Value::Null)
+        }
+        ("POST", ["task-faults"]) => {
+            let r: crate::faults::TaskFailRule = admin_json(body)?;
+            s.faults.fail_next_task(&r.kind, r.count, &r.message);
             Ok(Value::Null)
         }
         ("DELETE", ["faults"]) => {

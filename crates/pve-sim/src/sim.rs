@@ -103,8 +103,49 @@ impl Shared {
         Ok(s)
     }
 
+    /// Whether the token can see VM `vmid` (see [`SimConfig::pool_acl`]):
+    /// always without pool ACLs; else templates and members of the first pool.
+    pub fn visible(&self, c: &Cluster, vmid: u32) -> bool {
+        if !self.cfg.pool_acl {
+            return true;
+        }
+        match c.vms.get(&vmid) {
+            Some(vm) => {
+                vm.template || (vm.pool.is_some() && vm.pool == self.cfg.pools.first().cloned())
+            }
+            None => false,
+        }
+    }
+
     pub fn user(&self) -> &str {
         &self.cfg.token_id
+    }
+
+    /// An empty stopped VM on `node`: what a temporary config describes.
+    pub(crate) fn blank_vm(&self, vmid: u32, node: &str) -> Vm {
+        Vm {
+            vmid,
+            node: node.to_string(),
+            name: String::new(),
+            description: None,
+            tags: None,
+            cores: 1,
+            sockets: 1,
+            memory_mib: 512,
+            agent: "0".into(),
+            lock: None,
+            flock: 0,
+            template: false,
+            running: false,
+            started_at: None,
+            ha: None,
+            protection: false,
+            pool: None,
+            storage: String::new(),
+            shared_storage: false,
+            extra: BTreeMap::new(),
+            guest_root: self.guest_root(vmid),
+        }
     }
 
     fn insert_template(&self, t: &TemplateSpec) -> anyhow::Result<()> {
@@ -217,8 +258,16 @@ impl Shared {
         let upid = c.new_task(node, kind, id, self.user());
         let me = Arc::clone(self);
         let u = upid.clone();
+        // Clone workers consume their injected failures themselves (they
+        // must clean up what the POST created).
+        let injected = (kind != "qmclone")
+            .then(|| self.faults.take_task_failure(kind))
+            .flatten();
         tokio::spawn(async move {
-            let res = work(Arc::clone(&me), u.clone()).await;
+            let res = match injected {
+                Some(msg) => Err(msg),
+                None => work(Arc::clone(&me), u.clone()).await,
+            };
             let mut c = me.cluster.lock();
             match res {
                 Ok(status) => c.finish_task(&u, status),

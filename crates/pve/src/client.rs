@@ -31,6 +31,10 @@ use crate::upid::Upid;
 
 /// Responses larger than this are refused (exec output is at most 16 MiB per stream).
 const MAX_RESPONSE_BYTES: usize = 64 * 1024 * 1024;
+/// Default idle lifetime of a pooled connection (see [`PveConfig::pool_idle_timeout`]).
+pub const DEFAULT_POOL_IDLE: Duration = Duration::from_secs(3);
+/// Upper bound on the idle lifetime: pveproxy closes idle connections after ~5 s.
+pub const MAX_POOL_IDLE: Duration = Duration::from_millis(4500);
 /// `agent/file-write` `content` limit.
 pub const MAX_FILE_WRITE_CONTENT: usize = 61440;
 /// `agent/exec` `input-data` limit.
@@ -39,7 +43,8 @@ pub const MAX_EXEC_INPUT: usize = 65536;
 /// Retry policy. Only safe cases are ever retried:
 /// * any call failing with a lock timeout (nothing was applied);
 /// * any call whose connection could not be established (nothing was sent);
-/// * GETs on transport errors, request timeouts and 595/596.
+/// * any call answered 595 (pveproxy could not connect to the node);
+/// * GETs on transport errors, request timeouts, 502-504 and 596/597.
 ///
 /// A POST/PUT/DELETE that may have reached the server is never retried.
 #[derive(Debug, Clone, PartialEq)]
@@ -131,6 +136,10 @@ pub struct PveConfig {
     /// Bound on each HTTP attempt (send + full response).
     pub request_timeout: Duration,
     pub connect_timeout: Duration,
+    /// How long an idle pooled connection is kept. pveproxy closes idle
+    /// keep-alive connections after about 5 s; reusing one it is closing makes
+    /// a POST ambiguous, so this stays well under that.
+    pub pool_idle_timeout: Duration,
     pub retry: RetryPolicy,
     pub observer: Option<Arc<dyn ApiObserver>>,
 }
@@ -151,6 +160,7 @@ impl PveConfig {
             fingerprints: Vec::new(),
             request_timeout: Duration::from_secs(30),
             connect_timeout: Duration::from_secs(10),
+            pool_idle_timeout: DEFAULT_POOL_IDLE,
             retry: RetryPolicy::default(),
             observer: None,
         }
@@ -177,6 +187,7 @@ impl fmt::Debug for PveConfig {
             )
             .field("request_timeout", &self.request_timeout)
             .field("connect_timeout", &self.connect_timeout)
+            .field("pool_idle_timeout", &self.pool_idle_timeout)
             .field("retry", &self.retry)
             .field("observer", &self.observer.is_some())
             .finish()
@@ -244,7 +255,12 @@ fn retryable(method: &Method, e: &PveError) -> bool {
     match e {
         PveError::Api {
             status, message, ..
-        } => is_lock_timeout_text(message) || (is_get(method) && matches!(status, 595 | 596)),
+        } => {
+            is_lock_timeout_text(message)
+                // 595: pveproxy could not connect to the node, nothing was sent.
+                || *status == 595
+                || (is_get(method) && matches!(status, 502..=504 | 596 | 597))
+        }
         PveError::Transport { connect: true, .. } => true,
         PveError::Transport { .. } | PveError::Timeout { .. } => is_get(method),
         _ => false,
@@ -303,7 +319,7 @@ impl PveClient {
             .enable_http1()
             .wrap_connector(http);
         let client = Client::builder(TokioExecutor::new())
-            .pool_idle_timeout(Duration::from_secs(15))
+            .pool_idle_timeout(cfg.pool_idle_timeout.min(MAX_POOL_IDLE))
             .build(connector);
 
         Ok(PveClient {
@@ -965,7 +981,20 @@ mod tests {
         };
         assert!(retryable(&Method::POST, &lock));
         assert!(retryable(&Method::GET, &unreachable));
-        assert!(!retryable(&Method::POST, &unreachable));
+        assert!(
+            retryable(&Method::POST, &unreachable),
+            "595: never reached the node"
+        );
+        let lost = PveError::Api {
+            status: 596,
+            message: "Connection timed out".into(),
+            param_errors: BTreeMap::new(),
+        };
+        assert!(retryable(&Method::GET, &lost));
+        assert!(
+            !retryable(&Method::POST, &lost),
+            "596 may have been applied"
+        );
         assert!(retryable(&Method::GET, &sent));
         assert!(!retryable(&Method::POST, &sent));
         assert!(retryable(&Method::POST, &not_sent));

@@ -108,9 +108,9 @@ impl PveError {
                 if param_errors.values().any(|v| says(v)))
     }
 
-    /// pveproxy could not reach the node owning the call (595/596).
+    /// pveproxy could not reach the node owning the call (595/596/597).
     pub fn is_node_unreachable(&self) -> bool {
-        matches!(self.status(), Some(595 | 596))
+        matches!(self.status(), Some(595..=597))
     }
 
     /// The token was rejected (401).
@@ -195,6 +195,66 @@ impl PveError {
             self,
             PveError::Timeout { .. } | PveError::Transport { connect: false, .. }
         )
+    }
+
+    /// The token lacks a privilege on the object (403 `Permission check failed
+    /// (/vms/104, VM.Audit)`). Under a pool-scoped token this is also what a
+    /// VMID outside the pool answers: a VM that is gone, belongs to someone
+    /// else, or is still being cloned (pool membership is added at the end).
+    pub fn is_forbidden(&self) -> bool {
+        self.status() == Some(403)
+    }
+
+    /// The clone target VMID turned out to be taken, found either by the API
+    /// call (`VM 104 already exists`) or inside the clone worker: `unable to
+    /// create VM 104: config file already exists`, pmxcfs refusing the
+    /// temporary config (`close (rename) atomic file '...' failed: File
+    /// exists`), or the 1 s lock on the new id timing out (`can't lock file
+    /// '/var/lock/qemu-server/lock-104.conf' - got timeout`, matched only for
+    /// `newid`). A fresh VMID is the fix; nothing of ours was created.
+    pub fn is_vmid_collision(&self, newid: u32) -> bool {
+        if self.is_already_exists() {
+            return true;
+        }
+        let Some(m) = self.server_text() else {
+            return false;
+        };
+        let m = m.to_ascii_lowercase();
+        m.contains("config file already exists")
+            || (m.contains("close (rename) atomic file") && m.contains("file exists"))
+            || (is_lock_timeout_text(&m) && m.contains(&format!("/lock-{newid}.conf")))
+    }
+
+    /// A failure that heals by itself: pveproxy could not reach or hear back
+    /// from the node (595/596/597), a gateway or availability 5xx (502-504)
+    /// that is not a parameter error, a lock timeout, a transport failure
+    /// (refused, reset, closed) or a request timeout. Whether repeating the
+    /// call is safe is a separate question: see [`PveError::may_have_been_applied`].
+    /// A plain 500 is not transient: PVE uses it for every error a handler
+    /// dies with ("VM 104 is running - destroy failed", ...).
+    pub fn is_transient(&self) -> bool {
+        match self {
+            PveError::Api {
+                status,
+                param_errors,
+                ..
+            } => {
+                (param_errors.is_empty() && matches!(status, 502..=504 | 595..=597))
+                    || self.is_lock_timeout()
+            }
+            PveError::Transport { .. } | PveError::Timeout { .. } => true,
+            _ => false,
+        }
+    }
+
+    /// For a request that changes state (POST/PUT/DELETE): the failure says
+    /// nothing about whether it was applied. A request timeout or a transport
+    /// failure after the connection was made, and pveproxy's 596 (timed out
+    /// forwarding to the node) and 597 (the node's answer was lost): the node
+    /// may have run the request; likewise a 502/504 from a gateway in front
+    /// of pveproxy. 595 means pveproxy could not connect at all.
+    pub fn may_have_been_applied_post(&self) -> bool {
+        self.may_have_been_applied() || matches!(self.status(), Some(502 | 504 | 596 | 597))
     }
 
     /// Failures worth polling through while a VM boots and its agent starts.
@@ -299,6 +359,53 @@ mod tests {
             exitstatus: "clone failed: can't lock file '/var/lock/pve-manager/pve-storage-local-lvm' - got timeout".into(),
         };
         assert!(task.is_lock_timeout());
+    }
+
+    #[test]
+    fn collisions_inside_the_clone_worker() {
+        let task = |t: &str| PveError::TaskFailed {
+            upid: "u".into(),
+            exitstatus: t.into(),
+        };
+        assert!(task("unable to create VM 104: config file already exists").is_vmid_collision(104));
+        assert!(task(
+            "close (rename) atomic file '/etc/pve/nodes/pve1/qemu-server/104.conf' failed: File exists"
+        )
+        .is_vmid_collision(104));
+        let newid_lock =
+            task("can't lock file '/var/lock/qemu-server/lock-104.conf' - got timeout");
+        assert!(newid_lock.is_vmid_collision(104));
+        assert!(
+            !newid_lock.is_vmid_collision(105),
+            "another VM's lock is not a collision"
+        );
+        assert!(!task(
+            "clone failed: can't lock file '/var/lock/pve-manager/pve-storage-local-lvm' - got timeout"
+        )
+        .is_vmid_collision(104));
+        assert!(api(500, "VM 104 already exists on node 'pve2'").is_vmid_collision(104));
+    }
+
+    #[test]
+    fn transient_and_ambiguous() {
+        for s in [502, 503, 504, 595, 596, 597] {
+            assert!(api(s, "x").is_transient(), "{s}");
+        }
+        assert!(!api(500, "VM 104 is running - destroy failed").is_transient());
+        assert!(!api(403, "Permission check failed (/vms/104, VM.Audit)").is_transient());
+        assert!(api(403, "Permission check failed (/vms/104, VM.Audit)").is_forbidden());
+        let mut p = BTreeMap::new();
+        p.insert("x".to_string(), "bad".to_string());
+        let param = PveError::Api {
+            status: 503,
+            message: "Parameter verification failed.".into(),
+            param_errors: p,
+        };
+        assert!(!param.is_transient());
+        assert!(api(596, "Connection timed out").may_have_been_applied_post());
+        assert!(api(597, "Connection error").may_have_been_applied_post());
+        assert!(!api(595, "No route to host").may_have_been_applied_post());
+        assert!(api(595, "No route to host").is_transient());
     }
 
     #[test]

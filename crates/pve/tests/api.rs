@@ -321,7 +321,7 @@ async fn lock_timeout_gives_up_after_max_attempts() {
 }
 
 #[tokio::test]
-async fn node_unreachable_retried_for_get_only() {
+async fn node_unreachable_retried() {
     let (srv, c, calls) = setup(|r, n| {
         if r.method == "GET" && n >= 2 {
             ok(json!([
@@ -348,8 +348,19 @@ async fn node_unreachable_retried_for_get_only() {
     assert!(!vms[0].template && vms[1].template);
     assert_eq!(vms[1].status, "unknown");
 
+    // 595 (pveproxy could not connect to the node: nothing was sent) is
+    // retried for a POST too; the handler keeps failing it, so all attempts go.
     let e = c.start("pve1", 101).await.unwrap_err();
     assert!(e.is_node_unreachable());
+    assert_eq!(last_call(&calls), ("start".into(), false, 4));
+}
+
+/// 596/597 on a POST may have been applied: never repeated by the client.
+#[tokio::test]
+async fn lost_answer_to_a_post_is_not_retried() {
+    let (_srv, c, calls) = setup(|_, _| fail(596, "Connection timed out")).await;
+    let e = c.start("pve1", 101).await.unwrap_err();
+    assert!(e.may_have_been_applied_post(), "{e}");
     assert_eq!(last_call(&calls), ("start".into(), false, 1));
 }
 

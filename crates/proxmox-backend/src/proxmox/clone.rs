@@ -3,17 +3,17 @@
 
 use std::sync::Arc;
 
+use std::sync::atomic::Ordering;
+
+use providerkit::ErrorKind;
 use pve::{machine_tag, CloneParams, ConfigParams, PveError};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
 
 use super::inventory::Known;
-use super::marker::{looks_managed, marker_description, parse_marker, vm_name, MANAGED_TAG};
-use super::{err, PveSubstrate};
-use crate::substrate::{CloneRequest, Substrate, SubstrateError, VmRef};
-
-/// Clone attempts (VMID collisions, storage lock timeouts) before giving up.
-pub(super) const CLONE_ATTEMPTS: u32 = 10;
+use super::marker::{looks_managed, marker_description, owned_by, vm_name, MANAGED_TAG};
+use super::{err, err_at, node_offline, PveSubstrate};
+use crate::substrate::{CloneRequest, SubstrateError, VmRef};
 
 /// Clone-slot key for a template's disk storages (sorted, deduplicated): one
 /// storage is its id; several are joined into one stable key, so templates
@@ -52,6 +52,7 @@ impl PveSubstrate {
         &self,
         template: u32,
         template_node: &str,
+        deadline: Instant,
     ) -> Result<String, SubstrateError> {
         let cell = self
             .template_storage
@@ -61,18 +62,16 @@ impl PveSubstrate {
             .clone();
         cell.get_or_try_init(|| async {
             let cfg = self
-                .client
-                .get_config(template_node, template)
-                .await
-                .map_err(|e| {
-                    err(
-                        format!(
-                            "reading the config of template {template} on node {template_node} \
-                             (needed to bound clones per storage)"
-                        ),
-                        &e,
-                    )
-                })?;
+                .retry_pve(
+                    format!(
+                        "reading the config of template {template} on node {template_node} \
+                         (needed to bound clones per storage)"
+                    ),
+                    Some(template_node),
+                    deadline,
+                    || self.client.get_config(template_node, template),
+                )
+                .await?;
             let key = storage_key(&cfg.disk_storages());
             tracing::debug!(template, storage = %key, "template disk storage resolved");
             Ok(key)
@@ -81,22 +80,40 @@ impl PveSubstrate {
         .cloned()
     }
 
-    /// Clones until a VMID sticks: collisions move on to the next id, storage
-    /// lock timeouts back off and retry. Returns once the clone task is OK.
+    /// Clones until a VMID sticks or `deadline` passes: a VMID collision
+    /// (found by the API or inside the clone worker) moves on to a fresh id;
+    /// storage lock timeouts, a template locked by a backup, and an offline or
+    /// unreachable node back off and retry; a POST whose answer was lost is
+    /// resolved by looking for the VM by its marker, never by cloning twice.
+    /// Returns once the clone task is OK.
     pub(super) async fn clone_new(
         &self,
         req: &CloneRequest,
         template_node: &str,
         name: &str,
+        deadline: Instant,
     ) -> Result<VmRef, SubstrateError> {
         let storage = self
-            .template_storage(req.template_vmid, template_node)
+            .template_storage(req.template_vmid, template_node, deadline)
             .await?;
         let _permit = self.clone_permit(&req.node, &storage).await?;
         let description = marker_description(&req.machine_id, &req.operation_id);
         let mut last: Option<String> = None;
-        for attempt in 0..CLONE_ATTEMPTS {
-            let res = self.reserve_vmid().await?;
+        let mut attempt: u32 = 0;
+        loop {
+            if Instant::now() >= deadline {
+                return Err(SubstrateError::with_kind(
+                    ErrorKind::Transient,
+                    format!(
+                        "cloning template {} to node {} did not succeed within {:?} (last error: {})",
+                        req.template_vmid,
+                        req.node,
+                        self.opts.retry_window,
+                        last.unwrap_or_else(|| "none".into())
+                    ),
+                ));
+            }
+            let res = self.reserve_vmid(deadline).await?;
             let vm = VmRef {
                 node: req.node.clone(),
                 vmid: res.vmid,
@@ -120,16 +137,10 @@ impl PveSubstrate {
                 .await
             {
                 Ok(upid) => upid,
-                Err(e) if e.is_already_exists() => {
-                    tracing::info!(vmid = res.vmid, "VMID taken meanwhile; trying the next one");
+                Err(e) if e.is_vmid_collision(res.vmid) => {
+                    tracing::info!(vmid = res.vmid, "VMID taken meanwhile; trying a fresh one");
                     self.pending.lock().remove(&req.machine_id);
                     last = Some(e.to_string());
-                    continue;
-                }
-                Err(e) if e.is_lock_timeout() => {
-                    self.pending.lock().remove(&req.machine_id);
-                    last = Some(e.to_string());
-                    tokio::time::sleep(self.backoff(attempt)).await;
                     continue;
                 }
                 Err(e) if e.to_string().contains("uses local storage") => {
@@ -140,23 +151,50 @@ impl PveSubstrate {
                         req.template_vmid, req.node
                     )));
                 }
-                Err(e) if e.may_have_been_applied() => {
-                    // The clone may have been accepted; look before giving up.
-                    return match self.client.get_config(&vm.node, vm.vmid).await {
-                        Ok(cfg)
-                            if cfg.description.as_deref().and_then(parse_marker).as_deref()
-                                == Some(req.machine_id.as_str()) =>
-                        {
-                            self.wait_status(&vm, "unlocked after cloning", |s| s.lock.is_none())
-                                .await?;
-                            res.commit();
-                            Ok(vm)
-                        }
-                        _ => Err(err(
-                            format!("cloning template {} to VM {vm}", req.template_vmid),
-                            &e,
-                        )),
-                    };
+                Err(e) if e.may_have_been_applied_post() => {
+                    tracing::warn!(vm = %vm, error = %e, "the answer to the clone request was lost; looking for the VM by its marker");
+                    if self.resolve_ambiguous_clone(&vm, req, &e, deadline).await? {
+                        res.commit();
+                        return Ok(vm);
+                    }
+                    // Not applied: this VMID stays blocked (cool-down) in case
+                    // a late worker still creates it; try a fresh one.
+                    self.pending.lock().remove(&req.machine_id);
+                    last = Some(e.to_string());
+                    continue;
+                }
+                Err(e) if e.is_lock_timeout() => {
+                    self.pending.lock().remove(&req.machine_id);
+                    last = Some(e.to_string());
+                    self.pause(attempt, deadline).await;
+                    attempt += 1;
+                    continue;
+                }
+                Err(e) if e.is_locked() => {
+                    // `VM 9000 is locked (backup)`: a nightly backup of the
+                    // template; it clears by itself.
+                    tracing::info!(template = req.template_vmid, error = %e, "template is locked; waiting");
+                    self.pending.lock().remove(&req.machine_id);
+                    last = Some(format!(
+                        "template {} on node {template_node} is locked: {e}",
+                        req.template_vmid
+                    ));
+                    self.pause(attempt, deadline).await;
+                    attempt += 1;
+                    continue;
+                }
+                Err(e) if e.is_transient() || node_offline(&e) => {
+                    // Not applied (595: pveproxy could not connect; a target
+                    // node that is not online is refused before anything).
+                    tracing::info!(node = %req.node, template_node, error = %e, "node unreachable; waiting");
+                    self.pending.lock().remove(&req.machine_id);
+                    last = Some(format!(
+                        "node {} (template node {template_node}) is offline or unreachable: {e}",
+                        req.node
+                    ));
+                    self.pause(attempt, deadline).await;
+                    attempt += 1;
+                    continue;
                 }
                 Err(e) => {
                     self.pending.lock().remove(&req.machine_id);
@@ -171,15 +209,23 @@ impl PveSubstrate {
                     res.commit();
                     return Ok(vm);
                 }
-                Err(e) if e.is_lock_timeout() => {
-                    tracing::info!(vm = %vm, error = %e, "clone hit a storage lock timeout; retrying");
-                    self.remove_failed_clone(&vm).await?;
+                Err(e) if e.is_vmid_collision(res.vmid) => {
+                    // The worker found the id taken before creating anything:
+                    // whatever is at that VMID is not ours; never touch it.
+                    tracing::info!(vm = %vm, error = %e, "the clone worker found the VMID taken; trying a fresh one");
                     self.pending.lock().remove(&req.machine_id);
                     last = Some(e.to_string());
-                    tokio::time::sleep(self.backoff(attempt)).await;
+                }
+                Err(e) if e.is_lock_timeout() => {
+                    tracing::info!(vm = %vm, error = %e, "clone hit a storage lock timeout; retrying");
+                    self.remove_failed_clone(&vm, req, deadline).await?;
+                    self.pending.lock().remove(&req.machine_id);
+                    last = Some(e.to_string());
+                    self.pause(attempt, deadline).await;
+                    attempt += 1;
                 }
                 Err(e @ PveError::TaskFailed { .. }) => {
-                    self.remove_failed_clone(&vm).await?;
+                    self.remove_failed_clone(&vm, req, deadline).await?;
                     self.pending.lock().remove(&req.machine_id);
                     return Err(err(format!("clone task for VM {vm}"), &e));
                 }
@@ -190,39 +236,146 @@ impl PveSubstrate {
                 }
             }
         }
-        Err(SubstrateError::new(format!(
-            "cloning template {} gave up after {CLONE_ATTEMPTS} attempts (last error: {})",
-            req.template_vmid,
-            last.unwrap_or_default()
-        )))
     }
 
-    /// PVE normally removes the half-made VM when a clone worker fails; if it
-    /// is still there (marked by its description), destroy it so no orphan
-    /// competes with the retry for this machine id.
-    pub(super) async fn remove_failed_clone(&self, vm: &VmRef) -> Result<(), SubstrateError> {
-        match self.client.status_current(&vm.node, vm.vmid).await {
-            Err(e) if e.is_not_found() => Ok(()),
-            Err(e) => Err(err(format!("checking the failed clone VM {vm}"), &e)),
-            Ok(st) if !looks_managed(&st.tags, st.name.as_deref()) => Ok(()),
-            Ok(_) => {
-                tracing::warn!(vm = %vm, "failed clone left its VM behind; destroying it");
-                self.delete_vm(vm).await
+    /// After a clone POST whose answer was lost: `true` once the VM shows up
+    /// with our marker and unlocked, `false` once its VMID has stayed free for
+    /// [`PveOptions::ambiguous_settle`] (the request was not applied) or is
+    /// taken by a VM that is not ours. Gives up at `deadline` with a
+    /// transient error that keeps `pending`, so a retried Create resolves it.
+    async fn resolve_ambiguous_clone(
+        &self,
+        vm: &VmRef,
+        req: &CloneRequest,
+        cause: &PveError,
+        deadline: Instant,
+    ) -> Result<bool, SubstrateError> {
+        let settle = Instant::now() + self.opts.ambiguous_settle;
+        loop {
+            match self.probe_pending(vm, &req.machine_id, deadline).await? {
+                Probe::Ours(_) => {
+                    self.wait_status(vm, "unlocked after cloning", |s| s.lock.is_none())
+                        .await?;
+                    return Ok(true);
+                }
+                Probe::Foreign => return Ok(false),
+                Probe::Gone if Instant::now() >= settle => return Ok(false),
+                Probe::Gone | Probe::Cloning => {}
             }
+            if Instant::now() >= deadline {
+                return Err(SubstrateError::caused_by(
+                    ErrorKind::Transient,
+                    format!(
+                        "the clone request for VM {vm} may have been applied (its answer was lost) \
+                         and the VM is still being cloned after {:?}; a retried Create adopts it by its marker",
+                        self.opts.retry_window
+                    ),
+                    cause.clone(),
+                ));
+            }
+            tokio::time::sleep(self.opts.poll_interval).await;
         }
     }
 
-    /// Sizes and tags the VM, waiting out the clone's config lock.
-    pub(super) async fn mark(&self, vm: &VmRef, req: &CloneRequest) -> Result<(), SubstrateError> {
+    /// What is at a VMID a clone of ours was started on.
+    pub(super) async fn probe_pending(
+        &self,
+        vm: &VmRef,
+        machine_id: &str,
+        deadline: Instant,
+    ) -> Result<Probe, SubstrateError> {
+        let mut call = || self.client.get_config(&vm.node, vm.vmid);
+        match self.retry_raw(Some(&vm.node), deadline, &mut call).await {
+            Ok(cfg) if owned_by(cfg.description.as_deref(), machine_id, None) => {
+                Ok(Probe::Ours(cfg.tags))
+            }
+            // A temporary config (`lock: clone`, nothing else yet): whose is
+            // not known until the worker writes the final one.
+            Ok(cfg) if cfg.lock.as_deref() == Some("clone") && cfg.description.is_none() => {
+                Ok(Probe::Cloning)
+            }
+            Ok(_) => Ok(Probe::Foreign),
+            // Not on this node (a clone to another node keeps its temporary
+            // config on the template's node) or outside the token's pool (pool
+            // membership is added at the end of a clone): ask whether the id
+            // is in use at all.
+            Err(e) if e.is_not_found() || e.is_forbidden() => {
+                if self.vmid_taken(vm.vmid, deadline).await? {
+                    Ok(Probe::Cloning)
+                } else {
+                    Ok(Probe::Gone)
+                }
+            }
+            Err(e) => Err(err_at(format!("checking VM {vm}"), Some(&vm.node), &e)),
+        }
+    }
+
+    /// PVE normally removes the half-made VM when a clone worker fails; if it
+    /// did not, destroy it, but only when its marker names this machine and
+    /// this operation (a VM that merely looks managed may be another's).
+    pub(super) async fn remove_failed_clone(
+        &self,
+        vm: &VmRef,
+        req: &CloneRequest,
+        deadline: Instant,
+    ) -> Result<(), SubstrateError> {
+        let mut call = || self.client.status_current(&vm.node, vm.vmid);
+        let st = match self.retry_raw(Some(&vm.node), deadline, &mut call).await {
+            Ok(st) => st,
+            // Gone, or outside the token's pool (never joined it): nothing of
+            // ours that this token could destroy.
+            Err(e) if e.is_not_found() || e.is_forbidden() => return Ok(()),
+            Err(e) => {
+                return Err(err_at(
+                    format!("checking the failed clone VM {vm}"),
+                    Some(&vm.node),
+                    &e,
+                ))
+            }
+        };
+        let mut call = || self.client.get_config(&vm.node, vm.vmid);
+        let cfg = match self.retry_raw(Some(&vm.node), deadline, &mut call).await {
+            Ok(cfg) => cfg,
+            Err(e) if e.is_not_found() || e.is_forbidden() => return Ok(()),
+            Err(e) => {
+                return Err(err_at(
+                    format!("checking the failed clone VM {vm}"),
+                    Some(&vm.node),
+                    &e,
+                ))
+            }
+        };
+        if !owned_by(
+            cfg.description.as_deref(),
+            &req.machine_id,
+            Some(&req.operation_id),
+        ) {
+            if looks_managed(&st.tags, st.name.as_deref()) {
+                tracing::warn!(vm = %vm, machine_id = %req.machine_id, "a VM that looks managed is at the failed clone's VMID but its marker is not this clone's; leaving it alone");
+            }
+            return Ok(());
+        }
+        tracing::warn!(vm = %vm, "failed clone left its VM behind; destroying it");
+        self.destroy_owned(vm, &st, deadline).await
+    }
+
+    /// Sizes and tags the VM, waiting out the clone's config lock. Where the
+    /// cluster's `user-tag-access` refuses the per-machine tag (403), marks
+    /// by sizing and description only, from then on, with one warning.
+    pub(super) async fn mark(
+        &self,
+        vm: &VmRef,
+        req: &CloneRequest,
+        deadline: Instant,
+    ) -> Result<(), SubstrateError> {
         let tags = vec![MANAGED_TAG.to_string(), machine_tag(&req.machine_id)];
-        let params = ConfigParams {
+        let mut params = ConfigParams {
             cores: Some(req.vcpu),
             memory: Some(req.memory_mib),
             description: Some(marker_description(&req.machine_id, &req.operation_id)),
-            tags: Some(tags.clone()),
+            tags: (!self.tags_restricted.load(Ordering::Relaxed)).then(|| tags.clone()),
             digest: None,
         };
-        let deadline = Instant::now() + self.opts.task_timeout;
         let mut attempt = 0;
         loop {
             match self
@@ -231,20 +384,46 @@ impl PveSubstrate {
                 .await
             {
                 Ok(()) => break,
+                Err(e) if e.is_forbidden() && params.tags.is_some() => {
+                    if !self.tags_restricted.swap(true, Ordering::Relaxed) {
+                        tracing::warn!(vm = %vm, error = %e,
+                            "the cluster refuses new tags (datacenter option user-tag-access); \
+                             VMs are owned by their description marker only. To keep the tags, set \
+                             user-tag-access to free (Datacenter > Options > User Tag Access) or grant \
+                             the token Sys.Modify on /");
+                    }
+                    params.tags = None;
+                }
                 Err(e) if e.is_locked() && Instant::now() < deadline => {
                     tracing::debug!(vm = %vm, error = %e, "config locked; waiting");
                     if e.is_lock_timeout() {
-                        tokio::time::sleep(self.backoff(attempt)).await;
+                        self.pause(attempt, deadline).await;
                     } else {
                         self.wait_status(vm, "unlocked", |s| s.lock.is_none())
                             .await?;
                     }
                     attempt += 1;
                 }
-                Err(e) => return Err(err(format!("setting size and tags of VM {vm}"), &e)),
+                // Repeating the same PUT is harmless.
+                Err(e) if e.is_transient() && Instant::now() < deadline => {
+                    self.pause(attempt, deadline).await;
+                    attempt += 1;
+                }
+                Err(e) => {
+                    return Err(err_at(
+                        format!("setting size and tags of VM {vm}"),
+                        Some(&vm.node),
+                        &e,
+                    ))
+                }
             }
         }
-        let mut normalized = pve::normalize_tags(&pve::join_tags(&tags));
+        let Some(applied) = params.tags else {
+            // Tags unknown (the template's, if any): the next pass reads the config.
+            self.index.lock().remove(&vm.vmid);
+            return Ok(());
+        };
+        let mut normalized = pve::normalize_tags(&pve::join_tags(&applied));
         normalized.sort();
         self.index.lock().insert(
             vm.vmid,
@@ -257,6 +436,18 @@ impl PveSubstrate {
         );
         Ok(())
     }
+}
+
+/// What [`PveSubstrate::probe_pending`] found at a VMID.
+pub(super) enum Probe {
+    /// Our marker; the VM's tags.
+    Ours(Vec<String>),
+    /// In use but not readable as ours yet: a clone in progress.
+    Cloning,
+    /// Free.
+    Gone,
+    /// Another VM (a different marker, or none).
+    Foreign,
 }
 
 #[cfg(test)]

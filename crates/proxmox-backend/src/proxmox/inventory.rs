@@ -7,12 +7,24 @@ use futures::stream;
 use futures::stream::{StreamExt, TryStreamExt};
 use pve::{machine_tag, ClusterVm, VmStatus};
 
+use providerkit::ErrorKind;
+
+use super::clone::Probe;
 use super::marker::{looks_managed, parse_marker, MANAGED_TAG};
-use super::{err, PveSubstrate};
+use super::{err, err_at, PveSubstrate};
 use crate::substrate::{CloneRequest, SubstrateError, VmRef};
 
 /// Concurrent config reads while indexing new VMs.
 pub(super) const CONFIG_READ_CONCURRENCY: usize = 8;
+
+/// The outcome of one config read during a pass.
+pub(super) enum ConfigRead {
+    /// The machine id from the marker, if any.
+    Read(Option<String>),
+    /// The node did not answer.
+    Unread,
+}
+use ConfigRead::{Read, Unread};
 
 /// What the last inventory pass learnt about one VM. A config read is only
 /// repeated when the listing shows different tags or name.
@@ -56,15 +68,25 @@ impl PveSubstrate {
                 .cloned()
                 .collect()
         };
-        let read: Vec<(ClusterVm, Option<String>)> = stream::iter(to_read)
+        let read: Vec<(ClusterVm, ConfigRead)> = stream::iter(to_read)
             .map(|v| async move {
                 match self.client.get_config(&v.node, v.vmid).await {
                     Ok(cfg) => {
                         let id = cfg.description.as_deref().and_then(parse_marker);
-                        Ok(Some((v, id)))
+                        Ok(Some((v, Read(id))))
                     }
                     // Destroyed between the listing and the read.
                     Err(e) if e.is_not_found() => Ok(None),
+                    // Its node is offline or unreachable: keep what the last
+                    // pass learnt (the VM stays reported under its machine
+                    // id) rather than fail the whole pass; a VM never read
+                    // is left out until its node answers.
+                    Err(e) if e.is_transient() => {
+                        tracing::warn!(vm = %format!("{}/{}", v.node, v.vmid), error = %e,
+                            "cannot read the config of a managed-looking VM (node offline or unreachable); \
+                             keeping its last known state");
+                        Ok(Some((v, Unread)))
+                    }
                     // Failing the pass beats reporting a marked VM's slot as free.
                     Err(e) => Err(err(
                         format!("reading the config of VM {}/{}", v.node, v.vmid),
@@ -78,7 +100,19 @@ impl PveSubstrate {
             .await?;
 
         let mut index = self.index.lock();
-        for (v, machine_id) in read {
+        for (v, outcome) in read {
+            let machine_id = match outcome {
+                Read(id) => id,
+                Unread => {
+                    // Follow the listing's tags and name so the cached
+                    // machine id stays reported while the node is away.
+                    if let Some(k) = index.get_mut(&v.vmid) {
+                        k.tags.clone_from(&v.tags);
+                        k.name.clone_from(&v.name);
+                    }
+                    continue;
+                }
+            };
             index.insert(
                 v.vmid,
                 Known {
@@ -127,10 +161,14 @@ impl PveSubstrate {
     }
 
     /// `status/current`, refusing VMs without our marker.
-    pub(super) async fn managed_status(&self, vm: &VmRef) -> Result<VmStatus, SubstrateError> {
+    pub(super) async fn managed_status(
+        &self,
+        vm: &VmRef,
+        deadline: tokio::time::Instant,
+    ) -> Result<VmStatus, SubstrateError> {
+        let mut call = || self.client.status_current(&vm.node, vm.vmid);
         let st = self
-            .client
-            .status_current(&vm.node, vm.vmid)
+            .retry_raw(Some(&vm.node), deadline, &mut call)
             .await
             .map_err(|e| {
                 if e.is_not_found() {
@@ -138,7 +176,7 @@ impl PveSubstrate {
                         "VM {vm} does not exist (destroyed, or moved to another node; the next reconcile updates its host): {e}"
                     ))
                 } else {
-                    err(format!("reading the status of VM {vm}"), &e)
+                    err_at(format!("reading the status of VM {vm}"), Some(&vm.node), &e)
                 }
             })?;
         if !looks_managed(&st.tags, st.name.as_deref()) {
@@ -155,6 +193,7 @@ impl PveSubstrate {
         &self,
         req: &CloneRequest,
         expected_name: &str,
+        deadline: tokio::time::Instant,
     ) -> Result<(Option<(VmRef, Vec<String>)>, Vec<ClusterVm>), SubstrateError> {
         let pending = self.pending.lock().get(&req.machine_id).cloned();
         let mtag = machine_tag(&req.machine_id);
@@ -179,17 +218,25 @@ impl PveSubstrate {
             return Ok((Some((vm, v.tags.clone())), list));
         }
         if let Some(vm) = pending {
-            // Not in the inventory yet: ask the VM itself.
-            match self.client.get_config(&vm.node, vm.vmid).await {
-                Ok(cfg)
-                    if cfg.description.as_deref().and_then(parse_marker).as_deref()
-                        == Some(req.machine_id.as_str()) =>
-                {
-                    return Ok((Some((vm, cfg.tags)), list));
+            // Not in the inventory yet: ask the VM itself. A clone still in
+            // progress (temporary config, or outside the pool until its end)
+            // is waited for: cloning again would make a second VM.
+            loop {
+                match self.probe_pending(&vm, &req.machine_id, deadline).await? {
+                    Probe::Ours(tags) => return Ok((Some((vm, tags)), list)),
+                    Probe::Gone | Probe::Foreign => break,
+                    Probe::Cloning if tokio::time::Instant::now() >= deadline => {
+                        return Err(SubstrateError::with_kind(
+                            ErrorKind::Transient,
+                            format!(
+                                "VM {vm}, cloned for this machine by an earlier attempt, is still being cloned \
+                                 (or is not visible to the API token) after {:?}; retry the Create",
+                                self.opts.retry_window
+                            ),
+                        ))
+                    }
+                    Probe::Cloning => tokio::time::sleep(self.opts.poll_interval).await,
                 }
-                Ok(_) => {}
-                Err(e) if e.is_not_found() => {}
-                Err(e) => return Err(err(format!("checking VM {vm}"), &e)),
             }
             self.pending.lock().remove(&req.machine_id);
         }

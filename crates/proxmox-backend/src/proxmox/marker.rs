@@ -26,6 +26,28 @@ pub fn parse_marker(description: &str) -> Option<String> {
         .map(str::to_string)
 }
 
+/// The verbatim operation id from a description marker.
+pub fn parse_marker_operation(description: &str) -> Option<String> {
+    parse_marker(description)?;
+    description
+        .split_whitespace()
+        .find_map(|w| w.strip_prefix("operation_id="))
+        .filter(|id| !id.is_empty())
+        .map(str::to_string)
+}
+
+/// The ownership proof before anything is destroyed: the description marker
+/// names `machine_id` (and `operation_id`, when one is given). Tags and
+/// names only make a VM look managed; another process (or a person) can
+/// carry them too.
+pub fn owned_by(description: Option<&str>, machine_id: &str, operation_id: Option<&str>) -> bool {
+    let Some(d) = description else {
+        return false;
+    };
+    parse_marker(d).as_deref() == Some(machine_id)
+        && operation_id.is_none_or(|op| parse_marker_operation(d).as_deref() == Some(op))
+}
+
 /// `bigfleet-<type>-<id>` as a DNS label: lowercase `[a-z0-9-]`, no leading,
 /// trailing or repeated `-`, at most 63 characters.
 pub fn vm_name(instance_type: &str, machine_id: &str) -> String {
@@ -76,5 +98,23 @@ mod tests {
         );
         assert_eq!(parse_marker("machine_id=x but no marker"), None);
         assert_eq!(parse_marker("BigFleet managed VM. machine_id="), None);
+    }
+
+    #[test]
+    fn ownership_needs_the_marker() {
+        let d = format!("{}\n", marker_description("m/1", "op-7"));
+        assert!(owned_by(Some(&d), "m/1", None));
+        assert!(owned_by(Some(&d), "m/1", Some("op-7")));
+        assert!(
+            !owned_by(Some(&d), "m/1", Some("op-8")),
+            "another operation's clone"
+        );
+        assert!(!owned_by(Some(&d), "m/2", None), "another machine");
+        assert!(!owned_by(None, "m/1", None));
+        assert!(!owned_by(
+            Some("machine_id=m/1 operation_id=op-7"),
+            "m/1",
+            None
+        ));
     }
 }

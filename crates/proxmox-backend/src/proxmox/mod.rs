@@ -4,11 +4,20 @@
 //! Create = 1 inventory read + 1 `nextid` + clone + task polls + 1 config PUT +
 //! start + task polls + agent pings (the first Create per template also reads
 //! the template's config once, for its disk storage); Configure/Drain =
-//! status + ping + exec + exec-status polls; Delete = status + stop + destroy + task polls; a
+//! status + ping + exec + exec-status polls; Delete = status + config (the
+//! marker is the ownership proof) + stop + destroy + task polls; a
 //! reconcile pass = 1 inventory read plus config reads only for marked VMs that
 //! are new or whose tags/name changed since the last pass.
+//!
+//! Transient failures (595/596/597, 502-504, refused or reset connections,
+//! timeouts, an offline node, a template locked by a backup) are retried with
+//! backoff within [`PveOptions::retry_window`]. Nothing is destroyed unless
+//! its description marker names the machine; under a pool-scoped token a 403
+//! on a VM is told apart (gone, or not ours) with `GET /cluster/nextid?vmid=N`.
 
 use std::collections::HashMap;
+use std::future::Future;
+use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -23,7 +32,7 @@ use tokio::time::Instant;
 use crate::substrate::{CloneRequest, ManagedVm, Substrate, SubstrateError, VmRef};
 use guest::{exec_err, exec_outcome, ExecError};
 use inventory::Known;
-use marker::looks_managed;
+
 use vmid::VmidState;
 
 mod clone;
@@ -33,8 +42,10 @@ mod marker;
 mod options;
 mod vmid;
 
-pub use marker::{marker_description, parse_marker, vm_name, MANAGED_TAG};
-pub use options::PveOptions;
+pub use marker::{
+    marker_description, owned_by, parse_marker, parse_marker_operation, vm_name, MANAGED_TAG,
+};
+pub use options::{parse_vmid_range, PveOptions};
 
 /// The real Proxmox substrate.
 pub struct PveSubstrate {
@@ -56,6 +67,26 @@ pub struct PveSubstrate {
     creating: Mutex<HashMap<String, Arc<AsyncMutex<()>>>>,
     /// Clone slots per (target node, storage key).
     clone_slots: Mutex<HashMap<(String, String), Arc<Semaphore>>>,
+    /// The cluster's `user-tag-access` refused a per-machine tag: VMs are
+    /// marked by their description marker only (the ownership proof anyway).
+    tags_restricted: AtomicBool,
+}
+
+/// Context for a failure after retries: names the node when it was the
+/// node that did not answer, so `last_error` says where to look.
+fn err_at(context: impl std::fmt::Display, node: Option<&str>, e: &PveError) -> SubstrateError {
+    match node {
+        Some(node) if e.is_node_unreachable() || node_offline(e) => err(
+            format!("{context}: node {node} is offline or unreachable"),
+            e,
+        ),
+        _ => err(context, e),
+    }
+}
+
+/// A clone `target` that is not online (`target node 'pve2' is not online`).
+fn node_offline(e: &PveError) -> bool {
+    e.to_string().contains("is not online")
 }
 
 /// How a PVE failure is classified for callers and metrics.
@@ -93,6 +124,7 @@ impl PveSubstrate {
             vmid_choice: AsyncMutex::new(()),
             creating: Mutex::new(HashMap::new()),
             clone_slots: Mutex::new(HashMap::new()),
+            tags_restricted: AtomicBool::new(false),
         }
     }
 
@@ -111,6 +143,9 @@ impl PveSubstrate {
             .map_err(|e| err("listing the cluster's nodes (is the API token valid?)", &e))?;
         let mut warnings = Vec::new();
         let names: Vec<&str> = cluster.iter().map(|n| n.node.as_str()).collect();
+        for n in &cluster {
+            tracing::info!(node = %n.node, status = %n.status, "Proxmox node");
+        }
         for node in nodes {
             match cluster.iter().find(|n| &n.node == node) {
                 None => {
@@ -119,9 +154,11 @@ impl PveSubstrate {
                         names.join(", ")
                     )))
                 }
-                Some(n) if n.status != "online" => {
-                    warnings.push(format!("node {node:?} is {}", n.status))
-                }
+                Some(n) if n.status != "online" => warnings.push(format!(
+                    "node {node:?} is {}: serving anyway; Creates aimed at it wait for it \
+                     (up to the retry window) and its VMs keep their last known state",
+                    n.status
+                )),
                 Some(_) => {}
             }
         }
@@ -159,6 +196,66 @@ impl PveSubstrate {
         Duration::from_millis(rand::rng().random_range(ms / 2..=ms))
     }
 
+    /// The end of the retry window of a transition starting now.
+    fn deadline(&self) -> Instant {
+        Instant::now() + self.opts.retry_window
+    }
+
+    /// Sleeps the backoff for `attempt`, never past `deadline`.
+    pub(super) async fn pause(&self, attempt: u32, deadline: Instant) {
+        let now = Instant::now();
+        let d = self
+            .backoff(attempt)
+            .min(deadline.saturating_duration_since(now));
+        tokio::time::sleep(d).await;
+    }
+
+    /// Runs an idempotent call (a read, or a write whose repeat is harmless)
+    /// until it succeeds, fails for good, or `deadline` passes; transient
+    /// failures (see [`PveError::is_transient`]) are retried with backoff.
+    /// The error names the node when the node did not answer.
+    pub(super) async fn retry_pve<T, F, Fut>(
+        &self,
+        what: impl std::fmt::Display,
+        node: Option<&str>,
+        deadline: Instant,
+        mut call: F,
+    ) -> Result<T, SubstrateError>
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = Result<T, PveError>>,
+    {
+        self.retry_raw(node, deadline, &mut call)
+            .await
+            .map_err(|e| err_at(what, node, &e))
+    }
+
+    /// [`PveSubstrate::retry_pve`] returning the PVE error itself, for callers
+    /// that branch on it (not found, forbidden).
+    pub(super) async fn retry_raw<T, F, Fut>(
+        &self,
+        node: Option<&str>,
+        deadline: Instant,
+        call: &mut F,
+    ) -> Result<T, PveError>
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = Result<T, PveError>>,
+    {
+        let mut attempt = 0;
+        loop {
+            match call().await {
+                Ok(v) => return Ok(v),
+                Err(e) if e.is_transient() && Instant::now() < deadline => {
+                    tracing::debug!(node = node.unwrap_or(""), error = %e, attempt, "transient PVE failure; retrying");
+                    self.pause(attempt, deadline).await;
+                    attempt += 1;
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
     // ---- inventory ----
 
     // ---- tasks and agent ----
@@ -183,10 +280,13 @@ impl PveSubstrate {
         let deadline = Instant::now() + self.opts.task_timeout;
         loop {
             let st = self
-                .client
-                .status_current(&vm.node, vm.vmid)
-                .await
-                .map_err(|e| err(format!("waiting for VM {vm} to be {what}"), &e))?;
+                .retry_pve(
+                    format!("waiting for VM {vm} to be {what}"),
+                    Some(&vm.node),
+                    deadline,
+                    || self.client.status_current(&vm.node, vm.vmid),
+                )
+                .await?;
             if done(&st) {
                 return Ok(());
             }
@@ -201,13 +301,18 @@ impl PveSubstrate {
     }
 
     /// Starts a stopped VM (HA-aware: the agent wait covers a queued `hastart`).
-    async fn start(&self, vm: &VmRef) -> Result<(), SubstrateError> {
+    /// A repeated start is harmless (the task of the second fails "already
+    /// running", taken as success), so transient failures are retried.
+    async fn start(&self, vm: &VmRef, deadline: Instant) -> Result<(), SubstrateError> {
         tracing::info!(vm = %vm, "starting VM");
         let upid = self
-            .client
-            .start(&vm.node, vm.vmid)
-            .await
-            .map_err(|e| err(format!("starting VM {vm}"), &e))?;
+            .retry_pve(
+                format!("starting VM {vm}"),
+                Some(&vm.node),
+                deadline,
+                || self.client.start(&vm.node, vm.vmid),
+            )
+            .await?;
         match self.wait_task(&upid, "start").await {
             Ok(()) => Ok(()),
             // Started by someone else meanwhile: fine.
@@ -216,15 +321,117 @@ impl PveSubstrate {
             {
                 Ok(())
             }
+            // A repeated start (after a lost answer) waited on the first
+            // one's config lock: the first start is the one to wait for.
+            Err(e) if e.is_lock_timeout() => {
+                self.wait_status(vm, "running", |s| s.is_running()).await
+            }
             Err(e) => Err(err(format!("starting VM {vm}"), &e)),
         }
     }
 
-    async fn ensure_running_status(&self, vm: &VmRef, st: &VmStatus) -> Result<(), SubstrateError> {
+    async fn ensure_running_status(
+        &self,
+        vm: &VmRef,
+        st: &VmStatus,
+        deadline: Instant,
+    ) -> Result<(), SubstrateError> {
         if !st.is_running() {
-            self.start(vm).await?;
+            self.start(vm, deadline).await?;
         }
         self.wait_agent(vm).await
+    }
+
+    // ---- delete ----
+
+    /// The VM's status, following a migration (by VMID; the marker is
+    /// checked afterwards). `None`: it no longer exists, or it is invisible
+    /// to this token, which under a pool-scoped token means it is outside the
+    /// pool and so not ours (ours stay in the pool until destroyed).
+    async fn find_for_delete(
+        &self,
+        vm: &VmRef,
+        deadline: Instant,
+    ) -> Result<Option<(VmRef, VmStatus)>, SubstrateError> {
+        let mut call = || self.client.status_current(&vm.node, vm.vmid);
+        match self.retry_raw(Some(&vm.node), deadline, &mut call).await {
+            Ok(st) => Ok(Some((vm.clone(), st))),
+            Err(e) if e.is_forbidden() => {
+                if self.vmid_taken(vm.vmid, deadline).await? {
+                    tracing::warn!(vm = %vm, "VMID is in use but outside the token's pool: not ours; leaving it alone");
+                }
+                Ok(None)
+            }
+            Err(e) if e.is_not_found() => {
+                let Some(moved) = self.locate(vm.vmid).await? else {
+                    return Ok(None);
+                };
+                let moved = VmRef {
+                    node: moved.node,
+                    vmid: vm.vmid,
+                };
+                tracing::info!(vmid = vm.vmid, from = %vm.node, to = %moved.node, "VM moved; deleting it on its new node");
+                let mut call = || self.client.status_current(&moved.node, moved.vmid);
+                match self.retry_raw(Some(&moved.node), deadline, &mut call).await {
+                    Ok(st) => Ok(Some((moved, st))),
+                    Err(e) if e.is_not_found() || e.is_forbidden() => Ok(None),
+                    Err(e) => Err(err_at(
+                        format!("reading the status of VM {moved}"),
+                        Some(&moved.node),
+                        &e,
+                    )),
+                }
+            }
+            Err(e) => Err(err_at(
+                format!("reading the status of VM {vm}"),
+                Some(&vm.node),
+                &e,
+            )),
+        }
+    }
+
+    /// Stops and destroys a VM whose marker was checked by the caller.
+    /// Repeats are harmless (stopping a stopped VM, destroying a gone one),
+    /// so transient failures are retried until `deadline`.
+    pub(super) async fn destroy_owned(
+        &self,
+        vm: &VmRef,
+        st: &VmStatus,
+        deadline: Instant,
+    ) -> Result<(), SubstrateError> {
+        let node = Some(vm.node.as_str());
+        if st.is_running() {
+            tracing::info!(vm = %vm, ha = st.ha_managed(), "stopping VM");
+            let mut call = || self.client.stop(&vm.node, vm.vmid);
+            match self.retry_raw(node, deadline, &mut call).await {
+                Ok(upid) => self
+                    .wait_task(&upid, "stop")
+                    .await
+                    .map_err(|e| err_at(format!("stopping VM {vm}"), node, &e))?,
+                Err(e) if e.is_not_found() => {
+                    self.forget(vm.vmid);
+                    return Ok(());
+                }
+                Err(e) => return Err(err_at(format!("stopping VM {vm}"), node, &e)),
+            }
+            if st.ha_managed() {
+                // hastop only queues the request.
+                self.wait_status(vm, "stopped", |s| !s.is_running()).await?;
+            }
+        }
+        tracing::info!(vm = %vm, "destroying VM");
+        let mut call = || self.client.destroy(&vm.node, vm.vmid);
+        match self.retry_raw(node, deadline, &mut call).await {
+            Ok(upid) => match self.wait_task(&upid, "destroy").await {
+                Ok(()) => {}
+                Err(e) if e.is_not_found() => {}
+                Err(e) => return Err(err_at(format!("destroying VM {vm}"), node, &e)),
+            },
+            Err(e) if e.is_not_found() || e.is_forbidden() => {}
+            Err(e) => return Err(err_at(format!("destroying VM {vm}"), node, &e)),
+        }
+        self.forget(vm.vmid);
+        Ok(())
     }
 
     // ---- create ----
@@ -254,89 +461,69 @@ impl Substrate for PveSubstrate {
         }
         let lock = self.machine_lock(&req.machine_id);
         let _one_at_a_time = lock.lock().await;
+        let deadline = self.deadline();
         let name = vm_name(&req.instance_type, &req.machine_id);
         let mtag = machine_tag(&req.machine_id);
 
-        let (existing, list) = self.find_existing(req, &name).await?;
+        let (existing, list) = self.find_existing(req, &name, deadline).await?;
         if let Some((vm, tags)) = existing {
             tracing::info!(machine_id = %req.machine_id, vm = %vm, "adopting the VM already marked for this machine");
-            if !tags.contains(&mtag) || !tags.iter().any(|t| t == MANAGED_TAG) {
-                self.mark(&vm, req).await?;
+            let tagged = tags.contains(&mtag) && tags.iter().any(|t| t == MANAGED_TAG);
+            // Under restricted tag access the tags never appear: marking is
+            // then one idempotent PUT of sizing and marker, not a loop.
+            if !tagged {
+                self.mark(&vm, req, deadline).await?;
             }
-            let st = self.managed_status(&vm).await?;
-            self.ensure_running_status(&vm, &st).await?;
+            let st = self.managed_status(&vm, deadline).await?;
+            self.ensure_running_status(&vm, &st, deadline).await?;
             self.pending.lock().remove(&req.machine_id);
             return Ok(vm);
         }
 
         let template_node = self.template_node(req.template_vmid, &list)?;
-        let vm = self.clone_new(req, &template_node, &name).await?;
-        self.mark(&vm, req).await?;
-        self.start(&vm).await?;
+        let vm = self.clone_new(req, &template_node, &name, deadline).await?;
+        self.mark(&vm, req, deadline).await?;
+        self.start(&vm, deadline).await?;
         self.wait_agent(&vm).await?;
         self.pending.lock().remove(&req.machine_id);
         tracing::info!(machine_id = %req.machine_id, vm = %vm, "VM created and its guest agent answers");
         Ok(vm)
     }
 
-    async fn delete_vm(&self, vm: &VmRef) -> Result<(), SubstrateError> {
-        let mut vm = vm.clone();
-        let st = match self.client.status_current(&vm.node, vm.vmid).await {
-            Ok(st) => st,
-            Err(e) if e.is_not_found() => match self.locate(vm.vmid).await? {
-                Some(moved) if looks_managed(&moved.tags, moved.name.as_deref()) => {
-                    tracing::info!(vmid = vm.vmid, from = %vm.node, to = %moved.node, "VM moved; deleting it on its new node");
-                    vm.node = moved.node;
-                    self.client
-                        .status_current(&vm.node, vm.vmid)
-                        .await
-                        .map_err(|e| err(format!("reading the status of VM {vm}"), &e))?
-                }
-                _ => {
-                    tracing::info!(vm = %vm, "VM already gone");
-                    self.forget(vm.vmid);
-                    return Ok(());
-                }
-            },
-            Err(e) => return Err(err(format!("reading the status of VM {vm}"), &e)),
+    async fn delete_vm(&self, vm: &VmRef, machine_id: &str) -> Result<(), SubstrateError> {
+        let deadline = self.deadline();
+        let Some((vm, st)) = self.find_for_delete(vm, deadline).await? else {
+            tracing::info!(vm = %vm, "VM already gone");
+            self.forget(vm.vmid);
+            return Ok(());
         };
-        if !looks_managed(&st.tags, st.name.as_deref()) {
-            // The VMID was reused by someone else: our VM is gone.
-            tracing::warn!(vm = %vm, "VMID now belongs to an unmarked VM; leaving it alone");
+        let cfg = match self
+            .retry_raw(Some(&vm.node), deadline, &mut || {
+                self.client.get_config(&vm.node, vm.vmid)
+            })
+            .await
+        {
+            Ok(cfg) => cfg,
+            Err(e) if e.is_not_found() || e.is_forbidden() => {
+                tracing::info!(vm = %vm, "VM gone before its marker could be read");
+                self.forget(vm.vmid);
+                return Ok(());
+            }
+            Err(e) => {
+                return Err(err_at(
+                    format!("reading the marker of VM {vm}"),
+                    Some(&vm.node),
+                    &e,
+                ))
+            }
+        };
+        if !owned_by(cfg.description.as_deref(), machine_id, None) {
+            // The VMID was reused, or the VM only looks like ours: our VM is gone.
+            tracing::warn!(vm = %vm, machine_id, "VM's description marker does not name this machine; leaving it alone");
             self.forget(vm.vmid);
             return Ok(());
         }
-        if st.is_running() {
-            tracing::info!(vm = %vm, ha = st.ha_managed(), "stopping VM");
-            match self.client.stop(&vm.node, vm.vmid).await {
-                Ok(upid) => self
-                    .wait_task(&upid, "stop")
-                    .await
-                    .map_err(|e| err(format!("stopping VM {vm}"), &e))?,
-                Err(e) if e.is_not_found() => {
-                    self.forget(vm.vmid);
-                    return Ok(());
-                }
-                Err(e) => return Err(err(format!("stopping VM {vm}"), &e)),
-            }
-            if st.ha_managed() {
-                // hastop only queues the request.
-                self.wait_status(&vm, "stopped", |s| !s.is_running())
-                    .await?;
-            }
-        }
-        tracing::info!(vm = %vm, "destroying VM");
-        match self.client.destroy(&vm.node, vm.vmid).await {
-            Ok(upid) => match self.wait_task(&upid, "destroy").await {
-                Ok(()) => {}
-                Err(e) if e.is_not_found() => {}
-                Err(e) => return Err(err(format!("destroying VM {vm}"), &e)),
-            },
-            Err(e) if e.is_not_found() => {}
-            Err(e) => return Err(err(format!("destroying VM {vm}"), &e)),
-        }
-        self.forget(vm.vmid);
-        Ok(())
+        self.destroy_owned(&vm, &st, deadline).await
     }
 
     async fn describe_managed(&self) -> Result<Vec<ManagedVm>, SubstrateError> {
@@ -357,8 +544,9 @@ impl Substrate for PveSubstrate {
     }
 
     async fn ensure_running(&self, vm: &VmRef) -> Result<(), SubstrateError> {
-        let st = self.managed_status(vm).await?;
-        self.ensure_running_status(vm, &st).await
+        let deadline = self.deadline();
+        let st = self.managed_status(vm, deadline).await?;
+        self.ensure_running_status(vm, &st, deadline).await
     }
 
     async fn configure(&self, vm: &VmRef, blob: &[u8]) -> Result<(), SubstrateError> {

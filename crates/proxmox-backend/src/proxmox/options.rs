@@ -36,6 +36,17 @@ pub struct PveOptions {
     pub vmid_cooldown: Duration,
     /// VMIDs this provider allocates from (inclusive).
     pub vmid_range: (u32, u32),
+    /// How long one transition keeps retrying transient failures (595/596/597,
+    /// 502-504, refused or reset connections, timeouts, an offline node, a
+    /// template locked by a backup) before it fails with a `last_error` that
+    /// names the cause. Kept under the engine's transition timeouts so the
+    /// operator sees the cause, not "deadline exceeded".
+    pub retry_window: Duration,
+    /// After a clone POST whose answer was lost (596/597, timeout, reset),
+    /// how long the new VMID must stay free before the clone is taken as not
+    /// applied and tried again with a fresh VMID. Clone workers start within
+    /// a second of the request, so this only needs to cover a slow node.
+    pub ambiguous_settle: Duration,
 }
 
 impl Default for PveOptions {
@@ -56,6 +67,8 @@ impl Default for PveOptions {
             poll_interval: Duration::from_secs(1),
             vmid_cooldown: Duration::from_secs(10 * 60),
             vmid_range: (100, 999_999),
+            retry_window: Duration::from_secs(4 * 60),
+            ambiguous_settle: Duration::from_secs(30),
         }
     }
 }
@@ -89,13 +102,40 @@ impl PveOptions {
             ));
         }
         let (lo, hi) = self.vmid_range;
-        if lo < 100 || hi < lo {
+        if lo < 100 || hi < lo || hi > 999_999_999 {
             return Err(ConfigError::Invalid(format!(
-                "VMID range {lo}-{hi} is invalid (PVE ids start at 100)"
+                "--vmid-range {lo}-{hi} is invalid: it must be MIN-MAX with 100 <= MIN <= MAX <= 999999999 (PVE's VMID limits)"
             )));
         }
         Ok(())
     }
+}
+
+/// Parses `--vmid-range MIN-MAX` (inclusive), naming the problem on bad input.
+pub fn parse_vmid_range(s: &str) -> Result<(u32, u32), String> {
+    let bad = |why: &str| {
+        format!("--vmid-range {s:?} is invalid: {why} (expected MIN-MAX, e.g. 10000-19999)")
+    };
+    let (lo, hi) = s
+        .trim()
+        .split_once('-')
+        .ok_or_else(|| bad("no '-' between MIN and MAX"))?;
+    let num = |v: &str| {
+        v.trim()
+            .parse::<u32>()
+            .map_err(|_| bad(&format!("{:?} is not a number", v.trim())))
+    };
+    let range = (num(lo)?, num(hi)?);
+    if range.0 < 100 {
+        return Err(bad("PVE VMIDs start at 100"));
+    }
+    if range.1 < range.0 {
+        return Err(bad("MAX is below MIN"));
+    }
+    if range.1 > 999_999_999 {
+        return Err(bad("PVE VMIDs end at 999999999"));
+    }
+    Ok(range)
 }
 
 #[cfg(test)]
@@ -119,5 +159,18 @@ mod tests {
             ..PveOptions::default()
         };
         assert!(bad.validate().is_err());
+    }
+
+    #[test]
+    fn vmid_range_flag() {
+        assert_eq!(parse_vmid_range("10000-19999"), Ok((10000, 19999)));
+        assert_eq!(parse_vmid_range(" 100 - 100 "), Ok((100, 100)));
+        for bad in ["", "100", "99-200", "300-200", "a-200", "100-1000000000"] {
+            let e = parse_vmid_range(bad).unwrap_err();
+            assert!(
+                e.contains("--vmid-range") && e.contains("MIN-MAX"),
+                "{bad}: {e}"
+            );
+        }
     }
 }

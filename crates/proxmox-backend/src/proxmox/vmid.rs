@@ -3,11 +3,10 @@
 
 use std::collections::{HashMap, HashSet};
 
+use tokio::time::Instant;
+
 use super::{err, PveSubstrate};
 use crate::substrate::SubstrateError;
-
-/// `nextid` probes per reservation.
-pub(super) const VMID_PROBES: u32 = 32;
 
 #[derive(Default)]
 pub(super) struct VmidState {
@@ -24,18 +23,6 @@ impl VmidState {
         let now = std::time::Instant::now();
         self.cooldown.retain(|_, until| *until > now);
         self.reserved.contains(&id) || self.cooldown.contains_key(&id)
-    }
-
-    pub(super) fn next_unblocked(&mut self, from: u32, range: (u32, u32)) -> u32 {
-        let mut id = from.max(range.0);
-        while id <= range.1 && self.blocked(id) {
-            id += 1;
-        }
-        if id > range.1 {
-            range.0
-        } else {
-            id
-        }
     }
 }
 
@@ -68,45 +55,92 @@ impl Drop for Reservation<'_> {
 }
 
 impl PveSubstrate {
-    /// Picks a VMID no other clone of this process is using and PVE reports free.
-    pub(super) async fn reserve_vmid(&self) -> Result<Reservation<'_>, SubstrateError> {
+    /// Picks a VMID in the allowed range that no other clone of this process
+    /// is using and PVE reports free. One `nextid` call in the common case
+    /// (PVE's first free id is in range and not ours); otherwise a walk over
+    /// the range from where the last choice ended, wrapping once, that only
+    /// gives up when every id in the range was found taken or blocked.
+    /// Transient failures are retried until `deadline`.
+    pub(super) async fn reserve_vmid(
+        &self,
+        deadline: Instant,
+    ) -> Result<Reservation<'_>, SubstrateError> {
         let _choice = self.vmid_choice.lock().await;
         let range = self.opts.vmid_range;
-        let mut candidate = self.vmids.lock().hint;
-        let mut tried_first_free = false;
-        for _ in 0..VMID_PROBES {
-            match self.client.next_id(candidate).await {
-                Ok(id) => {
-                    let mut st = self.vmids.lock();
-                    if id >= range.0 && id <= range.1 && !st.blocked(id) {
-                        st.reserved.insert(id);
-                        st.hint = if id < range.1 { Some(id + 1) } else { None };
-                        return Ok(Reservation {
-                            owner: self,
-                            vmid: id,
-                            committed: false,
-                        });
-                    }
-                    candidate = Some(st.next_unblocked(id.saturating_add(1), range));
-                }
-                Err(e) if e.is_already_exists() => {
-                    // Taken: ask for PVE's first free id once, then walk upwards.
-                    candidate = match candidate {
-                        Some(_) if !tried_first_free => {
-                            tried_first_free = true;
-                            None
-                        }
-                        Some(c) => Some(self.vmids.lock().next_unblocked(c + 1, range)),
-                        None => Some(range.0),
-                    };
-                }
-                Err(e) => return Err(err("choosing a free VMID", &e)),
+        let size = u64::from(range.1 - range.0) + 1;
+        let first = self
+            .retry_pve("choosing a free VMID", None, deadline, || {
+                self.client.next_id(None)
+            })
+            .await?;
+        let start = {
+            let mut st = self.vmids.lock();
+            if first >= range.0 && first <= range.1 && !st.blocked(first) {
+                return Ok(self.take(&mut st, first));
+            }
+            if first >= range.0 && first <= range.1 {
+                first
+            } else {
+                st.hint.unwrap_or(range.0).clamp(range.0, range.1)
+            }
+        };
+        // Every id of the range is visited at most once, wrapping at the end;
+        // ids this process holds or recently freed are skipped without a call.
+        for i in 0..size {
+            let offset = (u64::from(start - range.0) + i) % size;
+            let Ok(candidate) = u32::try_from(u64::from(range.0) + offset) else {
+                break;
+            };
+            if self.vmids.lock().blocked(candidate) {
+                continue;
+            }
+            if self.vmid_taken(candidate, deadline).await? {
+                continue;
+            }
+            let mut st = self.vmids.lock();
+            if !st.blocked(candidate) {
+                return Ok(self.take(&mut st, candidate));
             }
         }
         Err(SubstrateError::new(format!(
-            "no free VMID found in {}-{} after {VMID_PROBES} probes",
+            "no free VMID in {}-{}: every id is taken or reserved by this process;              widen --vmid-range or free some VMIDs",
             range.0, range.1
         )))
+    }
+
+    fn take(&self, st: &mut VmidState, id: u32) -> Reservation<'_> {
+        let range = self.opts.vmid_range;
+        st.reserved.insert(id);
+        st.hint = if id < range.1 { Some(id + 1) } else { None };
+        Reservation {
+            owner: self,
+            vmid: id,
+            committed: false,
+        }
+    }
+
+    /// Whether VMID `vmid` exists anywhere in the cluster, whoever can see it:
+    /// `GET /cluster/nextid?vmid=N` needs no privilege on the VM and answers N
+    /// when free, 400 "VM N already exists" when not. This is how a 403 on a
+    /// VM path under a pool-scoped token is told apart: gone, or not visible.
+    pub(super) async fn vmid_taken(
+        &self,
+        vmid: u32,
+        deadline: Instant,
+    ) -> Result<bool, SubstrateError> {
+        let what = format!("checking whether VMID {vmid} is in use");
+        let mut attempt = 0;
+        loop {
+            match self.client.next_id(Some(vmid)).await {
+                Ok(_) => return Ok(false),
+                Err(e) if e.is_already_exists() => return Ok(true),
+                Err(e) if e.is_transient() && Instant::now() < deadline => {
+                    self.pause(attempt, deadline).await;
+                    attempt += 1;
+                }
+                Err(e) => return Err(err(what, &e)),
+            }
+        }
     }
 }
 
@@ -117,20 +151,18 @@ mod tests {
     use super::*;
 
     #[test]
-    fn vmid_state_skips_reserved_and_cooling_ids() {
+    fn vmid_state_blocks_reserved_and_cooling_ids() {
         let mut st = VmidState::default();
         st.reserved.insert(100);
         st.cooldown
             .insert(101, std::time::Instant::now() + Duration::from_secs(60));
         st.cooldown
             .insert(102, std::time::Instant::now() - Duration::from_secs(1));
-        assert_eq!(st.next_unblocked(100, (100, 999)), 102);
+        assert!(st.blocked(100) && st.blocked(101));
+        assert!(!st.blocked(102));
         assert!(
             !st.cooldown.contains_key(&102),
             "expired entries are pruned"
         );
-        assert_eq!(st.next_unblocked(999, (100, 999)), 999);
-        st.reserved.insert(999);
-        assert_eq!(st.next_unblocked(999, (100, 999)), 100);
     }
 }

@@ -6,7 +6,9 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use clap::{ArgAction, Parser};
-use pve_sim::{GuestAgentMode, HttpServerVersion, PveSim, SimConfig, TagStyle, TemplateSpec};
+use pve_sim::{
+    GuestAgentMode, HttpServerVersion, PveSim, SimConfig, TagAccess, TagStyle, TemplateSpec,
+};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -97,6 +99,23 @@ struct Args {
     /// `qemu-ga` (required), or a path to a qemu-ga binary.
     #[arg(long, default_value = "auto", value_parser = |s: &str| s.parse::<GuestAgentMode>())]
     guest_agent: GuestAgentMode,
+    /// The token's rights come from a pool ACL: VMs outside the first pool
+    /// answer 403 and are not listed.
+    #[arg(long)]
+    pool_acl: bool,
+    /// The clone worker's real timeline (temporary config on the source node;
+    /// name, description, target node and pool at the end).
+    #[arg(long)]
+    clone_timeline: bool,
+    /// Datacenter user-tag-access: free, none, existing[:TAGS] or list:TAGS.
+    #[arg(long, default_value = "free", value_parser = |s: &str| s.parse::<TagAccess>())]
+    tag_access: TagAccess,
+    /// pveproxy closes keep-alive connections idle this long (0s = never).
+    #[arg(long, default_value = "5s", value_parser = humantime_ms)]
+    keepalive_idle: Duration,
+    /// Close the connection after every response with status >= 400.
+    #[arg(long, default_value_t = true, action = ArgAction::Set)]
+    close_after_error: bool,
 }
 
 /// Durations like `500ms`, `2s`, `1m`.
@@ -174,6 +193,11 @@ async fn main() -> Result<()> {
         agent_latin1: a.agent_latin1,
         form_semicolon_separator: a.form_semicolon_separator,
         migrate_duration: a.migrate_duration,
+        pool_acl: a.pool_acl,
+        clone_timeline: a.clone_timeline,
+        tag_access: a.tag_access,
+        keepalive_idle: (!a.keepalive_idle.is_zero()).then_some(a.keepalive_idle),
+        close_after_error: a.close_after_error,
         ..SimConfig::default()
     };
     if a.forgiving {
