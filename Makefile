@@ -6,8 +6,12 @@ CARGO ?= cargo
 PROFILE ?= core,cloud
 SEED ?=
 OUT ?= reports
-BIN := target/debug/bigfleet-proxmox
-BFC := target/debug/bfconformance
+# Where cargo puts its output: $CARGO_TARGET_DIR when set, as cargo does.
+TARGET_DIR := $(or $(CARGO_TARGET_DIR),target)
+DEBUG_DIR := $(TARGET_DIR)/debug
+RELEASE_DIR := $(TARGET_DIR)/release
+BIN := $(DEBUG_DIR)/bigfleet-proxmox
+BFC := $(DEBUG_DIR)/bfconformance
 SEED_FLAG := $(if $(SEED),--seed $(SEED),)
 
 .PHONY: build build-proxmox run-fake test test-proxmox lint fmt certify-proxmox \
@@ -20,11 +24,11 @@ build:
 build-proxmox:
 	$(CARGO) build --release -p bigfleet-proxmox
 	mkdir -p bin
-	cp target/release/bigfleet-proxmox bin/proxmox
+	cp $(RELEASE_DIR)/bigfleet-proxmox bin/proxmox
 
 # The provider on the in-memory fake backend (no Proxmox cluster needed).
 run-fake:
-	$(CARGO) run -p bigfleet-proxmox -- --use-fake-backend --addr 127.0.0.1:9000 --metrics-addr 127.0.0.1:9090
+	$(CARGO) run --release -p bigfleet-proxmox -- --use-fake-backend --addr 127.0.0.1:9000 --metrics-addr 127.0.0.1:9090
 
 # Everything CI runs: lint, every crate's tests, the mutation check and the
 # certification lanes (core, cloud, fault, durable, 10k scale).
@@ -63,12 +67,12 @@ report-ci:
 # The real Proxmox backend against pve-sim: core, cloud and durable lanes.
 certify-pve-sim:
 	$(CARGO) build -p bigfleet-proxmox -p conformance -p pve-sim
-	OUT=$(OUT)/pve-sim $(if $(SEED),SEED=$(SEED),) scripts/certify-pve-sim.sh
+	BIN=$(DEBUG_DIR) OUT=$(OUT)/pve-sim $(if $(SEED),SEED=$(SEED),) scripts/certify-pve-sim.sh
 
 # The scale lane at 100k machines with a two-minute soak.
 scale-100k:
 	$(CARGO) build --release -p bigfleet-proxmox -p conformance
-	target/release/bfconformance --provider proxmox --provider-bin target/release/bigfleet-proxmox \
+	$(RELEASE_DIR)/bfconformance --provider proxmox --provider-bin $(RELEASE_DIR)/bigfleet-proxmox \
 	  --profile scale --scale-count 100000 --soak 120s --out $(OUT)/scale-100k $(SEED_FLAG)
 
 # The standard benchmark set, appended to bench/latest.txt (see BENCHMARKS.md):
@@ -77,8 +81,8 @@ scale-100k:
 # baseline.
 bench:
 	$(CARGO) build --release -p bigfleet-proxmox -p loadgen
-	target/release/loadgen --provider-bin target/release/bigfleet-proxmox --out bench/latest.txt
-	target/release/loadgen --provider-bin target/release/bigfleet-proxmox --pin --out bench/latest.txt
+	$(RELEASE_DIR)/loadgen --provider-bin $(RELEASE_DIR)/bigfleet-proxmox --out bench/latest.txt
+	$(RELEASE_DIR)/loadgen --provider-bin $(RELEASE_DIR)/bigfleet-proxmox --pin --out bench/latest.txt
 	$(CARGO) bench -p providerkit --bench engine_bench | tee -a bench/latest.txt
 	$(CARGO) bench -p sqlite-store --bench store_bench -- 2 | tee -a bench/latest.txt
 

@@ -9,7 +9,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-BIN=${BIN:-target/debug}
+BIN=${BIN:-${CARGO_TARGET_DIR:-target}/debug}
 OUT=${OUT:-reports/pve-sim}
 mkdir -p "$OUT"
 work=$(mktemp -d)
