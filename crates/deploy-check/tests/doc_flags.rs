@@ -63,9 +63,19 @@ const SPEC_FLAGS: &[&str] = &[
     "--proxmox-poll-interval",
 ];
 
-/// Flags of `bigfleet-proxmox ctl <sub>` (the operator CLI); `--state` is
-/// `ctl list`'s filter.
-const CTL_FLAGS: &[&str] = &["--target", "--tls-ca", "--tls-cert", "--tls-key", "--state"];
+/// Flags of `bigfleet-proxmox ctl <sub>` (the operator CLI); `--state`,
+/// `--zone` and `--type` are `ctl list`'s filters.
+const CTL_FLAGS: &[&str] = &[
+    "--target",
+    "--tls-ca",
+    "--tls-cert",
+    "--tls-key",
+    "--state",
+    "--zone",
+    "--type",
+    "--output",
+    "--wait",
+];
 
 /// Flags of other tools that prose mentions on their own, outside a command:
 /// kubectl drain's grace period (the provider appends it to --drain-command),
