@@ -1,7 +1,8 @@
 //! `bigfleet-proxmox ctl`: an operator CLI that drives a running provider
 //! over its own gRPC contract (plain, TLS or mTLS). It never prints the
 //! bootstrap blob, and every failure is one line naming the RPC, the gRPC
-//! code and what to check.
+//! code and what to check. (Past 600 lines only with its parser and
+//! rendering tests, which stay beside the dispatch they check.)
 //!
 //! A library of its own that depends only on the wire contract
 //! (`bigfleet-proto`): the compiler keeps it from reaching into the provider.

@@ -1,4 +1,7 @@
 //! VM lifecycle operations: clone, config, start/stop (incl. HA), destroy.
+//!
+//! One file past 600 lines on purpose: the operations share the lock and
+//! task model and their failure modes, which must stay consistent.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;

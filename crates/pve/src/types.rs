@@ -1,6 +1,9 @@
 //! Request parameters and response shapes of the endpoints the provider uses,
 //! plus lenient decoders for PVE's loosely typed JSON (booleans as `0`/`1`,
 //! numbers as strings).
+//!
+//! One file past 600 lines on purpose: the shapes and the lenient decoders
+//! they share are one vocabulary.
 
 use std::collections::BTreeMap;
 

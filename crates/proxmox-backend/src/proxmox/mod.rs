@@ -1,5 +1,8 @@
 //! The real substrate: a Proxmox VE cluster driven through the `pve` API client.
 //!
+//! Past 600 lines on purpose: this is the `Substrate` impl, one method per
+//! lifecycle step; the pieces they share live in the sibling modules.
+//!
 //! Cost model (API calls per operation, independent of cluster size):
 //! Create = 1 inventory read + 1 `nextid` + clone + task polls + 1 config PUT +
 //! start + task polls + agent pings (the first Create per template also reads
