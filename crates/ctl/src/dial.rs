@@ -25,10 +25,13 @@ use tonic::transport::{Channel, Endpoint};
 use tonic::Code;
 
 pub(crate) type Client = CapacityProviderClient<Channel>;
+pub(crate) type AdminClient = bigfleet_proto::admin::admin_client::AdminClient<Channel>;
 
 /// Connection facts the error hints depend on.
 pub(crate) struct Session {
     pub(crate) client: Client,
+    /// The provider's admin service, on the same channel.
+    pub(crate) admin: AdminClient,
     pub(crate) target: String,
     pub(crate) tls: bool,
     pub(crate) client_cert: bool,
@@ -37,6 +40,21 @@ pub(crate) struct Session {
 
 impl Session {
     pub(crate) fn status_error(&self, what: &str, status: &tonic::Status) -> String {
+        self.status_error_hinted(
+            what,
+            status,
+            "fenced out: retry with a higher --epoch or --sequence",
+        )
+    }
+
+    /// [`Session::status_error`] with the FAILED_PRECONDITION hint the RPC
+    /// calls for.
+    pub(crate) fn status_error_hinted(
+        &self,
+        what: &str,
+        status: &tonic::Status,
+        precondition_hint: &str,
+    ) -> String {
         let message = status.message().trim();
         let message = if message.is_empty() {
             String::new()
@@ -49,9 +67,7 @@ impl Session {
             msg.push_str(&format!(": {detail}"));
         }
         let hint = match status.code() {
-            Code::FailedPrecondition => {
-                Some("fenced out: retry with a higher --epoch or --sequence".to_string())
-            }
+            Code::FailedPrecondition => Some(precondition_hint.to_string()),
             // Locally generated transport failures carry a source; answers
             // from the provider never do.
             _ if std::error::Error::source(status).is_some()
@@ -260,6 +276,15 @@ pub(crate) fn tls_dial(args: &CtlArgs, authority: &str) -> Result<TlsDial, Strin
 }
 
 pub(crate) async fn connect(args: &CtlArgs) -> Result<Session, String> {
+    connect_with_deadline(args, args.timeout).await
+}
+
+/// [`connect`] with a per-RPC deadline other than --timeout (an RPC that
+/// waits for substrate work).
+pub(crate) async fn connect_with_deadline(
+    args: &CtlArgs,
+    rpc_deadline: Duration,
+) -> Result<Session, String> {
     let target = args.target.trim();
     let (scheme, authority) = split_target(target);
     let authority = authority.trim_end_matches('/');
@@ -281,7 +306,7 @@ pub(crate) async fn connect(args: &CtlArgs) -> Result<Session, String> {
     let endpoint = Endpoint::from_shared(format!("http://{authority}"))
         .map_err(|e| format!("--target {target:?} is not a valid address: {e}"))?
         .connect_timeout(args.timeout)
-        .timeout(args.timeout);
+        .timeout(rpc_deadline);
     let mut client_cert = false;
     let channel = if tls {
         let dial = Arc::new(tls_dial(args, authority)?);
@@ -297,7 +322,8 @@ pub(crate) async fn connect(args: &CtlArgs) -> Result<Session, String> {
     let channel =
         channel.map_err(|e| format!("cannot connect to {target}: {}", error_chain(&e)))?;
     Ok(Session {
-        client: CapacityProviderClient::new(channel),
+        client: CapacityProviderClient::new(channel.clone()),
+        admin: AdminClient::new(channel),
         target: target.to_string(),
         tls,
         client_cert,
