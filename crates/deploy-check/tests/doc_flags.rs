@@ -60,11 +60,21 @@ const SPEC_FLAGS: &[&str] = &[
     "--max-parallel-clones",
     "--shutdown-grace",
     "--proxmox-poll-interval",
+    "--reclaim-failed-after",
 ];
 
 /// Flags of `bigfleet-proxmox ctl <sub>` (the operator CLI); `--state` is
 /// `ctl list`'s filter.
-const CTL_FLAGS: &[&str] = &["--target", "--tls-ca", "--tls-cert", "--tls-key", "--state"];
+const CTL_FLAGS: &[&str] = &[
+    "--target",
+    "--tls-ca",
+    "--tls-cert",
+    "--tls-key",
+    "--state",
+    "--wait",
+    "--wait-timeout",
+    "--until",
+];
 
 /// Flags of other tools that prose mentions on their own, outside a command:
 /// kubectl drain's grace period (the provider appends it to --drain-command),
