@@ -15,7 +15,7 @@ BFC := $(DEBUG_DIR)/bfconformance
 SEED_FLAG := $(if $(SEED),--seed $(SEED),)
 
 .PHONY: build build-proxmox run-fake test test-proxmox lint fmt certify-proxmox \
-        report-proxmox report-ci certify-pve-sim scale-100k mutation-check bench crash-1000
+        report-proxmox report-ci certify-pve-sim scale-100k mutation-check bench crash-1000 crash-real
 
 build:
 	$(CARGO) build --workspace
@@ -89,6 +89,11 @@ bench:
 # The kill -9 crash test at 1,000 random kill points (CI runs 50).
 crash-1000:
 	BIGFLEET_CRASH_ITERATIONS=1000 $(CARGO) test -p bigfleet-proxmox --test crash -- --nocapture
+
+# The kill -9 campaign on the REAL backend against pve-sim, 300 kills with a
+# reclaim of every FAILED machine at the end (CI runs 5).
+crash-real:
+	BIGFLEET_CRASH_REAL_ITERATIONS=300 $(CARGO) test -p bigfleet-proxmox --test crash_real -- --nocapture
 
 # The suite must be able to fail: deliberately broken engines are caught.
 mutation-check:

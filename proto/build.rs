@@ -1,4 +1,4 @@
-//! Compiles the .proto with protox (pure Rust), so no system `protoc` is needed.
+//! Compiles the .protos with protox (pure Rust), so no system `protoc` is needed.
 //!
 //! Two views are generated from the one file: the plain messages and the
 //! client (`v1alpha1`), and the server (`serving`), in which `Machine` and
@@ -31,5 +31,21 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             "crate::raw::EncodedMachineList",
         )
         .compile_fds(fds)?;
+
+    // The provider's own admin service: one view, client and server.
+    let admin = "bigfleet/proxmox/admin/v1/admin.proto";
+    println!("cargo:rerun-if-changed={admin}");
+    let admin_fds = protox::compile([admin], ["."])?;
+    std::fs::write(
+        out.join("admin_descriptor.bin"),
+        prost::Message::encode_to_vec(&admin_fds),
+    )?;
+    let admin_out = out.join("admin");
+    std::fs::create_dir_all(&admin_out)?;
+    tonic_prost_build::configure()
+        .build_client(true)
+        .build_server(true)
+        .out_dir(&admin_out)
+        .compile_fds(admin_fds)?;
     Ok(())
 }

@@ -1,5 +1,6 @@
 //! `bigfleet.v1alpha1` wire types, generated at build time from
-//! `proto/bigfleet/v1alpha1/capacity_provider.proto`.
+//! `proto/bigfleet/v1alpha1/capacity_provider.proto`, and the provider's own
+//! admin service from `proto/bigfleet/proxmox/admin/v1/admin.proto`.
 
 pub mod raw;
 
@@ -21,6 +22,20 @@ pub mod v1alpha1 {
 #[allow(clippy::all, missing_docs)]
 pub mod serving {
     include!(concat!(env!("OUT_DIR"), "/serving/bigfleet.v1alpha1.rs"));
+}
+
+/// `bigfleet.proxmox.admin.v1`: the provider's own day-2 service (Reclaim),
+/// client and server. Not part of the BigFleet wire contract.
+#[allow(clippy::all, missing_docs)]
+pub mod admin {
+    include!(concat!(
+        env!("OUT_DIR"),
+        "/admin/bigfleet.proxmox.admin.v1.rs"
+    ));
+
+    /// Encoded `FileDescriptorSet`, served by gRPC reflection.
+    pub const FILE_DESCRIPTOR_SET: &[u8] =
+        include_bytes!(concat!(env!("OUT_DIR"), "/admin_descriptor.bin"));
 }
 
 pub use v1alpha1::*;

@@ -158,6 +158,18 @@ pub enum CtlCommand {
         #[command(flatten)]
         wait: Wait,
     },
+    /// FAILED -> SPECULATIVE: destroy the machine's marked VMs and free the
+    /// slot (the provider's admin service, not a BigFleet transition).
+    Reclaim {
+        /// Machine id, as `list` shows it.
+        id: String,
+        /// Answer once the reclaim has finished, or with why it failed.
+        #[arg(long, help_heading = "Waiting")]
+        wait: bool,
+        /// Give up waiting after this long (the reclaim keeps running).
+        #[arg(long, help_heading = "Waiting", default_value = "10m", value_parser = parse_positive_duration)]
+        wait_timeout: Duration,
+    },
     /// Print one line per observed state change until Ctrl-C or --until.
     Watch {
         /// Machine id, as `list` shows it.

@@ -23,10 +23,13 @@ use crate::args::CtlArgs;
 use crate::render::{canonical_code_name, cell, error_chain, join_chain};
 
 pub(crate) type Client = CapacityProviderClient<Channel>;
+pub(crate) type AdminClient = bigfleet_proto::admin::admin_client::AdminClient<Channel>;
 
 /// Connection facts the error hints depend on.
 pub(crate) struct Session {
     pub(crate) client: Client,
+    /// The provider's admin service, on the same channel.
+    pub(crate) admin: AdminClient,
     pub(crate) target: String,
     pub(crate) tls: bool,
     pub(crate) client_cert: bool,
@@ -35,6 +38,21 @@ pub(crate) struct Session {
 
 impl Session {
     pub(crate) fn status_error(&self, what: &str, status: &tonic::Status) -> String {
+        self.status_error_hinted(
+            what,
+            status,
+            "fenced out: retry with a higher --epoch or --sequence",
+        )
+    }
+
+    /// [`Session::status_error`] with the FAILED_PRECONDITION hint the RPC
+    /// calls for.
+    pub(crate) fn status_error_hinted(
+        &self,
+        what: &str,
+        status: &tonic::Status,
+        precondition_hint: &str,
+    ) -> String {
         let message = status.message().trim();
         let message = if message.is_empty() {
             String::new()
@@ -47,9 +65,7 @@ impl Session {
             msg.push_str(&format!(": {detail}"));
         }
         let hint = match status.code() {
-            Code::FailedPrecondition => {
-                Some("fenced out: retry with a higher --epoch or --sequence".to_string())
-            }
+            Code::FailedPrecondition => Some(precondition_hint.to_string()),
             // Locally generated transport failures carry a source; answers
             // from the provider never do.
             _ if std::error::Error::source(status).is_some()
@@ -284,6 +300,15 @@ pub(crate) fn tls_dial(args: &CtlArgs, authority: &str) -> Result<TlsDial, Strin
 }
 
 pub(crate) async fn connect(args: &CtlArgs) -> Result<Session, String> {
+    connect_with_deadline(args, args.timeout).await
+}
+
+/// [`connect`] with a per-RPC deadline other than --timeout (an RPC that
+/// waits for substrate work).
+pub(crate) async fn connect_with_deadline(
+    args: &CtlArgs,
+    rpc_deadline: Duration,
+) -> Result<Session, String> {
     let target = args.target.trim();
     let (scheme, authority) = split_target(target);
     let authority = authority.trim_end_matches('/');
@@ -306,7 +331,7 @@ pub(crate) async fn connect(args: &CtlArgs) -> Result<Session, String> {
     let endpoint = Endpoint::from_shared(format!("http://{authority}"))
         .map_err(|e| format!("--target {target:?} is not a valid address: {e}"))?
         .connect_timeout(args.timeout)
-        .timeout(args.timeout);
+        .timeout(rpc_deadline);
     let mut client_cert = false;
     let channel = if tls {
         let dial = Arc::new(tls_dial(args, authority)?);
@@ -322,7 +347,8 @@ pub(crate) async fn connect(args: &CtlArgs) -> Result<Session, String> {
     let channel =
         channel.map_err(|e| format!("cannot connect to {authority}: {}", error_chain(&e)))?;
     Ok(Session {
-        client: CapacityProviderClient::new(channel),
+        client: CapacityProviderClient::new(channel.clone()),
+        admin: AdminClient::new(channel),
         target: target.to_string(),
         tls,
         client_cert,

@@ -22,7 +22,7 @@ use bigfleet_proto::v1alpha1::{
     MachineState, TransitionAck,
 };
 
-use crate::dial::{connect, Session};
+use crate::dial::{connect, connect_with_deadline, Session};
 use crate::render::{
     cell, emit, json, list_table, machine_details, summarize, summary_table, AckView, MachineView,
 };
@@ -70,6 +70,78 @@ pub(crate) async fn mutate(
     emit(&text)
 }
 
+#[derive(serde::Serialize)]
+struct ReclaimView {
+    machine_id: String,
+    status: &'static str,
+    revision: u64,
+}
+
+async fn reclaim(
+    session: &mut Session,
+    output: Output,
+    id: &str,
+    wait: bool,
+) -> Result<(), String> {
+    use bigfleet_proto::admin::{ReclaimRequest, ReclaimStatus};
+    let req = ReclaimRequest {
+        machine_id: id.to_string(),
+        wait,
+    };
+    let resp = session
+        .admin
+        .reclaim(req)
+        .await
+        .map_err(|s| {
+            // The provider's own UNAVAILABLE (the substrate refused the
+            // destroy) already says what to do; the generic "is the provider
+            // running" hint is for transport failures.
+            if s.code() == tonic::Code::Unavailable
+                && std::error::Error::source(&s).is_none()
+                && !s.message().trim().is_empty()
+            {
+                return format!(
+                    "Reclaim {}: {}: {}",
+                    cell(id),
+                    canonical_code_name(s.code()),
+                    cell(s.message().trim())
+                );
+            }
+            let hint = if s.code() == tonic::Code::Unimplemented {
+                "this provider has no admin service: upgrade it".to_string()
+            } else {
+                format!(
+                    "reclaim only applies to FAILED machines: see `ctl get {}`",
+                    cell(id)
+                )
+            };
+            session.status_error_hinted(&format!("Reclaim {}", cell(id)), &s, &hint)
+        })?
+        .into_inner();
+    let status = ReclaimStatus::try_from(resp.status).unwrap_or(ReclaimStatus::Unspecified);
+    let (name, text) = match status {
+        ReclaimStatus::Reclaimed => ("RECLAIMED", "reclaimed; the machine is SPECULATIVE"),
+        ReclaimStatus::AlreadySpeculative => {
+            ("ALREADY_SPECULATIVE", "already SPECULATIVE; nothing to do")
+        }
+        ReclaimStatus::Started => (
+            "STARTED",
+            "reclaim started; the machine stays FAILED until its VMs are destroyed (--wait \
+             waits for it)",
+        ),
+        ReclaimStatus::Unspecified => ("UNSPECIFIED", "the provider gave no reclaim status"),
+    };
+    let out = match output {
+        Output::Json => json(&ReclaimView {
+            machine_id: resp.machine_id,
+            status: name,
+            revision: resp.revision,
+        })?,
+        Output::Table => format!("{}: {text} (revision {})\n", cell(id), resp.revision),
+    };
+    emit(&out)
+}
+
 pub(crate) fn read_blob(path: &Path) -> Result<Vec<u8>, String> {
     if path == Path::new("-") {
         let mut buf = Vec::new();
@@ -99,7 +171,15 @@ pub async fn run(args: CtlArgs) -> Result<(), String> {
         CtlCommand::Configure { blob_file, .. } => Some(read_blob(blob_file)?),
         _ => None,
     };
-    let mut session = connect(&args).await?;
+    let mut session = match &args.command {
+        // A waited-for reclaim answers only once the VMs are destroyed.
+        CtlCommand::Reclaim {
+            wait: true,
+            wait_timeout,
+            ..
+        } => connect_with_deadline(&args, (*wait_timeout).max(args.timeout)).await?,
+        _ => connect(&args).await?,
+    };
     let output = args.output;
     match args.command {
         CtlCommand::List {
@@ -263,6 +343,7 @@ pub async fn run(args: CtlArgs) -> Result<(), String> {
             interval,
             until,
         } => watch(&mut session, output, &id, interval, until).await,
+        CtlCommand::Reclaim { id, wait, .. } => reclaim(&mut session, output, &id, wait).await,
     }
 }
 

@@ -61,6 +61,7 @@ const SPEC_FLAGS: &[&str] = &[
     "--vmid-range",
     "--shutdown-grace",
     "--proxmox-poll-interval",
+    "--reclaim-failed-after",
 ];
 
 /// Flags of `bigfleet-proxmox ctl <sub>` (the operator CLI); `--state`,
@@ -75,6 +76,8 @@ const CTL_FLAGS: &[&str] = &[
     "--type",
     "--output",
     "--wait",
+    "--wait-timeout",
+    "--until",
 ];
 
 /// Flags of other tools that prose mentions on their own, outside a command:

@@ -148,6 +148,11 @@ pub struct Args {
     #[arg(long, default_value = "2m", value_parser = parse_duration)]
     pub reconcile_interval: Duration,
 
+    /// Reclaim a machine automatically once it has been FAILED this long:
+    /// destroy its marked VMs and return it to SPECULATIVE (0 = off).
+    #[arg(long, default_value = "24h", value_parser = parse_duration)]
+    pub reclaim_failed_after: Duration,
+
     /// Durable state location; empty = in memory.
     #[arg(long, default_value = "")]
     pub state: String,

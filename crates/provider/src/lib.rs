@@ -5,6 +5,7 @@
 //! `proxmox-backend`, the contract engine in `providerkit`, the operator
 //! client in `bigfleet-ctl`.
 
+pub mod admin;
 pub mod config;
 pub mod layers;
 pub mod logging;

@@ -1,6 +1,6 @@
 //! Prometheus metrics, in a registry of our own (never a global one).
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use prometheus_client::collector::Collector;
@@ -12,7 +12,7 @@ use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::Registry;
 
-use providerkit::ErrorKind;
+use providerkit::{Engine, ErrorKind, State};
 use proxmox_backend::substrate::{ApiObserver, API_OPS};
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -44,6 +44,12 @@ pub struct MethodLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct MachineLabels {
+    pub state: String,
+    pub zone: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct OutcomeLabels {
     pub outcome: String,
 }
@@ -62,6 +68,15 @@ pub struct Metrics {
     pub grpc_duration: Family<MethodLabels, Histogram>,
     pub panics: Counter,
     pub reconcile: Family<OutcomeLabels, Counter>,
+    /// The engine the machine gauge counts, once it has started.
+    machines: Arc<OnceLock<MachineSource>>,
+}
+
+/// What `bigfleet_proxmox_machines` is computed from at scrape time.
+struct MachineSource {
+    engine: Arc<Engine>,
+    /// Configured zones: each has every state, at 0 when empty.
+    zones: Vec<String>,
 }
 
 impl Metrics {
@@ -112,6 +127,10 @@ impl Metrics {
             reconcile.clone(),
         );
         registry.register_collector(Box::new(ProcessCollector));
+        let machines = Arc::new(OnceLock::new());
+        registry.register_collector(Box::new(MachinesCollector {
+            source: machines.clone(),
+        }));
         // Every known label value starts at 0, so rate() and absent()-style
         // alerts see the series from the first scrape on.
         for op in API_OPS {
@@ -142,6 +161,7 @@ impl Metrics {
             grpc_duration,
             panics,
             reconcile,
+            machines,
         })
     }
 
@@ -164,6 +184,12 @@ impl Metrics {
                 method: method.to_string(),
             })
             .observe(elapsed.as_secs_f64());
+    }
+
+    /// Count this engine's machines at every scrape from now on. Counting
+    /// at scrape time keeps the gauge off every request's path.
+    pub fn observe_engine(&self, engine: Arc<Engine>, zones: Vec<String>) {
+        let _ = self.machines.set(MachineSource { engine, zones });
     }
 
     pub fn observe_reconcile(&self, ok: bool) {
@@ -195,6 +221,45 @@ impl ApiObserver for Metrics {
             .get_or_create(&OpLabels { op: op.to_string() })
             .observe(elapsed.as_secs_f64());
     }
+}
+
+/// `bigfleet_proxmox_machines{state,zone}`, from the engine at scrape time.
+struct MachinesCollector {
+    source: Arc<OnceLock<MachineSource>>,
+}
+
+impl std::fmt::Debug for MachinesCollector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("MachinesCollector")
+    }
+}
+
+impl Collector for MachinesCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let Some(source) = self.source.get() else {
+            return Ok(());
+        };
+        let census = source.engine.census(&source.zones);
+        let mut family = encoder.encode_descriptor(
+            "bigfleet_proxmox_machines",
+            "Machines the provider tracks, by lifecycle state and zone",
+            None,
+            MetricType::Gauge,
+        )?;
+        for ((zone, state), count) in &census.counts {
+            let labels = MachineLabels {
+                state: state_label(*state).to_string(),
+                zone: zone.clone(),
+            };
+            ConstGauge::new(*count as i64).encode(family.encode_family(&labels)?)?;
+        }
+        Ok(())
+    }
+}
+
+/// The wire name without `MACHINE_STATE_`, as the alert rules match it.
+fn state_label(state: State) -> &'static str {
+    state.name()
 }
 
 /// Standard `process_*` series, read from /proc at scrape time.

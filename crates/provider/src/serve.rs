@@ -224,6 +224,7 @@ impl ShutdownSignals {
 fn reflection_builder() -> tonic_reflection::server::Builder<'static> {
     tonic_reflection::server::Builder::configure()
         .register_encoded_file_descriptor_set(bigfleet_proto::v1alpha1::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(bigfleet_proto::admin::FILE_DESCRIPTOR_SET)
         .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
 }
 
@@ -322,9 +323,13 @@ pub async fn run(plan: Plan) -> Result<(), String> {
             metrics: metrics.clone(),
         })
         .add_service(CapacityService::new(engine.clone()).into_server())
+        .add_service(crate::admin::AdminService::new(engine.clone()).into_server())
         .add_service(health_service)
         .add_optional_service(reflection)
         .add_optional_service(reflection_alpha);
+
+    metrics.observe_engine(engine.clone(), plan.zones.clone());
+    crate::admin::spawn_auto_reclaim(&engine, plan.args.reclaim_failed_after);
 
     // Reconcile in the background; an unchanged pass bumps nothing.
     if !plan.args.reconcile_interval.is_zero() {
@@ -339,10 +344,13 @@ pub async fn run(plan: Plan) -> Result<(), String> {
                 match engine.reconcile().await {
                     Ok(report) => {
                         metrics.observe_reconcile(true);
-                        if report.added + report.refreshed > 0 {
+                        if report.added + report.refreshed + report.reattached + report.detached > 0
+                        {
                             tracing::info!(
                                 added = report.added,
                                 refreshed = report.refreshed,
+                                reattached = report.reattached,
+                                detached = report.detached,
                                 "reconcile changed the inventory"
                             );
                         }

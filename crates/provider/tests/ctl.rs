@@ -714,3 +714,45 @@ fn list_filters_summary_and_short_targets() {
         assert!(stderr(&out).contains("127.0.0.1:9000"), "{}", stderr(&out));
     }
 }
+
+#[test]
+fn reclaim_returns_a_failed_machine_and_refuses_others() {
+    // A Create interrupted by kill -9 comes back FAILED after the restart.
+    let state_dir = tempfile::tempdir().unwrap();
+    let state = state_dir.path().join("state.db").display().to_string();
+    let mut args = fake_latency("30s");
+    args.extend(["--state".to_string(), state.clone()]);
+    let first = Provider::start(&args, &[], tempfile::tempdir().unwrap());
+    let id = first.first_speculative();
+    first.ok(&["create", &id]);
+    drop(first);
+    let p = Provider::start(
+        &["--state".to_string(), state],
+        &[],
+        tempfile::tempdir().unwrap(),
+    );
+    let failed = p.json(&["get", &id]);
+    assert_eq!(failed["state"], "FAILED", "{failed}");
+
+    // Not FAILED: refused, naming the state and the way healthy machines leave.
+    let other = p.first_speculative();
+    p.ok(&["create", &other, "--wait", "--poll-interval", "20ms"]);
+    let err = p.fails(&["reclaim", &other]);
+    assert!(err.contains("FAILED_PRECONDITION"), "{err}");
+    assert!(err.contains("is IDLE, not FAILED"), "{err}");
+    assert!(err.contains("Drain and Delete"), "{err}");
+    let err = p.fails(&["reclaim", "no/such/machine"]);
+    assert!(err.contains("NOT_FOUND"), "{err}");
+
+    let out = p.json(&["reclaim", &id, "--wait"]);
+    assert_eq!(out["status"], "RECLAIMED", "{out}");
+    let m = p.json(&["get", &id]);
+    assert_eq!(m["state"], "SPECULATIVE", "{m}");
+    assert!(m["host"].is_null(), "{m}");
+    assert_eq!(m["last_error"], "", "{m}");
+    // Idempotent.
+    let again = p.ok(&["reclaim", &id, "--wait"]);
+    assert!(again.contains("already SPECULATIVE"), "{again}");
+    // The slot is usable again.
+    p.ok(&["create", &id, "--wait", "--poll-interval", "20ms"]);
+}

@@ -453,6 +453,57 @@ async fn lifecycle_metrics_logs_and_secrets() {
         tokio::time::sleep(POLL).await;
     };
 
+    // The machine gauge: every state of every zone present, summing to the
+    // inventory (the lifecycle ended on SPECULATIVE: all 4 are).
+    assert_eq!(
+        exp.types
+            .get("bigfleet_proxmox_machines")
+            .map(String::as_str),
+        Some("gauge"),
+        "{text}"
+    );
+    let machines: Vec<&Sample> = exp
+        .samples
+        .iter()
+        .filter(|s| s.name == "bigfleet_proxmox_machines")
+        .collect();
+    let zones: std::collections::BTreeSet<&str> = machines
+        .iter()
+        .filter_map(|s| s.labels.get("zone").map(String::as_str))
+        .collect();
+    assert!(!zones.is_empty(), "{text}");
+    for zone in &zones {
+        for state in [
+            "SPECULATIVE",
+            "CREATING",
+            "IDLE",
+            "CONFIGURING",
+            "CONFIGURED",
+            "DRAINING",
+            "DELETING",
+            "FAILED",
+        ] {
+            assert!(
+                exp.get(
+                    "bigfleet_proxmox_machines",
+                    &[("state", state), ("zone", zone)]
+                )
+                .is_some(),
+                "machines{{state={state},zone={zone}}} missing:\n{text}"
+            );
+        }
+    }
+    assert_eq!(machines.iter().map(|s| s.value).sum::<f64>(), 4.0, "{text}");
+    assert_eq!(
+        machines
+            .iter()
+            .filter(|s| s.labels.get("state").map(String::as_str) == Some("SPECULATIVE"))
+            .map(|s| s.value)
+            .sum::<f64>(),
+        4.0,
+        "{text}"
+    );
+
     // Families and their types.
     for (family, kind) in [
         ("bigfleet_proxmox_grpc_requests", "counter"),

@@ -169,6 +169,16 @@ pub struct DeleteCtx {
     pub host_ref: String,
 }
 
+/// An operator reclaim of a FAILED machine: destroy what the substrate holds
+/// for it so the slot can start over.
+#[derive(Clone, Debug)]
+pub struct ReclaimCtx {
+    pub machine_id: String,
+    /// The host on record, if any. A FAILED Create usually has none even
+    /// though a host marked for the machine may exist.
+    pub host_ref: Option<String>,
+}
+
 /// A substrate. Every method may take as long as it needs: the engine runs
 /// it in the background under the transition's timeout and never holds a
 /// lock across it.
@@ -194,6 +204,33 @@ pub trait Backend: Send + Sync + 'static {
     /// Release the host; the slot returns to SPECULATIVE.
     async fn delete(&self, _ctx: DeleteCtx) -> Result<(), BackendError> {
         Err(BackendError::new("delete is not supported by this backend"))
+    }
+
+    /// Destroy every host the substrate holds for `ctx.machine_id` (the one
+    /// on record and any other marked for the machine), and nothing that is
+    /// not verifiably this machine's. Succeeds when nothing is left; an
+    /// already-gone host is success.
+    ///
+    /// The default destroys the host on record through [`Backend::delete`]
+    /// and cannot find unrecorded hosts: a substrate that marks its hosts
+    /// should override it.
+    async fn reclaim(&self, ctx: ReclaimCtx) -> Result<(), BackendError> {
+        let Some(host_ref) = ctx.host_ref else {
+            return Ok(());
+        };
+        if !self.supports_delete() {
+            return Err(BackendError::new(format!(
+                "this backend cannot destroy hosts: remove host {host_ref} of machine {} by \
+                 hand, then reclaim again",
+                ctx.machine_id
+            )));
+        }
+        self.delete(DeleteCtx {
+            machine_id: ctx.machine_id,
+            operation_id: "reclaim".to_string(),
+            host_ref,
+        })
+        .await
     }
 
     /// Whether the engine must gate CONFIGURED on [`Backend::node_ready`].

@@ -20,13 +20,13 @@ pub mod store;
 
 pub use backend::{
     Backend, BackendError, Cause, ConfigureCtx, CreateCtx, DeleteCtx, DrainCtx, ErrorKind,
-    SlotSpec, SubstrateHost,
+    ReclaimCtx, SlotSpec, SubstrateHost,
 };
 #[cfg(feature = "mutants")]
 pub use engine::Mutants;
 pub use engine::{
-    Ack, Engine, EngineOptions, Limits, ListPage, ReconcileError, ReconcileReport, StartError,
-    Timeouts,
+    Ack, Census, Engine, EngineOptions, Limits, ListPage, ReclaimError, ReclaimHandle,
+    ReclaimOutcome, ReclaimSweeper, ReconcileError, ReconcileReport, StartError, Timeouts,
 };
 pub use error::KitError;
 pub use fence::Token;

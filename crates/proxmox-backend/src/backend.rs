@@ -7,8 +7,8 @@ use std::sync::Arc;
 use async_trait::async_trait;
 use bigfleet_proto::v1alpha1 as pb;
 use providerkit::{
-    Backend, BackendError, CatalogFacts, ConfigureCtx, CreateCtx, DeleteCtx, DrainCtx, SlotSpec,
-    SubstrateHost,
+    Backend, BackendError, CatalogFacts, ConfigureCtx, CreateCtx, DeleteCtx, DrainCtx, ReclaimCtx,
+    SlotSpec, SubstrateHost,
 };
 
 use crate::catalog::{self, InstanceType, Pricing, Slot};
@@ -42,6 +42,21 @@ impl ProxmoxBackend {
             pricing,
             substrate,
         }
+    }
+
+    /// Every VM whose marker names `machine_id`, oldest VMID first.
+    async fn marked_for(&self, machine_id: &str) -> Result<Vec<VmRef>, BackendError> {
+        let mut vms: Vec<VmRef> = self
+            .substrate
+            .describe_managed()
+            .await
+            .map_err(be)?
+            .into_iter()
+            .filter(|m| m.machine_id == machine_id)
+            .map(|m| m.vm)
+            .collect();
+        vms.sort_by_key(|vm| vm.vmid);
+        Ok(vms)
     }
 
     fn spec(slot: &Slot, host: Option<SubstrateHost>) -> SlotSpec {
@@ -86,7 +101,12 @@ impl ProxmoxBackend {
 #[async_trait]
 impl Backend for ProxmoxBackend {
     async fn describe(&self) -> Result<Vec<SlotSpec>, BackendError> {
-        let managed = self.substrate.describe_managed().await.map_err(be)?;
+        let mut managed = self.substrate.describe_managed().await.map_err(be)?;
+        // Several VMs marked for one machine (a clone that finished after its
+        // Create gave up): the one a Create would adopt wins, running first,
+        // then the oldest, so the choice is the same on every pass and an
+        // unchanged inventory never moves a host.
+        managed.sort_by_key(|m| std::cmp::Reverse((!m.running, m.vm.vmid)));
         let mut by_machine: HashMap<String, VmRef> = HashMap::with_capacity(managed.len());
         for vm in managed {
             by_machine.insert(vm.machine_id, vm.vm);
@@ -154,6 +174,38 @@ impl Backend for ProxmoxBackend {
             .delete_vm(&vm, &ctx.machine_id)
             .await
             .map_err(be)
+    }
+
+    /// Destroys every VM whose marker names the machine, found in the
+    /// inventory (not just the host on record: a FAILED Create usually has
+    /// none, and a kill mid-clone can leave one nobody recorded). A host on
+    /// record that no longer carries this machine's marker is left alone.
+    /// Ends with a fresh inventory read: success means no marked VM is left.
+    async fn reclaim(&self, ctx: ReclaimCtx) -> Result<(), BackendError> {
+        let marked = self.marked_for(&ctx.machine_id).await?;
+        if let Some(host_ref) = &ctx.host_ref {
+            let on_record = parse_host(host_ref)?;
+            if !marked.contains(&on_record) {
+                tracing::info!(machine_id = %ctx.machine_id, host = %host_ref, "the host on record no longer carries this machine's marker (gone, or not ours); not touching it");
+            }
+        }
+        for vm in &marked {
+            tracing::info!(machine_id = %ctx.machine_id, vm = %vm, "reclaim: destroying the VM marked for this machine");
+            self.substrate
+                .delete_vm(vm, &ctx.machine_id)
+                .await
+                .map_err(|e| be(e.context(format!("destroying VM {vm}"))))?;
+        }
+        let left = self.marked_for(&ctx.machine_id).await?;
+        if !left.is_empty() {
+            let refs: Vec<String> = left.iter().map(VmRef::host_ref).collect();
+            return Err(BackendError::new(format!(
+                "VMs marked for machine {} still exist after destroying them: {}",
+                ctx.machine_id,
+                refs.join(", ")
+            )));
+        }
+        Ok(())
     }
 
     fn supports_readiness(&self) -> bool {

@@ -28,12 +28,14 @@ mod accept;
 mod list;
 mod mutants;
 mod options;
+mod reclaim;
 mod worker;
 
 pub use list::ListPage;
 #[cfg(feature = "mutants")]
 pub use options::Mutants;
 pub use options::{EngineOptions, Limits, Timeouts};
+pub use reclaim::{Census, ReclaimError, ReclaimHandle, ReclaimOutcome, ReclaimSweeper};
 
 const INVENTORY_BATCH: usize = 2048;
 
@@ -42,6 +44,11 @@ const INVENTORY_BATCH: usize = 2048;
 pub struct ReconcileReport {
     pub added: usize,
     pub refreshed: usize,
+    /// FAILED machines whose host was set or changed to the one the
+    /// substrate found marked for them.
+    pub reattached: usize,
+    /// FAILED machines whose host no longer exists, host cleared.
+    pub detached: usize,
 }
 
 /// The accepted (or idempotently repeated) transition.
@@ -143,6 +150,9 @@ pub struct Engine {
     /// head the previous one returned.
     list_head: AtomicU64,
     supports_delete: bool,
+    /// One reclaim at a time: it is a rare operator action, and serialising
+    /// it means two reclaims never destroy the same machine's hosts at once.
+    reclaims: tokio::sync::Mutex<()>,
 }
 
 impl Engine {
@@ -186,6 +196,7 @@ impl Engine {
             next_op: AtomicU64::new(1),
             list_head: AtomicU64::new(0),
             supports_delete,
+            reclaims: tokio::sync::Mutex::new(()),
         });
         // Interrupted transitions get a fresh revision so delta readers see them.
         let ticket = {
@@ -244,7 +255,9 @@ impl Engine {
 
     /// Add new slots and refresh catalogue facts of known ones. Lifecycle
     /// state, host, binding and metadata are the engine's and are never
-    /// overwritten; nothing is bumped when nothing changed.
+    /// overwritten, with one exception: a FAILED machine's host follows the
+    /// substrate (see [`Engine::reattach`]). Nothing is bumped when nothing
+    /// changed.
     async fn apply_inventory(&self, specs: Vec<SlotSpec>) -> Result<ReconcileReport, StoreError> {
         let mut report = ReconcileReport::default();
         let mut ticket = None;
@@ -282,9 +295,12 @@ impl Engine {
                     // for the substrate's copy too, without a bump.
                     inner.record_mut(slot).facts = spec.facts;
                 }
-                if changed || self.mutant_bump_on_reconcile() {
-                    changes.push(inner.bump(slot));
+                let moved = self.reattach(inner, slot, spec.host.as_ref(), report);
+                if changed {
                     report.refreshed += 1;
+                }
+                if changed || moved || self.mutant_bump_on_reconcile() {
+                    changes.push(inner.bump(slot));
                 }
             }
             None => {
@@ -292,6 +308,42 @@ impl Engine {
                 let slot = inner.insert(record);
                 changes.push(Change::Machine(Arc::clone(&inner.machines[slot])));
                 report.added += 1;
+            }
+        }
+    }
+
+    /// A FAILED machine's host follows the substrate: the VM marked for it
+    /// is attached (so nothing marked is orphaned and a reclaim can find
+    /// it), and a host that no longer exists is cleared. No shard mutation
+    /// is accepted on a FAILED machine, so nothing else writes its host.
+    /// Every other state's host is the engine's alone. True when changed.
+    fn reattach(
+        &self,
+        inner: &mut Inner,
+        slot: usize,
+        found: Option<&SubstrateHost>,
+        report: &mut ReconcileReport,
+    ) -> bool {
+        let record = &inner.machines[slot];
+        if record.state() != State::Failed {
+            return false;
+        }
+        let on_record = record.host.as_ref().map(|h| h.r#ref.as_str());
+        match (on_record, found) {
+            (Some(have), Some(found)) if have == found.host_ref => false,
+            (None, None) => false,
+            (_, Some(found)) => {
+                let host = self.host_ref(found);
+                tracing::info!(machine_id = %record.id, host = %host.r#ref, "FAILED machine re-attached to the host marked for it");
+                inner.record_mut(slot).host = Some(host);
+                report.reattached += 1;
+                true
+            }
+            (Some(gone), None) => {
+                tracing::info!(machine_id = %record.id, host = %gone, "FAILED machine's host no longer exists; host cleared");
+                inner.record_mut(slot).host = None;
+                report.detached += 1;
+                true
             }
         }
     }

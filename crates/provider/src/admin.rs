@@ -1,0 +1,70 @@
+//! `bigfleet.proxmox.admin.v1.Admin`: the provider's own day-2 RPCs, served
+//! next to CapacityProvider on the same listener (so the same TLS/mTLS
+//! guards them). CapacityProvider's wire is untouched.
+
+use std::sync::Arc;
+
+use bigfleet_proto::admin::admin_server::{Admin, AdminServer};
+use bigfleet_proto::admin::{ReclaimRequest, ReclaimResponse, ReclaimStatus};
+use providerkit::{Engine, ReclaimOutcome};
+use tonic::{Request, Response, Status};
+
+pub struct AdminService {
+    engine: Arc<Engine>,
+}
+
+impl AdminService {
+    pub fn new(engine: Arc<Engine>) -> AdminService {
+        AdminService { engine }
+    }
+
+    pub fn into_server(self) -> AdminServer<AdminService> {
+        AdminServer::new(self)
+    }
+}
+
+#[tonic::async_trait]
+impl Admin for AdminService {
+    async fn reclaim(
+        &self,
+        request: Request<ReclaimRequest>,
+    ) -> Result<Response<ReclaimResponse>, Status> {
+        let req = request.into_inner();
+        tracing::info!(machine_id = %req.machine_id, wait = req.wait, "reclaim requested");
+        let handle = self.engine.start_reclaim(&req.machine_id)?;
+        let response = |status: ReclaimStatus, revision: u64| ReclaimResponse {
+            machine_id: req.machine_id.clone(),
+            status: status as i32,
+            revision,
+        };
+        if !req.wait && handle.started() {
+            let revision = handle.machine.rev;
+            // The reclaim runs on in its own task; its outcome is logged.
+            return Ok(Response::new(response(ReclaimStatus::Started, revision)));
+        }
+        let outcome = handle.wait().await?;
+        let status = match &outcome {
+            ReclaimOutcome::Reclaimed(_) => ReclaimStatus::Reclaimed,
+            ReclaimOutcome::AlreadySpeculative(_) => ReclaimStatus::AlreadySpeculative,
+        };
+        Ok(Response::new(response(status, outcome.machine().rev)))
+    }
+}
+
+/// `--reclaim-failed-after`: sweep for machines held FAILED that long and
+/// reclaim them. A zero hold turns it off.
+pub fn spawn_auto_reclaim(engine: &Arc<Engine>, hold: std::time::Duration) {
+    if hold.is_zero() {
+        return;
+    }
+    let engine = Arc::clone(engine);
+    tokio::spawn(async move {
+        let mut sweeper = providerkit::ReclaimSweeper::new(hold);
+        let mut tick = tokio::time::interval(sweeper.period());
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            sweeper.sweep(&engine).await;
+        }
+    });
+}
