@@ -33,7 +33,7 @@ mod worker;
 pub use list::ListPage;
 #[cfg(feature = "mutants")]
 pub use options::Mutants;
-pub use options::{EngineOptions, Limits, Timeouts};
+pub use options::{echo_prefix, EngineOptions, Limits, Timeouts, ECHO_PREFIX_CHARS};
 
 const INVENTORY_BATCH: usize = 2048;
 
@@ -100,6 +100,8 @@ struct Inner {
     revision: u64,
     /// shard_id -> machine_id -> (epoch, sequence).
     fences: HashMap<String, HashMap<String, (i64, i64)>>,
+    /// machine_id -> how many shards hold a mark on it (for the cap).
+    shard_marks: HashMap<String, usize>,
 }
 
 impl Inner {
@@ -169,6 +171,10 @@ impl Engine {
             inner.insert(record);
         }
         for mark in loaded.fences {
+            *inner
+                .shard_marks
+                .entry(mark.machine_id.clone())
+                .or_default() += 1;
             inner
                 .fences
                 .entry(mark.shard_id)
@@ -332,6 +338,7 @@ impl Engine {
         if id.is_empty() {
             return Err(KitError::InvalidArgument("id must not be empty".into()));
         }
+        accept::check_len("id", id, self.opts.limits.max_machine_id_bytes)?;
         let inner = self.inner.read();
         let slot = inner
             .index
