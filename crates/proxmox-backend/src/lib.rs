@@ -16,4 +16,5 @@ pub mod backend;
 pub mod catalog;
 pub mod fake;
 pub mod proxmox;
+pub mod redact;
 pub mod substrate;
