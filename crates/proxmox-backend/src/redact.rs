@@ -41,6 +41,13 @@ impl Redactor {
         }
         for token in text.split_whitespace() {
             add(token);
+            // What a program echoes is often the token without its shell
+            // quoting, or the value of a `NAME=value` assignment.
+            let bare = token.trim_matches(|c: char| "\"'`;,()[]{}<>".contains(c));
+            add(bare);
+            for part in bare.split('=') {
+                add(part.trim_matches(|c: char| "\"'`".contains(c)));
+            }
         }
         pieces.sort_unstable();
         pieces.dedup();
@@ -119,6 +126,19 @@ mod tests {
         );
         assert!(hit);
         assert_eq!(red, "/run/bigfleet-bootstrap: 1: [redacted]: not found");
+    }
+
+    #[test]
+    fn quoted_and_assigned_tokens_are_redacted_bare() {
+        let r = Redactor::new(
+            b"echo \"hash sha256:5d41402abc4b2a76\" >&2\nJOIN_TOKEN='abcdef0123456789'\n",
+        );
+        let (red, hit) = r.redact(
+            "hash sha256:5d41402abc4b2a76 / token abcdef0123456789",
+            false,
+        );
+        assert!(hit);
+        assert_eq!(red, "hash [redacted] / token [redacted]");
     }
 
     #[test]
