@@ -1,6 +1,7 @@
 //! The BigFleet capacity provider for Proxmox VE: configuration, the real
 //! and fake backends, metrics and serving. `main.rs` only calls [`run`].
 
+pub mod budget;
 pub mod config;
 pub mod layers;
 pub mod logging;

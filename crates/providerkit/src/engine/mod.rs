@@ -323,6 +323,11 @@ impl Engine {
         format!("op-{:x}-{:x}", self.generation, n)
     }
 
+    /// Whether the store can commit now (see [`Store::health`]).
+    pub fn store_health(&self) -> Result<(), StoreError> {
+        self.store.health()
+    }
+
     /// Wait until everything submitted so far is durable, so a read never
     /// shows state a crash could take back.
     pub async fn read_barrier(&self) -> Result<(), KitError> {
