@@ -14,10 +14,12 @@ use crate::fence::Token;
 /// plus metadata; anything larger is refused by the transport.
 pub const MAX_DECODING_MESSAGE_SIZE: usize = 4 * 1024 * 1024;
 
-/// Default budget for encoded List responses in flight: a full List of
-/// 100k machines is ~25 MiB, so two fit, and the budget stays well inside
-/// the chart's 256 Mi memory limit whatever the clients do.
-pub const LIST_BUDGET_BYTES: usize = 64 * 1024 * 1024;
+/// Default budget for encoded List responses in flight. A full List of
+/// 100k machines encodes to ~15 MiB (and is copied once more while tonic
+/// frames it), so two fit; together with the inventory itself (~80 MiB at
+/// 100k) that stays well inside the chart's 256 Mi memory limit whatever
+/// the clients do.
+pub const LIST_BUDGET_BYTES: usize = 32 * 1024 * 1024;
 
 /// Budget units are KiB so a whole budget fits a semaphore's `u32`.
 const BUDGET_UNIT: usize = 1024;
