@@ -15,7 +15,7 @@ BFC := $(DEBUG_DIR)/bfconformance
 SEED_FLAG := $(if $(SEED),--seed $(SEED),)
 
 .PHONY: build build-proxmox run-fake test test-proxmox lint fmt certify-proxmox \
-        report-proxmox report-ci certify-pve-sim scale-100k mutation-check bench crash-1000 crash-real
+        report-proxmox report-ci certify-pve-sim scale-100k mutation-check bench crash-1000 crash-real fuzz
 
 build:
 	$(CARGO) build --workspace
@@ -85,6 +85,14 @@ bench:
 	$(RELEASE_DIR)/loadgen --provider-bin $(RELEASE_DIR)/bigfleet-proxmox --pin --out bench/latest.txt
 	$(CARGO) bench -p providerkit --bench engine_bench | tee -a bench/latest.txt
 	$(CARGO) bench -p sqlite-store --bench store_bench -- 2 | tee -a bench/latest.txt
+
+# The parser fuzz targets (proptest properties: never panic, round-trip),
+# long: CI runs the same properties with 64 cases each in `cargo test`.
+FUZZ_CASES ?= 100000
+fuzz:
+	PROPTEST_CASES=$(FUZZ_CASES) $(CARGO) test --release -p pve --test fuzz_parsers
+	PROPTEST_CASES=$(FUZZ_CASES) $(CARGO) test --release -p proxmox-backend --test fuzz_catalog
+	PROPTEST_CASES=$(FUZZ_CASES) $(CARGO) test --release -p sqlite-store --test fuzz_decode
 
 # The kill -9 crash test at 1,000 random kill points (CI runs 50).
 crash-1000:

@@ -4,6 +4,7 @@
 mod provider;
 mod scenarios;
 mod stats;
+mod unread;
 
 use std::fs::OpenOptions;
 use std::io::Write;
@@ -59,6 +60,9 @@ struct Args {
     #[arg(long)]
     pin: bool,
 
+    /// Inventory size for the unread-List scenario.
+    #[arg(long, default_value_t = 20_000)]
+    unread_size: usize,
     /// Seconds allowed for a provider boot before giving up.
     #[arg(long, default_value_t = 120)]
     boot_timeout_secs: u64,
@@ -222,6 +226,24 @@ async fn run(args: Args) -> Result<()> {
         drop(bench);
         provider.kill().await?;
         outcome.with_context(|| format!("benchmark at size {size}"))?;
+    }
+
+    if profile.runs(scenarios::Scenario::UnreadList) {
+        if let Err(e) = unread::unread_lists(
+            &args.provider_bin,
+            args.unread_size,
+            boot_timeout,
+            profile.provider_cpu,
+            &mut report,
+        )
+        .await
+        {
+            report.line(format!(
+                "unread_list_rss_before_mib=skipped size={} reason=\"{}\"",
+                args.unread_size,
+                format!("{e:#}").replace(['\n', '"'], " ")
+            ));
+        }
     }
 
     let largest = args.sizes.iter().copied().max().unwrap_or(1000);

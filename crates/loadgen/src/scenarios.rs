@@ -43,6 +43,8 @@ pub enum Scenario {
     Delta,
     Create,
     Lifecycle,
+    /// Full Lists that the client never reads (its own provider boot).
+    UnreadList,
 }
 
 pub struct Profile {
@@ -58,7 +60,7 @@ pub struct Profile {
 }
 
 impl Profile {
-    fn runs(&self, scenario: Scenario) -> bool {
+    pub fn runs(&self, scenario: Scenario) -> bool {
         self.only.is_empty() || self.only.contains(&scenario)
     }
 

@@ -6,6 +6,7 @@
 //! client in `bigfleet-ctl`.
 
 pub mod admin;
+pub mod budget;
 pub mod config;
 pub mod layers;
 pub mod logging;

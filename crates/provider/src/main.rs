@@ -13,6 +13,7 @@ fn runtime() -> Result<tokio::runtime::Runtime, std::process::ExitCode> {
 }
 
 fn main() -> std::process::ExitCode {
+    bigfleet_proxmox::budget::tune_allocator();
     let mut args = Args::parse();
     if let Some(Command::Ctl(ctl)) = args.command.take() {
         let runtime = match runtime() {

@@ -18,6 +18,7 @@ use tokio_stream::wrappers::TcpListenerStream;
 use tokio_stream::StreamExt;
 use tonic_health::ServingStatus;
 
+use crate::budget::{BudgetLayer, FirstBytes, PREFACE_TIMEOUT};
 use crate::layers::{CatchPanicLayer, ObserveLayer};
 use crate::metrics::Metrics;
 use crate::{BackendKind, Plan};
@@ -26,18 +27,82 @@ use proxmox_backend::fake::FakeCluster;
 use proxmox_backend::proxmox::{PveOptions, PveSubstrate};
 use proxmox_backend::substrate::{Metered, Substrate, VmRef};
 
-/// Shared by `/readyz` and gRPC health.
-#[derive(Clone, Default)]
-pub struct Readiness(Arc<AtomicBool>);
+/// Shared by `/readyz` and gRPC health: ready while serving (started, not
+/// shutting down) and the store can commit.
+#[derive(Clone)]
+pub struct Readiness {
+    serving: Arc<AtomicBool>,
+    store_ok: Arc<AtomicBool>,
+}
+
+impl Default for Readiness {
+    fn default() -> Readiness {
+        Readiness {
+            serving: Arc::new(AtomicBool::new(false)),
+            store_ok: Arc::new(AtomicBool::new(true)),
+        }
+    }
+}
 
 impl Readiness {
     pub fn set(&self, ready: bool) {
-        self.0.store(ready, Ordering::SeqCst);
+        self.serving.store(ready, Ordering::SeqCst);
+    }
+    pub fn set_store_ok(&self, ok: bool) {
+        self.store_ok.store(ok, Ordering::SeqCst);
     }
     pub fn get(&self) -> bool {
-        self.0.load(Ordering::SeqCst)
+        self.serving.load(Ordering::SeqCst) && self.store_ok.load(Ordering::SeqCst)
     }
 }
+
+/// How often readiness re-checks the store.
+pub const STORE_HEALTH_PERIOD: std::time::Duration = std::time::Duration::from_millis(500);
+
+/// Readiness follows the store: NOT_SERVING (and `/readyz` 503) while
+/// commits fail, every RPC being UNAVAILABLE then anyway, and SERVING
+/// again by itself once the store's own retry commits. Runs until dropped.
+pub async fn follow_store_health(
+    engine: Arc<Engine>,
+    ready: Readiness,
+    health: tonic_health::server::HealthReporter,
+    period: std::time::Duration,
+) {
+    let mut was_ok = true;
+    let mut tick = tokio::time::interval(period);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let result = engine.store_health();
+        let ok = result.is_ok();
+        if ok == was_ok {
+            continue;
+        }
+        was_ok = ok;
+        ready.set_store_ok(ok);
+        match result {
+            Err(e) => tracing::warn!(error = %e, "state store cannot commit: not ready"),
+            Ok(()) => tracing::info!("state store commits again: ready"),
+        }
+        // A shutdown in progress keeps NOT_SERVING.
+        let status = if ready.get() {
+            ServingStatus::Serving
+        } else {
+            ServingStatus::NotServing
+        };
+        health
+            .set_service_status(
+                <CapacityProviderServer<CapacityService> as tonic::server::NamedService>::NAME,
+                status,
+            )
+            .await;
+        health.set_service_status("", status).await;
+    }
+}
+
+/// HTTP/2 streams one connection may have open; beyond it the client
+/// queues. Bounds what one connection can make the server hold.
+pub const MAX_CONCURRENT_STREAMS: u32 = 64;
 
 async fn bind(flag: &str, addr: std::net::SocketAddr) -> Result<TcpListener, String> {
     TcpListener::bind(addr)
@@ -45,7 +110,7 @@ async fn bind(flag: &str, addr: std::net::SocketAddr) -> Result<TcpListener, Str
         .map_err(|e| format!("cannot listen on {flag} {addr}: {e}"))
 }
 
-fn http_router(metrics: Arc<Metrics>, ready: Readiness) -> Router {
+pub fn http_router(metrics: Arc<Metrics>, ready: Readiness) -> Router {
     Router::new()
         .route(
             "/metrics",
@@ -316,12 +381,17 @@ pub async fn run(plan: Plan) -> Result<(), String> {
     };
 
     let router = tonic::transport::Server::builder()
+        .max_concurrent_streams(MAX_CONCURRENT_STREAMS)
+        .http2_max_header_list_size(16 * 1024)
+        .http2_keepalive_interval(Some(std::time::Duration::from_secs(60)))
+        .http2_keepalive_timeout(Some(std::time::Duration::from_secs(20)))
         .layer(ObserveLayer {
             metrics: metrics.clone(),
         })
         .layer(CatchPanicLayer {
             metrics: metrics.clone(),
         })
+        .layer(BudgetLayer)
         .add_service(CapacityService::new(engine.clone()).into_server())
         .add_service(crate::admin::AdminService::new(engine.clone()).into_server())
         .add_service(health_service)
@@ -371,6 +441,12 @@ pub async fn run(plan: Plan) -> Result<(), String> {
         .set_service_status("", ServingStatus::Serving)
         .await;
     ready.set(true);
+    tokio::spawn(follow_store_health(
+        engine.clone(),
+        ready.clone(),
+        health_reporter.clone(),
+        STORE_HEALTH_PERIOD,
+    ));
     tracing::info!(
         addr = %local_addr,
         provider = %plan.args.provider,
@@ -417,8 +493,9 @@ pub async fn run(plan: Plan) -> Result<(), String> {
                 // Unary RPCs are small writes: without TCP_NODELAY, Nagle
                 // and delayed ACKs add ~40 ms to responses.
                 let incoming = incoming.map(|conn| {
-                    conn.inspect(|tcp| {
+                    conn.map(|tcp| {
                         let _ = tcp.set_nodelay(true);
+                        FirstBytes::new(tcp, PREFACE_TIMEOUT)
                     })
                 });
                 router

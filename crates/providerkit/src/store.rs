@@ -178,6 +178,12 @@ pub trait Store: Send + Sync + 'static {
 
     /// A short description for the startup log (`memory`, `sqlite:/path`).
     fn describe(&self) -> String;
+
+    /// Err while changes are waiting for a commit that keeps failing (a full
+    /// disk, say): readiness follows it. Ok again once a commit succeeds.
+    fn health(&self) -> Result<(), StoreError> {
+        Ok(())
+    }
 }
 
 /// The in-memory store: nothing survives the process. With `retaining`, it

@@ -464,6 +464,88 @@ async fn token_shape_and_input_validation() {
     assert!(m.cluster.is_empty() && m.shard_metadata.is_empty());
 }
 
+/// Every client-supplied string and map has a cap; over it the request is
+/// INVALID_ARGUMENT whose message repeats only a short prefix of the value,
+/// and nothing is stored (not even a fencing mark).
+#[tokio::test]
+async fn every_client_string_and_map_is_capped_with_a_short_echo() {
+    let engine = start(Arc::new(ScriptedBackend::new(1))).await;
+    let limits = providerkit::Limits::default();
+    let short_echo = |err: &KitError, what: &str| {
+        assert_eq!(err.code(), tonic::Code::InvalidArgument, "{what}: {err}");
+        assert!(err.to_string().len() < 300, "{what} echoed too much: {err}");
+        assert!(
+            err.to_string().contains("cap"),
+            "{what} names no cap: {err}"
+        );
+    };
+    let huge = "x".repeat(1024 * 1024);
+    // machine_id, on every RPC that takes one.
+    short_echo(
+        &engine.create(&huge, none()).await.unwrap_err(),
+        "Create id",
+    );
+    short_echo(&engine.get(&huge).unwrap_err(), "Get id");
+    short_echo(
+        &engine.drain(&huge, none(), 0).await.unwrap_err(),
+        "Drain id",
+    );
+    short_echo(
+        &engine.delete(&huge, none()).await.unwrap_err(),
+        "Delete id",
+    );
+    let at_cap = "m".repeat(limits.max_machine_id_bytes);
+    assert_eq!(
+        engine.get(&at_cap).unwrap_err().code(),
+        tonic::Code::NotFound
+    );
+    // shard_id: refused before a mark is written.
+    let err = engine.create("m-0000", tok(&huge, 1, 1)).await.unwrap_err();
+    short_echo(&err, "shard_id");
+    // cluster_id, metadata key, value.
+    let err = engine
+        .configure("m-0000", none(), huge.clone(), vec![], HashMap::new())
+        .await
+        .unwrap_err();
+    short_echo(&err, "cluster_id");
+    let err = engine
+        .configure(
+            "m-0000",
+            none(),
+            "c".into(),
+            vec![],
+            HashMap::from([(huge[..2000].to_string(), "v".into())]),
+        )
+        .await
+        .unwrap_err();
+    short_echo(&err, "metadata key");
+    let err = engine
+        .configure(
+            "m-0000",
+            none(),
+            "c".into(),
+            vec![],
+            HashMap::from([("k".into(), huge[..100_000].to_string())]),
+        )
+        .await
+        .unwrap_err();
+    short_echo(&err, "metadata value");
+    // Shard marks per machine: the 65th distinct shard is refused, known
+    // shards keep advancing.
+    for i in 0..limits.max_shard_marks_per_machine {
+        engine
+            .create("m-0000", tok(&format!("s{i}"), 1, 1))
+            .await
+            .unwrap();
+    }
+    let err = engine
+        .create("m-0000", tok("one-too-many", 1, 1))
+        .await
+        .unwrap_err();
+    short_echo(&err, "shard marks");
+    engine.create("m-0000", tok("s0", 1, 2)).await.unwrap();
+}
+
 #[tokio::test]
 async fn parallel_identical_creates_collapse_to_one_operation() {
     let backend = Arc::new(ScriptedBackend::new(1));

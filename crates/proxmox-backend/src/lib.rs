@@ -16,6 +16,7 @@ pub mod backend;
 pub mod catalog;
 pub mod fake;
 pub mod proxmox;
+pub mod redact;
 pub mod substrate;
 
 /// Configuration the backend was handed that it cannot use: a file it

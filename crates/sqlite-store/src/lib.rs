@@ -269,4 +269,11 @@ impl Store for SqliteStore {
     fn describe(&self) -> String {
         format!("sqlite:{}", self.path.display())
     }
+
+    fn health(&self) -> Result<(), StoreError> {
+        match self.shared.pending_failure() {
+            Some(error) => Err(error),
+            None => Ok(()),
+        }
+    }
 }

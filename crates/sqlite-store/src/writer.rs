@@ -88,6 +88,11 @@ impl Shared {
             .map(|f| f.error.clone())
     }
 
+    /// The latest commit failure whose changes are still not durable.
+    pub(crate) fn pending_failure(&self) -> Option<StoreError> {
+        self.failures.lock().last().map(|f| f.error.clone())
+    }
+
     fn record_failure(&self, first: Ticket, last: Ticket, error: StoreError) {
         let mut failures = self.failures.lock();
         // Consecutive failures (a dead disk) coalesce into one range.

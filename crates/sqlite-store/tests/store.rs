@@ -342,6 +342,11 @@ async fn failed_commit_reports_and_later_commit_heals() {
     eprintln!("{err}");
     assert!(err.contains(&path.display().to_string()), "{err}");
     assert!(err.contains("no space"), "{err}");
+    // Readiness follows this: unhealthy while the change waits for a commit.
+    let health = store
+        .health()
+        .expect_err("a failing commit makes the store unhealthy");
+    assert_eq!(health.kind(), StoreErrorKind::Unavailable);
     let commits = store.commits();
 
     // The disk "recovers": the next batch commits and carries the failed one.
@@ -353,6 +358,9 @@ async fn failed_commit_reports_and_later_commit_heals() {
         .durable(t)
         .await
         .expect("the carried change is durable now");
+    store
+        .health()
+        .expect("healthy again once the carried change committed");
     drop(store);
 
     let loaded = SqliteStore::open(&path).unwrap().load().unwrap();

@@ -7,6 +7,7 @@ use std::sync::Arc;
 
 use tokio::time::Instant;
 
+use super::options::echo_prefix;
 use super::{Ack, Engine, Inner, Params, Work};
 use crate::backend::{ConfigureCtx, CreateCtx, DeleteCtx, DrainCtx};
 use crate::error::KitError;
@@ -26,6 +27,9 @@ impl Engine {
                 "machine_id must not be empty".into(),
             ));
         }
+        let limits = &self.opts.limits;
+        check_len("machine_id", id, limits.max_machine_id_bytes)?;
+        check_len("shard_id", &token.shard_id, limits.max_shard_id_bytes)?;
         token.validate()?;
         if let Some(e) = self.mutant_token_error(token) {
             return Err(e);
@@ -36,19 +40,12 @@ impl Engine {
             shard_metadata,
         } = params
         {
-            let limits = &self.opts.limits;
             if cluster_id.is_empty() {
                 return Err(KitError::InvalidArgument(
                     "cluster_id must not be empty".into(),
                 ));
             }
-            if cluster_id.len() > limits.max_cluster_id_bytes {
-                return Err(KitError::InvalidArgument(format!(
-                    "cluster_id is {} bytes; the cap is {}",
-                    cluster_id.len(),
-                    limits.max_cluster_id_bytes
-                )));
-            }
+            check_len("cluster_id", cluster_id, limits.max_cluster_id_bytes)?;
             if bootstrap_blob.len() > limits.max_bootstrap_blob_bytes {
                 return Err(KitError::InvalidArgument(format!(
                     "bootstrap_blob is {} bytes; the cap is {}",
@@ -62,6 +59,17 @@ impl Engine {
                     shard_metadata.len(),
                     limits.max_metadata_entries
                 )));
+            }
+            for (key, value) in shard_metadata {
+                check_len("a shard_metadata key", key, limits.max_metadata_key_bytes)?;
+                if value.len() > limits.max_metadata_value_bytes {
+                    return Err(KitError::InvalidArgument(format!(
+                        "shard_metadata value for key {} is {} bytes; the cap is {} bytes",
+                        echo_prefix(key),
+                        value.len(),
+                        limits.max_metadata_value_bytes
+                    )));
+                }
             }
             let bytes: usize = shard_metadata.iter().map(|(k, v)| k.len() + v.len()).sum();
             if bytes > limits.max_metadata_bytes {
@@ -140,6 +148,16 @@ impl Engine {
         {
             Some(slot) => *slot = mark,
             None => {
+                let cap = self.opts.limits.max_shard_marks_per_machine;
+                let held = inner.shard_marks.get(mark_key).copied().unwrap_or(0);
+                if held >= cap {
+                    return Err(KitError::InvalidArgument(format!(
+                        "machine {} already carries fencing marks from {held} shards; the cap \
+                         is {cap} shards per machine: reuse an existing shard_id for it",
+                        echo_prefix(id)
+                    )));
+                }
+                *inner.shard_marks.entry(mark_key.to_string()).or_default() += 1;
                 inner
                     .fences
                     .entry(token.shard_id.clone())
@@ -275,4 +293,17 @@ impl Engine {
             machine: Arc::clone(&inner.machines[slot]),
         })
     }
+}
+
+/// INVALID_ARGUMENT when `value` is longer than `cap` bytes; the message
+/// repeats only a short prefix of it.
+pub(super) fn check_len(what: &str, value: &str, cap: usize) -> Result<(), KitError> {
+    if value.len() <= cap {
+        return Ok(());
+    }
+    Err(KitError::InvalidArgument(format!(
+        "{what} is {} bytes (starts {}); the cap is {cap} bytes: use a shorter one",
+        value.len(),
+        echo_prefix(value)
+    )))
 }

@@ -34,7 +34,7 @@ mod worker;
 pub use list::ListPage;
 #[cfg(feature = "mutants")]
 pub use options::Mutants;
-pub use options::{EngineOptions, Limits, Timeouts};
+pub use options::{echo_prefix, EngineOptions, Limits, Timeouts, ECHO_PREFIX_CHARS};
 pub use reclaim::{Census, ReclaimError, ReclaimHandle, ReclaimOutcome, ReclaimSweeper};
 
 const INVENTORY_BATCH: usize = 2048;
@@ -107,6 +107,8 @@ struct Inner {
     revision: u64,
     /// shard_id -> machine_id -> (epoch, sequence).
     fences: HashMap<String, HashMap<String, (i64, i64)>>,
+    /// machine_id -> how many shards hold a mark on it (for the cap).
+    shard_marks: HashMap<String, usize>,
 }
 
 impl Inner {
@@ -179,6 +181,10 @@ impl Engine {
             inner.insert(record);
         }
         for mark in loaded.fences {
+            *inner
+                .shard_marks
+                .entry(mark.machine_id.clone())
+                .or_default() += 1;
             inner
                 .fences
                 .entry(mark.shard_id)
@@ -369,6 +375,11 @@ impl Engine {
         format!("op-{:x}-{:x}", self.generation, n)
     }
 
+    /// Whether the store can commit now (see [`Store::health`]).
+    pub fn store_health(&self) -> Result<(), StoreError> {
+        self.store.health()
+    }
+
     /// Wait until everything submitted so far is durable, so a read never
     /// shows state a crash could take back.
     pub async fn read_barrier(&self) -> Result<(), KitError> {
@@ -384,6 +395,7 @@ impl Engine {
         if id.is_empty() {
             return Err(KitError::InvalidArgument("id must not be empty".into()));
         }
+        accept::check_len("id", id, self.opts.limits.max_machine_id_bytes)?;
         let inner = self.inner.read();
         let slot = inner
             .index

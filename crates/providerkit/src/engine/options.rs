@@ -40,25 +40,55 @@ impl Timeouts {
     }
 }
 
-/// Documented input caps. Beyond them a request is INVALID_ARGUMENT as a
-/// whole: nothing is truncated and no transition starts.
+/// Documented input caps (docs/configuration.md, "Input caps", and the
+/// proto comments). Beyond them a request is INVALID_ARGUMENT as a whole:
+/// nothing is truncated and no transition starts. Every client-supplied
+/// string and map has one, because whatever is accepted is held in memory,
+/// written to the state file and echoed to every List caller.
 #[derive(Clone, Debug)]
 pub struct Limits {
+    pub max_machine_id_bytes: usize,
+    pub max_shard_id_bytes: usize,
     pub max_metadata_entries: usize,
+    pub max_metadata_key_bytes: usize,
+    pub max_metadata_value_bytes: usize,
     /// Sum of key and value lengths in bytes.
     pub max_metadata_bytes: usize,
     pub max_bootstrap_blob_bytes: usize,
     pub max_cluster_id_bytes: usize,
+    /// Distinct shards that may hold a fencing mark on one machine id. Marks
+    /// are never forgotten (fencing must survive), so without a cap a client
+    /// minting shard ids grows the state without bound.
+    pub max_shard_marks_per_machine: usize,
 }
 
 impl Default for Limits {
     fn default() -> Limits {
         Limits {
+            max_machine_id_bytes: 256,
+            max_shard_id_bytes: 256,
             max_metadata_entries: 1024,
+            max_metadata_key_bytes: 1024,
+            max_metadata_value_bytes: 64 * 1024,
             max_metadata_bytes: 256 * 1024,
             max_bootstrap_blob_bytes: 1024 * 1024,
             max_cluster_id_bytes: 1024,
+            max_shard_marks_per_machine: 64,
         }
+    }
+}
+
+/// How much of an over-cap value an error message repeats: enough to
+/// recognise it, never enough to bloat the status (clients drop statuses
+/// above ~8 KiB).
+pub const ECHO_PREFIX_CHARS: usize = 32;
+
+/// The first [`ECHO_PREFIX_CHARS`] characters of `value`, quoted, with an
+/// ellipsis when cut.
+pub fn echo_prefix(value: &str) -> String {
+    match value.char_indices().nth(ECHO_PREFIX_CHARS) {
+        None => format!("{value:?}"),
+        Some((end, _)) => format!("{:?}...", &value[..end]),
     }
 }
 

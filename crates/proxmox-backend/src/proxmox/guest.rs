@@ -11,6 +11,7 @@ use tokio::time::Instant;
 use super::{err, PveSubstrate};
 use providerkit::ErrorKind;
 
+use crate::redact::{Redactor, REDACTED};
 use crate::substrate::{SubstrateError, VmRef};
 
 /// Raw bytes per file-write / exec chunk: 36 KiB base64-encodes to 48 KiB, which
@@ -50,14 +51,32 @@ pub(super) fn tail(s: &str) -> &str {
 
 /// Ok for exit 0; otherwise an error with the exit code / signal and the tail of stderr.
 pub(super) fn exec_outcome(what: &str, st: &ExecStatus) -> Result<(), SubstrateError> {
+    exec_outcome_redacted(what, st, &[])
+}
+
+/// [`exec_outcome`] for a command that saw `secret` (the bootstrap blob):
+/// every piece of it is cut from the quoted output before the tail is taken
+/// (see [`crate::redact`]), and the error says so.
+pub(super) fn exec_outcome_redacted(
+    what: &str,
+    st: &ExecStatus,
+    secret: &[u8],
+) -> Result<(), SubstrateError> {
     let mut msg = match (st.exitcode, st.signal) {
         (Some(0), None) => return Ok(()),
         (_, Some(sig)) => format!("{what} was killed by signal {sig}"),
         (Some(code), None) => format!("{what} exited {code}"),
         (None, None) => format!("{what} ended without an exit status"),
     };
-    let err = st.err_data.as_deref().map(tail).unwrap_or_default();
-    let out = st.out_data.as_deref().map(tail).unwrap_or_default();
+    let redactor = Redactor::new(secret);
+    let mut redacted = false;
+    let mut quote = |data: &Option<String>, truncated: bool| {
+        let (clean, hit) = redactor.redact(data.as_deref().unwrap_or_default(), truncated);
+        redacted |= hit;
+        tail(&clean).to_string()
+    };
+    let err = quote(&st.err_data, st.err_truncated);
+    let out = quote(&st.out_data, st.out_truncated);
     if !err.is_empty() {
         msg.push_str(&format!(": stderr: {err}"));
         if st.err_truncated {
@@ -68,6 +87,11 @@ pub(super) fn exec_outcome(what: &str, st: &ExecStatus) -> Result<(), SubstrateE
         if st.out_truncated {
             msg.push_str(" (stdout was truncated by the guest agent)");
         }
+    }
+    if redacted {
+        msg.push_str(&format!(
+            " (output that repeated the bootstrap blob was replaced by {REDACTED})"
+        ));
     }
     Err(SubstrateError::new(msg))
 }
@@ -184,7 +208,7 @@ impl PveSubstrate {
                 .run(vm, &append, Some(b64.as_bytes()), self.opts.exec_timeout)
                 .await
                 .map_err(|e| exec_err(ctx(), &e))?;
-            exec_outcome("appending a bootstrap chunk", &st)
+            exec_outcome_redacted("appending a bootstrap chunk", &st, blob)
                 .map_err(|e| SubstrateError::new(format!("{}: {e}", ctx())))?;
         }
         let want = hex::encode(Sha256::digest(blob));
@@ -197,7 +221,7 @@ impl PveSubstrate {
             )
             .await
             .map_err(|e| exec_err(ctx(), &e))?;
-        exec_outcome("sha256sum", &st)
+        exec_outcome_redacted("sha256sum", &st, blob)
             .map_err(|e| SubstrateError::new(format!("{}: {e}", ctx())))?;
         let got = st
             .out_data

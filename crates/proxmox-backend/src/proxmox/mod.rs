@@ -33,7 +33,7 @@ use tokio::sync::{Mutex as AsyncMutex, OnceCell, Semaphore};
 use tokio::time::Instant;
 
 use crate::substrate::{CloneRequest, ManagedVm, Substrate, SubstrateError, VmRef};
-use guest::{exec_err, exec_outcome, ExecError};
+use guest::{exec_err, exec_outcome, exec_outcome_redacted, ExecError};
 use inventory::Known;
 
 use vmid::VmidState;
@@ -565,7 +565,8 @@ impl Substrate for PveSubstrate {
             .run(vm, &argv, None, self.opts.exec_timeout)
             .await
             .map_err(|e| exec_err(format!("running the {what} in VM {vm}"), &e))?;
-        exec_outcome(&what, &st).map_err(|e| SubstrateError::new(format!("VM {vm}: {e}")))
+        exec_outcome_redacted(&what, &st, blob)
+            .map_err(|e| SubstrateError::new(format!("VM {vm}: {e}")))
     }
 
     fn readiness_gate(&self) -> bool {

@@ -1,0 +1,92 @@
+//! The List budget: responses hold their share until their body is gone,
+//! and a List beyond the budget waits (queued, not failed).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bigfleet_proto::serving as pb;
+use bigfleet_proto::serving::capacity_provider_server::CapacityProvider;
+use bigfleet_proto::v1alpha1 as v1;
+use providerkit::service::{CapacityService, HeldBudget, ListBudget};
+use providerkit::{
+    Backend, BackendError, CatalogFacts, ConfigureCtx, CreateCtx, DrainCtx, Engine, EngineOptions,
+    MemoryStore, SlotSpec, SubstrateHost,
+};
+
+struct Slots(usize);
+
+#[async_trait]
+impl Backend for Slots {
+    async fn describe(&self) -> Result<Vec<SlotSpec>, BackendError> {
+        Ok((0..self.0)
+            .map(|i| SlotSpec {
+                id: format!("m-{i:05}"),
+                facts: CatalogFacts {
+                    instance_type: "pve.small".into(),
+                    zone: "pve-a".into(),
+                    capacity_type: v1::CapacityType::OnDemand,
+                    resources: HashMap::from([("cpu".into(), "1".into())]),
+                    ..Default::default()
+                }
+                .share(),
+                host: None,
+            })
+            .collect())
+    }
+    async fn create(&self, _ctx: CreateCtx) -> Result<SubstrateHost, BackendError> {
+        Err(BackendError::new("unused"))
+    }
+    async fn configure(&self, _ctx: ConfigureCtx) -> Result<(), BackendError> {
+        Err(BackendError::new("unused"))
+    }
+    async fn drain(&self, _ctx: DrainCtx) -> Result<(), BackendError> {
+        Err(BackendError::new("unused"))
+    }
+}
+
+#[tokio::test]
+async fn lists_beyond_the_budget_queue_until_earlier_bodies_are_gone() {
+    let engine = Engine::start(
+        Arc::new(Slots(2000)),
+        Arc::new(MemoryStore::new()),
+        EngineOptions::default(),
+    )
+    .await
+    .unwrap();
+    let full = || tonic::Request::new(pb::ListFilter::default());
+    // Room for one full List of 2,000 machines (~100 KiB), not two.
+    let budget = ListBudget::new(160 * 1024);
+    let service = CapacityService::with_budget(engine, budget.clone());
+
+    let first = service.list(full()).await.unwrap();
+    let held = first.extensions().get::<HeldBudget>().cloned().unwrap();
+    assert!(budget.available_bytes() < 160 * 1024);
+    // The first response still holds its share: a second full List waits.
+    let svc = service.clone();
+    let second = tokio::spawn(async move { svc.list(full()).await });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(
+        !second.is_finished(),
+        "the second List did not wait for the budget"
+    );
+    // Dropping the share (the transport drops it with the body) lets it run.
+    drop(held.take());
+    drop(first);
+    let second = tokio::time::timeout(Duration::from_secs(10), second)
+        .await
+        .expect("the queued List ran once the budget was free")
+        .unwrap()
+        .expect("queued, not failed");
+    assert!(second.into_inner().as_bytes().len() > 50_000);
+    // A capped List needs only its own small share.
+    let capped = service
+        .list(tonic::Request::new(pb::ListFilter {
+            max_results: 10,
+            ..Default::default()
+        }))
+        .await
+        .unwrap();
+    drop(capped);
+}
