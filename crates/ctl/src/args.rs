@@ -8,26 +8,20 @@ use clap::{Args, Subcommand, ValueEnum};
 
 /// Operate a running provider: list, inspect and drive machines.
 #[derive(Args, Debug, Clone)]
+#[command(next_help_heading = "Global options")]
 pub struct CtlArgs {
     /// Provider gRPC address: HOST:PORT, or an http:// or https:// URL. A
     /// bare HOST means port 9000, and `:PORT` means 127.0.0.1.
     #[arg(
         long,
         global = true,
-        help_heading = "Global options",
         value_name = "ADDR",
         default_value = "127.0.0.1:9000"
     )]
     pub target: String,
 
     /// CA (PEM) the provider's certificate must chain to; enables TLS.
-    #[arg(
-        id = "ctl_tls_ca",
-        long = "tls-ca",
-        global = true,
-        help_heading = "Global options",
-        value_name = "PATH"
-    )]
+    #[arg(id = "ctl_tls_ca", long = "tls-ca", global = true, value_name = "PATH")]
     pub tls_ca: Option<PathBuf>,
 
     /// Client certificate (PEM) for mTLS; needs --tls-key.
@@ -35,7 +29,6 @@ pub struct CtlArgs {
         id = "ctl_tls_cert",
         long = "tls-cert",
         global = true,
-        help_heading = "Global options",
         value_name = "PATH"
     )]
     pub tls_cert: Option<PathBuf>,
@@ -45,7 +38,6 @@ pub struct CtlArgs {
         id = "ctl_tls_key",
         long = "tls-key",
         global = true,
-        help_heading = "Global options",
         value_name = "PATH"
     )]
     pub tls_key: Option<PathBuf>,
@@ -56,24 +48,16 @@ pub struct CtlArgs {
         id = "ctl_tls_domain",
         long = "tls-domain",
         global = true,
-        help_heading = "Global options",
         value_name = "NAME"
     )]
     pub tls_domain: Option<String>,
 
     /// Connect timeout and per-RPC deadline.
-    #[arg(long, global = true, help_heading = "Global options", value_name = "DURATION", default_value = "10s", value_parser = parse_positive_duration)]
+    #[arg(long, global = true, value_name = "DURATION", default_value = "10s", value_parser = parse_positive_duration)]
     pub timeout: Duration,
 
     /// Output format on stdout.
-    #[arg(
-        short = 'o',
-        long,
-        global = true,
-        help_heading = "Global options",
-        value_enum,
-        default_value = "table"
-    )]
+    #[arg(short = 'o', long, global = true, value_enum, default_value = "table")]
     pub output: Output,
 
     #[command(subcommand)]

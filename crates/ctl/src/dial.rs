@@ -20,6 +20,7 @@ use tonic::transport::{Channel, Endpoint};
 use tonic::Code;
 
 use crate::args::CtlArgs;
+use crate::error::{CtlError, CtlErrorKind};
 use crate::render::{canonical_code_name, cell, error_chain, join_chain};
 
 pub(crate) type Client = CapacityProviderClient<Channel>;
@@ -37,7 +38,7 @@ pub(crate) struct Session {
 }
 
 impl Session {
-    pub(crate) fn status_error(&self, what: &str, status: &tonic::Status) -> String {
+    pub(crate) fn status_error(&self, what: &str, status: &tonic::Status) -> CtlError {
         self.status_error_hinted(
             what,
             status,
@@ -52,7 +53,7 @@ impl Session {
         what: &str,
         status: &tonic::Status,
         precondition_hint: &str,
-    ) -> String {
+    ) -> CtlError {
         let message = status.message().trim();
         let message = if message.is_empty() {
             String::new()
@@ -96,7 +97,7 @@ impl Session {
         if let Some(hint) = hint {
             msg.push_str(&format!(" ({hint})"));
         }
-        msg
+        CtlError::new(CtlErrorKind::Rpc(status.code()), msg).caused_by(status.clone())
     }
 
     pub(crate) async fn get(&mut self, id: &str) -> Result<Machine, tonic::Status> {
@@ -148,34 +149,39 @@ pub(crate) fn normalize_authority(authority: &str) -> String {
 pub(crate) fn read_pem_certs(
     flag: &str,
     path: &Path,
-) -> Result<Vec<CertificateDer<'static>>, String> {
-    let pem =
-        std::fs::read(path).map_err(|e| format!("cannot read {flag} {}: {e}", path.display()))?;
+) -> Result<Vec<CertificateDer<'static>>, CtlError> {
+    let pem = std::fs::read(path).map_err(|e| {
+        CtlError::input(format!("cannot read {flag} {}: {e}", path.display())).caused_by(e)
+    })?;
     let certs = rustls_pemfile::certs(&mut pem.as_slice())
         .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| format!("{flag} {} is not PEM: {e}", path.display()))?;
+        .map_err(|e| {
+            CtlError::input(format!("{flag} {} is not PEM: {e}", path.display())).caused_by(e)
+        })?;
     if certs.is_empty() {
-        return Err(format!(
+        return Err(CtlError::input(format!(
             "{flag} {} holds no PEM certificate",
             path.display()
-        ));
+        )));
     }
     Ok(certs)
 }
 
-pub(crate) fn read_pem_key(path: &Path) -> Result<PrivateKeyDer<'static>, String> {
-    let pem = std::fs::read(path)
-        .map_err(|e| format!("cannot read --tls-key {}: {e}", path.display()))?;
+pub(crate) fn read_pem_key(path: &Path) -> Result<PrivateKeyDer<'static>, CtlError> {
+    let pem = std::fs::read(path).map_err(|e| {
+        CtlError::input(format!("cannot read --tls-key {}: {e}", path.display())).caused_by(e)
+    })?;
     match rustls_pemfile::private_key(&mut pem.as_slice()) {
         Ok(Some(key)) => Ok(key),
-        Ok(None) => Err(format!(
+        Ok(None) => Err(CtlError::input(format!(
             "--tls-key {} holds no PEM private key",
             path.display()
-        )),
-        Err(e) => Err(format!(
+        ))),
+        Err(e) => Err(CtlError::input(format!(
             "--tls-key {} is not a PEM private key: {e}",
             path.display()
-        )),
+        ))
+        .caused_by(e)),
     }
 }
 
@@ -209,18 +215,24 @@ pub(crate) struct TlsDial {
 }
 
 impl TlsDial {
-    fn config(&self) -> Result<(ClientConfig, Option<Arc<CertRequestProbe>>), String> {
+    fn config(&self) -> Result<(ClientConfig, Option<Arc<CertRequestProbe>>), CtlError> {
         let builder =
             ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
                 .with_protocol_versions(&[&rustls::version::TLS13])
-                .map_err(|e| format!("TLS setup failed: {e}"))?
+                .map_err(|e| {
+                    CtlError::new(CtlErrorKind::Connect, format!("TLS setup failed: {e}"))
+                        .caused_by(e)
+                })?
                 .with_root_certificates(self.roots.clone());
         let (mut config, probe) = match &self.identity {
             Some((certs, key)) => (
                 builder
                     .with_client_auth_cert(certs.clone(), key.clone_key())
                     .map_err(|e| {
-                        format!("--tls-cert and --tls-key do not form a usable keypair: {e}")
+                        CtlError::input(format!(
+                            "--tls-cert and --tls-key do not form a usable keypair: {e}"
+                        ))
+                        .caused_by(e)
                     })?,
                 None,
             ),
@@ -254,36 +266,47 @@ impl TlsDial {
     }
 }
 
-pub(crate) fn tls_dial(args: &CtlArgs, authority: &str) -> Result<TlsDial, String> {
-    let ca = args
-        .tls_ca
-        .as_deref()
-        .ok_or("TLS needs --tls-ca: the CA (PEM) that signed the provider's certificate")?;
+pub(crate) fn tls_dial(args: &CtlArgs, authority: &str) -> Result<TlsDial, CtlError> {
+    let ca = args.tls_ca.as_deref().ok_or_else(|| {
+        CtlError::input("TLS needs --tls-ca: the CA (PEM) that signed the provider's certificate")
+    })?;
     let mut roots = RootCertStore::empty();
     for cert in read_pem_certs("--tls-ca", ca)? {
-        roots
-            .add(cert)
-            .map_err(|e| format!("--tls-ca {}: unusable CA certificate: {e}", ca.display()))?;
+        roots.add(cert).map_err(|e| {
+            CtlError::input(format!(
+                "--tls-ca {}: unusable CA certificate: {e}",
+                ca.display()
+            ))
+            .caused_by(e)
+        })?;
     }
     let identity = match (&args.tls_cert, &args.tls_key) {
         (Some(cert), Some(key)) => Some((read_pem_certs("--tls-cert", cert)?, read_pem_key(key)?)),
         (None, None) => None,
-        _ => return Err("--tls-cert and --tls-key must be given together".into()),
+        _ => {
+            return Err(CtlError::input(
+                "--tls-cert and --tls-key must be given together",
+            ))
+        }
     };
-    let uri: http::Uri = format!("https://{authority}")
-        .parse()
-        .map_err(|e| format!("--target {authority:?} is not a valid address: {e}"))?;
+    let uri: http::Uri = format!("https://{authority}").parse().map_err(|e| {
+        CtlError::input(format!(
+            "--target {authority:?} is not a valid address: {e}"
+        ))
+        .caused_by(e)
+    })?;
     let host = uri
         .host()
         .map(|h| h.trim_start_matches('[').trim_end_matches(']'))
         .filter(|h| !h.is_empty())
-        .ok_or_else(|| format!("--target {authority:?} names no host"))?;
+        .ok_or_else(|| CtlError::input(format!("--target {authority:?} names no host")))?;
     let port = uri
         .port_u16()
-        .ok_or_else(|| format!("--target {authority:?} names no port"))?;
+        .ok_or_else(|| CtlError::input(format!("--target {authority:?} names no port")))?;
     let name = args.tls_domain.as_deref().unwrap_or(host);
-    let server_name = ServerName::try_from(name.to_string())
-        .map_err(|e| format!("{name:?} is not a valid TLS server name: {e}"))?;
+    let server_name = ServerName::try_from(name.to_string()).map_err(|e| {
+        CtlError::input(format!("{name:?} is not a valid TLS server name: {e}")).caused_by(e)
+    })?;
     let dial = TlsDial {
         roots: Arc::new(roots),
         identity,
@@ -299,7 +322,7 @@ pub(crate) fn tls_dial(args: &CtlArgs, authority: &str) -> Result<TlsDial, Strin
     Ok(dial)
 }
 
-pub(crate) async fn connect(args: &CtlArgs) -> Result<Session, String> {
+pub(crate) async fn connect(args: &CtlArgs) -> Result<Session, CtlError> {
     connect_with_deadline(args, args.timeout).await
 }
 
@@ -308,12 +331,14 @@ pub(crate) async fn connect(args: &CtlArgs) -> Result<Session, String> {
 pub(crate) async fn connect_with_deadline(
     args: &CtlArgs,
     rpc_deadline: Duration,
-) -> Result<Session, String> {
+) -> Result<Session, CtlError> {
     let target = args.target.trim();
     let (scheme, authority) = split_target(target);
     let authority = authority.trim_end_matches('/');
     if authority.is_empty() {
-        return Err(format!("--target {target:?} names no host:port"));
+        return Err(CtlError::input(format!(
+            "--target {target:?} names no host:port"
+        )));
     }
     let authority = &normalize_authority(authority);
     let tls_flags = args.tls_ca.is_some()
@@ -321,15 +346,17 @@ pub(crate) async fn connect_with_deadline(
         || args.tls_key.is_some()
         || args.tls_domain.is_some();
     if scheme == Some("http") && tls_flags {
-        return Err(format!(
+        return Err(CtlError::input(format!(
             "--target {target} is http:// but --tls-* flags are set: use https:// or a bare \
              HOST:PORT"
-        ));
+        )));
     }
     let tls = tls_flags || scheme == Some("https");
     // TLS is layered by our own connector, so the channel URI stays http.
     let endpoint = Endpoint::from_shared(format!("http://{authority}"))
-        .map_err(|e| format!("--target {target:?} is not a valid address: {e}"))?
+        .map_err(|e| {
+            CtlError::input(format!("--target {target:?} is not a valid address: {e}")).caused_by(e)
+        })?
         .connect_timeout(args.timeout)
         .timeout(rpc_deadline);
     let mut client_cert = false;
@@ -344,8 +371,10 @@ pub(crate) async fn connect_with_deadline(
     } else {
         endpoint.connect().await
     };
-    let channel =
-        channel.map_err(|e| format!("cannot connect to {authority}: {}", error_chain(&e)))?;
+    let channel = channel.map_err(|e| {
+        let message = format!("cannot connect to {authority}: {}", error_chain(&e));
+        CtlError::new(CtlErrorKind::Connect, message).caused_by(e)
+    })?;
     Ok(Session {
         client: CapacityProviderClient::new(channel.clone()),
         admin: AdminClient::new(channel),

@@ -9,10 +9,12 @@
 
 mod args;
 mod dial;
+mod error;
 mod render;
 mod wait;
 
 pub use args::{CtlArgs, CtlCommand, Fence, Output, Wait};
+pub use error::{CtlError, CtlErrorKind};
 pub use render::{canonical_code_name, render_table, state_name};
 
 use std::path::Path;
@@ -28,46 +30,74 @@ use crate::render::{
 };
 use crate::wait::{wait_for, watch};
 
-pub(crate) async fn mutate(
-    session: &mut Session,
-    output: Output,
-    rpc: &str,
-    id: &str,
+/// One accepted-or-refused mutation and what `--wait` awaits after it.
+struct Mutation {
+    rpc: &'static str,
+    id: String,
     target: MachineState,
-    wait: &Wait,
+    wait: Wait,
     ack: Result<tonic::Response<TransitionAck>, tonic::Status>,
-) -> Result<(), String> {
-    let ack = ack
-        .map_err(|s| session.status_error(&format!("{rpc} {}", cell(id)), &s))?
-        .into_inner();
-    let snapshot = ack.machine.clone().unwrap_or_else(|| Machine {
-        id: id.to_string(),
-        ..Machine::default()
-    });
-    // `None`: a waited-for Delete removed the machine entirely.
-    let machine = if wait.wait {
-        wait_for(session, id, target, snapshot, wait).await?
-    } else {
-        Some(snapshot)
-    };
-    let text = match output {
-        Output::Json => json(&AckView {
-            operation_id: ack.operation_id.clone(),
-            machine: machine.as_ref().map(MachineView::from),
-        })?,
-        Output::Table => {
-            let state = machine
-                .as_ref()
-                .map(|m| state_name(m.state))
-                .unwrap_or_else(|| "gone".into());
-            format!(
-                "{}: {state} (operation {})\n",
-                cell(id),
-                cell(&ack.operation_id)
-            )
+}
+
+impl Mutation {
+    fn new(
+        rpc: &'static str,
+        id: String,
+        target: MachineState,
+        wait: Wait,
+        ack: Result<tonic::Response<TransitionAck>, tonic::Status>,
+    ) -> Self {
+        Mutation {
+            rpc,
+            id,
+            target,
+            wait,
+            ack,
         }
-    };
-    emit(&text)
+    }
+
+    async fn finish(self, session: &mut Session, output: Output) -> Result<(), CtlError> {
+        let Mutation {
+            rpc,
+            id,
+            target,
+            wait,
+            ack,
+            ..
+        } = self;
+        let id = id.as_str();
+        let ack = ack
+            .map_err(|s| session.status_error(&format!("{rpc} {}", cell(id)), &s))?
+            .into_inner();
+        let snapshot = ack.machine.clone().unwrap_or_else(|| Machine {
+            id: id.to_string(),
+            ..Machine::default()
+        });
+        // `None`: a waited-for Delete removed the machine entirely.
+        let machine = if wait.wait {
+            wait_for(session, id, target, snapshot, &wait).await?
+        } else {
+            Some(snapshot)
+        };
+        let text = match output {
+            Output::Json => json(&AckView {
+                operation_id: ack.operation_id.clone(),
+                machine: machine.as_ref().map(MachineView::from),
+            })?,
+            Output::Table => {
+                let state = machine
+                    .as_ref()
+                    .map(|m| state_name(m.state))
+                    .unwrap_or_else(|| "gone".into());
+                format!(
+                    "{}: {state} (operation {})\n",
+                    cell(id),
+                    cell(&ack.operation_id)
+                )
+            }
+        };
+        emit(&text)
+    }
 }
 
 #[derive(serde::Serialize)]
@@ -82,7 +112,7 @@ async fn reclaim(
     output: Output,
     id: &str,
     wait: bool,
-) -> Result<(), String> {
+) -> Result<(), CtlError> {
     use bigfleet_proto::admin::{ReclaimRequest, ReclaimStatus};
     let req = ReclaimRequest {
         machine_id: id.to_string(),
@@ -100,12 +130,13 @@ async fn reclaim(
                 && std::error::Error::source(&s).is_none()
                 && !s.message().trim().is_empty()
             {
-                return format!(
+                let message = format!(
                     "Reclaim {}: {}: {}",
                     cell(id),
                     canonical_code_name(s.code()),
                     cell(s.message().trim())
                 );
+                return CtlError::new(CtlErrorKind::Rpc(s.code()), message).caused_by(s);
             }
             let hint = if s.code() == tonic::Code::Unimplemented {
                 "this provider has no admin service: upgrade it".to_string()
@@ -142,30 +173,36 @@ async fn reclaim(
     emit(&out)
 }
 
-pub(crate) fn read_blob(path: &Path) -> Result<Vec<u8>, String> {
+pub(crate) fn read_blob(path: &Path) -> Result<Vec<u8>, CtlError> {
     if path == Path::new("-") {
         let mut buf = Vec::new();
-        std::io::Read::read_to_end(&mut std::io::stdin(), &mut buf)
-            .map_err(|e| format!("cannot read the bootstrap blob from stdin: {e}"))?;
+        std::io::Read::read_to_end(&mut std::io::stdin(), &mut buf).map_err(|e| {
+            CtlError::input(format!("cannot read the bootstrap blob from stdin: {e}")).caused_by(e)
+        })?;
         return Ok(buf);
     }
-    std::fs::read(path).map_err(|e| format!("cannot read --blob-file {}: {e}", path.display()))
+    std::fs::read(path).map_err(|e| {
+        CtlError::input(format!("cannot read --blob-file {}: {e}", path.display())).caused_by(e)
+    })
 }
 
 pub(crate) fn metadata_map(
     pairs: &[(String, String)],
-) -> Result<std::collections::HashMap<String, String>, String> {
+) -> Result<std::collections::HashMap<String, String>, CtlError> {
     let mut map = std::collections::HashMap::new();
     for (k, v) in pairs {
         if map.insert(k.clone(), v.clone()).is_some() {
-            return Err(format!("--metadata key {k:?} is given more than once"));
+            return Err(CtlError::input(format!(
+                "--metadata key {k:?} is given more than once"
+            )));
         }
     }
     Ok(map)
 }
 
-/// Run one `ctl` invocation; the error is the one line to print.
-pub async fn run(args: CtlArgs) -> Result<(), String> {
+/// Run one `ctl` invocation; the error's `Display` is the one line to
+/// print and its kind picks the exit code.
+pub async fn run(args: CtlArgs) -> Result<(), CtlError> {
     // Local input problems are reported before anything is dialled.
     let blob = match &args.command {
         CtlCommand::Configure { blob_file, .. } => Some(read_blob(blob_file)?),
@@ -251,16 +288,9 @@ pub async fn run(args: CtlArgs) -> Result<(), String> {
                 sequence_number,
             };
             let ack = session.client.create(req).await;
-            mutate(
-                &mut session,
-                output,
-                "Create",
-                &id,
-                MachineState::Idle,
-                &wait,
-                ack,
-            )
-            .await
+            Mutation::new("Create", id, MachineState::Idle, wait, ack)
+                .finish(&mut session, output)
+                .await
         }
         CtlCommand::Configure {
             id,
@@ -281,16 +311,9 @@ pub async fn run(args: CtlArgs) -> Result<(), String> {
                 shard_metadata: metadata_map(&metadata)?,
             };
             let ack = session.client.configure(req).await;
-            mutate(
-                &mut session,
-                output,
-                "Configure",
-                &id,
-                MachineState::Configured,
-                &wait,
-                ack,
-            )
-            .await
+            Mutation::new("Configure", id, MachineState::Configured, wait, ack)
+                .finish(&mut session, output)
+                .await
         }
         CtlCommand::Drain {
             id,
@@ -307,16 +330,9 @@ pub async fn run(args: CtlArgs) -> Result<(), String> {
                 sequence_number,
             };
             let ack = session.client.drain(req).await;
-            mutate(
-                &mut session,
-                output,
-                "Drain",
-                &id,
-                MachineState::Idle,
-                &wait,
-                ack,
-            )
-            .await
+            Mutation::new("Drain", id, MachineState::Idle, wait, ack)
+                .finish(&mut session, output)
+                .await
         }
         CtlCommand::Delete { id, fence, wait } => {
             let (shard_id, shard_epoch, sequence_number) = fence.token();
@@ -327,16 +343,9 @@ pub async fn run(args: CtlArgs) -> Result<(), String> {
                 sequence_number,
             };
             let ack = session.client.delete(req).await;
-            mutate(
-                &mut session,
-                output,
-                "Delete",
-                &id,
-                MachineState::Speculative,
-                &wait,
-                ack,
-            )
-            .await
+            Mutation::new("Delete", id, MachineState::Speculative, wait, ack)
+                .finish(&mut session, output)
+                .await
         }
         CtlCommand::Watch {
             id,
@@ -388,6 +397,25 @@ mod tests {
     #[test]
     fn clap_definition_is_consistent() {
         Parent::command().debug_assert();
+    }
+
+    #[test]
+    fn every_global_option_is_listed_under_its_heading() {
+        let mut parent = Parent::command();
+        let ctl = parent
+            .find_subcommand_mut("ctl")
+            .expect("ctl is mounted")
+            .clone();
+        let globals: Vec<_> = ctl.get_arguments().filter(|a| a.is_global_set()).collect();
+        assert!(globals.len() >= 7, "{} global options", globals.len());
+        for arg in globals {
+            assert_eq!(
+                arg.get_help_heading(),
+                Some("Global options"),
+                "--{:?}",
+                arg.get_long()
+            );
+        }
     }
 
     #[test]
@@ -512,7 +540,10 @@ mod tests {
     #[test]
     fn duplicate_metadata_keys_are_an_error() {
         let pairs = vec![("k".to_string(), "1".to_string()), ("k".into(), "2".into())];
-        assert!(metadata_map(&pairs).unwrap_err().contains("\"k\""));
+        let err = metadata_map(&pairs).unwrap_err();
+        assert_eq!(err.kind(), CtlErrorKind::Input);
+        assert_eq!(err.exit_code(), 2);
+        assert!(err.to_string().contains("\"k\""), "{err}");
     }
 
     fn machine() -> Machine {
@@ -591,19 +622,26 @@ mod tests {
             ..base.clone()
         };
         let err = connect(&https).await.err().unwrap();
+        assert_eq!(err.kind(), CtlErrorKind::Input, "{err}");
+        let err = err.to_string();
         assert!(err.contains("--tls-ca"), "{err}");
         let mixed = CtlArgs {
             target: "http://127.0.0.1:1".into(),
             tls_ca: Some("/nonexistent".into()),
             ..base.clone()
         };
-        let err = connect(&mixed).await.err().unwrap();
+        let err = connect(&mixed).await.err().unwrap().to_string();
         assert!(err.contains("http://"), "{err}");
         let missing = CtlArgs {
             tls_ca: Some("/nonexistent/ca.pem".into()),
             ..base.clone()
         };
         let err = connect(&missing).await.err().unwrap();
+        assert!(
+            std::error::Error::source(&err).is_some(),
+            "the io error is kept as the source"
+        );
+        let err = err.to_string();
         assert!(
             err.contains("cannot read --tls-ca /nonexistent/ca.pem"),
             "{err}"
@@ -623,6 +661,9 @@ mod tests {
             ..parse(&["list"]).unwrap()
         };
         let err = connect(&args).await.err().unwrap();
+        assert_eq!(err.kind(), CtlErrorKind::Connect, "{err}");
+        assert_eq!(err.exit_code(), 1);
+        let err = err.to_string();
         assert!(
             err.starts_with(&format!("cannot connect to 127.0.0.1:{port}")),
             "{err}"

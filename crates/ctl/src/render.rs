@@ -9,6 +9,8 @@ use bigfleet_proto::v1alpha1::{CapacityType, Machine, MachineState};
 use serde::Serialize;
 use tonic::Code;
 
+use crate::error::CtlError;
+
 /// `IDLE` for a known state, `UNKNOWN(n)` for a value this build does not know.
 pub fn state_name(value: i32) -> String {
     match MachineState::try_from(value) {
@@ -225,17 +227,21 @@ pub(crate) fn machine_details(m: &Machine) -> String {
     out
 }
 
-pub(crate) fn json<T: Serialize>(value: &T) -> Result<String, String> {
+pub(crate) fn json<T: Serialize>(value: &T) -> Result<String, CtlError> {
     serde_json::to_string_pretty(value)
         .map(|s| s + "\n")
-        .map_err(|e| format!("cannot encode JSON output: {e}"))
+        .map_err(json_error)
 }
 
-pub(crate) fn emit(text: &str) -> Result<(), String> {
+pub(crate) fn json_error(e: serde_json::Error) -> CtlError {
+    CtlError::output(format!("cannot encode JSON output: {e}")).caused_by(e)
+}
+
+pub(crate) fn emit(text: &str) -> Result<(), CtlError> {
     let mut out = std::io::stdout().lock();
     out.write_all(text.as_bytes())
         .and_then(|()| out.flush())
-        .map_err(|e| format!("cannot write to stdout: {e}"))
+        .map_err(|e| CtlError::output(format!("cannot write to stdout: {e}")).caused_by(e))
 }
 
 pub(crate) fn elapsed(d: Duration) -> String {

@@ -8,7 +8,8 @@ use tonic::Code;
 
 use crate::args::{Output, Wait};
 use crate::dial::Session;
-use crate::render::{cell, elapsed, emit, state_name, MachineView, WatchLine};
+use crate::error::CtlError;
+use crate::render::{cell, elapsed, emit, json_error, state_name, MachineView, WatchLine};
 
 pub(crate) fn progress(start: Instant, id: &str, m: &Machine) {
     let mut line = format!(
@@ -31,11 +32,14 @@ pub(crate) struct Interrupt {
 }
 
 impl Interrupt {
-    pub(crate) fn new() -> Result<Interrupt, String> {
+    pub(crate) fn new() -> Result<Interrupt, CtlError> {
         #[cfg(unix)]
         {
             let signal = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())
-                .map_err(|e| format!("cannot install the Ctrl-C handler: {e}"))?;
+                .map_err(|e| {
+                    CtlError::outcome(format!("cannot install the Ctrl-C handler: {e}"))
+                        .caused_by(e)
+                })?;
             Ok(Interrupt { signal })
         }
         #[cfg(not(unix))]
@@ -68,7 +72,7 @@ pub(crate) async fn wait_for(
     target: MachineState,
     accepted: Machine,
     opts: &Wait,
-) -> Result<Option<Machine>, String> {
+) -> Result<Option<Machine>, CtlError> {
     let start = Instant::now();
     let mut ctrl_c = Interrupt::new()?;
     let mut current = accepted;
@@ -80,30 +84,30 @@ pub(crate) async fn wait_for(
             return Ok(Some(current));
         }
         if current.state == MachineState::Failed as i32 {
-            return Err(format!(
+            return Err(CtlError::outcome(format!(
                 "{} landed in FAILED after {}: {}",
                 cell(id),
                 elapsed(start.elapsed()),
                 cell(&current.last_error)
-            ));
+            )));
         }
         if start.elapsed() >= opts.wait_timeout {
-            return Err(format!(
+            return Err(CtlError::outcome(format!(
                 "gave up after --wait-timeout {}: {} is still {} (the transition continues on \
                  the provider)",
                 humantime::format_duration(opts.wait_timeout),
                 cell(id),
                 state_name(current.state)
-            ));
+            )));
         }
         tokio::select! {
             _ = tokio::time::sleep(opts.poll_interval) => {}
             _ = ctrl_c.recv() => {
-                return Err(format!(
+                return Err(CtlError::outcome(format!(
                     "interrupted while {} was {} (the transition continues on the provider)",
                     cell(id),
                     state_name(current.state)
-                ));
+                )));
             }
         }
         let next = match session.get(id).await {
@@ -131,7 +135,7 @@ pub(crate) async fn watch(
     id: &str,
     interval: Duration,
     until: Option<MachineState>,
-) -> Result<(), String> {
+) -> Result<(), CtlError> {
     let start = Instant::now();
     let mut ctrl_c = Interrupt::new()?;
     let mut last: Option<i32> = None;
@@ -150,9 +154,7 @@ pub(crate) async fn watch(
                         elapsed_ms: start.elapsed().as_millis(),
                         machine: machine.as_ref().map(MachineView::from),
                     };
-                    serde_json::to_string(&line)
-                        .map_err(|e| format!("cannot encode JSON output: {e}"))?
-                        + "\n"
+                    serde_json::to_string(&line).map_err(json_error)? + "\n"
                 }
                 Output::Table => {
                     let mut line = format!(
@@ -174,11 +176,11 @@ pub(crate) async fn watch(
         let Some(state) = state else {
             return match until {
                 None | Some(MachineState::Speculative) => Ok(()),
-                Some(u) => Err(format!(
+                Some(u) => Err(CtlError::outcome(format!(
                     "{} is gone; it will never reach {}",
                     cell(id),
                     state_name(u as i32)
-                )),
+                ))),
             };
         };
         last = Some(state);
@@ -187,11 +189,11 @@ pub(crate) async fn watch(
                 return Ok(());
             }
             if state == MachineState::Failed as i32 {
-                return Err(format!(
+                return Err(CtlError::outcome(format!(
                     "{} is FAILED and will not reach {}",
                     cell(id),
                     state_name(u as i32)
-                ));
+                )));
             }
         }
         tokio::select! {
