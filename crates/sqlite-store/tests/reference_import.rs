@@ -179,20 +179,29 @@ fn unreadable_json_is_refused_and_left_alone() {
             "resize",
         ),
     ] {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("state.json");
-        std::fs::write(&path, doc).unwrap();
-        let err = SqliteStore::open(&path).err().expect("must be refused");
-        assert_eq!(err.kind(), StoreErrorKind::Corrupt, "{err}");
-        let text = err.to_string();
-        assert!(
-            text.contains("reference implementation's JSON state but cannot be imported")
-                && text.contains(expect),
-            "{doc}: {text}"
+        assert_refused_untouched(
+            doc,
+            "reference implementation's JSON state but cannot be imported",
+            expect,
         );
-        assert_eq!(std::fs::read_to_string(&path).unwrap(), doc, "untouched");
-        assert!(!dir.path().join("state.json.reference-backup").exists());
     }
+}
+
+/// Opening `doc` as a state file is refused as corrupt with both texts in
+/// the message, and neither the file nor a backup is touched.
+fn assert_refused_untouched(doc: &str, reason: &str, detail: &str) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("state.json");
+    std::fs::write(&path, doc).unwrap();
+    let err = SqliteStore::open(&path).err().expect("must be refused");
+    assert_eq!(err.kind(), StoreErrorKind::Corrupt, "{err}");
+    let text = err.to_string();
+    assert!(
+        text.contains(reason) && text.contains(detail),
+        "{doc}: {text}"
+    );
+    assert_eq!(std::fs::read_to_string(&path).unwrap(), doc, "untouched");
+    assert!(!dir.path().join("state.json.reference-backup").exists());
 }
 
 #[test]
@@ -204,19 +213,11 @@ fn other_json_is_refused_and_left_alone() {
             r#"unexpected key "name""#,
         ),
     ] {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("state.json");
-        std::fs::write(&path, doc).unwrap();
-        let err = SqliteStore::open(&path).err().expect("must be refused");
-        assert_eq!(err.kind(), StoreErrorKind::Corrupt, "{err}");
-        let text = err.to_string();
-        assert!(
-            text.contains("is not a valid state database: it is JSON but not the reference")
-                && text.contains(expect),
-            "{doc}: {text}"
+        assert_refused_untouched(
+            doc,
+            "is not a valid state database: it is JSON but not the reference",
+            expect,
         );
-        assert_eq!(std::fs::read_to_string(&path).unwrap(), doc, "untouched");
-        assert!(!dir.path().join("state.json.reference-backup").exists());
     }
 }
 
