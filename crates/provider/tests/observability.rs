@@ -18,7 +18,8 @@ use bigfleet_proto::v1alpha1::{
 };
 use bigfleet_proxmox::layers::{CatchPanicLayer, ObserveLayer};
 use bigfleet_proxmox::metrics::Metrics;
-use common::{field, http_get, plain_channel, run_to_exit, wait_state, Provider, POLL};
+use common::{http_get, plain_channel, run_to_exit, wait_state, Provider, POLL};
+use provider_testkit::field;
 use tonic::{Code, Request, Response, Status};
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
@@ -412,7 +413,7 @@ fn rpc_lines(p: &Provider, method: &str) -> Vec<String> {
     p.logs
         .lines()
         .into_iter()
-        .filter(|l| field(l, "method") == Some(method) && l.contains(" msg=rpc"))
+        .filter(|l| field(l, "method").as_deref() == Some(method) && l.contains(" msg=rpc"))
         .collect()
 }
 
@@ -640,7 +641,7 @@ async fn lifecycle_metrics_logs_and_secrets() {
         assert_eq!(lines.len(), 1, "{method}: {lines:#?}");
         let l = &lines[0];
         assert!(l.contains("level=info"), "{l}");
-        assert_eq!(field(l, "code"), Some("OK"), "{l}");
+        assert_eq!(field(l, "code").as_deref(), Some("OK"), "{l}");
         let ms: f64 = field(l, "dur_ms")
             .and_then(|v| v.parse().ok())
             .unwrap_or(-1.0);
@@ -649,19 +650,21 @@ async fn lifecycle_metrics_logs_and_secrets() {
     // Get/List successes stay below INFO; the failed Get is a WARN.
     let gets = rpc_lines(&p, "Get");
     assert_eq!(gets.len(), 1, "{gets:#?}");
-    assert!(gets[0].contains("level=warn") && field(&gets[0], "code") == Some("NotFound"));
+    assert!(
+        gets[0].contains("level=warn") && field(&gets[0], "code").as_deref() == Some("NotFound")
+    );
     assert!(rpc_lines(&p, "List").is_empty());
 
     // Startup line fields.
     let s = &p.startup_line;
     assert!(s.contains("level=info"), "{s}");
-    assert_eq!(field(s, "provider"), Some("proxmox"), "{s}");
-    assert_eq!(field(s, "proxmox_backend"), Some("fake"), "{s}");
-    assert_eq!(field(s, "security"), Some("insecure"), "{s}");
-    assert_eq!(field(s, "offerings"), Some("4"), "{s}");
-    assert_eq!(field(s, "zones"), Some("pve-a,pve-b"), "{s}");
+    assert_eq!(field(s, "provider").as_deref(), Some("proxmox"), "{s}");
+    assert_eq!(field(s, "proxmox_backend").as_deref(), Some("fake"), "{s}");
+    assert_eq!(field(s, "security").as_deref(), Some("insecure"), "{s}");
+    assert_eq!(field(s, "offerings").as_deref(), Some("4"), "{s}");
+    assert_eq!(field(s, "zones").as_deref(), Some("pve-a,pve-b"), "{s}");
     assert_eq!(
-        field(s, "metrics_addr"),
+        field(s, "metrics_addr").as_deref(),
         Some(p.metrics.to_string().as_str()),
         "{s}"
     );
