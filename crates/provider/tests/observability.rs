@@ -432,7 +432,7 @@ async fn lifecycle_metrics_logs_and_secrets() {
         "--proxmox-token-secret",
         SECRET_TOKEN,
     ]);
-    lifecycle(&p).await;
+    let id = lifecycle(&p).await;
 
     // Wait (bounded) for a background reconcile pass to be counted.
     let deadline = Instant::now() + Duration::from_secs(20);
@@ -646,12 +646,26 @@ async fn lifecycle_metrics_logs_and_secrets() {
             .and_then(|v| v.parse().ok())
             .unwrap_or(-1.0);
         assert!(ms >= 0.0, "dur_ms is not a duration: {l}");
+        assert_eq!(field(l, "machine_id").as_deref(), Some(id.as_str()), "{l}");
+        assert_eq!(field(l, "error"), None, "{l}");
     }
     // Get/List successes stay below INFO; the failed Get is a WARN.
     let gets = rpc_lines(&p, "Get");
     assert_eq!(gets.len(), 1, "{gets:#?}");
     assert!(
         gets[0].contains("level=warn") && field(&gets[0], "code").as_deref() == Some("NotFound")
+    );
+    assert_eq!(
+        field(&gets[0], "machine_id").as_deref(),
+        Some("proxmox/OnDemand/pve.small/pve-a/999"),
+        "{}",
+        gets[0]
+    );
+    assert_eq!(
+        field(&gets[0], "error").as_deref(),
+        Some(r#"machine "proxmox/OnDemand/pve.small/pve-a/999" not found"#),
+        "{}",
+        gets[0]
     );
     assert!(rpc_lines(&p, "List").is_empty());
 
@@ -1041,4 +1055,53 @@ async fn a_stalled_log_pipe_does_not_stall_rpcs() {
     let _ = child.kill();
     let _ = child.wait();
     result.expect("RPCs stalled behind the unread log pipe");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rpc_warnings_name_the_machine_and_the_status_message() {
+    let p = Provider::start(&["--use-fake-backend", "--seed-count", "2"]);
+    let mut c = p.client().await;
+    let id = common::speculative_id(&mut c).await;
+    let refused = c
+        .delete(DeleteRequest {
+            machine_id: id.clone(),
+            ..Default::default()
+        })
+        .await
+        .expect_err("Delete of a SPECULATIVE machine");
+    assert_eq!(refused.code(), Code::Aborted);
+    // The blob follows the machine id on the wire; it must not reach the line.
+    let refused = c
+        .configure(ConfigureRequest {
+            machine_id: id.clone(),
+            cluster_id: "cluster-obs".into(),
+            bootstrap_blob: format!("{SECRET_BLOB}{}", "x".repeat(64 * 1024)).into_bytes(),
+            ..Default::default()
+        })
+        .await
+        .expect_err("Configure of a SPECULATIVE machine");
+    assert_eq!(refused.code(), Code::Aborted);
+    for method in ["Delete", "Configure"] {
+        let line = p
+            .logs
+            .wait_for(LIFECYCLE_DEADLINE, |l| {
+                l.contains(" msg=rpc") && field(l, "method").as_deref() == Some(method)
+            })
+            .unwrap_or_else(|| panic!("no {method} line:\n{}", p.stderr()));
+        assert!(line.contains("level=warn"), "{line}");
+        assert_eq!(field(&line, "code").as_deref(), Some("Aborted"), "{line}");
+        assert_eq!(
+            field(&line, "machine_id").as_deref(),
+            Some(id.as_str()),
+            "{line}"
+        );
+        assert_eq!(
+            field(&line, "error"),
+            Some(format!(
+                "machine {id:?} is SPECULATIVE; {method} needs IDLE"
+            )),
+            "{line}"
+        );
+        assert!(!line.contains(SECRET_BLOB), "{line}");
+    }
 }
