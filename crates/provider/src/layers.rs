@@ -282,18 +282,17 @@ where
         let path = request.uri().path().to_string();
         // Health and reflection calls are not part of the provider API.
         let ours = path.starts_with("/bigfleet.");
-        let id = Arc::new(OnceLock::new());
-        let request = if ours && carries_machine_id(method_of(&path)) {
-            request.map(|inner| {
+        let id = (ours && carries_machine_id(method_of(&path))).then(|| Arc::new(OnceLock::new()));
+        let request = match &id {
+            Some(id) => request.map(|inner| {
                 Body::new(PeekBody {
                     inner,
                     head: Vec::new(),
                     done: false,
-                    id: id.clone(),
+                    id: Arc::clone(id),
                 })
-            })
-        } else {
-            request
+            }),
+            None => request,
         };
         Box::pin(async move {
             let started = Instant::now();
@@ -310,7 +309,7 @@ where
                 // Formatted only if the line is actually written.
                 let ms = elapsed.as_secs_f64() * 1000.0;
                 let dur_ms = format_args!("{ms:.3}");
-                let machine_id = id.get().map(String::as_str);
+                let machine_id = id.as_ref().and_then(|id| id.get()).map(String::as_str);
                 if code != Code::Ok {
                     // `error`, as on every other failure line: `message` is
                     // the line's own message in tracing (and in JSON).
