@@ -1,6 +1,7 @@
-//! Lifecycle states, transition kinds and the persisted machine record;
-//! the record's lifecycle transitions, as pure functions, are in
-//! [`transition`].
+//! Lifecycle states, transition kinds and the persisted machine record,
+//! with the record's lifecycle transitions as pure functions
+//! ([`MachineRecord::begin`], [`MachineRecord::land_success`], ...; in
+//! `transition.rs`).
 //!
 //! One file past 600 lines on purpose: the record, its hand-written wire
 //! encoding and its decoding (with their round-trip tests) must change
