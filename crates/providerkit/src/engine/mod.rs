@@ -352,23 +352,28 @@ impl Engine {
             return false;
         }
         let on_record = record.host.as_ref().map(|h| h.r#ref.as_str());
-        match (on_record, found) {
-            (Some(have), Some(found)) if have == found.host_ref => false,
-            (None, None) => false,
-            (_, Some(found)) => {
-                let host = self.host_ref(found);
+        let host = match (on_record, found) {
+            (Some(have), Some(found)) if have == found.host_ref => return false,
+            (None, None) => return false,
+            (_, Some(found)) => Some(self.host_ref(found)),
+            (Some(_), None) => None,
+        };
+        let Ok(next) = record.rehosted(host) else {
+            return false;
+        };
+        match (&next.host, on_record) {
+            (Some(host), _) => {
                 tracing::info!(machine_id = %record.id, host = %host.r#ref, "FAILED machine re-attached to the host marked for it");
-                inner.record_mut(slot).host = Some(host);
                 report.reattached += 1;
-                true
             }
-            (Some(gone), None) => {
-                tracing::info!(machine_id = %record.id, host = %gone, "FAILED machine's host no longer exists; host cleared");
-                inner.record_mut(slot).host = None;
+            (None, gone) => {
+                tracing::info!(machine_id = %record.id, host = gone.unwrap_or_default(), "FAILED machine's host no longer exists; host cleared");
                 report.detached += 1;
-                true
             }
         }
+        // The caller bumps the revision once for every change to the slot.
+        inner.replace(slot, next);
+        true
     }
 
     fn new_record(&self, spec: SlotSpec, rev: u64) -> MachineRecord {

@@ -245,6 +245,22 @@ impl MachineRecord {
         Ok(next)
     }
 
+    /// A FAILED machine's host follows the substrate: `host` is the one
+    /// marked for it, None when it no longer exists. Every other state's
+    /// host is the engine's alone. The revision stays; the engine gives one
+    /// fresh revision for everything a reconcile changed on the machine.
+    pub fn rehosted(&self, host: Option<pb::HostRef>) -> Result<MachineRecord, TransitionError> {
+        if self.state != State::Failed {
+            return Err(TransitionError::NotFailed {
+                id: self.id.clone(),
+                state: self.state,
+            });
+        }
+        let mut next = self.clone();
+        next.host = host;
+        Ok(next)
+    }
+
     /// A FAILED machine whose hosts were destroyed: SPECULATIVE again with
     /// `rev`, no host, binding, error or operation id left.
     pub fn reclaimed(&self, rev: u64) -> Result<MachineRecord, TransitionError> {
@@ -426,6 +442,28 @@ mod tests {
                 state: State::Speculative
             })
         );
+    }
+
+    #[test]
+    fn only_a_failed_machine_follows_the_substrate_host() {
+        let mut failed = speculative();
+        failed.state = State::Failed;
+        failed.host = Some(host("pve1/123"));
+        failed.cluster = "c-1".into();
+        let moved = failed.rehosted(Some(host("pve2/456"))).expect("rehost");
+        assert_eq!(moved.host, Some(host("pve2/456")));
+        assert_eq!((moved.state, moved.rev), (State::Failed, failed.rev));
+        assert_eq!(moved.cluster, "c-1", "only the host follows");
+        assert_eq!(failed.rehosted(None).expect("detach").host, None);
+        let mut idle = speculative();
+        idle.state = State::Idle;
+        assert!(matches!(
+            idle.rehosted(None),
+            Err(TransitionError::NotFailed {
+                state: State::Idle,
+                ..
+            })
+        ));
     }
 
     #[test]
