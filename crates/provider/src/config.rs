@@ -7,6 +7,8 @@ use std::time::Duration;
 
 use clap::{Parser, Subcommand, ValueEnum};
 
+use crate::error::ConfigError;
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum BackendChoice {
     Auto,
@@ -209,7 +211,7 @@ pub struct Args {
     pub log_format: LogFormat,
 
     /// Minimum log level (error, warn, info, debug, trace).
-    #[arg(long, default_value = "info")]
+    #[arg(long, default_value = crate::logging::DEFAULT_LEVEL)]
     pub log_level: String,
 }
 
@@ -242,7 +244,7 @@ pub const DEFAULT_METRICS_ADDR: &str = ":9090";
 
 /// Go-style `:9000` means every interface; a host name (`localhost:9200`)
 /// is resolved, and its first address is used.
-pub fn parse_listen_addr(flag: &str, value: &str) -> Result<SocketAddr, String> {
+pub fn parse_listen_addr(flag: &str, value: &str) -> Result<SocketAddr, ConfigError> {
     let full = if value.starts_with(':') {
         format!("0.0.0.0{value}")
     } else {
@@ -251,15 +253,24 @@ pub fn parse_listen_addr(flag: &str, value: &str) -> Result<SocketAddr, String> 
     if let Ok(addr) = full.parse() {
         return Ok(addr);
     }
-    let bad = || format!("{flag} {value:?} is not a host:port listen address");
+    let bad = || {
+        ConfigError::invalid(format!(
+            "{flag} {value:?} is not a host:port listen address"
+        ))
+    };
     let (host, port) = full.rsplit_once(':').ok_or_else(bad)?;
     if host.is_empty() || port.parse::<u16>().is_err() {
         return Err(bad());
     }
     std::net::ToSocketAddrs::to_socket_addrs(&full)
-        .map_err(|e| format!("{flag} {value:?}: cannot resolve {host:?}: {e}"))?
+        .map_err(|e| {
+            let message = format!("{flag} {value:?}: cannot resolve {host:?}: {e}");
+            ConfigError::invalid_because(message, e)
+        })?
         .next()
-        .ok_or_else(|| format!("{flag} {value:?}: {host:?} resolves to no address"))
+        .ok_or_else(|| {
+            ConfigError::invalid(format!("{flag} {value:?}: {host:?} resolves to no address"))
+        })
 }
 
 #[cfg(test)]
@@ -313,7 +324,9 @@ mod tests {
     fn listen_addrs_accept_host_names() {
         let a = parse_listen_addr("--addr", "localhost:9200").unwrap();
         assert!(a.ip().is_loopback() && a.port() == 9200, "{a}");
-        let e = parse_listen_addr("--addr", "localhost").unwrap_err();
+        let e = parse_listen_addr("--addr", "localhost")
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("not a host:port"), "{e}");
     }
 

@@ -1,14 +1,18 @@
 //! The gRPC interceptor chain: an outer layer that records metrics and logs
-//! one line per RPC, and an inner layer that turns a panicking handler into
-//! INTERNAL so the process survives.
+//! one line per RPC (with the request's machine id, read off the body as it
+//! streams past, and a failed call's status message), and an inner layer
+//! that turns a panicking handler into INTERNAL so the process survives.
 
 use std::panic::AssertUnwindSafe;
-use std::sync::Arc;
-use std::task::{Context, Poll};
+use std::pin::Pin;
+use std::sync::{Arc, OnceLock};
+use std::task::{ready, Context, Poll};
 use std::time::Instant;
 
+use bytes::Bytes;
 use futures::future::BoxFuture;
 use futures::FutureExt;
+use http_body::{Body as HttpBody, Frame, SizeHint};
 use tonic::body::Body;
 use tonic::Code;
 use tower::{Layer, Service};
@@ -33,6 +37,183 @@ fn code_of(response: &HttpResponse) -> Code {
         .and_then(|v| v.parse::<i32>().ok())
         .map(Code::from_i32)
         .unwrap_or(Code::Ok)
+}
+
+/// RPCs whose request carries the machine id as field 1 (`machine_id` or
+/// `MachineRef.id`).
+fn carries_machine_id(method: &str) -> bool {
+    matches!(
+        method,
+        "Create" | "Configure" | "Drain" | "Delete" | "Get" | "Reclaim"
+    )
+}
+
+/// Request bytes looked at for the machine id: the gRPC frame header, the
+/// key, the length and an id at the contract's 256-byte cap, with room for
+/// a client that sends another field first.
+const PEEK_BYTES: usize = 512;
+
+/// Characters of a status message or machine id kept on a log line.
+pub const LOG_VALUE_CHARS: usize = 256;
+
+enum Peeked {
+    Found(String),
+    Absent,
+    NeedMore,
+}
+
+fn varint(buf: &[u8], pos: &mut usize) -> Option<u64> {
+    let mut value = 0u64;
+    for shift in (0..64).step_by(7) {
+        let byte = *buf.get(*pos)?;
+        *pos += 1;
+        value |= u64::from(byte & 0x7f) << shift;
+        if byte & 0x80 == 0 {
+            return Some(value);
+        }
+    }
+    None
+}
+
+/// Field 1 (a string) of the protobuf message in the gRPC frame that
+/// `buf` starts with; NeedMore while `buf` may be too short to tell.
+fn peek_field_one(buf: &[u8]) -> Peeked {
+    let Some(header) = buf.get(..5) else {
+        return Peeked::NeedMore;
+    };
+    if header[0] != 0 {
+        // A compressed message: not worth inflating for a log field.
+        return Peeked::Absent;
+    }
+    let len = u32::from_be_bytes([header[1], header[2], header[3], header[4]]) as usize;
+    let complete = buf.len() - 5 >= len;
+    let msg = &buf[5..5 + len.min(buf.len() - 5)];
+    let short = if complete {
+        Peeked::Absent
+    } else {
+        Peeked::NeedMore
+    };
+    let mut pos = 0;
+    while pos < msg.len() {
+        let Some(key) = varint(msg, &mut pos) else {
+            return short;
+        };
+        let skip = match key & 7 {
+            0 => match varint(msg, &mut pos) {
+                Some(_) => 0,
+                None => return short,
+            },
+            1 => 8,
+            2 => match varint(msg, &mut pos) {
+                Some(n) => n as usize,
+                None => return short,
+            },
+            5 => 4,
+            _ => return Peeked::Absent,
+        };
+        if key == (1 << 3) | 2 {
+            return match msg.get(pos..pos.saturating_add(skip)) {
+                Some(id) => Peeked::Found(clip(&String::from_utf8_lossy(id))),
+                None => short,
+            };
+        }
+        pos = pos.saturating_add(skip);
+    }
+    short
+}
+
+/// At most [`LOG_VALUE_CHARS`] characters of `text`, an ellipsis when cut.
+fn clip(text: &str) -> String {
+    match text.char_indices().nth(LOG_VALUE_CHARS) {
+        None => text.to_string(),
+        Some((end, _)) => format!("{}...", &text[..end]),
+    }
+}
+
+/// The request body, passed through unchanged, that records the machine id
+/// from the first bytes it yields.
+struct PeekBody {
+    inner: Body,
+    /// The first bytes, kept only when the first frame was too short.
+    head: Vec<u8>,
+    done: bool,
+    id: Arc<OnceLock<String>>,
+}
+
+impl PeekBody {
+    fn look(&mut self, data: &[u8]) {
+        let peeked = if self.head.is_empty() {
+            peek_field_one(data)
+        } else {
+            let room = PEEK_BYTES.saturating_sub(self.head.len());
+            self.head.extend_from_slice(&data[..data.len().min(room)]);
+            peek_field_one(&self.head)
+        };
+        match peeked {
+            Peeked::Found(id) => {
+                let _ = self.id.set(id);
+                self.done = true;
+            }
+            Peeked::Absent => self.done = true,
+            Peeked::NeedMore if self.head.is_empty() => {
+                self.head = data[..data.len().min(PEEK_BYTES)].to_vec();
+                self.done = self.head.len() >= PEEK_BYTES;
+            }
+            Peeked::NeedMore => self.done = self.head.len() >= PEEK_BYTES,
+        }
+        if self.done {
+            self.head = Vec::new();
+        }
+    }
+}
+
+impl HttpBody for PeekBody {
+    type Data = Bytes;
+    type Error = tonic::Status;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, tonic::Status>>> {
+        let this = &mut *self;
+        let frame = ready!(Pin::new(&mut this.inner).poll_frame(cx));
+        if let Some(Ok(frame)) = &frame {
+            if let (false, Some(data)) = (this.done, frame.data_ref()) {
+                this.look(data);
+            }
+        }
+        Poll::Ready(frame)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+/// The status message of a failed unary response (trailers-only, so in the
+/// headers), percent-decoded and clipped.
+fn message_of(response: &HttpResponse) -> Option<String> {
+    let raw = response.headers().get("grpc-message")?.as_bytes();
+    let mut out = Vec::with_capacity(raw.len());
+    let mut i = 0;
+    while i < raw.len() {
+        let hex = |b: u8| (b as char).to_digit(16);
+        match (raw[i], raw.get(i + 1).copied(), raw.get(i + 2).copied()) {
+            (b'%', Some(h), Some(l)) if hex(h).is_some() && hex(l).is_some() => {
+                out.push((hex(h).unwrap_or(0) * 16 + hex(l).unwrap_or(0)) as u8);
+                i += 3;
+            }
+            (b, _, _) => {
+                out.push(b);
+                i += 1;
+            }
+        }
+    }
+    Some(clip(&String::from_utf8_lossy(&out)))
 }
 
 /// gRPC code names as dashboards expect them (`OK`, `NotFound`, ...).
@@ -99,6 +280,20 @@ where
         let mut inner = std::mem::replace(&mut self.inner, clone);
         let metrics = self.metrics.clone();
         let path = request.uri().path().to_string();
+        // Health and reflection calls are not part of the provider API.
+        let ours = path.starts_with("/bigfleet.");
+        let id = (ours && carries_machine_id(method_of(&path))).then(|| Arc::new(OnceLock::new()));
+        let request = match &id {
+            Some(id) => request.map(|inner| {
+                Body::new(PeekBody {
+                    inner,
+                    head: Vec::new(),
+                    done: false,
+                    id: Arc::clone(id),
+                })
+            }),
+            None => request,
+        };
         Box::pin(async move {
             let started = Instant::now();
             let result = inner.call(request).await;
@@ -107,20 +302,23 @@ where
                 Ok(response) => code_of(response),
                 Err(_) => Code::Unknown,
             };
-            // Health and reflection calls are not part of the provider API.
-            if path.starts_with("/bigfleet.") {
+            if ours {
                 let method = method_of(&path);
                 let name = metric_code_name(code);
                 metrics.observe_grpc(method, name, elapsed);
                 // Formatted only if the line is actually written.
                 let ms = elapsed.as_secs_f64() * 1000.0;
                 let dur_ms = format_args!("{ms:.3}");
+                let machine_id = id.as_ref().and_then(|id| id.get()).map(String::as_str);
                 if code != Code::Ok {
-                    tracing::warn!(method = %method, code = name, dur_ms = %dur_ms, "rpc");
+                    // `error`, as on every other failure line: `message` is
+                    // the line's own message in tracing (and in JSON).
+                    let error = result.as_ref().ok().and_then(message_of);
+                    tracing::warn!(method = %method, machine_id, code = name, dur_ms = %dur_ms, error, "rpc");
                 } else if method == "Get" || method == "List" {
-                    tracing::debug!(method = %method, code = name, dur_ms = %dur_ms, "rpc");
+                    tracing::debug!(method = %method, machine_id, code = name, dur_ms = %dur_ms, "rpc");
                 } else {
-                    tracing::info!(method = %method, code = name, dur_ms = %dur_ms, "rpc");
+                    tracing::info!(method = %method, machine_id, code = name, dur_ms = %dur_ms, "rpc");
                 }
             }
             result
@@ -187,5 +385,110 @@ where
                 }
             }
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn frame(message: &[u8]) -> Vec<u8> {
+        let mut out = vec![0];
+        out.extend_from_slice(&(message.len() as u32).to_be_bytes());
+        out.extend_from_slice(message);
+        out
+    }
+
+    fn string_field(tag: u8, value: &str) -> Vec<u8> {
+        let mut out = vec![tag << 3 | 2, value.len() as u8];
+        out.extend_from_slice(value.as_bytes());
+        out
+    }
+
+    fn found(p: Peeked) -> Option<String> {
+        match p {
+            Peeked::Found(id) => Some(id),
+            _ => None,
+        }
+    }
+
+    #[test]
+    fn the_machine_id_is_read_off_the_first_frame() {
+        let mut msg = string_field(1, "pve/OnDemand/pve.small/pve1/003");
+        msg.extend(string_field(3, "shard-a"));
+        let buf = frame(&msg);
+        assert_eq!(
+            found(peek_field_one(&buf)).as_deref(),
+            Some("pve/OnDemand/pve.small/pve1/003")
+        );
+        // Field 1 after another field (a client's own order) is found too.
+        let mut msg = string_field(3, "shard-a");
+        msg.push(4 << 3); // a varint field
+        msg.push(0x96);
+        msg.push(0x01);
+        msg.extend(string_field(1, "m-1"));
+        assert_eq!(found(peek_field_one(&frame(&msg))).as_deref(), Some("m-1"));
+        // Cut anywhere before the id ends: more is needed.
+        let buf = frame(&string_field(1, "m-1"));
+        for cut in 0..buf.len() {
+            assert!(
+                matches!(peek_field_one(&buf[..cut]), Peeked::NeedMore),
+                "{cut}"
+            );
+        }
+        // A complete message without field 1, or a compressed one: absent.
+        assert!(matches!(
+            peek_field_one(&frame(&string_field(2, "x"))),
+            Peeked::Absent
+        ));
+        let mut compressed = frame(&string_field(1, "m-1"));
+        compressed[0] = 1;
+        assert!(matches!(peek_field_one(&compressed), Peeked::Absent));
+    }
+
+    #[test]
+    fn split_frames_are_joined_and_the_peek_is_bounded() {
+        let buf = frame(&string_field(1, "m-42"));
+        let mut body = PeekBody {
+            inner: Body::empty(),
+            head: Vec::new(),
+            done: false,
+            id: Arc::new(OnceLock::new()),
+        };
+        for chunk in buf.chunks(2) {
+            body.look(chunk);
+        }
+        assert_eq!(body.id.get().map(String::as_str), Some("m-42"));
+        assert!(body.done && body.head.is_empty());
+        // A frame that never says: the peek stops at PEEK_BYTES.
+        let mut long = vec![0, 0, 0, 4, 0];
+        long.extend(std::iter::repeat_n(0x80, 2 * PEEK_BYTES));
+        let mut body = PeekBody {
+            inner: Body::empty(),
+            head: Vec::new(),
+            done: false,
+            id: Arc::new(OnceLock::new()),
+        };
+        for chunk in long.chunks(100) {
+            if !body.done {
+                body.look(chunk);
+            }
+        }
+        assert!(body.done && body.id.get().is_none());
+    }
+
+    #[test]
+    fn status_messages_are_decoded_and_clipped() {
+        let status = tonic::Status::aborted("machine \"m-1\" is CREATING; 100% sure");
+        let response = status.into_http::<Body>();
+        assert_eq!(
+            message_of(&response).as_deref(),
+            Some("machine \"m-1\" is CREATING; 100% sure")
+        );
+        let long = "x".repeat(5 * LOG_VALUE_CHARS);
+        let response = tonic::Status::internal(long).into_http::<Body>();
+        let clipped = message_of(&response).unwrap_or_default();
+        assert_eq!(clipped.len(), LOG_VALUE_CHARS + 3);
+        assert!(clipped.ends_with("..."));
     }
 }

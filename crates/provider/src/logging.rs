@@ -14,6 +14,7 @@ use tracing_subscriber::registry::LookupSpan;
 use tracing_subscriber::EnvFilter;
 
 use crate::config::LogFormat;
+use crate::error::ConfigError;
 
 /// Lines waiting for the writer thread; beyond this, lines are dropped and
 /// counted (see [`dropped_lines`]) rather than stalling the RPC path.
@@ -31,9 +32,11 @@ pub fn dropped_lines() -> u64 {
 /// Lines are written by a dedicated thread that drains everything queued
 /// before it writes, so under load many lines share one write and no RPC
 /// waits on stderr. Keep the guard until exit: dropping it flushes.
-pub fn init(format: LogFormat, level: &str) -> Result<WorkerGuard, String> {
-    let filter = EnvFilter::try_new(level)
-        .map_err(|e| format!("--log-level {level:?} is not a valid level or filter: {e}"))?;
+pub fn init(format: LogFormat, level: &str) -> Result<WorkerGuard, LogError> {
+    let filter = EnvFilter::try_new(level).map_err(|e| {
+        let message = format!("--log-level {level:?} is not a valid level or filter: {e}");
+        LogError::Level(ConfigError::invalid_because(message, e))
+    })?;
     let (writer, guard) = NonBlockingBuilder::default()
         .lossy(true)
         .buffered_lines_limit(LOG_QUEUE_LINES)
@@ -53,8 +56,22 @@ pub fn init(format: LogFormat, level: &str) -> Result<WorkerGuard, String> {
             .try_init(),
         LogFormat::Text => builder.event_format(Logfmt).try_init(),
     };
-    result.map_err(|e| format!("cannot install the logger: {e}"))?;
+    result.map_err(LogError::Install)?;
     Ok(guard)
+}
+
+/// The level a refused `--log-level` falls back to, so the refusal itself
+/// is still a line in the chosen format.
+pub const DEFAULT_LEVEL: &str = "info";
+
+#[derive(Debug, thiserror::Error)]
+pub enum LogError {
+    /// `--log-level` is not a level or filter: a configuration error.
+    #[error(transparent)]
+    Level(ConfigError),
+    /// A global subscriber is already installed.
+    #[error("cannot install the logger: {0}")]
+    Install(#[source] Box<dyn std::error::Error + Send + Sync + 'static>),
 }
 
 pub struct Logfmt;

@@ -1,65 +1,92 @@
+use std::process::ExitCode;
+
 use clap::Parser;
 
 use bigfleet_proxmox::config::{Args, Command};
+use bigfleet_proxmox::logging::{self, LogError};
+use bigfleet_proxmox::serve::RunError;
 
-fn runtime() -> Result<tokio::runtime::Runtime, std::process::ExitCode> {
+fn runtime() -> std::io::Result<tokio::runtime::Runtime> {
     tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
-        .map_err(|e| {
-            eprintln!("error: cannot start the async runtime: {e}");
-            std::process::ExitCode::from(1)
-        })
 }
 
-fn main() -> std::process::ExitCode {
-    bigfleet_proxmox::budget::tune_allocator();
-    let mut args = Args::parse();
-    if let Some(Command::Ctl(ctl)) = args.command.take() {
-        let runtime = match runtime() {
-            Ok(rt) => rt,
-            Err(code) => return code,
-        };
-        return match runtime.block_on(bigfleet_ctl::run(ctl)) {
-            Ok(()) => std::process::ExitCode::SUCCESS,
-            Err(e) => {
-                eprintln!("error: {e}");
-                std::process::ExitCode::from(1)
-            }
-        };
-    }
-    let log_guard = match bigfleet_proxmox::logging::init(args.log_format, &args.log_level) {
-        Ok(guard) => guard,
+/// The operator client: its errors are for a person at a terminal.
+fn ctl(ctl: bigfleet_ctl::CtlArgs) -> ExitCode {
+    let runtime = match runtime() {
+        Ok(rt) => rt,
         Err(e) => {
-            eprintln!("error: {e}");
-            return std::process::ExitCode::from(2);
+            eprintln!("error: cannot start the async runtime: {e}");
+            return ExitCode::from(1);
         }
     };
-    // The guard is dropped (queued log lines flushed) before a final error
-    // is printed, so stderr keeps the order things happened in.
-    let plan = match bigfleet_proxmox::plan(args) {
+    match runtime.block_on(bigfleet_ctl::run(ctl)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+fn main() -> ExitCode {
+    bigfleet_proxmox::budget::tune_allocator();
+    let mut args = Args::parse();
+    if let Some(Command::Ctl(args)) = args.command.take() {
+        return ctl(args);
+    }
+    // A fatal error is one line in the chosen format, like every other:
+    // `invalid configuration` before anything starts, `startup failed` once
+    // the configuration is valid. The guard is dropped (queued lines
+    // flushed) before the process exits.
+    let log_guard = match logging::init(args.log_format, &args.log_level) {
+        Ok(guard) => guard,
+        Err(LogError::Level(e)) => {
+            // The level is what is wrong: refuse at the default one.
+            match logging::init(args.log_format, logging::DEFAULT_LEVEL) {
+                Ok(guard) => {
+                    tracing::error!(error = %e, "invalid configuration");
+                    drop(guard);
+                }
+                Err(_) => eprintln!("error: invalid configuration: {e}"),
+            }
+            return ExitCode::from(2);
+        }
+        Err(e @ LogError::Install(_)) => {
+            eprintln!("error: startup failed: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    let plan = match bigfleet_proxmox::plan(&args) {
         Ok(plan) => plan,
         Err(e) => {
+            tracing::error!(error = %e, "invalid configuration");
             drop(log_guard);
-            eprintln!("error: {e}");
-            return std::process::ExitCode::from(2);
+            return ExitCode::from(2);
         }
     };
     let runtime = match runtime() {
         Ok(rt) => rt,
-        Err(code) => {
+        Err(e) => {
+            tracing::error!(error = %format_args!("cannot start the async runtime: {e}"), "startup failed");
             drop(log_guard);
-            return code;
+            return ExitCode::from(1);
         }
     };
     let result = runtime.block_on(bigfleet_proxmox::serve::run(plan));
     drop(runtime);
-    drop(log_guard);
-    match result {
-        Ok(()) => std::process::ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("error: {e}");
-            std::process::ExitCode::from(1)
+    let code = match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e @ RunError::Startup(_)) => {
+            tracing::error!(error = %e, "startup failed");
+            ExitCode::from(1)
         }
-    }
+        Err(e @ RunError::Serve(_)) => {
+            tracing::error!(error = %e, "stopped on an error");
+            ExitCode::from(1)
+        }
+    };
+    drop(log_guard);
+    code
 }

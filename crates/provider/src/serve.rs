@@ -21,7 +21,7 @@ use tonic_health::ServingStatus;
 use crate::budget::{BudgetLayer, FirstBytes, PREFACE_TIMEOUT};
 use crate::layers::{CatchPanicLayer, ObserveLayer};
 use crate::metrics::Metrics;
-use crate::{BackendKind, Plan};
+use crate::plan::{BackendConfig, Plan, ProxmoxAccess, ProxmoxConfig};
 use proxmox_backend::backend::ProxmoxBackend;
 use proxmox_backend::fake::FakeCluster;
 use proxmox_backend::proxmox::{PveOptions, PveSubstrate};
@@ -181,13 +181,18 @@ fn open_store(plan: &Plan) -> Result<Arc<dyn Store>, String> {
 
 /// The real substrate, checked against the cluster before serving: the
 /// token works, every zone is a node, every template in use is visible.
-async fn proxmox_substrate(plan: &Plan) -> Result<Arc<dyn Substrate>, String> {
-    let substrate = Arc::new(pve_substrate(plan)?);
-    let mut templates: Vec<u32> = plan
+async fn proxmox_substrate(
+    plan: &Plan,
+    proxmox: &ProxmoxConfig,
+) -> Result<Arc<dyn Substrate>, String> {
+    let substrate = Arc::new(pve_substrate(&proxmox.access, &proxmox.options)?);
+    let catalog = &plan.catalog;
+    let mut templates: Vec<u32> = catalog
         .slots
         .iter()
         .filter_map(|s| {
-            plan.types
+            catalog
+                .types
                 .get(&s.facts.instance_type)
                 .map(|t| t.template_vmid)
         })
@@ -195,7 +200,7 @@ async fn proxmox_substrate(plan: &Plan) -> Result<Arc<dyn Substrate>, String> {
     templates.sort_unstable();
     templates.dedup();
     let warnings = substrate
-        .preflight(&plan.zones, &templates)
+        .preflight(&catalog.zones, &templates)
         .await
         .map_err(|e| format!("Proxmox preflight failed: {e}"))?;
     for warning in warnings {
@@ -204,11 +209,8 @@ async fn proxmox_substrate(plan: &Plan) -> Result<Arc<dyn Substrate>, String> {
     Ok(substrate)
 }
 
-fn pve_substrate(plan: &Plan) -> Result<PveSubstrate, String> {
-    let access = plan
-        .access
-        .as_ref()
-        .ok_or("the proxmox backend has no API access configured")?;
+/// The client and the substrate; the options were validated by the plan.
+fn pve_substrate(access: &ProxmoxAccess, options: &PveOptions) -> Result<PveSubstrate, String> {
     let mut config = pve::PveConfig::new(
         access.api_url.clone(),
         access.token_id.clone(),
@@ -218,43 +220,13 @@ fn pve_substrate(plan: &Plan) -> Result<PveSubstrate, String> {
     config.fingerprints = access.fingerprints.clone();
     let client = pve::PveClient::new(config)
         .map_err(|e| format!("cannot set up the Proxmox API client: {e}"))?;
-    let args = &plan.args;
-    let options = PveOptions {
-        pool: access.pool.clone(),
-        bootstrap_path: args.bootstrap_path.clone(),
-        bootstrap_exec: args
-            .bootstrap_exec
-            .split(',')
-            .map(|a| a.trim().to_string())
-            .filter(|a| !a.is_empty())
-            .collect(),
-        readiness_command: args.readiness_command.trim().to_string(),
-        drain_command: args.drain_command.clone(),
-        max_parallel_clones: args.max_parallel_clones,
-        poll_interval: args.proxmox_poll_interval,
-        // Leave the engine's Drain deadline room for EnsureRunning.
-        drain_timeout: args.drain_timeout * 9 / 10,
-        vmid_range: args
-            .vmid_range
-            .map_or(PveOptions::default().vmid_range, |r| (r.0, r.1)),
-        // Retries of transient failures end before the engine's shortest
-        // transition deadline, so last_error names the cause (the node, the
-        // lock) rather than "deadline exceeded".
-        retry_window: args
-            .create_timeout
-            .min(args.delete_timeout)
-            .min(args.configure_timeout)
-            .mul_f64(0.75),
-        ..PveOptions::default()
-    };
-    options.validate().map_err(|e| e.to_string())?;
     if options.readiness_command.is_empty() {
         tracing::warn!(
             "--readiness-command is empty: the node-readiness gate is off and a \
                      machine may report CONFIGURED before its node can take pods"
         );
     }
-    Ok(PveSubstrate::new(client, options))
+    Ok(PveSubstrate::new(client, options.clone()))
 }
 
 /// SIGINT/SIGTERM handlers, installed before the provider reports itself
@@ -293,16 +265,37 @@ fn reflection_builder() -> tonic_reflection::server::Builder<'static> {
         .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
 }
 
-/// Run until SIGINT/SIGTERM. Errors are startup failures, one line each.
-pub async fn run(plan: Plan) -> Result<(), String> {
+/// Why [`run`] returned an error: before the provider served (the
+/// `startup failed` line), or while it served.
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    /// Something the configuration could not check: a port in use, the
+    /// state store, the Proxmox preflight. The message names the cause.
+    #[error("{0}")]
+    Startup(String),
+    /// The gRPC server stopped with an error after start-up.
+    #[error("gRPC server failed: {0}")]
+    Serve(#[source] tonic::transport::Error),
+}
+
+impl From<String> for RunError {
+    fn from(message: String) -> RunError {
+        RunError::Startup(message)
+    }
+}
+
+/// Run until SIGINT/SIGTERM. Every error before the start-up line is a
+/// [`RunError::Startup`].
+pub async fn run(plan: Plan) -> Result<(), RunError> {
     let signals = ShutdownSignals::install()?;
-    let grpc_listener = bind("--addr", plan.addr).await?;
+    let serving = &plan.serving;
+    let grpc_listener = bind("--addr", serving.addr).await?;
     let local_addr = grpc_listener
         .local_addr()
         .map_err(|e| format!("--addr: {e}"))?;
     let metrics = Metrics::new();
     let ready = Readiness::default();
-    let metrics_local = match bind_aux("--metrics-addr", plan.metrics_addr)
+    let metrics_local = match bind_aux("--metrics-addr", serving.metrics_addr)
         .await
         .map_err(|e| e.to_string())?
     {
@@ -322,7 +315,7 @@ pub async fn run(plan: Plan) -> Result<(), String> {
         AuxListener::DefaultUnavailable { addr, .. } => format!("unavailable ({addr} in use)"),
     };
 
-    if plan.backend == BackendKind::Fake {
+    if matches!(plan.backend, BackendConfig::Fake { .. }) {
         tracing::warn!(
             "FAKE BACKEND: machines are simulated in memory and no Proxmox cluster is touched; \
              for testing and certification only"
@@ -332,22 +325,24 @@ pub async fn run(plan: Plan) -> Result<(), String> {
     if plan.state.is_none() {
         tracing::info!("no --state: lifecycle state, fences and bindings are kept in memory only and are lost on restart");
     }
-    let fake = (plan.backend == BackendKind::Fake)
-        .then(|| Arc::new(FakeCluster::new(plan.zones.clone(), plan.args.fake_latency)));
-    let inner: Arc<dyn Substrate> = match &fake {
-        Some(fake) => fake.clone(),
-        None => proxmox_substrate(&plan).await?,
+    let catalog = &plan.catalog;
+    let (inner, fake): (Arc<dyn Substrate>, _) = match &plan.backend {
+        BackendConfig::Fake { latency } => {
+            let fake = Arc::new(FakeCluster::new(catalog.zones.clone(), *latency));
+            (fake.clone(), Some(fake))
+        }
+        BackendConfig::Proxmox(proxmox) => (proxmox_substrate(&plan, proxmox).await?, None),
     };
     let substrate: Arc<dyn Substrate> = Arc::new(Metered::new(inner, metrics.clone()));
     let backend = Arc::new(ProxmoxBackend::new(
-        plan.slots.clone(),
-        plan.types.clone(),
-        plan.pricing.clone(),
+        catalog.slots.clone(),
+        catalog.types.clone(),
+        catalog.pricing.clone(),
         substrate,
     ));
     let engine = Engine::start(backend, store, plan.engine.clone())
         .await
-        .map_err(|e| format!("startup failed: {e}"))?;
+        .map_err(|e| e.to_string())?;
     if let Some(fake) = &fake {
         for machine in engine.list(&[], 0, &[]).machines {
             if let Some(vm) = machine
@@ -361,7 +356,7 @@ pub async fn run(plan: Plan) -> Result<(), String> {
     }
 
     let (health_reporter, health_service) = tonic_health::server::health_reporter();
-    let reflection = if plan.args.reflection {
+    let reflection = if serving.reflection {
         Some(
             reflection_builder()
                 .build_v1()
@@ -370,7 +365,7 @@ pub async fn run(plan: Plan) -> Result<(), String> {
     } else {
         None
     };
-    let reflection_alpha = if plan.args.reflection {
+    let reflection_alpha = if serving.reflection {
         Some(
             reflection_builder()
                 .build_v1alpha()
@@ -398,14 +393,14 @@ pub async fn run(plan: Plan) -> Result<(), String> {
         .add_optional_service(reflection)
         .add_optional_service(reflection_alpha);
 
-    metrics.observe_engine(engine.clone(), plan.zones.clone());
-    crate::admin::spawn_auto_reclaim(&engine, plan.args.reclaim_failed_after);
+    metrics.observe_engine(engine.clone(), catalog.zones.clone());
+    crate::admin::spawn_auto_reclaim(&engine, plan.reconcile.reclaim_failed_after);
 
     // Reconcile in the background; an unchanged pass bumps nothing.
-    if !plan.args.reconcile_interval.is_zero() {
+    if !plan.reconcile.interval.is_zero() {
         let engine = engine.clone();
         let metrics = metrics.clone();
-        let period = plan.args.reconcile_interval;
+        let period = plan.reconcile.interval;
         tokio::spawn(async move {
             let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -449,11 +444,11 @@ pub async fn run(plan: Plan) -> Result<(), String> {
     ));
     tracing::info!(
         addr = %local_addr,
-        provider = %plan.args.provider,
-        proxmox_backend = plan.backend.name(),
-        security = plan.security.name(),
-        offerings = plan.slots.len(),
-        zones = %plan.zones.join(","),
+        provider = %serving.provider,
+        proxmox_backend = plan.backend.kind().name(),
+        security = serving.security.name(),
+        offerings = catalog.slots.len(),
+        zones = %catalog.zones.join(","),
         metrics_addr = %metrics_local,
         store = %engine_store_name(&plan),
         "{}",
@@ -480,15 +475,15 @@ pub async fn run(plan: Plan) -> Result<(), String> {
             stopping.notify_one();
         }
     };
-    let grace = plan.args.shutdown_grace;
+    let grace = serving.shutdown_grace;
     let grace_expired = async move {
         stopping.notified().await;
         tokio::time::sleep(grace).await;
     };
 
     let incoming = TcpListenerStream::new(grpc_listener);
-    let serving = async {
-        match plan.tls.clone() {
+    let server = async {
+        match serving.tls.clone() {
             None => {
                 // Unary RPCs are small writes: without TCP_NODELAY, Nagle
                 // and delayed ACKs add ~40 ms to responses.
@@ -511,13 +506,13 @@ pub async fn run(plan: Plan) -> Result<(), String> {
         }
     };
     let served = tokio::select! {
-        served = serving => served,
+        served = server => served,
         () = grace_expired => {
             tracing::warn!(grace = ?grace, "shutdown grace period expired with RPCs still open; exiting");
             Ok(())
         }
     };
-    served.map_err(|e| format!("gRPC server failed: {e}"))?;
+    served.map_err(RunError::Serve)?;
     tracing::info!("stopped");
     Ok(())
 }

@@ -87,7 +87,7 @@ impl Proc {
         let reader = std::thread::spawn(move || {
             for line in BufReader::new(stderr).lines() {
                 let Ok(line) = line else { break };
-                if line.contains(provider_testkit::STARTUP_LINE) {
+                if provider_testkit::is_startup_line(&line) {
                     let _ = tx.send(line.clone());
                 }
                 sink.lock().unwrap().push(line);
@@ -98,8 +98,7 @@ impl Proc {
         let addr = line
             .as_ref()
             .ok()
-            .and_then(|l| common::field(l, "addr"))
-            .and_then(|a| a.parse().ok());
+            .and_then(|l| provider_testkit::addr_field(l, "addr").ok());
         let Some(addr) = addr else {
             let _ = child.kill();
             let _ = child.wait();

@@ -17,6 +17,26 @@ use serde_json::Value;
 const BIN: &str = env!("CARGO_BIN_EXE_bigfleet-proxmox");
 const SECRET: &str = "TOPSECRET-bootstrap-token-7f3a";
 
+/// Wait for the provider's start-up line in its log file; its gRPC address.
+fn await_serving(child: &mut Child, log: &Path) -> String {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let text = std::fs::read_to_string(log).unwrap_or_default();
+        if let Some(line) = text.lines().find(|l| provider_testkit::is_startup_line(l)) {
+            let addr = provider_testkit::addr_field(line, "addr");
+            return addr.unwrap_or_else(|e| panic!("{e}")).to_string();
+        }
+        if let Some(status) = child.try_wait().unwrap() {
+            panic!("provider exited early ({status}):\n{text}");
+        }
+        assert!(
+            Instant::now() < deadline,
+            "provider never logged its start-up line:\n{text}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
 fn free_port() -> u16 {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     listener.local_addr().unwrap().port()
@@ -35,14 +55,12 @@ struct Provider {
 impl Provider {
     /// `server_args` are appended to the fake-backend flags.
     fn start(server_args: &[String], client_tls: &[String], dir: tempfile::TempDir) -> Provider {
-        let port = free_port();
-        let target = format!("127.0.0.1:{port}");
         let log = dir.path().join("provider.log");
-        let child = Command::new(BIN)
+        let mut child = Command::new(BIN)
             .args([
                 "--use-fake-backend",
                 "--addr",
-                &target,
+                "127.0.0.1:0",
                 "--metrics-addr",
                 "",
                 "--seed-count",
@@ -54,42 +72,20 @@ impl Provider {
             .stderr(std::fs::File::create(&log).unwrap())
             .spawn()
             .unwrap();
+        let target = await_serving(&mut child, &log);
         let mut client = vec!["--target".to_string(), target.clone()];
         client.extend_from_slice(client_tls);
-        let mut provider = Provider {
+        Provider {
             child,
             target,
             client,
             log,
             dir,
-        };
-        provider.await_serving();
-        provider
+        }
     }
 
     fn log(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-
-    /// Poll with the CLI itself until the provider answers a List.
-    fn await_serving(&mut self) {
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            if let Some(status) = self.child.try_wait().unwrap() {
-                panic!("provider exited early ({status}):\n{}", self.log());
-            }
-            let out = self.ctl(&["--timeout", "2s", "list", "--max", "1"]);
-            if out.status.success() {
-                return;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "provider never answered: {}\n{}",
-                stderr(&out),
-                self.log()
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
     }
 
     fn ctl_command(&self, args: &[&str]) -> Command {

@@ -18,7 +18,8 @@ use bigfleet_proto::v1alpha1::{
 };
 use bigfleet_proxmox::layers::{CatchPanicLayer, ObserveLayer};
 use bigfleet_proxmox::metrics::Metrics;
-use common::{field, http_get, plain_channel, run_to_exit, wait_state, Provider, POLL};
+use common::{http_get, plain_channel, run_to_exit, wait_state, Provider, POLL};
+use provider_testkit::field;
 use tonic::{Code, Request, Response, Status};
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
@@ -412,7 +413,7 @@ fn rpc_lines(p: &Provider, method: &str) -> Vec<String> {
     p.logs
         .lines()
         .into_iter()
-        .filter(|l| field(l, "method") == Some(method) && l.contains(" msg=rpc"))
+        .filter(|l| field(l, "method").as_deref() == Some(method) && l.contains(" msg=rpc"))
         .collect()
 }
 
@@ -431,7 +432,7 @@ async fn lifecycle_metrics_logs_and_secrets() {
         "--proxmox-token-secret",
         SECRET_TOKEN,
     ]);
-    lifecycle(&p).await;
+    let id = lifecycle(&p).await;
 
     // Wait (bounded) for a background reconcile pass to be counted.
     let deadline = Instant::now() + Duration::from_secs(20);
@@ -640,28 +641,44 @@ async fn lifecycle_metrics_logs_and_secrets() {
         assert_eq!(lines.len(), 1, "{method}: {lines:#?}");
         let l = &lines[0];
         assert!(l.contains("level=info"), "{l}");
-        assert_eq!(field(l, "code"), Some("OK"), "{l}");
+        assert_eq!(field(l, "code").as_deref(), Some("OK"), "{l}");
         let ms: f64 = field(l, "dur_ms")
             .and_then(|v| v.parse().ok())
             .unwrap_or(-1.0);
         assert!(ms >= 0.0, "dur_ms is not a duration: {l}");
+        assert_eq!(field(l, "machine_id").as_deref(), Some(id.as_str()), "{l}");
+        assert_eq!(field(l, "error"), None, "{l}");
     }
     // Get/List successes stay below INFO; the failed Get is a WARN.
     let gets = rpc_lines(&p, "Get");
     assert_eq!(gets.len(), 1, "{gets:#?}");
-    assert!(gets[0].contains("level=warn") && field(&gets[0], "code") == Some("NotFound"));
+    assert!(
+        gets[0].contains("level=warn") && field(&gets[0], "code").as_deref() == Some("NotFound")
+    );
+    assert_eq!(
+        field(&gets[0], "machine_id").as_deref(),
+        Some("proxmox/OnDemand/pve.small/pve-a/999"),
+        "{}",
+        gets[0]
+    );
+    assert_eq!(
+        field(&gets[0], "error").as_deref(),
+        Some(r#"machine "proxmox/OnDemand/pve.small/pve-a/999" not found"#),
+        "{}",
+        gets[0]
+    );
     assert!(rpc_lines(&p, "List").is_empty());
 
     // Startup line fields.
     let s = &p.startup_line;
     assert!(s.contains("level=info"), "{s}");
-    assert_eq!(field(s, "provider"), Some("proxmox"), "{s}");
-    assert_eq!(field(s, "proxmox_backend"), Some("fake"), "{s}");
-    assert_eq!(field(s, "security"), Some("insecure"), "{s}");
-    assert_eq!(field(s, "offerings"), Some("4"), "{s}");
-    assert_eq!(field(s, "zones"), Some("pve-a,pve-b"), "{s}");
+    assert_eq!(field(s, "provider").as_deref(), Some("proxmox"), "{s}");
+    assert_eq!(field(s, "proxmox_backend").as_deref(), Some("fake"), "{s}");
+    assert_eq!(field(s, "security").as_deref(), Some("insecure"), "{s}");
+    assert_eq!(field(s, "offerings").as_deref(), Some("4"), "{s}");
+    assert_eq!(field(s, "zones").as_deref(), Some("pve-a,pve-b"), "{s}");
     assert_eq!(
-        field(s, "metrics_addr"),
+        field(s, "metrics_addr").as_deref(),
         Some(p.metrics.to_string().as_str()),
         "{s}"
     );
@@ -1038,4 +1055,53 @@ async fn a_stalled_log_pipe_does_not_stall_rpcs() {
     let _ = child.kill();
     let _ = child.wait();
     result.expect("RPCs stalled behind the unread log pipe");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rpc_warnings_name_the_machine_and_the_status_message() {
+    let p = Provider::start(&["--use-fake-backend", "--seed-count", "2"]);
+    let mut c = p.client().await;
+    let id = common::speculative_id(&mut c).await;
+    let refused = c
+        .delete(DeleteRequest {
+            machine_id: id.clone(),
+            ..Default::default()
+        })
+        .await
+        .expect_err("Delete of a SPECULATIVE machine");
+    assert_eq!(refused.code(), Code::Aborted);
+    // The blob follows the machine id on the wire; it must not reach the line.
+    let refused = c
+        .configure(ConfigureRequest {
+            machine_id: id.clone(),
+            cluster_id: "cluster-obs".into(),
+            bootstrap_blob: format!("{SECRET_BLOB}{}", "x".repeat(64 * 1024)).into_bytes(),
+            ..Default::default()
+        })
+        .await
+        .expect_err("Configure of a SPECULATIVE machine");
+    assert_eq!(refused.code(), Code::Aborted);
+    for method in ["Delete", "Configure"] {
+        let line = p
+            .logs
+            .wait_for(LIFECYCLE_DEADLINE, |l| {
+                l.contains(" msg=rpc") && field(l, "method").as_deref() == Some(method)
+            })
+            .unwrap_or_else(|| panic!("no {method} line:\n{}", p.stderr()));
+        assert!(line.contains("level=warn"), "{line}");
+        assert_eq!(field(&line, "code").as_deref(), Some("Aborted"), "{line}");
+        assert_eq!(
+            field(&line, "machine_id").as_deref(),
+            Some(id.as_str()),
+            "{line}"
+        );
+        assert_eq!(
+            field(&line, "error"),
+            Some(format!(
+                "machine {id:?} is SPECULATIVE; {method} needs IDLE"
+            )),
+            "{line}"
+        );
+        assert!(!line.contains(SECRET_BLOB), "{line}");
+    }
 }

@@ -55,9 +55,16 @@ fn fails(args: &[&str], expect: &[&str]) -> String {
         run.status,
         run.stderr
     );
+    // The reason as written, the logfmt escapes undone.
+    let reason = run
+        .stderr
+        .lines()
+        .filter_map(|l| provider_testkit::field(l, "error"))
+        .collect::<Vec<_>>()
+        .join("\n");
     for e in expect {
         assert!(
-            run.stderr.contains(e),
+            run.stderr.contains(e) || reason.contains(e),
             "{args:?}: stderr lacks {e:?}:\n{}",
             run.stderr
         );
@@ -133,7 +140,7 @@ fn real_backend_without_tls_trust_material() {
         .lines()
         .find(|l| l.contains("TLS verification material"))
         .unwrap_or_else(|| panic!("no trust-material message:\n{err}"));
-    let message = line.trim_start_matches("error: ");
+    let message = provider_testkit::field(line, "error").unwrap_or_default();
     assert!(
         message.starts_with("TLS verification material is required: set --proxmox-ca-file"),
         "{line}"
@@ -647,8 +654,16 @@ async fn state_is_created_then_loaded_with_its_counts() {
         .into_iter()
         .find(|l| l.contains("state loaded"))
         .unwrap_or_else(|| panic!("no `state loaded` line:\n{}", second.stderr()));
-    assert_eq!(common::field(&loaded, "machines"), Some("2"), "{loaded}");
-    assert_eq!(common::field(&loaded, "fence_marks"), Some("1"), "{loaded}");
+    assert_eq!(
+        provider_testkit::field(&loaded, "machines").as_deref(),
+        Some("2"),
+        "{loaded}"
+    );
+    assert_eq!(
+        provider_testkit::field(&loaded, "fence_marks").as_deref(),
+        Some("1"),
+        "{loaded}"
+    );
     assert!(
         !second.stderr().contains("state created"),
         "{}",
@@ -685,13 +700,25 @@ async fn reference_json_state_is_imported_once() {
         .unwrap_or_else(|| panic!("no import line:\n{}", first.stderr()));
     let backup = dir.path().join("state.json.reference-backup");
     assert_eq!(
-        common::field(&line, "backup"),
+        provider_testkit::field(&line, "backup").as_deref(),
         Some(path_str(&backup)),
         "{line}"
     );
-    assert_eq!(common::field(&line, "machines"), Some("1"), "{line}");
-    assert_eq!(common::field(&line, "fence_marks"), Some("1"), "{line}");
-    assert_eq!(common::field(&line, "operation_ids"), Some("1"), "{line}");
+    assert_eq!(
+        provider_testkit::field(&line, "machines").as_deref(),
+        Some("1"),
+        "{line}"
+    );
+    assert_eq!(
+        provider_testkit::field(&line, "fence_marks").as_deref(),
+        Some("1"),
+        "{line}"
+    );
+    assert_eq!(
+        provider_testkit::field(&line, "operation_ids").as_deref(),
+        Some("1"),
+        "{line}"
+    );
     assert_eq!(std::fs::read_to_string(&backup).expect("backup"), reference);
     drop(first);
 
@@ -724,4 +751,89 @@ fn a_new_json_state_path_is_created_as_a_database() {
     drop(provider);
     let head = std::fs::read(&state).expect("state");
     assert!(head.starts_with(b"SQLite format 3\0"));
+}
+
+/// Run the fake backend without metrics and with `args`, expecting exit
+/// `code`; the last stderr line (the fatal one) and all of stderr.
+fn fatal_line(args: &[&str], code: i32) -> (String, String) {
+    let mut all = vec!["--use-fake-backend", "--metrics-addr", ""];
+    all.extend_from_slice(args);
+    let run = run_to_exit(&all, EXIT_DEADLINE);
+    assert_eq!(run.status.code(), Some(code), "{args:?}:\n{}", run.stderr);
+    let last = run.stderr.lines().last().unwrap_or_default().to_string();
+    (last, run.stderr)
+}
+
+const ANY_PORT: [&str; 2] = ["--addr", "127.0.0.1:0"];
+
+fn json(line: &str, stderr: &str) -> serde_json::Value {
+    serde_json::from_str(line)
+        .unwrap_or_else(|e| panic!("the fatal line is not JSON ({e}):\n{stderr}"))
+}
+
+#[test]
+fn fatal_errors_are_structured_lines_in_the_chosen_format() {
+    // A refused flag, in JSON.
+    let (line, stderr) = fatal_line(
+        &[
+            ANY_PORT[0],
+            ANY_PORT[1],
+            "--log-format",
+            "json",
+            "--tls-ca",
+            "/x",
+        ],
+        2,
+    );
+    let line = json(&line, &stderr);
+    assert_eq!(line["level"], "ERROR", "{line}");
+    assert_eq!(line["message"], "invalid configuration", "{line}");
+    assert_eq!(
+        line["error"], "--tls-ca set without --tls-cert/--tls-key",
+        "{line}"
+    );
+
+    // The log level itself is the refused flag: the line still comes, in
+    // the chosen format.
+    let (line, stderr) = fatal_line(
+        &[
+            ANY_PORT[0],
+            ANY_PORT[1],
+            "--log-format",
+            "json",
+            "--log-level",
+            "a=loud",
+        ],
+        2,
+    );
+    let line = json(&line, &stderr);
+    assert_eq!(line["message"], "invalid configuration", "{line}");
+    let error = line["error"].as_str().unwrap_or_default();
+    assert!(
+        error.starts_with("--log-level \"a=loud\" is not a valid level"),
+        "{line}"
+    );
+
+    // A valid configuration that cannot start: the port is taken.
+    let (_held, addr) = held_listener();
+    let addr = addr.to_string();
+    let (line, stderr) = fatal_line(&["--log-format", "json", "--addr", &addr], 1);
+    let line = json(&line, &stderr);
+    assert_eq!(line["message"], "startup failed", "{line}");
+    let error = line["error"].as_str().unwrap_or_default();
+    assert!(error.contains(&format!("--addr {addr}")), "{line}");
+
+    // The default format: key=value, with the reason as `error`.
+    let (line, _) = fatal_line(&[ANY_PORT[0], ANY_PORT[1], "--provider", " "], 2);
+    assert!(line.contains("level=error"), "{line}");
+    assert_eq!(
+        provider_testkit::field(&line, "msg").as_deref(),
+        Some("invalid configuration"),
+        "{line}"
+    );
+    assert_eq!(
+        provider_testkit::field(&line, "error").as_deref(),
+        Some("--provider must not be empty"),
+        "{line}"
+    );
 }

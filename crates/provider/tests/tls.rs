@@ -11,7 +11,8 @@ use std::time::Duration;
 
 use bigfleet_proto::v1alpha1::capacity_provider_client::CapacityProviderClient;
 use bigfleet_proto::v1alpha1::ListFilter;
-use common::{field, path_str, Pki, Provider};
+use common::{path_str, Pki, Provider};
+use provider_testkit::field;
 use rustls::pki_types::ServerName;
 use tonic::transport::{Certificate, ClientTlsConfig, Endpoint, Identity};
 
@@ -110,7 +111,10 @@ async fn handshake(
 async fn tls_serves_a_client_that_trusts_the_ca() {
     let pki = Pki::new();
     let provider = start_tls(&pki, false);
-    assert_eq!(field(&provider.startup_line, "security"), Some("TLS"));
+    assert_eq!(
+        field(&provider.startup_line, "security").as_deref(),
+        Some("TLS")
+    );
     let n = list_over_tls(provider.grpc, &pki.ca, None)
         .await
         .expect("List over TLS");
@@ -186,7 +190,10 @@ async fn tls12_only_client_is_refused() {
 async fn mtls_requires_a_client_cert_from_the_configured_ca() {
     let pki = Pki::new();
     let provider = start_tls(&pki, true);
-    assert_eq!(field(&provider.startup_line, "security"), Some("mTLS"));
+    assert_eq!(
+        field(&provider.startup_line, "security").as_deref(),
+        Some("mTLS")
+    );
 
     let anonymous = list_over_tls(provider.grpc, &pki.ca, None).await;
     assert!(
@@ -225,7 +232,10 @@ async fn mtls_requires_a_client_cert_from_the_configured_ca() {
 #[tokio::test]
 async fn insecure_listener_says_so() {
     let provider = Provider::start(&["--use-fake-backend", "--seed-count", "2"]);
-    assert_eq!(field(&provider.startup_line, "security"), Some("insecure"));
+    assert_eq!(
+        field(&provider.startup_line, "security").as_deref(),
+        Some("insecure")
+    );
     let list = provider
         .client()
         .await

@@ -33,10 +33,28 @@ pub fn field(line: &str, key: &str) -> Option<String> {
     let needle = format!(" {key}=");
     let start = line.find(&needle)? + needle.len();
     let rest = &line[start..];
-    if let Some(q) = rest.strip_prefix('"') {
-        return q.find('"').map(|end| q[..end].to_string());
+    match rest.strip_prefix('"') {
+        Some(quoted) => unquote(quoted),
+        None => Some(rest.split(' ').next().unwrap_or(rest).to_string()),
     }
-    Some(rest.split(' ').next().unwrap_or(rest).to_string())
+}
+
+/// A quoted key=value value up to its closing quote, with the logfmt
+/// writer's escapes (`\"`, `\\`, `\n`) undone; None if it never closes.
+fn unquote(quoted: &str) -> Option<String> {
+    let mut out = String::new();
+    let mut chars = quoted.chars();
+    while let Some(c) = chars.next() {
+        match c {
+            '"' => return Some(out),
+            '\\' => match chars.next()? {
+                'n' => out.push('\n'),
+                other => out.push(other),
+            },
+            c => out.push(c),
+        }
+    }
+    None
 }
 
 /// A socket address field of the start-up line (`addr`, `metrics_addr`).
@@ -73,5 +91,13 @@ mod tests {
         assert_eq!(field(&json, "addr").as_deref(), Some("127.0.0.1:9"));
         assert_eq!(field(&json, "offerings").as_deref(), Some("4"));
         assert_eq!(field("no fields here", "addr"), None);
+        let escaped =
+            r#"ts=x level=error msg="invalid configuration" error="--addr \"x\" is \\ bad" k=v"#;
+        assert_eq!(
+            field(escaped, "error").as_deref(),
+            Some(r#"--addr "x" is \ bad"#)
+        );
+        assert_eq!(field(escaped, "k").as_deref(), Some("v"));
+        assert_eq!(field(r#"ts=x msg="open"#, "msg"), None);
     }
 }

@@ -111,17 +111,6 @@ impl Logs {
     }
 }
 
-/// The value of `key=` in a logfmt line (unquoted values only).
-pub fn field<'a>(line: &'a str, key: &str) -> Option<&'a str> {
-    let needle = format!(" {key}=");
-    let start = line.find(&needle)? + needle.len();
-    let rest = &line[start..];
-    if let Some(q) = rest.strip_prefix('"') {
-        return q.find('"').map(|end| &q[..end]);
-    }
-    Some(rest.split(' ').next().unwrap_or(rest))
-}
-
 fn wait_child(child: &mut Child, timeout: Duration) -> Option<ExitStatus> {
     let deadline = Instant::now() + timeout;
     loop {
@@ -188,9 +177,7 @@ impl Provider {
             .spawn()
             .expect("spawn bigfleet-proxmox");
         let logs = Logs::spawn_reader(child.stderr.take().expect("stderr"));
-        let Some(line) = logs.wait_for(STARTUP_DEADLINE, |l| {
-            l.contains(provider_testkit::STARTUP_LINE)
-        }) else {
+        let Some(line) = logs.wait_for(STARTUP_DEADLINE, provider_testkit::is_startup_line) else {
             let _ = child.kill();
             let _ = child.wait();
             panic!(
@@ -199,9 +186,7 @@ impl Provider {
             );
         };
         let parse = |key: &str| -> SocketAddr {
-            field(&line, key)
-                .and_then(|v| v.parse().ok())
-                .unwrap_or_else(|| panic!("startup line lacks a usable {key}=: {line}"))
+            provider_testkit::addr_field(&line, key).unwrap_or_else(|e| panic!("{e}"))
         };
         let provider = Provider {
             grpc: parse("addr"),

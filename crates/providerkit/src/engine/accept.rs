@@ -2,7 +2,6 @@
 //! request, fence, then not-found, idempotency and position, and accept
 //! (the background half is in [`super::worker`]).
 
-use std::collections::HashMap;
 use std::sync::Arc;
 
 use tokio::time::Instant;
@@ -12,7 +11,7 @@ use super::{Ack, Engine, Inner, Params, Work};
 use crate::backend::{ConfigureCtx, CreateCtx, DeleteCtx, DrainCtx};
 use crate::error::KitError;
 use crate::fence::Token;
-use crate::model::{State, TransitionKind};
+use crate::model::{Begin, State, TransitionKind};
 use crate::store::{Change, FenceMark};
 
 impl Engine {
@@ -189,16 +188,11 @@ impl Engine {
             .index
             .get(id)
             .ok_or_else(|| KitError::NotFound(format!("machine {id:?} not found")))?;
-        let state = inner.machines[slot].state();
-        if state == State::Failed {
-            return Err(self.out_of_position(format!(
-                "machine {id:?} is FAILED and needs intervention; {} is not accepted (last_error: {})",
-                kind.name(),
-                inner.machines[slot].last_error
-            )));
-        }
+        let record = &inner.machines[slot];
+        let state = record.state();
+        // Idempotency first: a FAILED machine is never at a transition's
+        // own or target state, so its refusal below is unaffected.
         if state == kind.via_state() || state == kind.to_state() {
-            let record = &inner.machines[slot];
             if let Some(op) = record.op(kind) {
                 return Ok(Ack {
                     operation_id: op.to_string(),
@@ -209,65 +203,58 @@ impl Engine {
             // no Create on record: record one so retries see the same id.
             if kind == TransitionKind::Create && state == State::Idle {
                 let op = self.mint_operation_id();
-                inner.record_mut(slot).ops[kind.index()] = Some(op.clone());
-                let record = Arc::clone(&inner.machines[slot]);
-                changes.push(Change::Machine(Arc::clone(&record)));
+                let adopted = record
+                    .adopt_create(op.clone())
+                    .map_err(|e| self.out_of_position(e.to_string()))?;
+                let change = inner.replace(slot, adopted);
+                changes.push(change);
                 return Ok(Ack {
                     operation_id: op,
-                    machine: record,
+                    machine: Arc::clone(&inner.machines[slot]),
                 });
             }
         }
-        if state != kind.from_state() {
-            return Err(self.out_of_position(format!(
-                "machine {id:?} is {state}; {} needs {}",
-                kind.name(),
-                kind.from_state()
-            )));
-        }
-        let op = self.mint_operation_id();
-        let stored_metadata = match &params {
-            Params::Configure { shard_metadata, .. } => self.stored_metadata(shard_metadata),
-            _ => HashMap::new(),
+        let begin = match &params {
+            Params::Create => Begin::Create,
+            Params::Configure {
+                cluster_id,
+                shard_metadata,
+                ..
+            } => Begin::Configure {
+                cluster: cluster_id.clone(),
+                shard_metadata: self.stored_metadata(shard_metadata),
+            },
+            Params::Drain { .. } => Begin::Drain,
+            Params::Delete => Begin::Delete,
         };
-        let record = inner.record_mut(slot);
-        record.set_state(kind.via_state());
-        record.last_error.clear();
-        record.ops[kind.index()] = Some(op.clone());
+        let record = record
+            .begin(begin, || self.mint_operation_id(), inner.next_rev())
+            .map_err(|e| self.out_of_position(e.to_string()))?;
+        let op = record.op(kind).unwrap_or_default().to_string();
         let host_ref = record
             .host
             .as_ref()
             .map(|h| h.r#ref.clone())
             .unwrap_or_default();
         *work = Some(match params {
-            Params::Create => {
-                // A new cycle: earlier ops no longer describe this machine.
-                record.ops = Default::default();
-                record.ops[kind.index()] = Some(op.clone());
-                Work::Create(CreateCtx {
-                    machine_id: id.to_string(),
-                    operation_id: op.clone(),
-                    instance_type: record.facts.instance_type.clone(),
-                    zone: record.facts.zone.clone(),
-                })
-            }
+            Params::Create => Work::Create(CreateCtx {
+                machine_id: id.to_string(),
+                operation_id: op.clone(),
+                instance_type: record.facts.instance_type.clone(),
+                zone: record.facts.zone.clone(),
+            }),
             Params::Configure {
                 cluster_id,
                 bootstrap_blob,
                 shard_metadata,
-            } => {
-                record.ops[TransitionKind::Drain.index()] = None;
-                record.cluster = cluster_id.clone();
-                record.shard_metadata = stored_metadata;
-                Work::Configure(ConfigureCtx {
-                    machine_id: id.to_string(),
-                    operation_id: op.clone(),
-                    host_ref,
-                    cluster_id,
-                    bootstrap_blob,
-                    shard_metadata,
-                })
-            }
+            } => Work::Configure(ConfigureCtx {
+                machine_id: id.to_string(),
+                operation_id: op.clone(),
+                host_ref,
+                cluster_id,
+                bootstrap_blob,
+                shard_metadata,
+            }),
             Params::Drain { grace } => Work::Drain(DrainCtx {
                 machine_id: id.to_string(),
                 operation_id: op.clone(),
@@ -275,18 +262,13 @@ impl Engine {
                 cluster_id: record.cluster.clone(),
                 grace_period: grace,
             }),
-            Params::Delete => {
-                record.ops[TransitionKind::Create.index()] = None;
-                record.ops[TransitionKind::Configure.index()] = None;
-                record.ops[TransitionKind::Drain.index()] = None;
-                Work::Delete(DeleteCtx {
-                    machine_id: id.to_string(),
-                    operation_id: op.clone(),
-                    host_ref,
-                })
-            }
+            Params::Delete => Work::Delete(DeleteCtx {
+                machine_id: id.to_string(),
+                operation_id: op.clone(),
+                host_ref,
+            }),
         });
-        let change = inner.bump(slot);
+        let change = inner.replace(slot, record);
         changes.push(change);
         Ok(Ack {
             operation_id: op,

@@ -127,6 +127,24 @@ impl Inner {
         Arc::make_mut(&mut self.machines[slot])
     }
 
+    /// The revision the next visible change gets.
+    fn next_rev(&self) -> u64 {
+        self.revision + 1
+    }
+
+    /// Put `record` (a transition's result) in `slot`, its revision indexed,
+    /// and return the change to persist.
+    fn replace(&mut self, slot: usize, record: MachineRecord) -> Change {
+        let old = self.machines[slot].rev;
+        if old != record.rev {
+            self.by_rev.remove(&old);
+            self.by_rev.insert(record.rev, slot);
+        }
+        self.revision = self.revision.max(record.rev);
+        self.machines[slot] = Arc::new(record);
+        Change::Machine(Arc::clone(&self.machines[slot]))
+    }
+
     /// Give the machine in `slot` a fresh revision (after a visible change)
     /// and return the change to persist.
     fn bump(&mut self, slot: usize) -> Change {
@@ -168,16 +186,15 @@ impl Engine {
         let loaded = store.load().map_err(StartError::Store)?;
         let mut inner = Inner::default();
         let mut recovered = Vec::new();
-        for mut record in loaded.machines {
-            let state = record.state();
-            if state.is_transitional() {
-                record.set_state(State::Failed);
-                record.last_error = format!(
-                    "interrupted by a provider restart while {state}; the substrate may hold \
-                     a partial result"
-                );
-                recovered.push(record.id.clone());
-            }
+        for record in loaded.machines {
+            let record = match record.interrupted() {
+                Ok(failed) => {
+                    recovered.push(failed.id.clone());
+                    failed
+                }
+                // Not in a transition: loaded as stored.
+                Err(_) => record,
+            };
             inner.insert(record);
         }
         for mark in loaded.fences {
@@ -335,23 +352,28 @@ impl Engine {
             return false;
         }
         let on_record = record.host.as_ref().map(|h| h.r#ref.as_str());
-        match (on_record, found) {
-            (Some(have), Some(found)) if have == found.host_ref => false,
-            (None, None) => false,
-            (_, Some(found)) => {
-                let host = self.host_ref(found);
+        let host = match (on_record, found) {
+            (Some(have), Some(found)) if have == found.host_ref => return false,
+            (None, None) => return false,
+            (_, Some(found)) => Some(self.host_ref(found)),
+            (Some(_), None) => None,
+        };
+        let Ok(next) = record.rehosted(host) else {
+            return false;
+        };
+        match (&next.host, on_record) {
+            (Some(host), _) => {
                 tracing::info!(machine_id = %record.id, host = %host.r#ref, "FAILED machine re-attached to the host marked for it");
-                inner.record_mut(slot).host = Some(host);
                 report.reattached += 1;
-                true
             }
-            (Some(gone), None) => {
-                tracing::info!(machine_id = %record.id, host = %gone, "FAILED machine's host no longer exists; host cleared");
-                inner.record_mut(slot).host = None;
+            (None, gone) => {
+                tracing::info!(machine_id = %record.id, host = gone.unwrap_or_default(), "FAILED machine's host no longer exists; host cleared");
                 report.detached += 1;
-                true
             }
         }
+        // The caller bumps the revision once for every change to the slot.
+        inner.replace(slot, next);
+        true
     }
 
     fn new_record(&self, spec: SlotSpec, rev: u64) -> MachineRecord {

@@ -221,22 +221,14 @@ impl Engine {
                 .get(id)
                 .ok_or_else(|| ReclaimError::NotFound(id.to_string()))?;
             // Only a reclaim moves a FAILED machine, and reclaims are serial.
-            if inner.machines[slot].state() != State::Failed {
-                let state = inner.machines[slot].state();
-                return Err(ReclaimError::NotFailed {
+            let state = inner.machines[slot].state();
+            let next = inner.machines[slot]
+                .reclaimed(inner.next_rev())
+                .map_err(|_| ReclaimError::NotFailed {
                     id: id.to_string(),
                     state,
-                });
-            }
-            let m = inner.record_mut(slot);
-            m.state = State::Speculative;
-            m.host = None;
-            m.last_error.clear();
-            m.cluster.clear();
-            m.shard_metadata.clear();
-            // A new cycle: no earlier operation id describes this machine.
-            m.ops = Default::default();
-            let change = inner.bump(slot);
+                })?;
+            let change = inner.replace(slot, next);
             (
                 Arc::clone(&inner.machines[slot]),
                 self.store.submit(vec![change]),

@@ -81,51 +81,30 @@ impl Engine {
                 return;
             };
             let record = &inner.machines[slot];
-            if record.state() != kind.via_state() || record.op(kind) != Some(operation_id) {
-                tracing::info!(machine_id = %id, operation_id, "late completion discarded");
-                return;
-            }
-            let host = match &outcome {
-                Ok(Outcome::Created(host)) => Some(self.host_ref(host)),
-                _ => None,
-            };
-            let m = inner.record_mut(slot);
-            match outcome {
-                Ok(_) => {
-                    m.state = kind.to_state();
-                    match kind {
-                        TransitionKind::Create => {
-                            if host.is_some() {
-                                m.host = host;
-                            }
-                        }
-                        TransitionKind::Configure => {}
-                        TransitionKind::Drain => {
-                            m.cluster.clear();
-                            m.shard_metadata.clear();
-                        }
-                        TransitionKind::Delete => {
-                            m.host = None;
-                            m.cluster.clear();
-                            m.shard_metadata.clear();
-                        }
-                    }
-                    tracing::info!(machine_id = %id, operation_id, to = %kind.to_state(), "transition landed");
-                }
-                Err(message) => {
-                    m.state = State::Failed;
-                    m.last_error = if message.is_empty() {
-                        format!(
-                            "{} failed without a message from the substrate",
-                            kind.name()
-                        )
-                    } else {
-                        message
+            let rev = inner.next_rev();
+            let landed = match outcome {
+                Ok(outcome) => {
+                    let host = match &outcome {
+                        Outcome::Created(host) => Some(self.host_ref(host)),
+                        Outcome::Done => None,
                     };
-                    tracing::warn!(machine_id = %id, operation_id, error = %m.last_error, "transition failed");
+                    record.land_success(kind, operation_id, host, rev)
                 }
+                Err(message) => record.land_failure(kind, operation_id, message, rev),
+            };
+            let next = match landed {
+                Ok(next) => next,
+                Err(_) => {
+                    tracing::info!(machine_id = %id, operation_id, "late completion discarded");
+                    return;
+                }
+            };
+            if next.state() == State::Failed {
+                tracing::warn!(machine_id = %id, operation_id, error = %next.last_error, "transition failed");
+            } else {
+                tracing::info!(machine_id = %id, operation_id, to = %next.state(), "transition landed");
             }
-            let change = inner.bump(slot);
+            let change = inner.replace(slot, next);
             self.store.submit(vec![change])
         };
         if let Err(e) = self.store.durable(ticket).await {

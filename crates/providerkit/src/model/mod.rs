@@ -1,4 +1,7 @@
-//! Lifecycle states, transition kinds and the persisted machine record.
+//! Lifecycle states, transition kinds and the persisted machine record,
+//! with the record's lifecycle transitions as pure functions
+//! ([`MachineRecord::begin`], [`MachineRecord::land_success`], ...; in
+//! `transition.rs`).
 //!
 //! One file past 600 lines on purpose: the record, its hand-written wire
 //! encoding and its decoding (with their round-trip tests) must change
@@ -14,6 +17,10 @@ use prost::encoding::{
     decode_key, encode_key, hash_map, int32, message, skip_field, string, DecodeContext, WireType,
 };
 use prost::{DecodeError, Message};
+
+mod transition;
+
+pub use transition::{Begin, TransitionError};
 
 /// A machine's lifecycle state (the wire enum without `UNSPECIFIED`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
