@@ -25,7 +25,8 @@ fn ctl(ctl: bigfleet_ctl::CtlArgs) -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e}");
-            ExitCode::from(1)
+            // 2: the command line needs fixing and nothing was sent.
+            ExitCode::from(e.exit_code())
         }
     }
 }

@@ -118,13 +118,19 @@ impl Provider {
         serde_json::from_str(&text).unwrap_or_else(|e| panic!("not JSON ({e}): {text}"))
     }
 
-    /// Run and require failure; returns stderr.
+    /// Run and require failure (exit 1: the provider refused or could not
+    /// be reached); returns stderr.
     fn fails(&self, args: &[&str]) -> String {
+        self.fails_with(1, args)
+    }
+
+    /// Run and require failure with this exit code; returns stderr.
+    fn fails_with(&self, code: i32, args: &[&str]) -> String {
         let out = self.ctl(args);
         assert_eq!(
             out.status.code(),
-            Some(1),
-            "ctl {args:?} should fail with exit 1; stdout: {} stderr: {}",
+            Some(code),
+            "ctl {args:?} should fail with exit {code}; stdout: {} stderr: {}",
             stdout(&out),
             stderr(&out)
         );
@@ -316,15 +322,19 @@ fn errors_name_the_rpc_and_the_grpc_code() {
     assert!(err.contains("FAILED_PRECONDITION"), "{err}");
     assert!(err.contains("--epoch"), "{err}");
 
-    // Local input problems never reach the provider.
-    let err = p.fails(&[
-        "configure",
-        &id,
-        "--cluster",
-        "c",
-        "--blob-file",
-        "/nonexistent/blob",
-    ]);
+    // Local input problems never reach the provider: exit 2, like a
+    // usage error.
+    let err = p.fails_with(
+        2,
+        &[
+            "configure",
+            &id,
+            "--cluster",
+            "c",
+            "--blob-file",
+            "/nonexistent/blob",
+        ],
+    );
     assert!(
         err.contains("cannot read --blob-file /nonexistent/blob"),
         "{err}"
@@ -638,9 +648,9 @@ fn mtls_lifecycle_and_rejections() {
     );
     assert!(stderr(&out).contains("pass --tls-ca"), "{}", stderr(&out));
 
-    // Half an identity is a local error.
+    // Half an identity is a local error: nothing is dialled.
     let out = run(&["--tls-ca", &pki.ca, "--tls-cert", &pki.client_cert]);
-    assert_eq!(out.status.code(), Some(1));
+    assert_eq!(out.status.code(), Some(2));
     assert!(
         stderr(&out).contains("--tls-cert and --tls-key must be given together"),
         "{}",
