@@ -65,6 +65,7 @@ pub const ROUTES: &[(&str, &str)] = &[
     ("GET", "/nodes/{node}/storage"),
     ("GET", "/nodes/{node}/storage/{storage}/status"),
     ("GET", "/access/permissions"),
+    ("GET", "/cluster/options"),
 ];
 
 const API_PREFIX: &str = "/api2/json";
@@ -433,6 +434,9 @@ async fn dispatch(s: &Arc<Shared>, method: &str, template: &str, p: &Params) -> 
     let node = p.get("node").unwrap_or_default().to_string();
     let vmid = p.u64("vmid").unwrap_or(0) as u32;
     match (method, template) {
+        ("GET", "/version") if s.cfg.pve9 => {
+            Ok(json!({"version": "9.0.3", "release": "9.0", "repoid": "025864202ebb6109"}))
+        }
         ("GET", "/version") => {
             Ok(json!({"version": "8.3.2", "release": "8.3", "repoid": "3e76eec21c4a14a7"}))
         }
@@ -489,6 +493,7 @@ async fn dispatch(s: &Arc<Shared>, method: &str, template: &str, p: &Params) -> 
             s.storage_status(&node, p.get("storage").unwrap_or_default())
         }
         ("GET", "/access/permissions") => Ok(s.permissions(p.get("path"))),
+        ("GET", "/cluster/options") => Ok(s.cluster_options()),
         _ => Err(ApiError::Status(
             501,
             format!("Method '{method} {template}' not implemented"),
