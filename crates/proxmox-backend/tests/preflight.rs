@@ -59,8 +59,9 @@ async fn preflight(sim: &PveSim, pool: &str) -> Result<Vec<String>, String> {
 
 /// The token deploy/host-setup/setup-token.sh creates: nothing on `/`, the
 /// provider's role on the pool, the template role on the template, the
-/// role's Datastore privileges on the storage.
-fn setup_script_token(pool: &str) -> SimConfig {
+/// role's Datastore privileges on the storage. `pool_audit: false` models
+/// a hand-made role without `Pool.Audit`.
+fn setup_script_token(pool: &str, pool_audit: bool) -> SimConfig {
     let on = |path: &str, privs: &[&str]| -> Vec<(String, String)> {
         privs
             .iter()
@@ -80,6 +81,9 @@ fn setup_script_token(pool: &str) -> SimConfig {
             "VM.Monitor",
         ],
     );
+    if pool_audit {
+        granted.push((format!("/pool/{pool}"), "Pool.Audit".into()));
+    }
     granted.extend(on("/vms/9000", &["VM.Clone", "VM.Audit"]));
     granted.extend(on("/storage/local-lvm", &["Datastore.AllocateSpace"]));
     granted.extend(on("/nodes", &["Sys.Audit"]));
@@ -103,10 +107,16 @@ async fn a_sound_set_up_passes_on_pve8_and_pve9() {
     .await;
     assert_eq!(preflight(&sim, "bigfleet").await, Ok(vec![]));
     sim.shutdown().await;
-    // The least-privilege token of the setup script.
-    let sim = sim_with(setup_script_token("bigfleet")).await;
-    assert_eq!(preflight(&sim, "bigfleet").await, Ok(vec![]));
-    sim.shutdown().await;
+    // The least-privilege token of the setup script, and one without Pool.Audit.
+    for pool_audit in [true, false] {
+        let sim = sim_with(setup_script_token("bigfleet", pool_audit)).await;
+        assert_eq!(
+            preflight(&sim, "bigfleet").await,
+            Ok(vec![]),
+            "{pool_audit}"
+        );
+        sim.shutdown().await;
+    }
 }
 
 #[tokio::test]
@@ -122,8 +132,9 @@ async fn a_misspelt_pool_is_caught_with_or_without_pool_audit() {
         "{e}"
     );
     sim.shutdown().await;
-    // The setup script's token (no Pool.Audit, ACL on the real pool only).
-    let sim = sim_with(setup_script_token("bigfleet")).await;
+    // The setup script's token: its ACLs (Pool.Audit included) are on the
+    // real pool only, so nothing is held on the misspelt one.
+    let sim = sim_with(setup_script_token("bigfleet", true)).await;
     let e = preflight(&sim, "bigfleeet")
         .await
         .expect_err("no ACL there");
