@@ -120,3 +120,108 @@ async fn a_drain_without_grace_leaves_the_pods_own_grace() {
     );
     sim.shutdown().await;
 }
+
+/// The whole path: the engine's Configure deadline passes in the readiness
+/// gate, and `last_error` quotes the last probe of the real backend, the
+/// join token cut out.
+#[tokio::test]
+async fn the_engine_quotes_the_last_probe_in_last_error() {
+    use std::collections::BTreeMap;
+
+    use providerkit::{Engine, EngineOptions, MemoryStore, State, Timeouts, Token};
+    use proxmox_backend::backend::ProxmoxBackend;
+    use proxmox_backend::catalog::{expand_slots, InstanceType, Offering, Pricing};
+
+    let sim = PveSim::start(fast()).await.expect("simulator");
+    sim.on_guest_command(
+        "ready-check",
+        GuestOutput::exit(1).with_stderr(format!("Unauthorized: bootstrap token {SECRET}\n")),
+    );
+    let types = BTreeMap::from([(
+        "pve.small".to_string(),
+        InstanceType {
+            vcpu: 2,
+            memory_mib: 2048,
+            template_vmid: 9000,
+        },
+    )]);
+    let pricing = Pricing {
+        explicit: Default::default(),
+        per_vcpu_hour: 0.003,
+        per_gib_hour: 0.0008,
+    };
+    let offerings = vec![Offering {
+        instance_type: "pve.small".into(),
+        zone: "pve1".into(),
+        capacity_type: String::new(),
+        count: 1,
+        resources: Default::default(),
+        labels: Default::default(),
+    }];
+    let slots = expand_slots(
+        "p",
+        &offerings,
+        &types,
+        Some(&["pve1".to_string()]),
+        &pricing,
+    )
+    .expect("slots");
+    let id = slots[0].id.clone();
+    let sub = Arc::new(PveSubstrate::new(client(&sim), opts()));
+    let backend = Arc::new(ProxmoxBackend::new(slots, types, pricing, sub));
+    let engine = Engine::start(
+        backend,
+        Arc::new(MemoryStore::new()),
+        EngineOptions {
+            timeouts: Timeouts {
+                create: Duration::from_secs(20),
+                configure: Duration::from_secs(3),
+                drain: Duration::from_secs(20),
+                delete: Duration::from_secs(20),
+                readiness_poll: Duration::from_millis(100),
+            },
+            ..EngineOptions::default()
+        },
+    )
+    .await
+    .expect("engine");
+    let until = |want: State| {
+        let engine = engine.clone();
+        let id = id.clone();
+        async move {
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+            loop {
+                let m = engine.get(&id).expect("machine");
+                if m.state == want.to_wire() as i32 {
+                    return m;
+                }
+                assert!(
+                    tokio::time::Instant::now() < deadline,
+                    "never {want}: {m:?}"
+                );
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+    };
+    engine.create(&id, Token::absent()).await.expect("create");
+    until(State::Idle).await;
+    engine
+        .configure(
+            &id,
+            Token::absent(),
+            "c1".into(),
+            format!("# join with {SECRET}\ntrue\n").into_bytes(),
+            Default::default(),
+        )
+        .await
+        .expect("configure accepted");
+    let failed = until(State::Failed).await;
+    let e = failed.last_error;
+    assert!(
+        e.starts_with("Configure timed out after 3s (deadline exceeded) waiting for the node to become ready; last readiness probe (attempt ")
+            && e.contains("the readiness command exited 1: stderr: Unauthorized: bootstrap token [redacted]"),
+        "{e}"
+    );
+    assert!(!e.contains(SECRET), "{e}");
+    sim.shutdown().await;
+}

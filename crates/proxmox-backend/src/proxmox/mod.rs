@@ -309,6 +309,22 @@ impl PveSubstrate {
         self.wait_agent(vm).await
     }
 
+    /// Writes the blob and runs the bootstrap hook on it.
+    async fn bootstrap(&self, vm: &VmRef, path: String, blob: &[u8]) -> Result<(), SubstrateError> {
+        self.write_blob(vm, &path, blob).await?;
+        tracing::info!(vm = %vm, bytes = blob.len(), "bootstrap blob written");
+        let mut argv = self.opts.bootstrap_exec.clone();
+        argv.push(path);
+        let what = format!("bootstrap hook `{}`", argv.join(" "));
+        let st = self
+            .run(vm, &argv, None, self.opts.exec_timeout)
+            .await
+            .map_err(|e| exec_err(format!("running the {what} in VM {vm}"), &e))?;
+        tracing::info!(vm = %vm, exit_code = ?st.exitcode, signal = ?st.signal, "bootstrap exited");
+        exec_outcome_redacted(&what, &st, blob)
+            .map_err(|e| SubstrateError::new(format!("VM {vm}: {e}")))
+    }
+
     // ---- delete ----
 
     /// The VM's status, following a migration (by VMID; the marker is
@@ -459,6 +475,7 @@ impl Substrate for PveSubstrate {
     }
 
     async fn delete_vm(&self, vm: &VmRef, machine_id: &str) -> Result<(), SubstrateError> {
+        self.probes.lock().remove(&vm.vmid);
         let deadline = self.deadline();
         let Some((vm, st)) = self.find_for_delete(vm, deadline).await? else {
             tracing::info!(vm = %vm, "VM already gone");
@@ -522,26 +539,23 @@ impl Substrate for PveSubstrate {
         if self.opts.bootstrap_exec.is_empty() {
             return Err(SubstrateError::new("no bootstrap exec configured"));
         }
-        self.probes.lock().insert(
-            vm.vmid,
-            Probes {
-                attempts: 0,
-                last: None,
-                redactor: Arc::new(Redactor::new(blob)),
-            },
-        );
-        self.write_blob(vm, &path, blob).await?;
-        tracing::info!(vm = %vm, bytes = blob.len(), "bootstrap blob written");
-        let mut argv = self.opts.bootstrap_exec.clone();
-        argv.push(path);
-        let what = format!("bootstrap hook `{}`", argv.join(" "));
-        let st = self
-            .run(vm, &argv, None, self.opts.exec_timeout)
-            .await
-            .map_err(|e| exec_err(format!("running the {what} in VM {vm}"), &e))?;
-        tracing::info!(vm = %vm, exit_code = ?st.exitcode, signal = ?st.signal, "bootstrap exited");
-        exec_outcome_redacted(&what, &st, blob)
-            .map_err(|e| SubstrateError::new(format!("VM {vm}: {e}")))
+        // Only kept while the readiness gate may probe; dropped on failure,
+        // on the gate's verdict, and by Drain and Delete.
+        if self.readiness_gate() {
+            self.probes.lock().insert(
+                vm.vmid,
+                Probes {
+                    attempts: 0,
+                    last: None,
+                    redactor: Arc::new(Redactor::new(blob)),
+                },
+            );
+        }
+        let outcome = self.bootstrap(vm, path, blob).await;
+        if outcome.is_err() {
+            self.probes.lock().remove(&vm.vmid);
+        }
+        outcome
     }
 
     fn readiness_gate(&self) -> bool {
@@ -600,6 +614,7 @@ impl Substrate for PveSubstrate {
     }
 
     async fn drain(&self, vm: &VmRef, grace: Duration) -> Result<(), SubstrateError> {
+        self.probes.lock().remove(&vm.vmid);
         if self.opts.drain_command.trim().is_empty() {
             return Err(SubstrateError::new("no drain command configured"));
         }

@@ -29,7 +29,7 @@
 use std::collections::BTreeSet;
 use std::sync::atomic::Ordering;
 
-use pve::{AccessFailure, PveError};
+use pve::{AccessFailure, PveError, TagAccess};
 
 use super::{err, PveSubstrate};
 use crate::substrate::SubstrateError;
@@ -406,12 +406,18 @@ impl PveSubstrate {
         match self.client.cluster_options().await {
             Ok(o) if o.tag_access.refuses_new_tags() && !sys_modify_on_root => {
                 self.tags_restricted.store(true, Ordering::Relaxed);
+                let policy = match &o.tag_access {
+                    TagAccess::Free => "user-allow=free".to_string(),
+                    TagAccess::Existing(l) if l.is_empty() => "user-allow=existing".to_string(),
+                    TagAccess::Existing(l) => format!("user-allow=existing, list {}", l.join(";")),
+                    TagAccess::List(l) => format!("user-allow=list, list {}", l.join(";")),
+                    TagAccess::None => "user-allow=none".to_string(),
+                };
                 warnings.push(format!(
-                    "the datacenter option user-tag-access ({:?}) refuses new tags to this token: \
+                    "the datacenter option user-tag-access ({policy}) refuses new tags to this token: \
                      VMs are owned by their description marker only, without the bigfleet tags. \
                      To keep the tags, set user-tag-access to free (Datacenter > Options > User \
-                     Tag Access) or grant the token Sys.Modify on /",
-                    o.tag_access
+                     Tag Access) or grant the token Sys.Modify on /"
                 ));
             }
             Ok(_) => {}
