@@ -351,3 +351,67 @@ async fn each_way_of_not_reaching_the_api_gets_its_hint() {
     other.shutdown().await;
     sim.shutdown().await;
 }
+
+/// The preflight's privilege list is what the lifecycle needs: with the
+/// setup script's token (which the simulator enforces call by call) a whole
+/// lifecycle runs, and without any one of its privileges the preflight
+/// refuses to start, naming it.
+#[tokio::test]
+async fn the_checked_privileges_are_the_ones_the_lifecycle_uses() {
+    let sim = sim_with(setup_script_token("bigfleet", false)).await;
+    sim.on_guest_command("kubectl drain", pve_sim::GuestOutput::exit(0));
+    let sub = PveSubstrate::new(client(&sim), opts("bigfleet"));
+    assert_eq!(
+        sub.preflight(&["pve1".into()], &[9000])
+            .await
+            .map_err(|e| e.to_string()),
+        Ok(vec![])
+    );
+    let id = "p/OnDemand/pve.small/pve1/003";
+    let vm = sub.clone_vm(&req(id)).await.expect("create");
+    sub.configure(&vm, b"true\n").await.expect("configure");
+    sub.drain(&vm, Duration::from_secs(5)).await.expect("drain");
+    sub.delete_vm(&vm, id).await.expect("delete");
+    assert!(sim.vm(vm.vmid).is_none());
+    sim.shutdown().await;
+
+    let base = setup_script_token("bigfleet", false);
+    for (path, privilege) in base.granted_privileges.clone() {
+        if path == "/nodes"
+            || (path.starts_with("/pool/") && privilege == "Datastore.AllocateSpace")
+        {
+            continue; // not used by the lifecycle on that path
+        }
+        let mut cfg = setup_script_token("bigfleet", false);
+        cfg.granted_privileges
+            .retain(|g| *g != (path.clone(), privilege.clone()));
+        let sim = sim_with(cfg).await;
+        let e = preflight(&sim, "bigfleet")
+            .await
+            .expect_err(&format!("{privilege} on {path} is needed"));
+        assert!(
+            e.contains(&format!("on {path}: ")) && e.contains(&privilege),
+            "{privilege} on {path}: {e}"
+        );
+        sim.shutdown().await;
+    }
+}
+
+#[tokio::test]
+async fn the_simulator_refuses_what_the_token_lacks() {
+    // Without the preflight, a missing privilege is a 403 naming it.
+    let mut cfg = setup_script_token("bigfleet", false);
+    cfg.granted_privileges.retain(|(_, p)| p != "VM.PowerMgmt");
+    let sim = sim_with(cfg).await;
+    let sub = PveSubstrate::new(client(&sim), opts("bigfleet"));
+    let e = sub
+        .clone_vm(&req("p/OnDemand/pve.small/pve1/004"))
+        .await
+        .expect_err("cannot start")
+        .to_string();
+    assert!(
+        e.contains("Permission check failed (/vms/") && e.contains("VM.PowerMgmt)"),
+        "{e}"
+    );
+    sim.shutdown().await;
+}

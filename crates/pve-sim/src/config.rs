@@ -373,8 +373,9 @@ pub struct SimConfig {
     pub close_after_error: bool,
     /// Privileges the token lacks, as `(path, privilege)` (`*` = all): gone
     /// on that path and below unless a deeper grant gives it back, in `GET
-    /// /access/permissions` and in the checks the simulator makes
-    /// (`Sys.Modify` on `/` for new tags, `Pool.Audit` for pool reads).
+    /// /access/permissions` and in the checks the simulator makes (the VM
+    /// calls' privileges on `/vms/{vmid}`, which a pool's ACL covers for its
+    /// members; `Sys.Modify` on `/` for new tags; `Pool.Audit` for pool reads).
     /// `("/", "*")` plus grants models a pool-scoped token.
     pub dropped_privileges: Vec<(String, String)>,
     /// Privileges granted as `(path, privilege)`, on that path and below,

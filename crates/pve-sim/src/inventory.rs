@@ -352,6 +352,28 @@ impl Shared {
         names
     }
 
+    /// [`Shared::privileges_on`], where a VM's `/vms/{vmid}` also gets what
+    /// its pool's ACL grants (PVE treats the pool as the VM's parent).
+    pub fn effective_privileges(&self, path: &str) -> Vec<String> {
+        let mut out = self.privileges_on(path);
+        let pool = path
+            .strip_prefix("/vms/")
+            .and_then(|id| id.parse::<u32>().ok())
+            .and_then(|vmid| {
+                self.cluster
+                    .lock()
+                    .vms
+                    .get(&vmid)
+                    .and_then(|vm| vm.pool.clone())
+            });
+        if let Some(pool) = pool {
+            out.extend(self.privileges_on(&format!("/pool/{pool}")));
+            out.sort();
+            out.dedup();
+        }
+        out
+    }
+
     /// Whether the token holds `privilege` on `path`.
     pub fn holds(&self, path: &str, privilege: &str) -> bool {
         self.privileges_on(path).iter().any(|p| p == privilege)
@@ -363,7 +385,7 @@ impl Shared {
     /// PVE does).
     pub fn permissions(&self, path: Option<&str>) -> Value {
         let as_map = |path: &str| -> serde_json::Map<String, Value> {
-            self.privileges_on(path)
+            self.effective_privileges(path)
                 .into_iter()
                 .map(|p| (p, json!(1)))
                 .collect()
