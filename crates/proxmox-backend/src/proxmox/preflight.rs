@@ -6,6 +6,9 @@
 //! enabled, the pool exists, the token holds every privilege the lifecycle
 //! uses (`GET /access/permissions`, PVE 8 and PVE 9 names), and whether the
 //! datacenter's `user-tag-access` lets this token set per-machine tags.
+//! Once per start: `/nodes`, `/version`, `/cluster/resources`, a config read
+//! per template, a permissions read per checked path plus `/`, a pool read
+//! (with `Pool.Audit`) and `/cluster/options`.
 //!
 //! Privileges, from the API schema's `permissions` of each call the provider
 //! makes (and the qemu-server sources for the agent):
