@@ -81,9 +81,10 @@ const CTL_FLAGS: &[&str] = &[
 ];
 
 /// Flags of other tools that prose mentions on their own, outside a command:
-/// kubectl drain's grace period (the provider appends it to --drain-command),
-/// pveum's token option, and the conformance runner's endpoint.
-const OTHER_TOOL_FLAGS: &[&str] = &["--grace-period", "--privsep", "--target"];
+/// kubectl drain's grace period and timeout (the provider appends them to
+/// --drain-command), pveum's token option, and the conformance runner's
+/// endpoint.
+const OTHER_TOOL_FLAGS: &[&str] = &["--grace-period", "--timeout", "--privsep", "--target"];
 
 /// Options of deploy/host-setup/setup-token.sh, read from its `case` arms.
 fn setup_script_options() -> BTreeSet<String> {

@@ -125,8 +125,10 @@ pub struct Args {
     )]
     pub readiness_command: String,
 
-    /// Shell command run in the guest to drain the node; the grace period
-    /// is passed as --grace-period=SECONDS.
+    /// Shell command run in the guest to drain the node. The provider
+    /// appends --timeout=SECONDS (nine tenths of --drain-timeout) and, only
+    /// for a positive requested grace, --grace-period=SECONDS; a grace of 0
+    /// leaves each pod its own termination grace.
     #[arg(
         long,
         default_value = "kubectl drain \"$(hostname)\" --ignore-daemonsets --delete-emptydir-data"

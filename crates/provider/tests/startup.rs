@@ -837,3 +837,90 @@ fn fatal_errors_are_structured_lines_in_the_chosen_format() {
         "{line}"
     );
 }
+
+/// Real-backend flags against a running pve-sim, trusting `ca` (a path).
+fn against_sim(sim: &pve_sim::PveSim, url: &str, secret: &str, ca: &str) -> Vec<String> {
+    [
+        "--proxmox-api-url",
+        url,
+        "--proxmox-token-id",
+        sim.token_id(),
+        "--proxmox-token-secret",
+        secret,
+        "--proxmox-ca-file",
+        ca,
+        "--proxmox-pool",
+        "bigfleet",
+        "--nodes",
+        "pve1,pve2",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect()
+}
+
+/// Each way of not reaching the API fails start-up with the hint that
+/// applies, not a blanket "is the token valid?".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn preflight_failures_name_their_fix() {
+    let sim = pve_sim::PveSim::start(pve_sim::SimConfig::default())
+        .await
+        .expect("simulator");
+    let other = pve_sim::PveSim::start(pve_sim::SimConfig::default())
+        .await
+        .expect("second simulator");
+    let pki = Pki::new();
+    let ca = path_str(&pki.write("pve-ca.pem", sim.ca_pem())).to_string();
+    let wrong_ca = path_str(&pki.write("other-ca.pem", other.ca_pem())).to_string();
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let port = closed.local_addr().expect("addr").port();
+    drop(closed);
+    let url = sim.base_url().to_string();
+    let no_root = url.trim_end_matches("/api2/json").to_string();
+    let refused = format!("https://127.0.0.1:{port}/api2/json");
+    let secret = sim.token_secret().to_string();
+    let cases: Vec<(Vec<String>, Vec<&str>)> = vec![
+        (
+            against_sim(&sim, &url, "wrong-secret", &ca),
+            vec![
+                "Proxmox preflight failed",
+                "the API token was refused (401)",
+                "--proxmox-token-id",
+            ],
+        ),
+        (
+            against_sim(&sim, &no_root, &secret, &ca),
+            vec!["--proxmox-api-url must end in /api2/json"],
+        ),
+        (
+            against_sim(&sim, &refused, &secret, &ca),
+            vec!["nothing listens at", "port 8006"],
+        ),
+        (
+            against_sim(&sim, &url, &secret, &wrong_ca),
+            vec!["failed verification", "--proxmox-ca-file"],
+        ),
+    ];
+    for (args, expect) in cases {
+        // The preflight runs once the listeners are bound: free ports here.
+        let mut all = vec!["--addr", "127.0.0.1:0", "--metrics-addr", ""];
+        all.extend(args.iter().map(String::as_str));
+        let run = tokio::task::block_in_place(|| run_to_exit(&all, EXIT_DEADLINE));
+        let stderr = run.stderr;
+        assert!(!run.status.success(), "{all:?} must fail:\n{stderr}");
+        for e in &expect {
+            assert!(stderr.contains(e), "{all:?}: stderr lacks {e:?}:\n{stderr}");
+        }
+        assert!(
+            !stderr.contains(provider_testkit::STARTUP_LINE),
+            "must not serve:\n{stderr}"
+        );
+        assert!(
+            !stderr.contains("is the API token valid?"),
+            "no blanket hint:\n{stderr}"
+        );
+        assert!(!stderr.contains(&secret), "the secret is never logged");
+    }
+    other.shutdown().await;
+    sim.shutdown().await;
+}

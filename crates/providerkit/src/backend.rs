@@ -243,4 +243,11 @@ pub trait Backend: Send + Sync + 'static {
     async fn node_ready(&self, _ctx: &ConfigureCtx) -> Result<bool, BackendError> {
         Ok(true)
     }
+
+    /// For a Configure that timed out waiting for readiness: what the last
+    /// probe of the host said (exit code, redacted output), quoted in
+    /// `last_error`. `None` when no probe ran since the Configure started.
+    fn readiness_detail(&self, _host_ref: &str) -> Option<String> {
+        None
+    }
 }

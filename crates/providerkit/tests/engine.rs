@@ -132,6 +132,11 @@ impl Backend for ScriptedBackend {
             .map(|c| c.fetch_add(1, Ordering::SeqCst) + 1);
         Ok(probes.is_some_and(|p| self.ready_after > 0 && p >= self.ready_after))
     }
+    fn readiness_detail(&self, host_ref: &str) -> Option<String> {
+        self.readiness
+            .as_ref()
+            .map(|c| format!("probe {} of {host_ref} said no", c.load(Ordering::SeqCst)))
+    }
 }
 
 fn opts() -> EngineOptions {
@@ -746,7 +751,15 @@ async fn readiness_gate_holds_configuring_until_ready_or_timeout() {
     to_idle(&engine, "m-0000").await;
     configure(&engine, "m-0000", none()).await.unwrap();
     let failed = wait_for(&engine, "m-0000", State::Failed).await;
-    assert!(failed.last_error.contains("timed out"));
+    assert!(
+        failed.last_error.contains("timed out")
+            && failed
+                .last_error
+                .contains("waiting for the node to become ready; probe ")
+            && failed.last_error.contains("said no"),
+        "the last probe is quoted: {}",
+        failed.last_error
+    );
 }
 
 #[tokio::test]

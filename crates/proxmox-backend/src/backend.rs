@@ -216,4 +216,9 @@ impl Backend for ProxmoxBackend {
         let vm = parse_host(&ctx.host_ref)?;
         self.substrate.node_ready(&vm).await.map_err(be)
     }
+
+    fn readiness_detail(&self, host_ref: &str) -> Option<String> {
+        self.substrate
+            .readiness_detail(&VmRef::parse(host_ref).ok()?)
+    }
 }

@@ -142,6 +142,11 @@ pub trait Substrate: Send + Sync + 'static {
     /// Whether Configure must wait for [`Substrate::node_ready`].
     fn readiness_gate(&self) -> bool;
     async fn node_ready(&self, vm: &VmRef) -> Result<bool, SubstrateError>;
+    /// What the last failed readiness probe of the VM's Configure said (exit
+    /// code and redacted stderr tail), taken once, for a readiness timeout.
+    fn readiness_detail(&self, _vm: &VmRef) -> Option<String> {
+        None
+    }
     /// Drain the node inside the guest within the grace period.
     async fn drain(&self, vm: &VmRef, grace: Duration) -> Result<(), SubstrateError>;
 }
@@ -216,6 +221,9 @@ impl Substrate for Metered {
     async fn node_ready(&self, vm: &VmRef) -> Result<bool, SubstrateError> {
         // Readiness probes are part of the Configure step.
         self.timed("Configure", self.inner.node_ready(vm)).await
+    }
+    fn readiness_detail(&self, vm: &VmRef) -> Option<String> {
+        self.inner.readiness_detail(vm)
     }
     async fn drain(&self, vm: &VmRef, grace: Duration) -> Result<(), SubstrateError> {
         self.timed("Drain", self.inner.drain(vm, grace)).await

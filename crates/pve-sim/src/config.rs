@@ -371,6 +371,19 @@ pub struct SimConfig {
     /// pveproxy answers every response with status >= 400 with `Connection:
     /// close` and closes the connection.
     pub close_after_error: bool,
+    /// Privileges the token lacks, as `(path, privilege)` (`*` = all): gone
+    /// on that path and below unless a deeper grant gives it back, in `GET
+    /// /access/permissions` and in the checks the simulator makes (the VM
+    /// calls' privileges on `/vms/{vmid}`, which a pool's ACL covers for its
+    /// members; `Sys.Modify` on `/` for new tags; `Pool.Audit` for pool reads).
+    /// `("/", "*")` plus grants models a pool-scoped token.
+    pub dropped_privileges: Vec<(String, String)>,
+    /// Privileges granted as `(path, privilege)`, on that path and below,
+    /// e.g. `("/", "Sys.Modify")`; a deeper drop takes them away again.
+    pub granted_privileges: Vec<(String, String)>,
+    /// Answer as PVE 9 does: `/version` says 9.0, and the privilege set has
+    /// the `VM.GuestAgent.*` privileges where PVE 8 has `VM.Monitor`.
+    pub pve9: bool,
 }
 
 impl SimConfig {
@@ -436,6 +449,9 @@ impl Default for SimConfig {
             tag_access: TagAccess::Free,
             keepalive_idle: Some(Duration::from_secs(5)),
             close_after_error: true,
+            dropped_privileges: Vec::new(),
+            granted_privileges: Vec::new(),
+            pve9: false,
         }
     }
 }

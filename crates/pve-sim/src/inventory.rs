@@ -7,6 +7,7 @@ use std::time::Instant;
 
 use serde_json::{json, Value};
 
+use crate::config::TagAccess;
 use crate::sim::Shared;
 use crate::state::{ApiError, ApiResult, Cluster, Vm};
 
@@ -298,34 +299,152 @@ impl Shared {
         })
     }
 
-    /// `GET /access/permissions`: the token's privileges per ACL path (the
-    /// simulated token has every privilege the provider could need, on `/`).
+    /// The token's privileges on `path`. Each privilege follows the most
+    /// specific rule on the path or above it (ACLs propagate; a deeper ACL
+    /// wins): the default set (PVE 8 or 9 names) on `/`,
+    /// [`crate::SimConfig::granted_privileges`], and
+    /// [`crate::SimConfig::dropped_privileges`] (`*` = every privilege;
+    /// on the same path a drop wins).
+    pub fn privileges_on(&self, path: &str) -> Vec<String> {
+        let under = |acl: &str| {
+            acl == "/"
+                || path == acl
+                || path
+                    .strip_prefix(acl)
+                    .is_some_and(|rest| rest.starts_with('/'))
+        };
+        let base: &[&str] = if self.cfg.pve9 {
+            PRIVILEGES_PVE9
+        } else {
+            PRIVILEGES
+        };
+        let mut names: Vec<String> = base.iter().map(|p| p.to_string()).collect();
+        names.extend(self.cfg.granted_privileges.iter().map(|(_, p)| p.clone()));
+        names.sort();
+        names.dedup();
+        names.retain(|name| {
+            // (depth, held) of the deciding rule.
+            let mut best: (usize, bool) = (0, false);
+            if base.contains(&name.as_str()) {
+                best = (1, true);
+            }
+            let mut consider = |acl: &str, held: bool| {
+                if !under(acl) {
+                    return;
+                }
+                let depth = acl.len();
+                if depth > best.0 || (depth == best.0 && !held) {
+                    best = (depth, held);
+                }
+            };
+            for (acl, p) in &self.cfg.granted_privileges {
+                if p == name {
+                    consider(acl, true);
+                }
+            }
+            for (acl, p) in &self.cfg.dropped_privileges {
+                if p == name || p == "*" {
+                    consider(acl, false);
+                }
+            }
+            best.1
+        });
+        names
+    }
+
+    /// [`Shared::privileges_on`], where a VM's `/vms/{vmid}` also gets what
+    /// its pool's ACL grants (PVE treats the pool as the VM's parent).
+    pub fn effective_privileges(&self, path: &str) -> Vec<String> {
+        let mut out = self.privileges_on(path);
+        let pool = path
+            .strip_prefix("/vms/")
+            .and_then(|id| id.parse::<u32>().ok())
+            .and_then(|vmid| {
+                self.cluster
+                    .lock()
+                    .vms
+                    .get(&vmid)
+                    .and_then(|vm| vm.pool.clone())
+            });
+        if let Some(pool) = pool {
+            out.extend(self.privileges_on(&format!("/pool/{pool}")));
+            out.sort();
+            out.dedup();
+        }
+        out
+    }
+
+    /// Whether the token holds `privilege` on `path`.
+    pub fn holds(&self, path: &str, privilege: &str) -> bool {
+        self.privileges_on(path).iter().any(|p| p == privilege)
+    }
+
+    /// `GET /access/permissions`: the token's privileges per ACL path. With
+    /// `path`, that path alone; without, the top-level paths, every pool,
+    /// template and storage, leaving out paths where it holds nothing (as
+    /// PVE does).
     pub fn permissions(&self, path: Option<&str>) -> Value {
-        let privs: serde_json::Map<String, Value> = PRIVILEGES
-            .iter()
-            .map(|p| (p.to_string(), json!(1)))
-            .collect();
-        let c = self.cluster.lock();
-        let mut paths: Vec<String> = vec![
-            "/".into(),
-            "/nodes".into(),
-            "/storage".into(),
-            "/vms".into(),
-        ];
-        paths.extend(c.pools.keys().map(|p| format!("/pool/{p}")));
+        let as_map = |path: &str| -> serde_json::Map<String, Value> {
+            self.effective_privileges(path)
+                .into_iter()
+                .map(|p| (p, json!(1)))
+                .collect()
+        };
         let mut out = serde_json::Map::new();
         match path {
-            // ACLs propagate: any path gets the privileges granted on `/`.
             Some(p) => {
-                out.insert(p.to_string(), Value::Object(privs));
+                out.insert(p.to_string(), Value::Object(as_map(p)));
             }
             None => {
+                let c = self.cluster.lock();
+                let mut paths: Vec<String> = vec![
+                    "/".into(),
+                    "/nodes".into(),
+                    "/storage".into(),
+                    "/vms".into(),
+                ];
+                paths.extend(c.pools.keys().map(|p| format!("/pool/{p}")));
+                paths.extend(
+                    self.cfg
+                        .templates
+                        .iter()
+                        .map(|t| format!("/vms/{}", t.vmid)),
+                );
+                paths.extend(
+                    self.cfg
+                        .templates
+                        .iter()
+                        .map(|t| format!("/storage/{}", t.storage)),
+                );
+                drop(c);
+                paths.sort();
+                paths.dedup();
                 for p in paths {
-                    out.insert(p, Value::Object(privs.clone()));
+                    let privs = as_map(&p);
+                    if !privs.is_empty() {
+                        out.insert(p, Value::Object(privs));
+                    }
                 }
             }
         }
         Value::Object(out)
+    }
+
+    /// `GET /cluster/options`: datacenter.cfg as PVE parses it; only the
+    /// `user-tag-access` option is modelled, and (as in PVE) it is absent
+    /// when left at its default, `free`.
+    pub fn cluster_options(&self) -> Value {
+        let (allow, list) = match &self.cfg.tag_access {
+            TagAccess::Free => return json!({"keyboard": "en-us"}),
+            TagAccess::Existing(l) => ("existing", l.clone()),
+            TagAccess::List(l) => ("list", l.clone()),
+            TagAccess::None => ("none", Vec::new()),
+        };
+        let mut uta = json!({"user-allow": allow});
+        if !list.is_empty() {
+            uta["user-allow-list"] = json!(list);
+        }
+        json!({"keyboard": "en-us", "user-tag-access": uta})
     }
 
     /// `GET /nodes/{node}/qemu/{vmid}/status`: the directory index.
@@ -369,15 +488,18 @@ impl Shared {
         )
     }
 
+    /// `GET /pools[?poolid=P]`: pools the token may audit (`Pool.Audit`).
     pub fn pools(&self, poolid: Option<&str>) -> ApiResult {
         let c = self.cluster.lock();
         match poolid {
             None => Ok(Value::Array(
                 c.pools
                     .iter()
+                    .filter(|(p, _)| self.holds(&format!("/pool/{p}"), "Pool.Audit"))
                     .map(|(p, comment)| json!({"poolid": p, "comment": comment}))
                     .collect(),
             )),
+            Some(p) if !self.holds(&format!("/pool/{p}"), "Pool.Audit") => Ok(json!([])),
             Some(p) => {
                 let comment = c
                     .pools
@@ -388,7 +510,15 @@ impl Shared {
         }
     }
 
+    /// `GET /pools/{poolid}`: the privilege is checked before the pool is
+    /// looked up, so a missing pool without `Pool.Audit` is a 403 too.
     pub fn pool(&self, poolid: &str) -> ApiResult {
+        if !self.holds(&format!("/pool/{poolid}"), "Pool.Audit") {
+            return Err(ApiError::Status(
+                403,
+                format!("Permission check failed (/pool/{poolid}, Pool.Audit)"),
+            ));
+        }
         let c = self.cluster.lock();
         let comment = c
             .pools
@@ -572,7 +702,10 @@ impl StorageInfo {
     }
 }
 
-/// Privileges of PVE 8's Administrator role that matter to a VM lifecycle client.
+/// Privileges of PVE 8's Administrator role that matter to a VM lifecycle
+/// client, less `Sys.Modify`: a provider token does not hold it, so a
+/// restricted `user-tag-access` applies to it (grant it with
+/// [`crate::SimConfig::granted_privileges`]).
 const PRIVILEGES: &[&str] = &[
     "Datastore.Allocate",
     "Datastore.AllocateSpace",
@@ -582,7 +715,6 @@ const PRIVILEGES: &[&str] = &[
     "Pool.Audit",
     "Sys.Audit",
     "Sys.Console",
-    "Sys.Modify",
     "Sys.PowerMgmt",
     "Sys.Syslog",
     "VM.Allocate",
@@ -600,6 +732,43 @@ const PRIVILEGES: &[&str] = &[
     "VM.Console",
     "VM.Migrate",
     "VM.Monitor",
+    "VM.PowerMgmt",
+    "VM.Snapshot",
+    "VM.Snapshot.Rollback",
+];
+
+/// [`PRIVILEGES`] as PVE 9 names them: `VM.Monitor` is gone, the guest
+/// agent has its own privileges.
+const PRIVILEGES_PVE9: &[&str] = &[
+    "Datastore.Allocate",
+    "Datastore.AllocateSpace",
+    "Datastore.AllocateTemplate",
+    "Datastore.Audit",
+    "Pool.Allocate",
+    "Pool.Audit",
+    "Sys.Audit",
+    "Sys.Console",
+    "Sys.PowerMgmt",
+    "Sys.Syslog",
+    "VM.Allocate",
+    "VM.Audit",
+    "VM.Backup",
+    "VM.Clone",
+    "VM.Config.CDROM",
+    "VM.Config.CPU",
+    "VM.Config.Cloudinit",
+    "VM.Config.Disk",
+    "VM.Config.HWType",
+    "VM.Config.Memory",
+    "VM.Config.Network",
+    "VM.Config.Options",
+    "VM.Console",
+    "VM.GuestAgent.Audit",
+    "VM.GuestAgent.FileRead",
+    "VM.GuestAgent.FileSystemMgmt",
+    "VM.GuestAgent.FileWrite",
+    "VM.GuestAgent.Unrestricted",
+    "VM.Migrate",
     "VM.PowerMgmt",
     "VM.Snapshot",
     "VM.Snapshot.Rollback",

@@ -65,6 +65,7 @@ pub const ROUTES: &[(&str, &str)] = &[
     ("GET", "/nodes/{node}/storage"),
     ("GET", "/nodes/{node}/storage/{storage}/status"),
     ("GET", "/access/permissions"),
+    ("GET", "/cluster/options"),
 ];
 
 const API_PREFIX: &str = "/api2/json";
@@ -327,7 +328,9 @@ async fn handle(
     if let Some(errs) = schema_errors {
         return error_response(&ApiError::Params(errs));
     }
-    if let Err(e) = check_acl(&s, template, &params) {
+    if let Err(e) = check_acl(&s, template, &params)
+        .and_then(|()| check_privileges(&s, method.as_str(), template, &params))
+    {
         return error_response(&e);
     }
     let res = dispatch(&s, method.as_str(), template, &params).await;
@@ -397,6 +400,87 @@ fn check_acl(s: &Shared, template: &str, p: &Params) -> ApiResult<()> {
     ))
 }
 
+/// The privilege checks PVE makes on the VM calls a lifecycle client uses
+/// (from the API schema's `permissions`; the guest agent's by release), on
+/// `/vms/{vmid}` (which a pool's ACL covers for its members). Each entry is
+/// a set of alternatives; every entry must hold.
+fn required_privileges(
+    s: &Shared,
+    method: &str,
+    template: &str,
+    p: &Params,
+) -> Vec<(String, Vec<&'static str>)> {
+    let vmid = p.u64("vmid").unwrap_or(0);
+    let vm = format!("/vms/{vmid}");
+    let agent = |pve9: &'static [&'static str]| -> Vec<&'static str> {
+        if s.cfg.pve9 {
+            pve9.to_vec()
+        } else {
+            vec!["VM.Monitor"]
+        }
+    };
+    let one = |path: &str, privs: Vec<&'static str>| vec![(path.to_string(), privs)];
+    match (method, template) {
+        ("POST", "/nodes/{node}/qemu/{vmid}/clone") => {
+            let mut out = one(&vm, vec!["VM.Clone"]);
+            let target = match p.get("pool") {
+                Some(pool) => format!("/pool/{pool}"),
+                None => format!("/vms/{}", p.u64("newid").unwrap_or(0)),
+            };
+            out.push((target, vec!["VM.Allocate"]));
+            out
+        }
+        ("GET", "/nodes/{node}/qemu/{vmid}/config")
+        | ("GET", "/nodes/{node}/qemu/{vmid}/status/current") => one(&vm, vec!["VM.Audit"]),
+        ("PUT" | "POST", "/nodes/{node}/qemu/{vmid}/config") => {
+            let mut out = Vec::new();
+            for (key, privilege) in [
+                ("cores", "VM.Config.CPU"),
+                ("memory", "VM.Config.Memory"),
+                ("description", "VM.Config.Options"),
+                ("tags", "VM.Config.Options"),
+            ] {
+                if p.get(key).is_some() {
+                    out.push((vm.clone(), vec![privilege]));
+                }
+            }
+            out
+        }
+        ("POST", "/nodes/{node}/qemu/{vmid}/status/start")
+        | ("POST", "/nodes/{node}/qemu/{vmid}/status/stop")
+        | ("POST", "/nodes/{node}/qemu/{vmid}/status/shutdown") => one(&vm, vec!["VM.PowerMgmt"]),
+        ("DELETE", "/nodes/{node}/qemu/{vmid}") => one(&vm, vec!["VM.Allocate"]),
+        ("POST", "/nodes/{node}/qemu/{vmid}/agent/ping") => one(
+            &vm,
+            agent(&["VM.GuestAgent.Audit", "VM.GuestAgent.Unrestricted"]),
+        ),
+        ("POST", "/nodes/{node}/qemu/{vmid}/agent/file-write") => one(
+            &vm,
+            agent(&["VM.GuestAgent.FileWrite", "VM.GuestAgent.Unrestricted"]),
+        ),
+        ("POST", "/nodes/{node}/qemu/{vmid}/agent/exec")
+        | ("GET", "/nodes/{node}/qemu/{vmid}/agent/exec-status") => {
+            one(&vm, agent(&["VM.GuestAgent.Unrestricted"]))
+        }
+        _ => Vec::new(),
+    }
+}
+
+/// 403 `Permission check failed (PATH, PRIV)` for a privilege the token
+/// lacks (see [`crate::SimConfig::dropped_privileges`]).
+fn check_privileges(s: &Shared, method: &str, template: &str, p: &Params) -> ApiResult<()> {
+    for (path, any_of) in required_privileges(s, method, template, p) {
+        let held = s.effective_privileges(&path);
+        if !any_of.iter().any(|want| held.iter().any(|h| h == want)) {
+            return Err(ApiError::Status(
+                403,
+                format!("Permission check failed ({path}, {})", any_of.join("|")),
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// Match an API path against [`ROUTES`]; returns the template and path params.
 pub fn route(method: &str, path: &str) -> Option<(&'static str, Vec<(String, String)>)> {
     let segs: Vec<String> = path
@@ -433,6 +517,9 @@ async fn dispatch(s: &Arc<Shared>, method: &str, template: &str, p: &Params) -> 
     let node = p.get("node").unwrap_or_default().to_string();
     let vmid = p.u64("vmid").unwrap_or(0) as u32;
     match (method, template) {
+        ("GET", "/version") if s.cfg.pve9 => {
+            Ok(json!({"version": "9.0.3", "release": "9.0", "repoid": "025864202ebb6109"}))
+        }
         ("GET", "/version") => {
             Ok(json!({"version": "8.3.2", "release": "8.3", "repoid": "3e76eec21c4a14a7"}))
         }
@@ -489,6 +576,7 @@ async fn dispatch(s: &Arc<Shared>, method: &str, template: &str, p: &Params) -> 
             s.storage_status(&node, p.get("storage").unwrap_or_default())
         }
         ("GET", "/access/permissions") => Ok(s.permissions(p.get("path"))),
+        ("GET", "/cluster/options") => Ok(s.cluster_options()),
         _ => Err(ApiError::Status(
             501,
             format!("Method '{method} {template}' not implemented"),

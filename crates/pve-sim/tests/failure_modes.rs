@@ -202,6 +202,94 @@ async fn restricted_user_tag_access_refuses_new_tags() {
 }
 
 #[tokio::test]
+async fn restricted_tag_access_yields_to_sys_modify_and_shows_in_cluster_options() {
+    let (sim, api) = sim(SimConfig {
+        tag_access: TagAccess::List(vec!["bigfleet".into()]),
+        granted_privileges: vec![("/".into(), "Sys.Modify".into())],
+        ..fast()
+    })
+    .await;
+    let o = api.get("/cluster/options", &[]).await;
+    assert_eq!(o.status, 200);
+    assert_eq!(o.data()["user-tag-access"]["user-allow"], "list");
+    assert_eq!(
+        o.data()["user-tag-access"]["user-allow-list"][0],
+        "bigfleet"
+    );
+    sim.insert_vm(sim.new_vm(141, "pve1", "a")).unwrap();
+    let r = api
+        .put("/nodes/pve1/qemu/141/config", &[("tags", "brand-new")])
+        .await;
+    assert_eq!(r.status, 200, "Sys.Modify on / sets any tag");
+    sim.shutdown().await;
+    // The default (free) is absent from the options, as in PVE.
+    let (free, api) = self::sim(fast()).await;
+    let o = api.get("/cluster/options", &[]).await;
+    assert!(o.data().get("user-tag-access").is_none(), "{:?}", o.data());
+    free.shutdown().await;
+}
+
+#[tokio::test]
+async fn dropped_privileges_show_in_permissions_and_pool_reads() {
+    let (sim, api) = sim(SimConfig {
+        dropped_privileges: vec![
+            ("/pool/bigfleet".into(), "VM.PowerMgmt".into()),
+            ("/pool/bigfleet".into(), "Pool.Audit".into()),
+            ("/".into(), "VM.Clone".into()),
+        ],
+        ..fast()
+    })
+    .await;
+    let p = api
+        .get("/access/permissions", &[("path", "/pool/bigfleet")])
+        .await;
+    let privs = &p.data()["/pool/bigfleet"];
+    assert!(privs.get("VM.PowerMgmt").is_none(), "{privs}");
+    assert!(
+        privs.get("VM.Clone").is_none(),
+        "dropped on / is gone below"
+    );
+    assert_eq!(privs["VM.Allocate"], 1);
+    let p = api
+        .get("/access/permissions", &[("path", "/vms/9000")])
+        .await;
+    assert_eq!(
+        p.data()["/vms/9000"]["VM.PowerMgmt"],
+        1,
+        "other paths keep it"
+    );
+    let tree = api.get("/access/permissions", &[]).await;
+    assert!(
+        tree.data().get("/vms/9000").is_some(),
+        "templates are listed"
+    );
+    assert!(
+        tree.data().get("/storage/local-lvm").is_some(),
+        "storages too"
+    );
+    let r = api.get("/pools/bigfleet", &[]).await;
+    assert_eq!(r.status, 403);
+    assert_eq!(
+        r.message(),
+        "Permission check failed (/pool/bigfleet, Pool.Audit)"
+    );
+    let r = api.get("/pools", &[("poolid", "bigfleet")]).await;
+    assert_eq!(r.data().as_array().map(Vec::len), Some(0), "filtered");
+    sim.shutdown().await;
+    // PVE 9 names the guest-agent privileges.
+    let (sim9, api) = self::sim(SimConfig {
+        pve9: true,
+        ..fast()
+    })
+    .await;
+    let p = api.get("/access/permissions", &[("path", "/")]).await;
+    assert!(p.data()["/"].get("VM.Monitor").is_none());
+    assert_eq!(p.data()["/"]["VM.GuestAgent.Unrestricted"], 1);
+    assert_eq!(api.get("/version", &[]).await.data()["release"], "9.0");
+    sim9.shutdown().await;
+}
+
+#[tokio::test]
 async fn pveproxy_closes_idle_connections_and_after_errors() {
     let (sim, api) = sim(SimConfig {
         keepalive_idle: Some(Duration::from_millis(200)),

@@ -27,8 +27,9 @@ use crate::error::{chain_message, find_rustls_error, is_lock_timeout_text, PveEr
 use crate::form::{encode_segment, Params};
 use crate::tags::join_tags;
 use crate::types::{
-    exit_ok, lenient, CloneParams, ClusterVm, ConfigParams, ExecStatus, FileEncoding, NodeInfo,
-    PoolMember, TaskLogLine, TaskState, TaskStatus, VmConfig, VmStatus,
+    exit_ok, lenient, CloneParams, ClusterOptions, ClusterVm, ConfigParams, ExecStatus,
+    FileEncoding, NodeInfo, Permissions, PoolMember, TaskLogLine, TaskState, TaskStatus, VmConfig,
+    VmStatus,
 };
 use crate::upid::Upid;
 
@@ -704,6 +705,51 @@ impl PveClient {
             }
         }
         Ok(vms)
+    }
+
+    /// The token id this client authenticates as (`USER@REALM!TOKENID`).
+    pub fn token_id(&self) -> &str {
+        &self.inner.token_id
+    }
+
+    /// `GET /version`: the release, e.g. `8.3` (`release` is missing on
+    /// very old servers, where `version` is used).
+    pub async fn release(&self) -> Result<String, PveError> {
+        let v: Value = self
+            .call("version", Method::GET, "/version", &Params::new())
+            .await?;
+        Ok(v.get("release")
+            .or_else(|| v.get("version"))
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+            .to_string())
+    }
+
+    /// `GET /access/permissions[?path=P]`: the calling token's effective
+    /// privileges, for one path or for every path PVE lists.
+    pub async fn permissions(&self, path: Option<&str>) -> Result<Permissions, PveError> {
+        let mut p = Params::new();
+        p.push_opt("path", path.map(str::to_string));
+        let raw: BTreeMap<String, BTreeMap<String, Value>> = self
+            .call("permissions", Method::GET, "/access/permissions", &p)
+            .await?;
+        Ok(raw
+            .into_iter()
+            .map(|(path, privs)| (path, privs.into_keys().collect()))
+            .collect())
+    }
+
+    /// `GET /cluster/options`: the datacenter options (`user-tag-access`).
+    pub async fn cluster_options(&self) -> Result<ClusterOptions, PveError> {
+        let v: Value = self
+            .call(
+                "cluster_options",
+                Method::GET,
+                "/cluster/options",
+                &Params::new(),
+            )
+            .await?;
+        Ok(ClusterOptions::from_value(&v))
     }
 
     /// `GET /nodes`.

@@ -267,6 +267,63 @@ impl PveError {
     }
 }
 
+/// Why a call never got a usable answer from the API at all: each points
+/// at a different piece of the client's set-up (see [`PveError::access_failure`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AccessFailure {
+    /// 401: the token id or secret is wrong, or the token expired or was removed.
+    Unauthorized,
+    /// 404, or an answer that is not the API's JSON: the base URL does not
+    /// end in the API root `/api2/json`.
+    WrongPath,
+    /// Nothing listens on the host and port (PVE's API port is 8006).
+    ConnectionRefused,
+    /// The host name does not resolve, or the host does not answer.
+    Unreachable,
+    /// The peer does not speak TLS on that port (a plain HTTP port).
+    NotTls,
+    /// The certificate failed verification: CA, host name or pinned fingerprint.
+    Tls,
+}
+
+impl PveError {
+    /// Classifies a failure to use the API at all (the first call of a
+    /// process): `None` for an answer the API gave about the request itself.
+    pub fn access_failure(&self) -> Option<AccessFailure> {
+        match self {
+            PveError::Api { status: 401, .. } => Some(AccessFailure::Unauthorized),
+            PveError::Api { status: 404, .. } => Some(AccessFailure::WrongPath),
+            // A web page (the GUI) or another server's 200 instead of `{"data": ...}`.
+            PveError::Decode { .. } => Some(AccessFailure::WrongPath),
+            PveError::Tls { message, .. } => {
+                let m = message.to_ascii_lowercase();
+                // rustls: "received corrupt message of type InvalidContentType".
+                if m.contains("corrupt message") || m.contains("invalidcontenttype") {
+                    Some(AccessFailure::NotTls)
+                } else {
+                    Some(AccessFailure::Tls)
+                }
+            }
+            PveError::Transport {
+                message, connect, ..
+            } => {
+                let m = message.to_ascii_lowercase();
+                if m.contains("connection refused") {
+                    Some(AccessFailure::ConnectionRefused)
+                } else if m.contains("corrupt message") || m.contains("invalidcontenttype") {
+                    Some(AccessFailure::NotTls)
+                } else if *connect {
+                    Some(AccessFailure::Unreachable)
+                } else {
+                    None
+                }
+            }
+            PveError::Timeout { .. } => Some(AccessFailure::Unreachable),
+            _ => None,
+        }
+    }
+}
+
 pub(crate) fn is_lock_timeout_text(m: &str) -> bool {
     let m = m.to_ascii_lowercase();
     (m.contains("can't lock file") && m.contains("got timeout"))
@@ -359,6 +416,46 @@ mod tests {
             exitstatus: "clone failed: can't lock file '/var/lock/pve-manager/pve-storage-local-lvm' - got timeout".into(),
         };
         assert!(task.is_lock_timeout());
+    }
+
+    #[test]
+    fn access_failures() {
+        use AccessFailure::*;
+        assert_eq!(
+            api(401, "authentication failure").access_failure(),
+            Some(Unauthorized)
+        );
+        assert_eq!(api(404, "Not Found").access_failure(), Some(WrongPath));
+        let decode = PveError::Decode {
+            op: "nodes",
+            message: "body is not JSON: expected value".into(),
+        };
+        assert_eq!(decode.access_failure(), Some(WrongPath));
+        let refused = PveError::Transport {
+            op: "nodes",
+            message: "client error (Connect): tcp connect error: Connection refused (os error 111)"
+                .into(),
+            connect: true,
+        };
+        assert_eq!(refused.access_failure(), Some(ConnectionRefused));
+        let dns = PveError::Transport {
+            op: "nodes",
+            message: "client error (Connect): dns error: failed to lookup address".into(),
+            connect: true,
+        };
+        assert_eq!(dns.access_failure(), Some(Unreachable));
+        let tls = PveError::Tls {
+            op: "nodes",
+            message: "invalid peer certificate: UnknownIssuer".into(),
+        };
+        assert_eq!(tls.access_failure(), Some(Tls));
+        let plain = PveError::Tls {
+            op: "nodes",
+            message: "received corrupt message of type InvalidContentType".into(),
+        };
+        assert_eq!(plain.access_failure(), Some(NotTls));
+        assert_eq!(api(500, "VM 1 is locked").access_failure(), None);
+        assert_eq!(api(403, "Permission check failed").access_failure(), None);
     }
 
     #[test]

@@ -684,3 +684,122 @@ mod tests {
         assert!(t.succeeded());
     }
 }
+
+/// The token's privileges per ACL path, as `GET /access/permissions`
+/// answers (`{"/pool/p": {"VM.Audit": 1, ...}}`; the value is the propagate
+/// flag, and a listed privilege is held either way).
+pub type Permissions = BTreeMap<String, std::collections::BTreeSet<String>>;
+
+/// Who may set tags that no guest carries yet: the datacenter option
+/// `user-tag-access` (`user-allow`). Holders of `Sys.Modify` on `/` may
+/// always set any tag.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TagAccess {
+    /// `free` (PVE's default): any tag.
+    Free,
+    /// `existing`: tags some guest already carries, or listed.
+    Existing(Vec<String>),
+    /// `list`: only the listed tags.
+    List(Vec<String>),
+    /// `none`: no tag changes at all.
+    None,
+}
+
+impl TagAccess {
+    /// Whether per-guest tags that no guest carries yet are refused (to a
+    /// token without `Sys.Modify` on `/`).
+    pub fn refuses_new_tags(&self) -> bool {
+        !matches!(self, TagAccess::Free)
+    }
+}
+
+/// `GET /cluster/options`: the datacenter options the provider reads.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClusterOptions {
+    pub tag_access: TagAccess,
+}
+
+impl ClusterOptions {
+    /// Parses the answer. `user-tag-access` comes parsed (`{"user-allow":
+    /// "existing", "user-allow-list": ["a"]}`); a raw property string
+    /// (`user-allow=list,user-allow-list=a;b`) is accepted too. Absent or
+    /// unknown means PVE's default, `free`.
+    pub fn from_value(v: &Value) -> ClusterOptions {
+        let mut allow = String::from("free");
+        let mut list: Vec<String> = Vec::new();
+        let split = |s: &str| -> Vec<String> {
+            s.split(';')
+                .map(str::trim)
+                .filter(|t| !t.is_empty())
+                .map(str::to_string)
+                .collect()
+        };
+        match v.get("user-tag-access") {
+            Some(Value::Object(o)) => {
+                if let Some(a) = o.get("user-allow").and_then(Value::as_str) {
+                    allow = a.trim().to_string();
+                }
+                match o.get("user-allow-list") {
+                    Some(Value::Array(items)) => {
+                        list = items
+                            .iter()
+                            .filter_map(Value::as_str)
+                            .map(str::to_string)
+                            .collect()
+                    }
+                    Some(Value::String(s)) => list = split(s),
+                    _ => {}
+                }
+            }
+            Some(Value::String(s)) => {
+                for part in s.split(',') {
+                    match part.split_once('=') {
+                        Some(("user-allow", a)) => allow = a.trim().to_string(),
+                        Some(("user-allow-list", l)) => list = split(l),
+                        None if !part.trim().is_empty() => allow = part.trim().to_string(),
+                        _ => {}
+                    }
+                }
+            }
+            _ => {}
+        }
+        let tag_access = match allow.as_str() {
+            "existing" => TagAccess::Existing(list),
+            "list" => TagAccess::List(list),
+            "none" => TagAccess::None,
+            _ => TagAccess::Free,
+        };
+        ClusterOptions { tag_access }
+    }
+}
+
+#[cfg(test)]
+mod options_tests {
+    use super::*;
+
+    #[test]
+    fn user_tag_access_parsed_or_raw() {
+        let free = ClusterOptions::from_value(&serde_json::json!({"keyboard": "en-us"}));
+        assert_eq!(free.tag_access, TagAccess::Free);
+        assert!(!free.tag_access.refuses_new_tags());
+        let parsed = ClusterOptions::from_value(&serde_json::json!({
+            "user-tag-access": {"user-allow": "list", "user-allow-list": ["a", "b"]}
+        }));
+        assert_eq!(
+            parsed.tag_access,
+            TagAccess::List(vec!["a".into(), "b".into()])
+        );
+        let raw = ClusterOptions::from_value(&serde_json::json!({
+            "user-tag-access": "user-allow=existing,user-allow-list=x;y"
+        }));
+        assert_eq!(
+            raw.tag_access,
+            TagAccess::Existing(vec!["x".into(), "y".into()])
+        );
+        assert!(raw.tag_access.refuses_new_tags());
+        let none = ClusterOptions::from_value(&serde_json::json!({
+            "user-tag-access": {"user-allow": "none"}
+        }));
+        assert_eq!(none.tag_access, TagAccess::None);
+    }
+}

@@ -27,6 +27,10 @@ impl Engine {
             Work::Drain(c) => (c.machine_id.clone(), c.operation_id.clone()),
             Work::Delete(c) => (c.machine_id.clone(), c.operation_id.clone()),
         };
+        let configuring = match &work {
+            Work::Configure(c) => Some(c.host_ref.clone()),
+            _ => None,
+        };
         // Never touch the substrate for a transition that is not durable.
         let outcome = match self.store.durable(ticket).await {
             Err(e) => Err(format!(
@@ -38,11 +42,23 @@ impl Engine {
                 match tokio::time::timeout_at(deadline, self.execute(work)).await {
                     Ok(Ok(outcome)) => Ok(outcome),
                     Ok(Err(e)) => Err(e.to_string()),
-                    Err(_) => Err(format!(
-                        "{} timed out after {} (deadline exceeded)",
-                        kind.name(),
-                        humanize(limit)
-                    )),
+                    Err(_) => {
+                        let mut msg = format!(
+                            "{} timed out after {} (deadline exceeded)",
+                            kind.name(),
+                            humanize(limit)
+                        );
+                        // Timed out in the readiness gate: say what the probe said.
+                        if let Some(detail) = configuring
+                            .as_deref()
+                            .and_then(|h| self.backend.readiness_detail(h))
+                        {
+                            msg.push_str(&format!(
+                                " waiting for the node to become ready; {detail}"
+                            ));
+                        }
+                        Err(msg)
+                    }
                 }
             }
         };

@@ -204,6 +204,7 @@ impl PveSubstrate {
                     ));
                 }
             };
+            tracing::info!(machine_id = %req.machine_id, vm = %vm, task = %upid, "clone started");
             match self.wait_task(&upid, "clone").await {
                 Ok(()) => {
                     res.commit();

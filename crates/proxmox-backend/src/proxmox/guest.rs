@@ -62,13 +62,21 @@ pub(super) fn exec_outcome_redacted(
     st: &ExecStatus,
     secret: &[u8],
 ) -> Result<(), SubstrateError> {
+    exec_outcome_with(what, st, &Redactor::new(secret))
+}
+
+/// [`exec_outcome_redacted`] with a redactor built once.
+pub(super) fn exec_outcome_with(
+    what: &str,
+    st: &ExecStatus,
+    redactor: &Redactor,
+) -> Result<(), SubstrateError> {
     let mut msg = match (st.exitcode, st.signal) {
         (Some(0), None) => return Ok(()),
         (_, Some(sig)) => format!("{what} was killed by signal {sig}"),
         (Some(code), None) => format!("{what} exited {code}"),
         (None, None) => format!("{what} ended without an exit status"),
     };
-    let redactor = Redactor::new(secret);
     let mut redacted = false;
     let mut quote = |data: &Option<String>, truncated: bool| {
         let (clean, hit) = redactor.redact(data.as_deref().unwrap_or_default(), truncated);
@@ -118,7 +126,10 @@ impl PveSubstrate {
         let deadline = Instant::now() + self.opts.agent_timeout;
         loop {
             match self.client.agent_ping(&vm.node, vm.vmid).await {
-                Ok(()) => return Ok(()),
+                Ok(()) => {
+                    tracing::info!(vm = %vm, "guest agent up");
+                    return Ok(());
+                }
                 Err(e) if e.is_agent_transient() => {
                     if Instant::now() >= deadline {
                         return Err(SubstrateError::new(format!(

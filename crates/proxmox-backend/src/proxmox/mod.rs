@@ -32,8 +32,9 @@ use rand::Rng;
 use tokio::sync::{Mutex as AsyncMutex, OnceCell, Semaphore};
 use tokio::time::Instant;
 
+use crate::redact::Redactor;
 use crate::substrate::{CloneRequest, ManagedVm, Substrate, SubstrateError, VmRef};
-use guest::{exec_err, exec_outcome, exec_outcome_redacted, ExecError};
+use guest::{exec_err, exec_outcome, exec_outcome_redacted, exec_outcome_with, ExecError};
 use inventory::Known;
 
 use vmid::VmidState;
@@ -43,6 +44,7 @@ mod guest;
 mod inventory;
 mod marker;
 mod options;
+mod preflight;
 mod vmid;
 
 pub use marker::{
@@ -73,6 +75,19 @@ pub struct PveSubstrate {
     /// The cluster's `user-tag-access` refused a per-machine tag: VMs are
     /// marked by their description marker only (the ownership proof anyway).
     tags_restricted: AtomicBool,
+    /// Readiness probes since the last Configure, by VMID: what a readiness
+    /// timeout's `last_error` quotes.
+    probes: Mutex<HashMap<u32, Probes>>,
+}
+
+/// The readiness probes of one Configure.
+struct Probes {
+    attempts: u32,
+    /// The last failed probe, already redacted.
+    last: Option<String>,
+    /// Built from this Configure's blob: probe output can repeat it too
+    /// (a join token read back from a file the bootstrap wrote).
+    redactor: Arc<Redactor>,
 }
 
 /// Context for a failure after retries: names the node when it was the
@@ -128,59 +143,8 @@ impl PveSubstrate {
             creating: Mutex::new(HashMap::new()),
             clone_slots: Mutex::new(HashMap::new()),
             tags_restricted: AtomicBool::new(false),
+            probes: Mutex::new(HashMap::new()),
         }
-    }
-
-    /// Startup check (2 API calls): the token works, every zone is a cluster
-    /// node, every template is visible. Errors name the problem; the returned
-    /// strings are warnings (offline node, source VM not a template).
-    pub async fn preflight(
-        &self,
-        nodes: &[String],
-        templates: &[u32],
-    ) -> Result<Vec<String>, SubstrateError> {
-        let cluster = self
-            .client
-            .nodes()
-            .await
-            .map_err(|e| err("listing the cluster's nodes (is the API token valid?)", &e))?;
-        let mut warnings = Vec::new();
-        let names: Vec<&str> = cluster.iter().map(|n| n.node.as_str()).collect();
-        for n in &cluster {
-            tracing::info!(node = %n.node, status = %n.status, "Proxmox node");
-        }
-        for node in nodes {
-            match cluster.iter().find(|n| &n.node == node) {
-                None => {
-                    return Err(SubstrateError::new(format!(
-                        "node {node:?} from --nodes is not in the cluster (cluster nodes: {})",
-                        names.join(", ")
-                    )))
-                }
-                Some(n) if n.status != "online" => warnings.push(format!(
-                    "node {node:?} is {}: serving anyway; Creates aimed at it wait for it \
-                     (up to the retry window) and its VMs keep their last known state",
-                    n.status
-                )),
-                Some(_) => {}
-            }
-        }
-        let (list, _) = self.scan(|_| false).await?;
-        for t in templates {
-            match list.iter().find(|v| v.vmid == *t) {
-                None => {
-                    return Err(SubstrateError::new(format!(
-                        "template VMID {t} is not in the cluster (or the API token cannot audit it)"
-                    )))
-                }
-                Some(v) if !v.template => warnings.push(format!(
-                    "source VMID {t} on node {} is not a template: clones copy a live VM",
-                    v.node
-                )),
-                Some(_) => {}
-            }
-        }
-        Ok(warnings)
     }
 
     pub fn options(&self) -> &PveOptions {
@@ -345,6 +309,22 @@ impl PveSubstrate {
         self.wait_agent(vm).await
     }
 
+    /// Writes the blob and runs the bootstrap hook on it.
+    async fn bootstrap(&self, vm: &VmRef, path: String, blob: &[u8]) -> Result<(), SubstrateError> {
+        self.write_blob(vm, &path, blob).await?;
+        tracing::info!(vm = %vm, bytes = blob.len(), "bootstrap blob written");
+        let mut argv = self.opts.bootstrap_exec.clone();
+        argv.push(path);
+        let what = format!("bootstrap hook `{}`", argv.join(" "));
+        let st = self
+            .run(vm, &argv, None, self.opts.exec_timeout)
+            .await
+            .map_err(|e| exec_err(format!("running the {what} in VM {vm}"), &e))?;
+        tracing::info!(vm = %vm, exit_code = ?st.exitcode, signal = ?st.signal, "bootstrap exited");
+        exec_outcome_redacted(&what, &st, blob)
+            .map_err(|e| SubstrateError::new(format!("VM {vm}: {e}")))
+    }
+
     // ---- delete ----
 
     /// The VM's status, following a migration (by VMID; the marker is
@@ -485,6 +465,7 @@ impl Substrate for PveSubstrate {
 
         let template_node = self.template_node(req.template_vmid, &list)?;
         let vm = self.clone_new(req, &template_node, &name, deadline).await?;
+        tracing::info!(machine_id = %req.machine_id, vm = %vm, "clone done");
         self.mark(&vm, req, deadline).await?;
         self.start(&vm, deadline).await?;
         self.wait_agent(&vm).await?;
@@ -494,6 +475,7 @@ impl Substrate for PveSubstrate {
     }
 
     async fn delete_vm(&self, vm: &VmRef, machine_id: &str) -> Result<(), SubstrateError> {
+        self.probes.lock().remove(&vm.vmid);
         let deadline = self.deadline();
         let Some((vm, st)) = self.find_for_delete(vm, deadline).await? else {
             tracing::info!(vm = %vm, "VM already gone");
@@ -557,16 +539,23 @@ impl Substrate for PveSubstrate {
         if self.opts.bootstrap_exec.is_empty() {
             return Err(SubstrateError::new("no bootstrap exec configured"));
         }
-        self.write_blob(vm, &path, blob).await?;
-        let mut argv = self.opts.bootstrap_exec.clone();
-        argv.push(path);
-        let what = format!("bootstrap hook `{}`", argv.join(" "));
-        let st = self
-            .run(vm, &argv, None, self.opts.exec_timeout)
-            .await
-            .map_err(|e| exec_err(format!("running the {what} in VM {vm}"), &e))?;
-        exec_outcome_redacted(&what, &st, blob)
-            .map_err(|e| SubstrateError::new(format!("VM {vm}: {e}")))
+        // Only kept while the readiness gate may probe; dropped on failure,
+        // on the gate's verdict, and by Drain and Delete.
+        if self.readiness_gate() {
+            self.probes.lock().insert(
+                vm.vmid,
+                Probes {
+                    attempts: 0,
+                    last: None,
+                    redactor: Arc::new(Redactor::new(blob)),
+                },
+            );
+        }
+        let outcome = self.bootstrap(vm, path, blob).await;
+        if outcome.is_err() {
+            self.probes.lock().remove(&vm.vmid);
+        }
+        outcome
     }
 
     fn readiness_gate(&self) -> bool {
@@ -582,24 +571,55 @@ impl Substrate for PveSubstrate {
             "-c".to_string(),
             self.opts.readiness_command.clone(),
         ];
-        match self.run(vm, &argv, None, self.opts.readiness_timeout).await {
-            Ok(st) => Ok(st.exitcode == Some(0) && st.signal.is_none()),
+        let outcome = self.run(vm, &argv, None, self.opts.readiness_timeout).await;
+        let mut probes = self.probes.lock();
+        let p = probes.entry(vm.vmid).or_insert_with(|| Probes {
+            attempts: 0,
+            last: None,
+            redactor: Arc::new(Redactor::new(&[])),
+        });
+        p.attempts += 1;
+        let attempt = p.attempts;
+        match outcome {
+            Ok(st) => {
+                tracing::info!(vm = %vm, attempt, exit_code = ?st.exitcode, signal = ?st.signal, "readiness probe");
+                match exec_outcome_with("the readiness command", &st, &p.redactor) {
+                    Ok(()) => {
+                        probes.remove(&vm.vmid);
+                        Ok(true)
+                    }
+                    Err(e) => {
+                        p.last = Some(e.to_string());
+                        Ok(false)
+                    }
+                }
+            }
             // Rebooting after the bootstrap: not ready yet.
-            Err(ExecError::Api(e)) if e.is_agent_transient() => Ok(false),
+            Err(ExecError::Api(e)) if e.is_agent_transient() => {
+                tracing::info!(vm = %vm, attempt, error = %e, "readiness probe: guest agent not answering");
+                p.last = Some(format!("the guest agent did not answer: {e}"));
+                Ok(false)
+            }
             Err(e) => Err(exec_err(format!("probing readiness of VM {vm}"), &e)),
         }
     }
 
+    fn readiness_detail(&self, vm: &VmRef) -> Option<String> {
+        let probes = self.probes.lock().remove(&vm.vmid)?;
+        let last = probes.last?;
+        Some(format!(
+            "last readiness probe (attempt {}): {last}",
+            probes.attempts
+        ))
+    }
+
     async fn drain(&self, vm: &VmRef, grace: Duration) -> Result<(), SubstrateError> {
+        self.probes.lock().remove(&vm.vmid);
         if self.opts.drain_command.trim().is_empty() {
             return Err(SubstrateError::new("no drain command configured"));
         }
-        let timeout = self.opts.drain_timeout.as_secs().max(1);
-        let cmd = format!(
-            "{} --grace-period={} --timeout={timeout}s",
-            self.opts.drain_command.trim(),
-            grace.as_secs()
-        );
+        let cmd = drain_command(&self.opts.drain_command, grace, self.opts.drain_timeout);
+        tracing::info!(vm = %vm, command = %cmd, "draining");
         let argv = vec!["/bin/sh".to_string(), "-c".to_string(), cmd];
         let st = self
             .run(
@@ -610,6 +630,46 @@ impl Substrate for PveSubstrate {
             )
             .await
             .map_err(|e| exec_err(format!("draining VM {vm}"), &e))?;
+        tracing::info!(vm = %vm, exit_code = ?st.exitcode, signal = ?st.signal, "drain command exited");
         exec_outcome("drain command", &st).map_err(|e| SubstrateError::new(format!("VM {vm}: {e}")))
+    }
+}
+
+/// The drain command as run: `--drain-command`, then `--grace-period=N`
+/// only for a request's positive grace (0, proto3's unset, leaves each
+/// pod's own `terminationGracePeriodSeconds` in force, where kubectl's
+/// `--grace-period=0` would mean "delete now"), then `--timeout=Ns` so
+/// kubectl gives up before the provider stops waiting.
+pub(crate) fn drain_command(base: &str, grace: Duration, drain_timeout: Duration) -> String {
+    let mut cmd = base.trim().to_string();
+    if grace.as_secs() > 0 {
+        cmd.push_str(&format!(" --grace-period={}", grace.as_secs()));
+    }
+    cmd.push_str(&format!(" --timeout={}s", drain_timeout.as_secs().max(1)));
+    cmd
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn drain_appends_grace_only_when_asked() {
+        let base = "kubectl drain \"$(hostname)\" --ignore-daemonsets";
+        let t = Duration::from_secs(600);
+        assert_eq!(
+            drain_command(base, Duration::ZERO, t),
+            format!("{base} --timeout=600s"),
+            "0 = the pods' own grace"
+        );
+        assert_eq!(
+            drain_command(base, Duration::from_secs(30), t),
+            format!("{base} --grace-period=30 --timeout=600s")
+        );
+        assert_eq!(
+            drain_command(base, Duration::from_millis(400), Duration::ZERO),
+            format!("{base} --timeout=1s"),
+            "sub-second grace rounds to unset; the timeout is at least 1s"
+        );
     }
 }

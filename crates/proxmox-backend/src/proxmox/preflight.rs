@@ -1,0 +1,474 @@
+//! The start-up check: before serving, find what would make the first
+//! lifecycle fail, and name the fix.
+//!
+//! Checked: the API answers this token (each way of failing gets its own
+//! hint), every zone is a cluster node, every template exists with its agent
+//! enabled, the pool exists, the token holds every privilege the lifecycle
+//! uses (`GET /access/permissions`, PVE 8 and PVE 9 names), and whether the
+//! datacenter's `user-tag-access` lets this token set per-machine tags.
+//! Once per start: `/nodes`, `/version`, `/cluster/resources`, a config read
+//! per template, a permissions read per checked path plus `/`, a pool read
+//! (with `Pool.Audit`) and `/cluster/options`.
+//!
+//! Privileges, from the API schema's `permissions` of each call the provider
+//! makes (and the qemu-server sources for the agent):
+//! - on the clones, i.e. `/pool/{pool}` (or `/vms` without a pool):
+//!   `VM.Allocate` (clone into the pool: `/pool/{pool}`; destroy:
+//!   `/vms/{vmid}`), `VM.Audit` (status, config, inventory), `VM.Config.CPU`,
+//!   `VM.Config.Memory`, `VM.Config.Options` (description and tags),
+//!   `VM.PowerMgmt` (start, stop), and the guest agent: `VM.Monitor` on
+//!   PVE 8; on PVE 9 `VM.GuestAgent.Audit` (ping), `VM.GuestAgent.FileWrite`
+//!   (file-write) and `VM.GuestAgent.Unrestricted` (exec, exec-status; it
+//!   also covers the other two);
+//! - on each template `/vms/{id}`: `VM.Clone`, `VM.Audit`;
+//! - on each storage the templates' disks are on `/storage/{id}` (a full
+//!   clone without `storage` allocates there): `Datastore.AllocateSpace`.
+//!
+//! Not needed, so not checked: `Sys.Audit` (`GET /nodes` and the status of
+//! the token's own tasks are open to every user; `/nodes/{node}/status` is
+//! never read), `Pool.Allocate` (the clone's `pool` needs `VM.Allocate`
+//! there), `Pool.Audit` (only used, when held, to confirm the pool exists).
+
+use std::collections::BTreeSet;
+use std::sync::atomic::Ordering;
+
+use pve::{AccessFailure, PveError, TagAccess};
+
+use super::{err, PveSubstrate};
+use crate::substrate::SubstrateError;
+
+/// One job of the lifecycle and the privileges that allow it: any one of
+/// them (PVE 8's name first, then PVE 9's).
+struct Need {
+    job: &'static str,
+    any_of: &'static [&'static str],
+}
+
+impl Need {
+    /// The privilege to grant for this job on PVE `major`.
+    fn to_grant(&self, major: u32) -> &'static str {
+        let i = usize::from(major >= 9 && self.any_of.len() > 1);
+        self.any_of.get(i).copied().unwrap_or_default()
+    }
+}
+
+const ON_CLONES: &[Need] = &[
+    Need {
+        job: "clone into the pool and destroy the clones",
+        any_of: &["VM.Allocate"],
+    },
+    Need {
+        job: "read status, config and inventory",
+        any_of: &["VM.Audit"],
+    },
+    Need {
+        job: "set the clone's cores",
+        any_of: &["VM.Config.CPU"],
+    },
+    Need {
+        job: "set the clone's memory",
+        any_of: &["VM.Config.Memory"],
+    },
+    Need {
+        job: "write the description marker and tags",
+        any_of: &["VM.Config.Options"],
+    },
+    Need {
+        job: "start and stop the clones",
+        any_of: &["VM.PowerMgmt"],
+    },
+    Need {
+        job: "ping the guest agent",
+        any_of: &[
+            "VM.Monitor",
+            "VM.GuestAgent.Audit",
+            "VM.GuestAgent.Unrestricted",
+        ],
+    },
+    Need {
+        job: "write the bootstrap blob through the agent",
+        any_of: &[
+            "VM.Monitor",
+            "VM.GuestAgent.FileWrite",
+            "VM.GuestAgent.Unrestricted",
+        ],
+    },
+    Need {
+        job: "run the bootstrap, readiness and drain commands through the agent",
+        any_of: &["VM.Monitor", "VM.GuestAgent.Unrestricted"],
+    },
+];
+
+const ON_TEMPLATE: &[Need] = &[
+    Need {
+        job: "clone the template",
+        any_of: &["VM.Clone"],
+    },
+    Need {
+        job: "read the template's config",
+        any_of: &["VM.Audit"],
+    },
+];
+
+const ON_STORAGE: &[Need] = &[Need {
+    job: "allocate the full clones' disks",
+    any_of: &["Datastore.AllocateSpace"],
+}];
+
+/// The needs `held` does not satisfy.
+fn missing<'a>(held: &BTreeSet<String>, needs: &'a [Need]) -> Vec<&'a Need> {
+    needs
+        .iter()
+        .filter(|n| !n.any_of.iter().any(|p| held.contains(*p)))
+        .collect()
+}
+
+/// The hint for a failure to use the API at all, naming the flag to fix.
+pub(super) fn access_hint(e: &PveError, url: &str) -> Option<String> {
+    let hint = match e.access_failure()? {
+        AccessFailure::Unauthorized => {
+            "the API token was refused (401): check --proxmox-token-id (USER@REALM!TOKENID) and \
+             its secret (--proxmox-token-file or --proxmox-token-secret); the token may also have \
+             expired or been removed (`pveum user token list USER`)"
+                .to_string()
+        }
+        AccessFailure::WrongPath => format!(
+            "{url} is not the API root: --proxmox-api-url must end in /api2/json, e.g. \
+             https://pve1.example:8006/api2/json"
+        ),
+        AccessFailure::ConnectionRefused => format!(
+            "nothing listens at {url}: the PVE API listens on port 8006 \
+             (https://HOST:8006/api2/json); check the port in --proxmox-api-url and that \
+             pveproxy runs on the node"
+        ),
+        AccessFailure::Unreachable => format!(
+            "the host of {url} does not resolve or does not answer: check the host name in \
+             --proxmox-api-url and the network path (firewall) to its port 8006"
+        ),
+        AccessFailure::NotTls => format!(
+            "{url} does not speak HTTPS: the PVE API is HTTPS on port 8006; check the port in \
+             --proxmox-api-url"
+        ),
+        AccessFailure::Tls => format!(
+            "the API's TLS certificate at {url} failed verification: --proxmox-ca-file must hold \
+             the CA that signed it (a node's default is /etc/pve/pve-root-ca.pem) and the URL's \
+             host name must be in the certificate, and/or --proxmox-tls-fingerprint must list the \
+             SHA-256 of the certificate the node serves (`pvenode cert info` on the node)"
+        ),
+    };
+    Some(hint)
+}
+
+/// The major release number from `GET /version`'s `release` (`8.3` -> 8).
+fn major(release: &str) -> Option<u32> {
+    release.split('.').next()?.trim().parse().ok()
+}
+
+impl PveSubstrate {
+    /// Startup check. Errors name the problem and the fix; the returned
+    /// strings are warnings (offline node, source VM not a template, a check
+    /// that could not be made, marker-only ownership).
+    pub async fn preflight(
+        &self,
+        nodes: &[String],
+        templates: &[u32],
+    ) -> Result<Vec<String>, SubstrateError> {
+        let url = self.client.base_url().to_string();
+        let cluster = self
+            .client
+            .nodes()
+            .await
+            .map_err(|e| match access_hint(&e, &url) {
+                Some(hint) => err(format!("{hint} (listing the cluster's nodes)"), &e),
+                None => err(format!("listing the cluster's nodes at {url}"), &e),
+            })?;
+        let mut warnings = Vec::new();
+        let names: Vec<&str> = cluster.iter().map(|n| n.node.as_str()).collect();
+        for n in &cluster {
+            tracing::info!(node = %n.node, status = %n.status, "Proxmox node");
+        }
+        for node in nodes {
+            match cluster.iter().find(|n| &n.node == node) {
+                None => {
+                    return Err(SubstrateError::new(format!(
+                        "node {node:?} from --nodes is not in the cluster (cluster nodes: {})",
+                        names.join(", ")
+                    )))
+                }
+                Some(n) if n.status != "online" => warnings.push(format!(
+                    "node {node:?} is {}: serving anyway; Creates aimed at it wait for it \
+                     (up to the retry window) and its VMs keep their last known state",
+                    n.status
+                )),
+                Some(_) => {}
+            }
+        }
+        // The version only picks which privilege names the fix suggests.
+        let major = match self.client.release().await {
+            Ok(r) => major(&r).unwrap_or(8),
+            Err(_) => 8,
+        };
+
+        let (list, _) = self.scan(|_| false).await?;
+        let mut storages: BTreeSet<String> = BTreeSet::new();
+        for t in templates {
+            let Some(v) = list.iter().find(|v| v.vmid == *t) else {
+                return Err(SubstrateError::new(format!(
+                    "template VMID {t} is not in the cluster (or the API token cannot audit it: \
+                     grant VM.Audit and VM.Clone on /vms/{t})"
+                )));
+            };
+            if !v.template {
+                warnings.push(format!(
+                    "source VMID {t} on node {} is not a template: clones copy a live VM",
+                    v.node
+                ));
+            }
+            match self.client.get_config(&v.node, *t).await {
+                Ok(cfg) => {
+                    if !cfg.agent_enabled() {
+                        return Err(SubstrateError::new(format!(
+                            "template VMID {t} on node {} has the QEMU guest agent disabled: every \
+                             Create would wait for an agent that never answers. Enable it with \
+                             `qm set {t} --agent enabled=1` (and install qemu-guest-agent in the \
+                             template's OS)",
+                            v.node
+                        )));
+                    }
+                    storages.extend(cfg.disk_storages());
+                }
+                // Named below, with the other missing privileges.
+                Err(e) if e.is_forbidden() => {}
+                Err(e) => {
+                    return Err(err(
+                        format!("reading the config of template VMID {t} on node {}", v.node),
+                        &e,
+                    ))
+                }
+            }
+        }
+
+        let pool_path = match &self.opts.pool {
+            Some(p) => format!("/pool/{p}"),
+            None => "/vms".to_string(),
+        };
+        let mut paths: Vec<(String, &[Need])> = vec![(pool_path.clone(), ON_CLONES)];
+        paths.extend(templates.iter().map(|t| (format!("/vms/{t}"), ON_TEMPLATE)));
+        paths.extend(
+            storages
+                .iter()
+                .map(|s| (format!("/storage/{s}"), ON_STORAGE)),
+        );
+        let mut held_on_pool = BTreeSet::new();
+        let mut sys_modify_on_root = false;
+        let mut gaps: Vec<(String, Vec<&Need>)> = Vec::new();
+        if let Some(held) = self.privileges(&paths, &mut warnings).await {
+            for ((path, needs), privs) in paths.iter().zip(&held) {
+                let lacking = missing(privs, needs);
+                if !lacking.is_empty() {
+                    gaps.push((path.clone(), lacking));
+                }
+            }
+            held_on_pool = held.first().cloned().unwrap_or_default();
+            sys_modify_on_root = self
+                .client
+                .permissions(Some("/"))
+                .await
+                .map(|p| p.get("/").is_some_and(|s| s.contains("Sys.Modify")))
+                .unwrap_or(false);
+        }
+
+        if let Some(pool) = &self.opts.pool {
+            self.check_pool(pool, &held_on_pool, &gaps).await?;
+        }
+        if !gaps.is_empty() {
+            return Err(SubstrateError::with_kind(
+                providerkit::ErrorKind::Refused,
+                self.privilege_message(&gaps, major),
+            ));
+        }
+
+        self.check_tag_policy(sys_modify_on_root, &mut warnings)
+            .await;
+        Ok(warnings)
+    }
+
+    /// The token's privileges on each path, or `None` (with a warning) when
+    /// PVE does not tell (an old release, or the call is refused).
+    async fn privileges(
+        &self,
+        paths: &[(String, &[Need])],
+        warnings: &mut Vec<String>,
+    ) -> Option<Vec<BTreeSet<String>>> {
+        let mut out = Vec::new();
+        for (path, _) in paths {
+            match self.client.permissions(Some(path)).await {
+                Ok(mut p) => out.push(p.remove(path).unwrap_or_default()),
+                Err(e) => {
+                    warnings.push(format!(
+                        "could not read the API token's privileges (GET /access/permissions: {e}); \
+                         not checked: a missing privilege shows as a 403 in last_error"
+                    ));
+                    return None;
+                }
+            }
+        }
+        Some(out)
+    }
+
+    /// The pool exists. With `Pool.Audit` the pool is read; without, a
+    /// token holding no privilege at all on the pool's path is refused (a
+    /// misspelt pool and a missing ACL look the same, and both would fail
+    /// every Create).
+    async fn check_pool(
+        &self,
+        pool: &str,
+        held: &BTreeSet<String>,
+        gaps: &[(String, Vec<&Need>)],
+    ) -> Result<(), SubstrateError> {
+        let path = format!("/pool/{pool}");
+        if held.contains("Pool.Audit") {
+            return match self.client.pool_members(pool).await {
+                Ok(_) => Ok(()),
+                Err(e) if e.is_not_found() => Err(SubstrateError::new(format!(
+                    "pool {pool:?} from --proxmox-pool does not exist: fix the name, or create it \
+                     with `pveum pool add {pool}` and grant the token its role on {path}"
+                ))),
+                Err(e) => Err(err(format!("reading pool {pool:?} (--proxmox-pool)"), &e)),
+            };
+        }
+        let nothing_held = gaps
+            .iter()
+            .find(|(p, _)| *p == path)
+            .is_some_and(|(_, lacking)| lacking.len() == ON_CLONES.len());
+        if nothing_held {
+            return Err(SubstrateError::with_kind(
+                providerkit::ErrorKind::Refused,
+                format!(
+                    "the API token holds no privilege on {path}: pool {pool:?} from \
+                     --proxmox-pool does not exist, or the token has no ACL on it. Check the \
+                     name (`pveum pool list`), create the pool (`pveum pool add {pool}`), and \
+                     grant the provider's role on it (`pveum acl modify {path} --tokens '{}' \
+                     --roles <role>`; deploy/host-setup/setup-token.sh does both)",
+                    self.client.token_id()
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    fn privilege_message(&self, gaps: &[(String, Vec<&Need>)], major: u32) -> String {
+        let token = self.client.token_id();
+        let user = token.split('!').next().unwrap_or(token);
+        let mut parts = Vec::new();
+        let mut fixes = Vec::new();
+        for (path, lacking) in gaps {
+            let named: Vec<String> = lacking
+                .iter()
+                .map(|n| {
+                    let privs = if n.any_of.len() > 1 {
+                        format!(
+                            "{} (PVE 8) or {} (PVE 9)",
+                            n.any_of[0],
+                            n.any_of[1..].join(" or ")
+                        )
+                    } else {
+                        n.any_of.join(" or ")
+                    };
+                    format!("{privs} to {}", n.job)
+                })
+                .collect();
+            parts.push(format!("on {path}: {}", named.join("; ")));
+            let mut grant: Vec<&str> = lacking.iter().map(|n| n.to_grant(major)).collect();
+            grant.dedup();
+            fixes.push(format!(
+                "`pveum role modify <role> --append 1 --privs '{}'` for the role granted on \
+                 {path}, or `pveum acl modify {path} --tokens '{token}' --roles <role holding \
+                 them>`",
+                grant.join(",")
+            ));
+        }
+        format!(
+            "the API token {token} lacks privileges the lifecycle needs: {}. Fix (PVE {major}): {}. \
+             A token without privilege separation uses its user's ACLs (`--users {user}` instead of \
+             `--tokens`); deploy/host-setup/setup-token.sh grants exactly these",
+            parts.join(" | "),
+            fixes.join("; ")
+        )
+    }
+
+    /// Where the datacenter's `user-tag-access` refuses new tags to this
+    /// token (no `Sys.Modify` on `/`), every per-machine tag would be a 403.
+    /// The provider then owns its VMs by their description marker alone,
+    /// with a warning, rather than refusing to start: the marker is the
+    /// ownership proof everywhere anyway (nothing is destroyed unless it
+    /// names the machine, and the clone's `bigfleet-` name still marks it in
+    /// the inventory), so the tags are a convenience, and a restricted
+    /// policy is a cluster admin's deliberate choice.
+    async fn check_tag_policy(&self, sys_modify_on_root: bool, warnings: &mut Vec<String>) {
+        match self.client.cluster_options().await {
+            Ok(o) if o.tag_access.refuses_new_tags() && !sys_modify_on_root => {
+                self.tags_restricted.store(true, Ordering::Relaxed);
+                let policy = match &o.tag_access {
+                    TagAccess::Free => "user-allow=free".to_string(),
+                    TagAccess::Existing(l) if l.is_empty() => "user-allow=existing".to_string(),
+                    TagAccess::Existing(l) => format!("user-allow=existing, list {}", l.join(";")),
+                    TagAccess::List(l) => format!("user-allow=list, list {}", l.join(";")),
+                    TagAccess::None => "user-allow=none".to_string(),
+                };
+                warnings.push(format!(
+                    "the datacenter option user-tag-access ({policy}) refuses new tags to this token: \
+                     VMs are owned by their description marker only, without the bigfleet tags. \
+                     To keep the tags, set user-tag-access to free (Datacenter > Options > User \
+                     Tag Access) or grant the token Sys.Modify on /"
+                ));
+            }
+            Ok(_) => {}
+            Err(e) => warnings.push(format!(
+                "could not read the datacenter options (GET /cluster/options: {e}); if \
+                 user-tag-access refuses new tags, the first Create falls back to marker-only \
+                 ownership"
+            )),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn set(p: &[&str]) -> BTreeSet<String> {
+        p.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn either_generation_of_agent_privileges_is_accepted() {
+        let base = [
+            "VM.Allocate",
+            "VM.Audit",
+            "VM.Config.CPU",
+            "VM.Config.Memory",
+            "VM.Config.Options",
+            "VM.PowerMgmt",
+        ];
+        let mut pve8 = base.to_vec();
+        pve8.push("VM.Monitor");
+        assert!(missing(&set(&pve8), ON_CLONES).is_empty());
+        let mut pve9 = base.to_vec();
+        pve9.extend(["VM.GuestAgent.Audit", "VM.GuestAgent.FileWrite"]);
+        let lacking = missing(&set(&pve9), ON_CLONES);
+        assert_eq!(lacking.len(), 1, "exec needs Unrestricted");
+        assert_eq!(lacking[0].to_grant(9), "VM.GuestAgent.Unrestricted");
+        assert_eq!(lacking[0].to_grant(8), "VM.Monitor");
+        pve9.push("VM.GuestAgent.Unrestricted");
+        assert!(missing(&set(&pve9), ON_CLONES).is_empty());
+        assert_eq!(missing(&set(&[]), ON_CLONES).len(), ON_CLONES.len());
+    }
+
+    #[test]
+    fn releases() {
+        assert_eq!(major("8.3"), Some(8));
+        assert_eq!(major("9.0"), Some(9));
+        assert_eq!(major(""), None);
+    }
+}
