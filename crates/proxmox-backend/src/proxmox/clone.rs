@@ -1,17 +1,18 @@
 //! Cloning: clone slots per (target node, storage), the template's storage,
 //! the clone itself with its retry loop, marking, and clean-up of a failed clone.
 
+use std::collections::HashSet;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use std::sync::atomic::Ordering;
-
 use providerkit::ErrorKind;
-use pve::{machine_tag, CloneParams, ConfigParams, PveError};
+use pve::{machine_tag, CloneParams, ClusterVm, ConfigParams, PveError};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
 
 use super::inventory::Known;
 use super::marker::{looks_managed, marker_description, owned_by, vm_name, MANAGED_TAG};
+use super::vmid::LateClone;
 use super::{err, err_at, node_offline, PveSubstrate};
 use crate::substrate::{CloneRequest, SubstrateError, VmRef};
 
@@ -153,12 +154,31 @@ impl PveSubstrate {
                 }
                 Err(e) if e.may_have_been_applied_post() => {
                     tracing::warn!(vm = %vm, error = %e, "the answer to the clone request was lost; looking for the VM by its marker");
-                    if self.resolve_ambiguous_clone(&vm, req, &e, deadline).await? {
-                        res.commit();
-                        return Ok(vm);
+                    match self.resolve_ambiguous_clone(&vm, req, &e, deadline).await? {
+                        Ambiguous::Ours => {
+                            res.commit();
+                            self.reap_late_twins(req, vm.vmid, deadline).await;
+                            return Ok(vm);
+                        }
+                        Ambiguous::Absent => {
+                            // Taken as not applied, but the request may still
+                            // be queued on the node: watch its VMID, so a clone
+                            // landing there later is found and removed once
+                            // the fresh clone exists (one VM per machine).
+                            let until = std::time::Instant::now()
+                                + self.opts.vmid_cooldown.max(self.opts.task_timeout);
+                            self.vmids.lock().late.insert(
+                                vm.vmid,
+                                LateClone {
+                                    machine_id: req.machine_id.clone(),
+                                    operation_id: req.operation_id.clone(),
+                                    node: req.node.clone(),
+                                    until,
+                                },
+                            );
+                        }
+                        Ambiguous::Taken => {}
                     }
-                    // Not applied: this VMID stays blocked (cool-down) in case
-                    // a late worker still creates it; try a fresh one.
                     self.pending.lock().remove(&req.machine_id);
                     last = Some(e.to_string());
                     continue;
@@ -207,6 +227,7 @@ impl PveSubstrate {
             match self.wait_task(&upid, "clone").await {
                 Ok(()) => {
                     res.commit();
+                    self.reap_late_twins(req, vm.vmid, deadline).await;
                     return Ok(vm);
                 }
                 Err(e) if e.is_vmid_collision(res.vmid) => {
@@ -238,28 +259,31 @@ impl PveSubstrate {
         }
     }
 
-    /// After a clone POST whose answer was lost: `true` once the VM shows up
-    /// with our marker and unlocked, `false` once its VMID has stayed free for
-    /// [`PveOptions::ambiguous_settle`] (the request was not applied) or is
-    /// taken by a VM that is not ours. Gives up at `deadline` with a
-    /// transient error that keeps `pending`, so a retried Create resolves it.
+    /// After a clone POST whose answer was lost: [`Ambiguous::Ours`] once the
+    /// VM shows up with our marker and unlocked, [`Ambiguous::Absent`] once
+    /// its VMID has stayed free for [`PveOptions::ambiguous_settle`], and
+    /// [`Ambiguous::Taken`] when a VM that is not ours holds it. Gives up at
+    /// `deadline` with a transient error that keeps `pending`, so a retried
+    /// Create resolves it.
+    ///
+    /// [`PveOptions::ambiguous_settle`]: super::PveOptions::ambiguous_settle
     async fn resolve_ambiguous_clone(
         &self,
         vm: &VmRef,
         req: &CloneRequest,
         cause: &PveError,
         deadline: Instant,
-    ) -> Result<bool, SubstrateError> {
+    ) -> Result<Ambiguous, SubstrateError> {
         let settle = Instant::now() + self.opts.ambiguous_settle;
         loop {
             match self.probe_pending(vm, &req.machine_id, deadline).await? {
                 Probe::Ours(_) => {
                     self.wait_status(vm, "unlocked after cloning", |s| s.lock.is_none())
                         .await?;
-                    return Ok(true);
+                    return Ok(Ambiguous::Ours);
                 }
-                Probe::Foreign => return Ok(false),
-                Probe::Gone if Instant::now() >= settle => return Ok(false),
+                Probe::Foreign => return Ok(Ambiguous::Taken),
+                Probe::Gone if Instant::now() >= settle => return Ok(Ambiguous::Absent),
                 Probe::Gone | Probe::Cloning => {}
             }
             if Instant::now() >= deadline {
@@ -308,6 +332,143 @@ impl PveSubstrate {
             }
             Err(e) => Err(err_at(format!("checking VM {vm}"), Some(&vm.node), &e)),
         }
+    }
+
+    /// Once `keep` (this machine's clone) exists: removes any earlier clone
+    /// of the same machine that was given up as not applied and has landed
+    /// since. One still being cloned, or not yet there, stays watched (the
+    /// reconcile pass finds it later). Failures only log: the Create has its
+    /// VM, and the next pass tries again.
+    async fn reap_late_twins(&self, req: &CloneRequest, keep: u32, deadline: Instant) {
+        let late: Vec<(u32, LateClone)> = self
+            .vmids
+            .lock()
+            .late_clones()
+            .into_iter()
+            .filter(|(vmid, l)| *vmid != keep && l.machine_id == req.machine_id)
+            .collect();
+        for (vmid, l) in late {
+            let vm = VmRef {
+                node: l.node.clone(),
+                vmid,
+            };
+            match self.probe_pending(&vm, &l.machine_id, deadline).await {
+                Ok(Probe::Ours(_)) => {
+                    if let Err(e) = self.remove_late_clone(&vm, &l, deadline).await {
+                        tracing::warn!(vm = %vm, error = %e, "could not remove a late duplicate clone; the next reconcile retries");
+                    }
+                }
+                Ok(Probe::Foreign) => {
+                    self.vmids.lock().late.remove(&vmid);
+                }
+                Ok(Probe::Gone | Probe::Cloning) => {}
+                Err(e) => {
+                    tracing::warn!(vm = %vm, error = %e, "could not check a clone given up as not applied; the next reconcile retries");
+                }
+            }
+        }
+    }
+
+    /// For an inventory pass: a watched late clone that has landed next to
+    /// another VM marked for the same machine is removed (and left out of
+    /// the result). While it is the machine's only VM it is kept: a retried
+    /// Create or reconcile may adopt it.
+    pub(super) async fn reap_late_clones(
+        &self,
+        mut marked: Vec<(ClusterVm, String)>,
+    ) -> Vec<(ClusterVm, String)> {
+        let late = self.vmids.lock().late_clones();
+        if late.is_empty() {
+            return marked;
+        }
+        let watched: HashSet<u32> = late.iter().map(|(vmid, _)| *vmid).collect();
+        let deadline = Instant::now() + self.opts.retry_window;
+        for (vmid, l) in late {
+            let Some((v, id)) = marked.iter().find(|(v, _)| v.vmid == vmid) else {
+                continue;
+            };
+            if *id != l.machine_id {
+                // Another machine's VM at that id: our request never landed.
+                self.vmids.lock().late.remove(&vmid);
+                continue;
+            }
+            // The twin must be a VM this process kept, not another late one.
+            let twin = marked
+                .iter()
+                .any(|(o, oid)| *oid == l.machine_id && !watched.contains(&o.vmid));
+            if !twin {
+                continue;
+            }
+            let vm = VmRef {
+                node: v.node.clone(),
+                vmid,
+            };
+            match self.remove_late_clone(&vm, &l, deadline).await {
+                Ok(true) => marked.retain(|(v, _)| v.vmid != vmid),
+                Ok(false) => {}
+                Err(e) => {
+                    tracing::warn!(vm = %vm, error = %e, "could not remove a late duplicate clone; the next pass retries");
+                }
+            }
+        }
+        marked
+    }
+
+    /// Destroys a late-landed clone, only when its marker names the machine
+    /// and the operation it was cloned for. `Ok(false)`: not ours after all
+    /// (or gone), and no longer watched.
+    async fn remove_late_clone(
+        &self,
+        vm: &VmRef,
+        late: &LateClone,
+        deadline: Instant,
+    ) -> Result<bool, SubstrateError> {
+        let forget = || {
+            self.vmids.lock().late.remove(&vm.vmid);
+        };
+        let mut call = || self.client.get_config(&vm.node, vm.vmid);
+        let cfg = match self.retry_raw(Some(&vm.node), deadline, &mut call).await {
+            Ok(cfg) => cfg,
+            Err(e) if e.is_not_found() || e.is_forbidden() => return Ok(false),
+            Err(e) => {
+                return Err(err_at(
+                    format!("checking the late clone VM {vm}"),
+                    Some(&vm.node),
+                    &e,
+                ))
+            }
+        };
+        if cfg.lock.is_some() {
+            // Still being cloned (its marker may not be written yet), or
+            // otherwise busy: next time.
+            return Ok(false);
+        }
+        if !owned_by(
+            cfg.description.as_deref(),
+            &late.machine_id,
+            Some(&late.operation_id),
+        ) {
+            tracing::warn!(vm = %vm, machine_id = %late.machine_id, "a VM landed at the id of a clone given up as not applied, but its marker is not that clone's; leaving it alone");
+            forget();
+            return Ok(false);
+        }
+        let mut call = || self.client.status_current(&vm.node, vm.vmid);
+        let st = match self.retry_raw(Some(&vm.node), deadline, &mut call).await {
+            Ok(st) => st,
+            Err(e) if e.is_not_found() || e.is_forbidden() => return Ok(false),
+            Err(e) => {
+                return Err(err_at(
+                    format!("checking the late clone VM {vm}"),
+                    Some(&vm.node),
+                    &e,
+                ))
+            }
+        };
+        tracing::warn!(vm = %vm, machine_id = %late.machine_id,
+            "a clone given up as not applied (its answer was lost) landed late next to this machine's VM; destroying the duplicate");
+        self.destroy_owned(vm, &st, deadline).await?;
+        forget();
+        Ok(true)
     }
 
     /// PVE normally removes the half-made VM when a clone worker fails; if it
@@ -436,6 +597,16 @@ impl PveSubstrate {
         );
         Ok(())
     }
+}
+
+/// How a clone POST whose answer was lost turned out.
+enum Ambiguous {
+    /// Applied: the VM carries our marker.
+    Ours,
+    /// Its VMID stayed free: taken as not applied (but watched).
+    Absent,
+    /// Its VMID holds a VM that is not ours: ours never landed there.
+    Taken,
 }
 
 /// What [`PveSubstrate::probe_pending`] found at a VMID.
