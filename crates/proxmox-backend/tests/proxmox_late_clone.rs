@@ -146,7 +146,9 @@ async fn a_late_vm_whose_marker_names_another_operation_is_left_alone() {
             vm.description = Some(marker_description(id, "op-other"));
         });
         sub.describe_managed().await.expect("reconcile");
-        let vm = sim.vm(late).expect("never destroyed without this operation's marker");
+        let vm = sim
+            .vm(late)
+            .expect("never destroyed without this operation's marker");
         assert_eq!(
             parse_marker(vm.description.as_deref().unwrap_or_default()).as_deref(),
             Some(id)
