@@ -162,3 +162,51 @@ async fn a_late_vm_whose_marker_names_another_operation_is_left_alone() {
     }
     sim.shutdown().await;
 }
+
+#[tokio::test]
+async fn a_late_clone_that_is_the_machines_only_vm_is_kept_and_adopted() {
+    let sim = PveSim::start(sim_config()).await.expect("simulator");
+    let sub = PveSubstrate::new(client(&sim), opts());
+    let id = "p/OnDemand/pve.small/pve1/003";
+    sim.faults().apply_late(
+        endpoints::CLONE,
+        1,
+        596,
+        "Connection timed out",
+        Duration::from_millis(1500),
+    );
+    // The fresh clone's worker runs first (the late one is still queued)
+    // and fails: the Create fails with no VM.
+    sim.faults()
+        .fail_next_task("qmclone", 1, "clone failed: no space left on device");
+    let e = sub
+        .clone_vm(&req(id))
+        .await
+        .expect_err("the fresh clone failed");
+    assert!(e.to_string().contains("no space left"), "{e}");
+    until("the lost clone request was carried out", || {
+        sim.faults().late_applied() >= 1
+    })
+    .await;
+    until("the late clone finished", || {
+        clones(&sim).len() == 1 && clones(&sim).iter().all(|v| v.lock.is_none())
+    })
+    .await;
+    let late = clones(&sim)[0].vmid;
+
+    // The machine's only VM: kept and reported, never destroyed.
+    let managed = sub.describe_managed().await.expect("reconcile");
+    assert!(
+        managed
+            .iter()
+            .any(|m| m.machine_id == id && m.vm.vmid == late),
+        "{managed:?}"
+    );
+    assert!(sim.vm(late).is_some());
+    // A retried Create adopts it instead of cloning again.
+    let vm = sub.clone_vm(&req(id)).await.expect("retried create");
+    assert_eq!(vm.vmid, late);
+    assert_eq!(sim.call_count(endpoints::CLONE), 2, "no third clone");
+    assert_eq!(clones(&sim).len(), 1);
+    sim.shutdown().await;
+}
