@@ -108,6 +108,37 @@ pub fn pin_to_cpu(cpu: usize) -> std::io::Result<()> {
     Ok(())
 }
 
+/// Issue #15's memory goals, in MB (10^6 bytes) as they are stated.
+const PEAK_GOAL_MB: f64 = 150.0;
+const UNREAD_GROWTH_GOAL_MB: f64 = 150.0;
+
+/// One line per memory goal: the largest size's peak RSS under boot + the
+/// scenarios run, and the unread-List growth.
+fn memory_goals(
+    peaks: &[(usize, u64)],
+    unread_growth_kib: Option<u64>,
+    unread_size: usize,
+    report: &mut Report,
+) {
+    let mb = |kib: u64| kib as f64 * 1024.0 / 1e6;
+    if let Some(&(size, hwm)) = peaks.iter().max_by_key(|(size, _)| *size) {
+        report.line(format!(
+            "memory_goal=peak_rss peak_mb={:.1} peak_mib={:.1} goal_mb={PEAK_GOAL_MB} met={} size={size}",
+            mb(hwm),
+            hwm as f64 / 1024.0,
+            mb(hwm) <= PEAK_GOAL_MB
+        ));
+    }
+    if let Some(growth) = unread_growth_kib {
+        report.line(format!(
+            "memory_goal=unread_list_growth growth_mb={:.1} growth_mib={:.1} goal_mb={UNREAD_GROWTH_GOAL_MB} met={} size={unread_size}",
+            mb(growth),
+            growth as f64 / 1024.0,
+            mb(growth) <= UNREAD_GROWTH_GOAL_MB
+        ));
+    }
+}
+
 fn main() {
     let args = Args::parse();
     if args.pin {
@@ -193,6 +224,9 @@ async fn run(args: Args) -> Result<()> {
         );
     }
     let boot_timeout = Duration::from_secs(args.boot_timeout_secs);
+    // VmHWM (KiB) per size, for the memory goals at the end.
+    let mut peaks: Vec<(usize, u64)> = Vec::new();
+    let mut unread_growth_kib: Option<u64> = None;
     for &size in &args.sizes {
         let provider = Provider::spawn(
             &args.provider_bin,
@@ -216,11 +250,14 @@ async fn run(args: Args) -> Result<()> {
         let bench = Bench::connect(&provider.addr, &profile, provider.pid()).await?;
         let outcome = bench.run_all(size, &mut report, args.get_rps).await;
         match provider.memory_kib() {
-            Ok((hwm, rss)) => report.line(format!(
-                "rss_peak_mib={:.1} rss_now_mib={:.1} size={size}",
-                hwm as f64 / 1024.0,
-                rss as f64 / 1024.0
-            )),
+            Ok((hwm, rss)) => {
+                peaks.push((size, hwm));
+                report.line(format!(
+                    "rss_peak_mib={:.1} rss_now_mib={:.1} size={size}",
+                    hwm as f64 / 1024.0,
+                    rss as f64 / 1024.0
+                ))
+            }
             Err(e) => report.line(format!("rss_peak_mib=skipped size={size} reason={e:#}")),
         }
         drop(bench);
@@ -229,7 +266,7 @@ async fn run(args: Args) -> Result<()> {
     }
 
     if profile.runs(scenarios::Scenario::UnreadList) {
-        if let Err(e) = unread::unread_lists(
+        match unread::unread_lists(
             &args.provider_bin,
             args.unread_size,
             boot_timeout,
@@ -238,13 +275,15 @@ async fn run(args: Args) -> Result<()> {
         )
         .await
         {
-            report.line(format!(
+            Ok(growth) => unread_growth_kib = Some(growth),
+            Err(e) => report.line(format!(
                 "unread_list_rss_before_mib=skipped size={} reason=\"{}\"",
                 args.unread_size,
                 format!("{e:#}").replace(['\n', '"'], " ")
-            ));
+            )),
         }
     }
+    memory_goals(&peaks, unread_growth_kib, args.unread_size, &mut report);
 
     let largest = args.sizes.iter().copied().max().unwrap_or(1000);
     if let Err(e) = scenarios::restart_with_state(

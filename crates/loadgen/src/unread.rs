@@ -64,13 +64,14 @@ async fn open_unread(addr: &str, lists: usize) -> Result<Unread> {
     Ok((pending, driver))
 }
 
+/// Runs the scenario on its own provider; returns the RSS growth (KiB).
 pub async fn unread_lists(
     bin: &std::path::Path,
     size: usize,
     boot_timeout: Duration,
     cpu: Option<usize>,
     report: &mut Report,
-) -> Result<()> {
+) -> Result<u64> {
     let provider = Provider::spawn(bin, size, None, boot_timeout, cpu).await?;
     let before = settled_rss(
         &provider,
@@ -101,5 +102,6 @@ pub async fn unread_lists(
         mib(peak.saturating_sub(before)),
         mib(after)
     ));
-    provider.kill().await
+    provider.kill().await?;
+    Ok(peak.saturating_sub(before))
 }

@@ -30,6 +30,16 @@ impl Admin for AdminService {
         request: Request<ReclaimRequest>,
     ) -> Result<Response<ReclaimResponse>, Status> {
         let req = request.into_inner();
+        // The same cap as CapacityProvider's ids, checked before the id is
+        // logged or echoed (an error quotes only a short prefix).
+        let cap = self.engine.options().limits.max_machine_id_bytes;
+        if req.machine_id.len() > cap {
+            return Err(Status::invalid_argument(format!(
+                "machine_id {} is {} bytes; the cap is {cap} bytes",
+                providerkit::engine::echo_prefix(&req.machine_id),
+                req.machine_id.len()
+            )));
+        }
         tracing::info!(machine_id = %req.machine_id, wait = req.wait, "reclaim requested");
         let handle = self.engine.start_reclaim(&req.machine_id)?;
         let response = |status: ReclaimStatus, revision: u64| ReclaimResponse {

@@ -19,9 +19,8 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http_body::{Body as HttpBody, Frame, SizeHint};
-use providerkit::service::HeldBudget;
+use providerkit::service::{HeldBudget, ListPermit};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
-use tokio::sync::OwnedSemaphorePermit;
 use tonic::body::Body;
 use tower::{Layer, Service};
 
@@ -84,7 +83,7 @@ where
 struct Framed {
     inner: Body,
     pending: Bytes,
-    permit: Option<OwnedSemaphorePermit>,
+    permit: Option<ListPermit>,
 }
 
 impl HttpBody for Framed {

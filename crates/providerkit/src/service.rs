@@ -1,5 +1,7 @@
 //! The gRPC face of the engine: `bigfleet.v1alpha1.CapacityProvider`.
 
+use std::collections::HashMap;
+use std::net::SocketAddr;
 use std::sync::Arc;
 
 use bigfleet_proto::raw::{EncodedMachine, EncodedMachineList};
@@ -33,6 +35,10 @@ const BUDGET_UNIT: usize = 1024;
 /// failed) until earlier responses are sent or their callers go away: a
 /// client that never reads its responses can only pin the budget, not grow
 /// memory.
+///
+/// Fair between connections: one connection holds at most a quarter of the
+/// budget, or one List when a List is larger; its further Lists queue behind
+/// its own. A client that never reads therefore cannot starve the others.
 #[derive(Clone)]
 pub struct ListBudget {
     semaphore: Arc<tokio::sync::Semaphore>,
@@ -40,7 +46,13 @@ pub struct ListBudget {
     /// Size of the last full List, the estimate the next one reserves
     /// before it snapshots (so queued Lists hold no snapshot).
     last_full: Arc<std::sync::atomic::AtomicUsize>,
+    /// Each connection's share, by peer address; an entry lives while a
+    /// List of that connection holds or waits for budget.
+    shares: Arc<parking_lot::Mutex<HashMap<SocketAddr, Arc<tokio::sync::Semaphore>>>>,
 }
+
+/// Part of the budget a single connection may hold, as a divisor.
+const CONNECTION_SHARE: usize = 4;
 
 impl ListBudget {
     pub fn new(bytes: usize) -> ListBudget {
@@ -49,6 +61,7 @@ impl ListBudget {
             semaphore: Arc::new(tokio::sync::Semaphore::new(units)),
             units,
             last_full: Arc::new(std::sync::atomic::AtomicUsize::new(0)),
+            shares: Arc::default(),
         }
     }
 
@@ -56,18 +69,59 @@ impl ListBudget {
         bytes.div_ceil(BUDGET_UNIT).clamp(1, self.units) as u32
     }
 
-    async fn reserve(&self, bytes: usize) -> tokio::sync::OwnedSemaphorePermit {
+    /// Units of one connection's share.
+    fn share_units(&self) -> usize {
+        (self.units / CONNECTION_SHARE).max(1)
+    }
+
+    /// Waits for `bytes` of the budget: first within the connection's own
+    /// share (a List larger than the share takes all of it), then from the
+    /// whole. `peer` is `None` for in-process callers: no share applies.
+    async fn reserve(&self, bytes: usize, peer: Option<SocketAddr>) -> ListPermit {
         let units = self.units_for(bytes);
-        match Arc::clone(&self.semaphore).acquire_many_owned(units).await {
+        let share = match peer {
+            None => None,
+            Some(peer) => {
+                let sem =
+                    Arc::clone(self.shares.lock().entry(peer).or_insert_with(|| {
+                        Arc::new(tokio::sync::Semaphore::new(self.share_units()))
+                    }));
+                let want = (units as usize).min(self.share_units()) as u32;
+                // The guard exists before the wait, so a List cancelled while
+                // queued still lets its connection's entry go.
+                let mut share = SharePermit {
+                    sem,
+                    units: 0,
+                    peer,
+                    shares: Arc::clone(&self.shares),
+                };
+                // Never closed; on the impossible error the share is skipped.
+                if let Ok(permit) = share.sem.acquire_many(want).await {
+                    permit.forget();
+                    share.units = want;
+                }
+                Some(share)
+            }
+        };
+        let whole = match Arc::clone(&self.semaphore).acquire_many_owned(units).await {
             Ok(permit) => permit,
             // The semaphore is never closed; an empty permit stands in.
             Err(_) => unreachable_permit(),
+        };
+        ListPermit {
+            whole,
+            _share: share,
         }
     }
 
     /// Budget units free now (tests and metrics).
     pub fn available_bytes(&self) -> usize {
         self.semaphore.available_permits() * BUDGET_UNIT
+    }
+
+    /// Connections holding or waiting for a share now (tests and metrics).
+    pub fn connections(&self) -> usize {
+        self.shares.lock().len()
     }
 }
 
@@ -78,14 +132,58 @@ fn unreachable_permit() -> tokio::sync::OwnedSemaphorePermit {
         .unwrap_or_else(|_| unreachable!("a fresh semaphore has its permit"))
 }
 
+/// A List response's hold on the budget: its bytes of the whole and of its
+/// connection's share, released together when it is dropped.
+pub struct ListPermit {
+    whole: tokio::sync::OwnedSemaphorePermit,
+    _share: Option<SharePermit>,
+}
+
+impl ListPermit {
+    fn units(&self) -> usize {
+        self.whole.num_permits()
+    }
+
+    /// Gives back all but `keep` units of the whole (the share stays: it
+    /// only orders one connection's own Lists).
+    fn shrink_to(&mut self, keep: usize) {
+        if let Some(excess) = self.whole.split(self.units().saturating_sub(keep)) {
+            drop(excess);
+        }
+    }
+}
+
+struct SharePermit {
+    sem: Arc<tokio::sync::Semaphore>,
+    /// Units of the share held (0 while waiting).
+    units: u32,
+    peer: SocketAddr,
+    shares: Arc<parking_lot::Mutex<HashMap<SocketAddr, Arc<tokio::sync::Semaphore>>>>,
+}
+
+impl Drop for SharePermit {
+    fn drop(&mut self) {
+        self.sem.add_permits(self.units as usize);
+        // Forget the connection once nothing of it holds or waits: each
+        // holder and waiter keeps a clone of the semaphore, the map one more.
+        let mut shares = self.shares.lock();
+        if shares
+            .get(&self.peer)
+            .is_some_and(|sem| Arc::strong_count(sem) == 2)
+        {
+            shares.remove(&self.peer);
+        }
+    }
+}
+
 /// A List response's share of the [`ListBudget`], carried in the response
 /// extensions. The transport layer that sends the body takes it out and
 /// holds it until the body is dropped (sent, or the caller went away).
 #[derive(Clone)]
-pub struct HeldBudget(Arc<parking_lot::Mutex<Option<tokio::sync::OwnedSemaphorePermit>>>);
+pub struct HeldBudget(Arc<parking_lot::Mutex<Option<ListPermit>>>);
 
 impl HeldBudget {
-    pub fn take(&self) -> Option<tokio::sync::OwnedSemaphorePermit> {
+    pub fn take(&self) -> Option<ListPermit> {
         self.0.lock().take()
     }
 }
@@ -181,6 +279,8 @@ impl CapacityProvider for CapacityService {
         &self,
         request: Request<pb::ListFilter>,
     ) -> Result<Response<EncodedMachineList>, Status> {
+        // The connection, for its fair share of the budget.
+        let peer = request.remote_addr();
         let r = request.into_inner();
         let full = r.max_results <= 0;
         let budget = &self.budget;
@@ -191,7 +291,7 @@ impl CapacityProvider for CapacityService {
         } else {
             0
         };
-        let mut permit = budget.reserve(estimate).await;
+        let mut permit = budget.reserve(estimate, peer).await;
         let page = self
             .engine
             .list(&r.states, r.max_results, &r.since_revision);
@@ -203,13 +303,13 @@ impl CapacityProvider for CapacityService {
                 .store(bytes, std::sync::atomic::Ordering::Relaxed);
         }
         let need = budget.units_for(bytes) as usize;
-        if need > permit.num_permits() {
+        if need > permit.units() {
             // Never wait holding a part of the budget: two Lists each holding
             // half and waiting for the rest would stall each other.
             drop(permit);
-            permit = budget.reserve(bytes).await;
-        } else if let Some(excess) = permit.split(permit.num_permits() - need) {
-            drop(excess);
+            permit = budget.reserve(bytes, peer).await;
+        } else {
+            permit.shrink_to(need);
         }
         let mut response = Response::new(page.encode());
         response

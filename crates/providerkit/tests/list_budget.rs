@@ -90,3 +90,81 @@ async fn lists_beyond_the_budget_queue_until_earlier_bodies_are_gone() {
         .unwrap();
     drop(capped);
 }
+
+fn full_from(peer: &str) -> tonic::Request<pb::ListFilter> {
+    let mut request = tonic::Request::new(pb::ListFilter::default());
+    request
+        .extensions_mut()
+        .insert(tonic::transport::server::TcpConnectInfo {
+            local_addr: None,
+            remote_addr: Some(peer.parse().expect("address")),
+        });
+    request
+}
+
+#[tokio::test]
+async fn a_connection_that_never_reads_cannot_starve_another() {
+    let engine = Engine::start(
+        Arc::new(Slots(2000)),
+        Arc::new(MemoryStore::new()),
+        EngineOptions::default(),
+    )
+    .await
+    .unwrap();
+    // Room for three full Lists of 2,000 machines (~100 KiB each); one
+    // connection's share is a quarter of it, so it holds one List at a time.
+    let budget = ListBudget::new(320 * 1024);
+    let service = CapacityService::with_budget(engine, budget.clone());
+    let slow = "127.0.0.1:40001";
+
+    // The slow client's first List is encoded and never read: it holds.
+    let first = service.list(full_from(slow)).await.unwrap();
+    let held = first.extensions().get::<HeldBudget>().cloned().unwrap();
+    // Its next Lists queue behind its own share instead of taking the rest
+    // of the budget (without the share they would fit and hold it all).
+    let queued: Vec<_> = (0..2)
+        .map(|_| {
+            let svc = service.clone();
+            tokio::spawn(async move { svc.list(full_from(slow)).await })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(
+        queued.iter().all(|t| !t.is_finished()),
+        "the slow connection took more than its share"
+    );
+
+    // Another client's full List completes meanwhile.
+    let svc = service.clone();
+    let other = tokio::time::timeout(
+        Duration::from_secs(10),
+        tokio::spawn(async move { svc.list(full_from("127.0.0.1:40002")).await }),
+    )
+    .await
+    .expect("a second client's full List completes while the first never reads")
+    .unwrap()
+    .expect("listed");
+    assert!(other.into_inner().as_bytes().len() > 50_000);
+    assert!(queued.iter().all(|t| !t.is_finished()));
+
+    // The slow client's queued Lists run as it lets go of the first.
+    drop(held.take());
+    drop(first);
+    let mut queued = queued;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while !queued.is_empty() {
+        // One at a time gets the share; drop each as soon as it is done.
+        let Some(done) = queued.iter().position(|t| t.is_finished()) else {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "queued List runs once its connection's share is free"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+            continue;
+        };
+        let response = queued.swap_remove(done).await.unwrap().expect("listed");
+        drop(response);
+    }
+    assert_eq!(budget.available_bytes(), 320 * 1024, "all returned");
+    assert_eq!(budget.connections(), 0, "no connection entry is kept");
+}

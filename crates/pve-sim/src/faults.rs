@@ -35,6 +35,9 @@ struct Inner {
     /// Applied first, then answered with the error (a lost answer).
     fail_after: Vec<FailRule>,
     fail_task: Vec<TaskFailRule>,
+    /// Answered with the error at once, carried out after the delay.
+    apply_late: Vec<(FailRule, Duration)>,
+    late_applied: u64,
     latency: HashMap<String, Duration>,
     drop_exec_status: u32,
     counts: BTreeMap<String, u64>,
@@ -67,6 +70,32 @@ impl Faults {
             status,
             message: message.to_string(),
         });
+    }
+
+    /// The next `count` calls of `endpoint` are answered with `status` +
+    /// `message` at once and carried out `delay` later: pveproxy gave up on
+    /// the node (596) while the node still had the request queued, so the
+    /// effect lands after the client has concluded it never happened.
+    pub fn apply_late(
+        &self,
+        endpoint: &str,
+        count: u32,
+        status: u16,
+        message: &str,
+        delay: Duration,
+    ) {
+        let rule = FailRule {
+            endpoint: endpoint.to_string(),
+            count,
+            status,
+            message: message.to_string(),
+        };
+        self.inner.lock().apply_late.push((rule, delay));
+    }
+
+    /// How many [`Faults::apply_late`] requests have been carried out so far.
+    pub fn late_applied(&self) -> u64 {
+        self.inner.lock().late_applied
     }
 
     /// The next `count` worker tasks of type `kind` fail with `message`
@@ -105,6 +134,7 @@ impl Faults {
         g.fail.clear();
         g.fail_after.clear();
         g.fail_task.clear();
+        g.apply_late.clear();
         g.latency.clear();
         g.drop_exec_status = 0;
     }
@@ -147,6 +177,26 @@ impl Faults {
     /// The post-apply failure for this call of `endpoint`, if one is due.
     pub(crate) fn take_fail_after(&self, endpoint: &str) -> Option<(u16, String)> {
         take_rule(&mut self.inner.lock().fail_after, endpoint)
+    }
+
+    /// The late-apply rule for this call of `endpoint`, if one is due.
+    pub(crate) fn take_apply_late(&self, endpoint: &str) -> Option<(u16, String, Duration)> {
+        let mut g = self.inner.lock();
+        let pos = g
+            .apply_late
+            .iter()
+            .position(|(r, _)| r.endpoint == endpoint && r.count > 0)?;
+        let (rule, delay) = &mut g.apply_late[pos];
+        rule.count -= 1;
+        let out = (rule.status, rule.message.clone(), *delay);
+        if rule.count == 0 {
+            g.apply_late.remove(pos);
+        }
+        Some(out)
+    }
+
+    pub(crate) fn note_late_applied(&self) {
+        self.inner.lock().late_applied += 1;
     }
 
     /// The injected failure for the next worker of type `kind`, if any.

@@ -333,6 +333,16 @@ async fn handle(
     {
         return error_response(&e);
     }
+    if let Some((status, msg, delay)) = s.faults.take_apply_late(&endpoint) {
+        let (late, method, template) = (Arc::clone(&s), method.to_string(), template.to_string());
+        let params = params.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(delay).await;
+            let _ = dispatch(&late, &method, &template, &params).await;
+            late.faults.note_late_applied();
+        });
+        return error_response(&ApiError::Status(status, msg));
+    }
     let res = dispatch(&s, method.as_str(), template, &params).await;
     if res.is_ok() {
         if let Some((status, msg)) = s.faults.take_fail_after(&endpoint) {

@@ -1,9 +1,8 @@
 //! Cloning: clone slots per (target node, storage), the template's storage,
 //! the clone itself with its retry loop, marking, and clean-up of a failed clone.
 
-use std::sync::Arc;
-
 use std::sync::atomic::Ordering;
+use std::sync::Arc;
 
 use providerkit::ErrorKind;
 use pve::{machine_tag, CloneParams, ConfigParams, PveError};
@@ -12,6 +11,7 @@ use tokio::time::Instant;
 
 use super::inventory::Known;
 use super::marker::{looks_managed, marker_description, owned_by, vm_name, MANAGED_TAG};
+use super::vmid::LateClone;
 use super::{err, err_at, node_offline, PveSubstrate};
 use crate::substrate::{CloneRequest, SubstrateError, VmRef};
 
@@ -153,12 +153,31 @@ impl PveSubstrate {
                 }
                 Err(e) if e.may_have_been_applied_post() => {
                     tracing::warn!(vm = %vm, error = %e, "the answer to the clone request was lost; looking for the VM by its marker");
-                    if self.resolve_ambiguous_clone(&vm, req, &e, deadline).await? {
-                        res.commit();
-                        return Ok(vm);
+                    match self.resolve_ambiguous_clone(&vm, req, &e, deadline).await? {
+                        Ambiguous::Ours => {
+                            res.commit();
+                            self.reap_late_twins(req, vm.vmid, deadline).await;
+                            return Ok(vm);
+                        }
+                        Ambiguous::Absent => {
+                            // Taken as not applied, but the request may still
+                            // be queued on the node: watch its VMID, so a clone
+                            // landing there later is found and removed once
+                            // the fresh clone exists (one VM per machine).
+                            let until = std::time::Instant::now()
+                                + self.opts.vmid_cooldown.max(self.opts.task_timeout);
+                            self.vmids.lock().late.insert(
+                                vm.vmid,
+                                LateClone {
+                                    machine_id: req.machine_id.clone(),
+                                    operation_id: req.operation_id.clone(),
+                                    node: req.node.clone(),
+                                    until,
+                                },
+                            );
+                        }
+                        Ambiguous::Taken => {}
                     }
-                    // Not applied: this VMID stays blocked (cool-down) in case
-                    // a late worker still creates it; try a fresh one.
                     self.pending.lock().remove(&req.machine_id);
                     last = Some(e.to_string());
                     continue;
@@ -208,6 +227,7 @@ impl PveSubstrate {
             match self.wait_task(&upid, "clone").await {
                 Ok(()) => {
                     res.commit();
+                    self.reap_late_twins(req, vm.vmid, deadline).await;
                     return Ok(vm);
                 }
                 Err(e) if e.is_vmid_collision(res.vmid) => {
@@ -239,28 +259,31 @@ impl PveSubstrate {
         }
     }
 
-    /// After a clone POST whose answer was lost: `true` once the VM shows up
-    /// with our marker and unlocked, `false` once its VMID has stayed free for
-    /// [`PveOptions::ambiguous_settle`] (the request was not applied) or is
-    /// taken by a VM that is not ours. Gives up at `deadline` with a
-    /// transient error that keeps `pending`, so a retried Create resolves it.
+    /// After a clone POST whose answer was lost: [`Ambiguous::Ours`] once the
+    /// VM shows up with our marker and unlocked, [`Ambiguous::Absent`] once
+    /// its VMID has stayed free for [`PveOptions::ambiguous_settle`], and
+    /// [`Ambiguous::Taken`] when a VM that is not ours holds it. Gives up at
+    /// `deadline` with a transient error that keeps `pending`, so a retried
+    /// Create resolves it.
+    ///
+    /// [`PveOptions::ambiguous_settle`]: super::PveOptions::ambiguous_settle
     async fn resolve_ambiguous_clone(
         &self,
         vm: &VmRef,
         req: &CloneRequest,
         cause: &PveError,
         deadline: Instant,
-    ) -> Result<bool, SubstrateError> {
+    ) -> Result<Ambiguous, SubstrateError> {
         let settle = Instant::now() + self.opts.ambiguous_settle;
         loop {
             match self.probe_pending(vm, &req.machine_id, deadline).await? {
                 Probe::Ours(_) => {
                     self.wait_status(vm, "unlocked after cloning", |s| s.lock.is_none())
                         .await?;
-                    return Ok(true);
+                    return Ok(Ambiguous::Ours);
                 }
-                Probe::Foreign => return Ok(false),
-                Probe::Gone if Instant::now() >= settle => return Ok(false),
+                Probe::Foreign => return Ok(Ambiguous::Taken),
+                Probe::Gone if Instant::now() >= settle => return Ok(Ambiguous::Absent),
                 Probe::Gone | Probe::Cloning => {}
             }
             if Instant::now() >= deadline {
@@ -437,6 +460,16 @@ impl PveSubstrate {
         );
         Ok(())
     }
+}
+
+/// How a clone POST whose answer was lost turned out.
+enum Ambiguous {
+    /// Applied: the VM carries our marker.
+    Ours,
+    /// Its VMID stayed free: taken as not applied (but watched).
+    Absent,
+    /// Its VMID holds a VM that is not ours: ours never landed there.
+    Taken,
 }
 
 /// What [`PveSubstrate::probe_pending`] found at a VMID.

@@ -99,44 +99,48 @@ impl PveSubstrate {
             .try_collect()
             .await?;
 
-        let mut index = self.index.lock();
-        for (v, outcome) in read {
-            let machine_id = match outcome {
-                Read(id) => id,
-                Unread => {
-                    // Follow the listing's tags and name so the cached
-                    // machine id stays reported while the node is away.
-                    if let Some(k) = index.get_mut(&v.vmid) {
-                        k.tags.clone_from(&v.tags);
-                        k.name.clone_from(&v.name);
+        let marked = {
+            let mut index = self.index.lock();
+            for (v, outcome) in read {
+                let machine_id = match outcome {
+                    Read(id) => id,
+                    Unread => {
+                        // Follow the listing's tags and name so the cached
+                        // machine id stays reported while the node is away.
+                        if let Some(k) = index.get_mut(&v.vmid) {
+                            k.tags.clone_from(&v.tags);
+                            k.name.clone_from(&v.name);
+                        }
+                        continue;
                     }
-                    continue;
-                }
-            };
-            index.insert(
-                v.vmid,
-                Known {
-                    node: v.node.clone(),
-                    name: v.name.clone(),
-                    tags: v.tags.clone(),
-                    machine_id,
-                },
-            );
-        }
-        let present: HashSet<u32> = list.iter().map(|v| v.vmid).collect();
-        index.retain(|vmid, _| present.contains(vmid));
-        let mut marked = Vec::new();
-        for v in &list {
-            if let Some(k) = index.get_mut(&v.vmid) {
-                // A migrated VM keeps its marker; follow it without a re-read.
-                k.node.clone_from(&v.node);
-                if let Some(id) = &k.machine_id {
-                    if k.tags == v.tags && k.name == v.name {
-                        marked.push((v.clone(), id.clone()));
+                };
+                index.insert(
+                    v.vmid,
+                    Known {
+                        node: v.node.clone(),
+                        name: v.name.clone(),
+                        tags: v.tags.clone(),
+                        machine_id,
+                    },
+                );
+            }
+            let present: HashSet<u32> = list.iter().map(|v| v.vmid).collect();
+            index.retain(|vmid, _| present.contains(vmid));
+            let mut marked = Vec::new();
+            for v in &list {
+                if let Some(k) = index.get_mut(&v.vmid) {
+                    // A migrated VM keeps its marker; follow it without a re-read.
+                    k.node.clone_from(&v.node);
+                    if let Some(id) = &k.machine_id {
+                        if k.tags == v.tags && k.name == v.name {
+                            marked.push((v.clone(), id.clone()));
+                        }
                     }
                 }
             }
-        }
+            marked
+        };
+        let marked = self.reap_late_clones(marked).await;
         Ok((list, marked))
     }
 
@@ -215,6 +219,8 @@ impl PveSubstrate {
                 node: v.node.clone(),
                 vmid: v.vmid,
             };
+            // Adopted: it is this machine's VM now, not a late duplicate.
+            self.vmids.lock().late.remove(&v.vmid);
             return Ok((Some((vm, v.tags.clone())), list));
         }
         if let Some(vm) = pending {
@@ -223,7 +229,10 @@ impl PveSubstrate {
             // is waited for: cloning again would make a second VM.
             loop {
                 match self.probe_pending(&vm, &req.machine_id, deadline).await? {
-                    Probe::Ours(tags) => return Ok((Some((vm, tags)), list)),
+                    Probe::Ours(tags) => {
+                        self.vmids.lock().late.remove(&vm.vmid);
+                        return Ok((Some((vm, tags)), list));
+                    }
                     Probe::Gone | Probe::Foreign => break,
                     Probe::Cloning if tokio::time::Instant::now() >= deadline => {
                         return Err(SubstrateError::with_kind(

@@ -42,6 +42,7 @@ use vmid::VmidState;
 mod clone;
 mod guest;
 mod inventory;
+mod late;
 mod marker;
 mod options;
 mod preflight;

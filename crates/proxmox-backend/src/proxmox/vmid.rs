@@ -16,13 +16,38 @@ pub(super) struct VmidState {
     pub(super) cooldown: HashMap<u32, std::time::Instant>,
     /// Where the next probe starts (ids grow monotonically within the range).
     pub(super) hint: Option<u32>,
+    /// Clones given up as not applied after a lost answer: the request may
+    /// still land late, so the id stays blocked and a VM landing there is
+    /// checked against a second one for the same machine.
+    pub(super) late: HashMap<u32, LateClone>,
+}
+
+/// A clone request whose answer was lost and whose VMID stayed free long
+/// enough to be taken as not applied.
+#[derive(Clone, Debug)]
+pub(super) struct LateClone {
+    pub(super) machine_id: String,
+    pub(super) operation_id: String,
+    /// The node it was aimed at (it may first appear on the template's).
+    pub(super) node: String,
+    pub(super) until: std::time::Instant,
 }
 
 impl VmidState {
     pub(super) fn blocked(&mut self, id: u32) -> bool {
         let now = std::time::Instant::now();
         self.cooldown.retain(|_, until| *until > now);
-        self.reserved.contains(&id) || self.cooldown.contains_key(&id)
+        self.late.retain(|_, l| l.until > now);
+        self.reserved.contains(&id)
+            || self.cooldown.contains_key(&id)
+            || self.late.contains_key(&id)
+    }
+
+    /// The late clones still watched, pruning expired ones.
+    pub(super) fn late_clones(&mut self) -> Vec<(u32, LateClone)> {
+        let now = std::time::Instant::now();
+        self.late.retain(|_, l| l.until > now);
+        self.late.iter().map(|(id, l)| (*id, l.clone())).collect()
     }
 }
 
@@ -164,5 +189,20 @@ mod tests {
             !st.cooldown.contains_key(&102),
             "expired entries are pruned"
         );
+        let late = |secs: i64| LateClone {
+            machine_id: "m".into(),
+            operation_id: "op".into(),
+            node: "pve1".into(),
+            until: if secs > 0 {
+                std::time::Instant::now() + Duration::from_secs(secs.unsigned_abs())
+            } else {
+                std::time::Instant::now() - Duration::from_secs(secs.unsigned_abs())
+            },
+        };
+        st.late.insert(103, late(60));
+        st.late.insert(104, late(-1));
+        assert!(st.blocked(103), "a late clone's id is not reused");
+        assert!(!st.blocked(104));
+        assert_eq!(st.late_clones().len(), 1, "expired late clones are pruned");
     }
 }

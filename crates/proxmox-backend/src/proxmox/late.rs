@@ -1,0 +1,154 @@
+//! Clones whose request was given up as not applied (a lost answer, its
+//! VMID free for the settle time) but may still land late: watched by VMID,
+//! and destroyed once landed only when a second VM exists for the machine
+//! and the late one's marker names this machine and this operation.
+
+use std::collections::HashSet;
+
+use pve::ClusterVm;
+use tokio::time::Instant;
+
+use super::clone::Probe;
+use super::marker::owned_by;
+use super::vmid::LateClone;
+use super::{err_at, PveSubstrate};
+use crate::substrate::{CloneRequest, SubstrateError, VmRef};
+
+impl PveSubstrate {
+    /// Once `keep` (this machine's clone) exists: removes any earlier clone
+    /// of the same machine that was given up as not applied and has landed
+    /// since. One still being cloned, or not yet there, stays watched (the
+    /// reconcile pass finds it later). Failures only log: the Create has its
+    /// VM, and the next pass tries again.
+    pub(super) async fn reap_late_twins(&self, req: &CloneRequest, keep: u32, deadline: Instant) {
+        let late: Vec<(u32, LateClone)> = self
+            .vmids
+            .lock()
+            .late_clones()
+            .into_iter()
+            .filter(|(vmid, l)| *vmid != keep && l.machine_id == req.machine_id)
+            .collect();
+        for (vmid, l) in late {
+            let vm = VmRef {
+                node: l.node.clone(),
+                vmid,
+            };
+            match self.probe_pending(&vm, &l.machine_id, deadline).await {
+                Ok(Probe::Ours(_)) => {
+                    if let Err(e) = self.remove_late_clone(&vm, &l, deadline).await {
+                        tracing::warn!(vm = %vm, error = %e, "could not remove a late duplicate clone; the next reconcile retries");
+                    }
+                }
+                Ok(Probe::Foreign) => {
+                    self.vmids.lock().late.remove(&vmid);
+                }
+                Ok(Probe::Gone | Probe::Cloning) => {}
+                Err(e) => {
+                    tracing::warn!(vm = %vm, error = %e, "could not check a clone given up as not applied; the next reconcile retries");
+                }
+            }
+        }
+    }
+
+    /// For an inventory pass: a watched late clone that has landed next to
+    /// another VM marked for the same machine is removed (and left out of
+    /// the result). While it is the machine's only VM it is kept: a retried
+    /// Create or reconcile may adopt it.
+    pub(super) async fn reap_late_clones(
+        &self,
+        mut marked: Vec<(ClusterVm, String)>,
+    ) -> Vec<(ClusterVm, String)> {
+        let late = self.vmids.lock().late_clones();
+        if late.is_empty() {
+            return marked;
+        }
+        let watched: HashSet<u32> = late.iter().map(|(vmid, _)| *vmid).collect();
+        let deadline = Instant::now() + self.opts.retry_window;
+        for (vmid, l) in late {
+            let Some((v, id)) = marked.iter().find(|(v, _)| v.vmid == vmid) else {
+                continue;
+            };
+            if *id != l.machine_id {
+                // Another machine's VM at that id: our request never landed.
+                self.vmids.lock().late.remove(&vmid);
+                continue;
+            }
+            // The twin must be a VM this process kept, not another late one.
+            let twin = marked
+                .iter()
+                .any(|(o, oid)| *oid == l.machine_id && !watched.contains(&o.vmid));
+            if !twin {
+                continue;
+            }
+            let vm = VmRef {
+                node: v.node.clone(),
+                vmid,
+            };
+            match self.remove_late_clone(&vm, &l, deadline).await {
+                Ok(true) => marked.retain(|(v, _)| v.vmid != vmid),
+                Ok(false) => {}
+                Err(e) => {
+                    tracing::warn!(vm = %vm, error = %e, "could not remove a late duplicate clone; the next pass retries");
+                }
+            }
+        }
+        marked
+    }
+
+    /// Destroys a late-landed clone, only when its marker names the machine
+    /// and the operation it was cloned for. `Ok(false)`: not ours after all
+    /// (or gone), and no longer watched.
+    async fn remove_late_clone(
+        &self,
+        vm: &VmRef,
+        late: &LateClone,
+        deadline: Instant,
+    ) -> Result<bool, SubstrateError> {
+        let forget = || {
+            self.vmids.lock().late.remove(&vm.vmid);
+        };
+        let mut call = || self.client.get_config(&vm.node, vm.vmid);
+        let cfg = match self.retry_raw(Some(&vm.node), deadline, &mut call).await {
+            Ok(cfg) => cfg,
+            Err(e) if e.is_not_found() || e.is_forbidden() => return Ok(false),
+            Err(e) => {
+                return Err(err_at(
+                    format!("checking the late clone VM {vm}"),
+                    Some(&vm.node),
+                    &e,
+                ))
+            }
+        };
+        if cfg.lock.is_some() {
+            // Still being cloned (its marker may not be written yet), or
+            // otherwise busy: next time.
+            return Ok(false);
+        }
+        if !owned_by(
+            cfg.description.as_deref(),
+            &late.machine_id,
+            Some(&late.operation_id),
+        ) {
+            tracing::warn!(vm = %vm, machine_id = %late.machine_id, "a VM landed at the id of a clone given up as not applied, but its marker is not that clone's; leaving it alone");
+            forget();
+            return Ok(false);
+        }
+        let mut call = || self.client.status_current(&vm.node, vm.vmid);
+        let st = match self.retry_raw(Some(&vm.node), deadline, &mut call).await {
+            Ok(st) => st,
+            Err(e) if e.is_not_found() || e.is_forbidden() => return Ok(false),
+            Err(e) => {
+                return Err(err_at(
+                    format!("checking the late clone VM {vm}"),
+                    Some(&vm.node),
+                    &e,
+                ))
+            }
+        };
+        tracing::warn!(vm = %vm, machine_id = %late.machine_id,
+            "a clone given up as not applied (its answer was lost) landed late next to this machine's VM; destroying the duplicate");
+        self.destroy_owned(vm, &st, deadline).await?;
+        forget();
+        Ok(true)
+    }
+}
