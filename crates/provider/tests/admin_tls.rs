@@ -122,7 +122,10 @@ async fn reclaim_needs_a_client_cert_from_the_configured_ca() {
     ctl(&pki, first.grpc, &["create", &id]);
     drop(first);
     let p = start(&pki, &state);
-    assert_eq!(common::field(&p.startup_line, "security"), Some("mTLS"));
+    assert_eq!(
+        provider_testkit::field(&p.startup_line, "security").as_deref(),
+        Some("mTLS")
+    );
     assert_eq!(ctl(&pki, p.grpc, &["get", &id])["state"], "FAILED");
 
     let anonymous = reclaim(p.grpc, &pki.ca, None, &id).await;
