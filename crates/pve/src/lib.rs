@@ -25,7 +25,7 @@ pub use error::PveError;
 pub use tags::{is_valid_tag, join_tags, machine_tag, normalize_tags, sanitize_tag};
 pub use tls::{cert_fingerprint, format_fingerprint, parse_fingerprint, parse_fingerprints};
 pub use types::{
-    exit_ok, CloneParams, ClusterVm, ConfigParams, ExecStatus, FileEncoding, NodeInfo, PoolMember,
-    TaskLogLine, TaskState, TaskStatus, VmConfig, VmStatus,
+    exit_ok, CloneParams, ClusterVm, ConfigParams, ExecStatus, FileEncoding, MigrateParams,
+    NodeInfo, PoolMember, StorageStatus, TaskLogLine, TaskState, TaskStatus, VmConfig, VmStatus,
 };
 pub use upid::Upid;
