@@ -337,9 +337,11 @@ impl FromStr for StorageKind {
             "zfspool" => Self::ZfsPool,
             "rbd" => Self::Rbd,
             "nfs" => Self::Nfs,
-            other => return Err(format!(
+            other => {
+                return Err(format!(
                 "unknown storage type '{other}' (expected dir, lvm, lvmthin, zfspool, rbd or nfs)"
-            )),
+            ))
+            }
         })
     }
 }
@@ -517,8 +519,9 @@ impl Default for SimConfig {
             storages: vec![
                 StorageSpec::new("local", StorageKind::Dir, false, 100)
                     .with_content("backup,iso,vztmpl"),
-                StorageSpec::new("local-lvm", StorageKind::LvmThin, false, 1024),
-                StorageSpec::new("ceph-pool", StorageKind::Rbd, true, 10 * 1024),
+                // Ample, so seeded fleets fit; tests of exhaustion set their own.
+                StorageSpec::new("local-lvm", StorageKind::LvmThin, false, 64 << 10),
+                StorageSpec::new("ceph-pool", StorageKind::Rbd, true, 1 << 20),
             ],
             token_id: "bigfleet@pve!autoscaler".into(),
             token_secret: "00000000-0000-4000-8000-000000000000".into(),

@@ -65,7 +65,7 @@ impl Shared {
         );
         for s in shared {
             if !defs.iter().any(|d| d.0 == s) {
-                defs.push((s, StorageKind::Rbd, "images,rootdir".into(), true, 10 << 40));
+                defs.push((s, StorageKind::Rbd, "images,rootdir".into(), true, 1 << 50));
             }
         }
         for vm in c.vms.values().filter(|v| v.node == node) {
@@ -75,7 +75,7 @@ impl Shared {
                     StorageKind::Dir,
                     "images".into(),
                     false,
-                    1 << 40,
+                    64 << 40,
                 ));
             }
         }

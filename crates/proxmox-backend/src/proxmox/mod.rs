@@ -5,8 +5,14 @@
 //!
 //! Cost model (API calls per operation, independent of cluster size):
 //! Create = 1 inventory read + 1 `nextid` + clone + task polls + 1 config PUT +
-//! start + task polls + agent pings (the first Create per template also reads
-//! the template's config once, for its disk storage); Configure/Drain =
+//! start + task polls + agent pings, + 1 storage status read per full clone
+//! (the room check). The first Create per template also reads the
+//! template's config once (disk storages and sizes), the first cross-node
+//! one the template node's storage list (shared or local); a Create served
+//! by a per-node replica reads the template's config each time (its digest
+//! tells a fresh replica from a stale one), and the one that stages it adds
+//! clone + migrate + template conversion and their task polls (`replica`);
+//! Configure/Drain =
 //! status + ping + exec + exec-status polls; Delete = status + config (the
 //! marker is the ownership proof) + stop + destroy + task polls; a
 //! reconcile pass = 1 inventory read plus config reads only for marked VMs that
@@ -43,12 +49,15 @@ mod guest;
 mod inventory;
 mod marker;
 mod options;
+mod placement;
+mod replica;
 mod vmid;
 
 pub use marker::{
     marker_description, owned_by, parse_marker, parse_marker_operation, vm_name, MANAGED_TAG,
 };
-pub use options::{parse_vmid_range, PveOptions};
+pub use options::{parse_node_storage, parse_vmid_range, CloneMode, PveOptions};
+pub use replica::{parse_replica_marker, replica_description, REPLICA_TAG};
 
 /// The real Proxmox substrate.
 pub struct PveSubstrate {
@@ -73,6 +82,8 @@ pub struct PveSubstrate {
     /// The cluster's `user-tag-access` refused a per-machine tag: VMs are
     /// marked by their description marker only (the ownership proof anyway).
     tags_restricted: AtomicBool,
+    /// Clone sources (template or per-node replica) and storage room.
+    placement: placement::PlacementState,
 }
 
 /// Context for a failure after retries: names the node when it was the
@@ -128,6 +139,7 @@ impl PveSubstrate {
             creating: Mutex::new(HashMap::new()),
             clone_slots: Mutex::new(HashMap::new()),
             tags_restricted: AtomicBool::new(false),
+            placement: placement::PlacementState::default(),
         }
     }
 
@@ -180,6 +192,7 @@ impl PveSubstrate {
                 Some(_) => {}
             }
         }
+        warnings.extend(self.check_placement(nodes, templates, &list).await?);
         Ok(warnings)
     }
 
@@ -484,7 +497,18 @@ impl Substrate for PveSubstrate {
         }
 
         let template_node = self.template_node(req.template_vmid, &list)?;
-        let vm = self.clone_new(req, &template_node, &name, deadline).await?;
+        // The template itself, or its replica on the target node.
+        let plan = self
+            .plan_clone(req, &template_node, &list, deadline)
+            .await?;
+        let source = CloneRequest {
+            template_vmid: plan.source_vmid,
+            ..req.clone()
+        };
+        let vm = self
+            .clone_new(&source, &plan.source_node, &name, deadline)
+            .await?;
+        drop(plan);
         self.mark(&vm, req, deadline).await?;
         self.start(&vm, deadline).await?;
         self.wait_agent(&vm).await?;
