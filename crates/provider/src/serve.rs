@@ -237,6 +237,14 @@ fn pve_substrate(plan: &Plan) -> Result<PveSubstrate, String> {
         vmid_range: args
             .vmid_range
             .map_or(PveOptions::default().vmid_range, |r| (r.0, r.1)),
+        template_replicas: args.template_replicas,
+        clone_mode: args.clone_mode,
+        node_storage: args.node_storage.0.clone(),
+        type_storage: plan
+            .types
+            .iter()
+            .filter_map(|(name, t)| t.storage.clone().map(|s| (name.clone(), s)))
+            .collect(),
         // Retries of transient failures end before the engine's shortest
         // transition deadline, so last_error names the cause (the node, the
         // lock) rather than "deadline exceeded".
