@@ -398,3 +398,26 @@ async fn linked_clones_where_pve_allows_them() {
     assert_no_violations(&sim);
     sim.shutdown().await;
 }
+
+#[tokio::test]
+async fn a_replica_destroyed_out_of_band_is_staged_again() {
+    let sim = sim_with(SimConfig {
+        rrd_lag: Duration::ZERO,
+        ..SimConfig::default()
+    })
+    .await;
+    let sub = PveSubstrate::new(client(&sim), opts());
+    sub.clone_vm(&req("pve2", 0)).await.expect("stages");
+    let old = replicas(&sim)[0].0;
+    // An operator removes it behind the provider's back.
+    assert!(sim.remove_vm(old).is_some());
+    let vm = sub.clone_vm(&req("pve2", 1)).await.expect("staged again");
+    assert_eq!(vm.node, "pve2");
+    let now = replicas(&sim);
+    assert!(
+        now.iter().any(|(id, v, _)| *id != old && v.node == "pve2"),
+        "{now:?}"
+    );
+    assert_eq!(sim.call_count(endpoints::MIGRATE), 2);
+    sim.shutdown().await;
+}

@@ -349,6 +349,14 @@ impl PveSim {
         self.shared.guest.clear();
     }
 
+    /// Remove a VM behind the API's back (`qm destroy` on its node).
+    pub fn remove_vm(&self, vmid: u32) -> Option<Vm> {
+        let mut c = self.shared.cluster.lock();
+        c.agents.remove(&vmid);
+        c.resources_cache = None;
+        c.vms.remove(&vmid)
+    }
+
     /// Insert a VM directly (not via the API).
     pub fn insert_vm(&self, vm: Vm) -> Result<()> {
         self.shared.insert_vm(vm)

@@ -497,18 +497,10 @@ impl Substrate for PveSubstrate {
         }
 
         let template_node = self.template_node(req.template_vmid, &list)?;
-        // The template itself, or its replica on the target node.
-        let plan = self
-            .plan_clone(req, &template_node, &list, deadline)
-            .await?;
-        let source = CloneRequest {
-            template_vmid: plan.source_vmid,
-            ..req.clone()
-        };
+        // From the template itself, or its replica on the target node.
         let vm = self
-            .clone_new(&source, &plan.source_node, &name, deadline)
+            .clone_planned(req, &template_node, &list, &name, deadline)
             .await?;
-        drop(plan);
         self.mark(&vm, req, deadline).await?;
         self.start(&vm, deadline).await?;
         self.wait_agent(&vm).await?;

@@ -16,7 +16,7 @@ use tokio::time::Instant;
 use super::options::CloneMode;
 use super::replica::Replicas;
 use super::{err_at, PveSubstrate};
-use crate::substrate::{CloneRequest, SubstrateError};
+use crate::substrate::{CloneRequest, SubstrateError, VmRef};
 
 /// Caches and bookkeeping of placement decisions.
 #[derive(Default)]
@@ -258,6 +258,43 @@ impl PveSubstrate {
             source_node,
             _room: room,
         })
+    }
+
+    /// Plans the clone and clones: from the template, or from its replica on
+    /// the target node. A replica that vanished since it was last seen
+    /// (destroyed out of band) is forgotten and staged again, once.
+    pub(super) async fn clone_planned(
+        &self,
+        req: &CloneRequest,
+        template_node: &str,
+        list: &[ClusterVm],
+        name: &str,
+        deadline: Instant,
+    ) -> Result<VmRef, SubstrateError> {
+        let mut again = true;
+        loop {
+            let plan = self.plan_clone(req, template_node, list, deadline).await?;
+            let source = CloneRequest {
+                template_vmid: plan.source_vmid,
+                ..req.clone()
+            };
+            let out = self
+                .clone_new(&source, &plan.source_node, name, deadline)
+                .await;
+            let gone = format!("/qemu-server/{}.conf' does not exist", plan.source_vmid);
+            match out {
+                Err(e)
+                    if again
+                        && plan.source_vmid != req.template_vmid
+                        && e.to_string().contains(&gone) =>
+                {
+                    tracing::warn!(replica = plan.source_vmid, node = %req.node, "the template replica is gone; staging it again");
+                    self.forget_replica(plan.source_vmid);
+                    again = false;
+                }
+                out => return out,
+            }
+        }
     }
 
     /// Checks that `bytes` fit on `storage` of `node` beside the clones in

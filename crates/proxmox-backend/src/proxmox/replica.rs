@@ -67,7 +67,13 @@ struct ReplicaInfo {
     digest: String,
     /// Converted (a staging that died half-way leaves a plain VM).
     template: bool,
+    /// When this process staged it (a listing taken before may not show it yet).
+    staged: Option<std::time::Instant>,
 }
+
+/// How long a replica this process staged is trusted without showing up in
+/// the inventory (PVE lists a new VM within seconds).
+const STAGED_GRACE: std::time::Duration = std::time::Duration::from_secs(60);
 
 /// One (template, node)'s staging: Creates that waited for a staging take
 /// its outcome instead of starting another.
@@ -193,7 +199,15 @@ impl PveSubstrate {
         deadline: Instant,
     ) -> Result<(), SubstrateError> {
         let unread: Vec<&ClusterVm> = {
-            let known = self.placement.replicas.known.lock();
+            let mut known = self.placement.replicas.known.lock();
+            // Gone from the cluster (destroyed out of band): forget it, so the
+            // next staging replaces it rather than Creates cloning nothing.
+            known.retain(|vmid, i| {
+                list.iter().any(|v| v.vmid == *vmid)
+                    || i.as_ref()
+                        .and_then(|i| i.staged)
+                        .is_some_and(|t| t.elapsed() < STAGED_GRACE)
+            });
             list.iter()
                 .filter(|v| v.node == node && !known.contains_key(&v.vmid))
                 .filter(|v| {
@@ -216,6 +230,7 @@ impl PveSubstrate {
                         source,
                         digest,
                         template: cfg.template.unwrap_or(false) && cfg.lock.is_none(),
+                        staged: None,
                     }),
                 Err(e) if e.is_not_found() || e.is_forbidden() => None,
                 Err(e) => {
@@ -236,6 +251,11 @@ impl PveSubstrate {
             self.placement.replicas.known.lock().insert(v.vmid, info);
         }
         Ok(())
+    }
+
+    /// Drops what is known of a replica (it is gone).
+    pub(super) fn forget_replica(&self, vmid: u32) {
+        self.placement.replicas.known.lock().remove(&vmid);
     }
 
     /// The newest converted replica of `source` on `node` made at `digest`.
@@ -340,6 +360,7 @@ impl PveSubstrate {
                         source,
                         digest: digest.to_string(),
                         template: true,
+                        staged: Some(std::time::Instant::now()),
                     }),
                 );
                 tracing::info!(
