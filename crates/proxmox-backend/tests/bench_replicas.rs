@@ -100,7 +100,10 @@ async fn create_cost_by_template_placement() {
         sim.shutdown().await;
     }
     report("(b) local template, warm replica on the node", &warm);
-    report("(c) local template, first Create on the node (stages the replica)", &first);
+    report(
+        "(c) local template, first Create on the node (stages the replica)",
+        &first,
+    );
 
     // The 16-way burst from one local template across both nodes.
     let sim = PveSim::start(SimConfig::default()).await.unwrap();
