@@ -725,3 +725,19 @@ fn a_new_json_state_path_is_created_as_a_database() {
     let head = std::fs::read(&state).expect("state");
     assert!(head.starts_with(b"SQLite format 3\0"));
 }
+
+#[test]
+fn bad_clone_mode_and_node_storage_are_refused() {
+    let mut args = REAL.to_vec();
+    args.extend(["--clone-mode", "thin"]);
+    fails(
+        &args,
+        &["--clone-mode \"thin\" is invalid: expected full or linked"],
+    );
+    let mut args = REAL.to_vec();
+    args.extend(["--node-storage", "pve1"]);
+    fails(
+        &args,
+        &["--node-storage \"pve1\" is invalid", "NODE=STORAGE"],
+    );
+}
