@@ -421,3 +421,27 @@ async fn a_replica_destroyed_out_of_band_is_staged_again() {
     assert_eq!(sim.call_count(endpoints::MIGRATE), 2);
     sim.shutdown().await;
 }
+
+#[tokio::test]
+async fn a_staging_cut_short_by_a_restart_is_cleaned_up() {
+    let sim = sim_with(SimConfig::default()).await;
+    // What a process killed between the clone and the migration leaves: a
+    // plain VM on the template's node, marked as a replica for pve2.
+    let mut left = sim.new_vm(7000, "pve1", "bigfleet-replica-9000-pve2");
+    left.tags = Some(REPLICA_TAG.into());
+    left.description = Some(proxmox_backend::proxmox::replica_description(
+        9000, "old", "pve2",
+    ));
+    sim.insert_vm(left).unwrap();
+    let sub = PveSubstrate::new(client(&sim), opts());
+    let vm = sub.clone_vm(&req("pve2", 0)).await.expect("stages");
+    assert_eq!(vm.node, "pve2");
+    assert!(sim.vm(7000).is_none(), "the leftover is removed");
+    let reps = replicas(&sim);
+    assert_eq!(reps.len(), 1, "{reps:?}");
+    assert_eq!(
+        (reps[0].1.node.as_str(), reps[0].1.template),
+        ("pve2", true)
+    );
+    sim.shutdown().await;
+}

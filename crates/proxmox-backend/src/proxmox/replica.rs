@@ -29,9 +29,21 @@ pub const REPLICA_TAG: &str = "bigfleet-replica";
 
 const MARKER_PREFIX: &str = "BigFleet template replica.";
 
-/// The replica's description: `BigFleet template replica. source_vmid=<id> source_digest=<digest>`.
-pub fn replica_description(source_vmid: u32, source_digest: &str) -> String {
-    format!("{MARKER_PREFIX} source_vmid={source_vmid} source_digest={source_digest}")
+/// The replica's description: `BigFleet template replica. source_vmid=<id>
+/// source_digest=<digest> node=<node it is for>`.
+pub fn replica_description(source_vmid: u32, source_digest: &str, node: &str) -> String {
+    format!("{MARKER_PREFIX} source_vmid={source_vmid} source_digest={source_digest} node={node}")
+}
+
+/// The node a replica is for (a half-staged one may still be on the
+/// template's node).
+fn replica_target(description: &str) -> Option<String> {
+    parse_replica_marker(description)?;
+    description
+        .split_whitespace()
+        .find_map(|w| w.strip_prefix("node="))
+        .filter(|n| !n.is_empty())
+        .map(str::to_string)
 }
 
 /// `(source vmid, source digest)` from a replica's description.
@@ -62,7 +74,10 @@ fn replica_name(source: u32, node: &str) -> String {
 /// What a replica's config said when last read.
 #[derive(Clone, Debug)]
 struct ReplicaInfo {
+    /// Where it is now.
     node: String,
+    /// The node it is for.
+    target: String,
     source: u32,
     digest: String,
     /// Converted (a staging that died half-way leaves a plain VM).
@@ -155,7 +170,8 @@ impl PveSubstrate {
         let layout = self
             .layout(source, template_node, Some(&digest), deadline)
             .await?;
-        self.learn_replicas(node, list, deadline).await?;
+        self.learn_replicas(node, template_node, list, deadline)
+            .await?;
         if let Some(vmid) = self.fresh_replica(source, node, &digest) {
             return Ok((vmid, layout));
         }
@@ -195,6 +211,7 @@ impl PveSubstrate {
     async fn learn_replicas(
         &self,
         node: &str,
+        template_node: &str,
         list: &[ClusterVm],
         deadline: Instant,
     ) -> Result<(), SubstrateError> {
@@ -209,7 +226,11 @@ impl PveSubstrate {
                         .is_some_and(|t| t.elapsed() < STAGED_GRACE)
             });
             list.iter()
-                .filter(|v| v.node == node && !known.contains_key(&v.vmid))
+                // The template's node too: a staging cut short (a restart)
+                // leaves its copy there.
+                .filter(|v| {
+                    (v.node == node || v.node == template_node) && !known.contains_key(&v.vmid)
+                })
                 .filter(|v| {
                     v.tags.iter().any(|t| t == REPLICA_TAG)
                         || v.name
@@ -227,6 +248,11 @@ impl PveSubstrate {
                     .and_then(parse_replica_marker)
                     .map(|(source, digest)| ReplicaInfo {
                         node: v.node.clone(),
+                        target: cfg
+                            .description
+                            .as_deref()
+                            .and_then(replica_target)
+                            .unwrap_or_else(|| v.node.clone()),
                         source,
                         digest,
                         template: cfg.template.unwrap_or(false) && cfg.lock.is_none(),
@@ -266,23 +292,27 @@ impl PveSubstrate {
             .lock()
             .iter()
             .filter_map(|(vmid, i)| i.as_ref().map(|i| (*vmid, i)))
-            .filter(|(_, i)| i.node == node && i.source == source && i.template)
-            .filter(|(_, i)| i.digest == digest)
+            .filter(|(_, i)| i.node == node && i.target == node && i.source == source)
+            .filter(|(_, i)| i.template && i.digest == digest)
             .map(|(vmid, _)| vmid)
             .max()
     }
 
-    /// Our replicas of `source` on `node` that are not fresh at `digest`.
-    fn stale_replicas(&self, source: u32, node: &str, digest: &str) -> Vec<u32> {
+    /// Our replicas of `source` for `node` that are not fresh at `digest`
+    /// (stale, half-staged, or left on the template's node), where they are.
+    fn stale_replicas(&self, source: u32, node: &str, digest: &str) -> Vec<VmRef> {
         self.placement
             .replicas
             .known
             .lock()
             .iter()
             .filter_map(|(vmid, i)| i.as_ref().map(|i| (*vmid, i)))
-            .filter(|(_, i)| i.node == node && i.source == source)
-            .filter(|(_, i)| !i.template || i.digest != digest)
-            .map(|(vmid, _)| vmid)
+            .filter(|(_, i)| i.target == node && i.source == source)
+            .filter(|(_, i)| !i.template || i.digest != digest || i.node != node)
+            .map(|(vmid, i)| VmRef {
+                node: i.node.clone(),
+                vmid,
+            })
             .collect()
     }
 
@@ -306,15 +336,7 @@ impl PveSubstrate {
             )
         };
         for old in self.stale_replicas(source, node, digest) {
-            self.remove_replica(
-                &VmRef {
-                    node: node.to_string(),
-                    vmid: old,
-                },
-                source,
-                deadline,
-            )
-            .await;
+            self.remove_replica(&old, source, deadline).await;
         }
         let target_storage = self.opts.node_storage.get(node).cloned();
         let what = format!("a copy of template {source}");
@@ -357,6 +379,7 @@ impl PveSubstrate {
                     vmid,
                     Some(ReplicaInfo {
                         node: node.to_string(),
+                        target: node.to_string(),
                         source,
                         digest: digest.to_string(),
                         template: true,
@@ -423,7 +446,7 @@ impl PveSubstrate {
             let params = CloneParams {
                 newid: res.vmid,
                 name: Some(replica_name(source, node)),
-                description: Some(replica_description(source, digest)),
+                description: Some(replica_description(source, digest, node)),
                 pool: self.opts.pool.clone(),
                 full: Some(true),
                 storage: None,
@@ -553,7 +576,8 @@ mod tests {
 
     #[test]
     fn replica_markers_round_trip() {
-        let d = replica_description(9000, "abc123");
+        let d = replica_description(9000, "abc123", "pve2");
+        assert_eq!(replica_target(&d).as_deref(), Some("pve2"));
         assert_eq!(parse_replica_marker(&d), Some((9000, "abc123".into())));
         assert_eq!(
             parse_replica_marker(&format!("{d}\n")),
