@@ -132,12 +132,19 @@ async fn a_local_template_serves_every_node() {
     assert_eq!(replicas(&sim).len(), 1);
     let v = sim.vm(second.vmid).unwrap();
     assert!(v.running && v.node == "pve2");
+    // A restarted provider finds it again (tag, then marker) and reuses it.
+    let restarted = PveSubstrate::new(client(&sim), opts());
+    let third = restarted
+        .clone_vm(&req("pve2", 2))
+        .await
+        .expect("reuses after a restart");
+    assert_eq!(sim.call_count(endpoints::MIGRATE), 1);
 
     // Replicas are not machines.
     let managed = sub.describe_managed().await.unwrap();
     let mut vmids: Vec<u32> = managed.iter().map(|m| m.vm.vmid).collect();
     vmids.sort_unstable();
-    let mut want = vec![on_pve1.vmid, first.vmid, second.vmid];
+    let mut want = vec![on_pve1.vmid, first.vmid, second.vmid, third.vmid];
     want.sort_unstable();
     assert_eq!(vmids, want);
     assert_no_violations(&sim);
@@ -443,5 +450,42 @@ async fn a_staging_cut_short_by_a_restart_is_cleaned_up() {
         (reps[0].1.node.as_str(), reps[0].1.template),
         ("pve2", true)
     );
+    sim.shutdown().await;
+}
+
+#[tokio::test]
+async fn replicas_work_under_a_pool_scoped_token() {
+    let sim = sim_with(SimConfig {
+        pool_acl: true,
+        ..SimConfig::default()
+    })
+    .await;
+    let sub = PveSubstrate::new(client(&sim), opts());
+    for i in 0..2 {
+        let vm = sub.clone_vm(&req("pve2", i)).await.expect("create on pve2");
+        assert_eq!(vm.node, "pve2");
+    }
+    assert_eq!(sim.call_count(endpoints::MIGRATE), 1);
+    assert_eq!(replicas(&sim)[0].1.pool.as_deref(), Some("bigfleet"));
+    assert_no_violations(&sim);
+    sim.shutdown().await;
+}
+
+#[tokio::test]
+async fn replicas_work_when_the_cluster_refuses_new_tags() {
+    let sim = sim_with(SimConfig {
+        tag_access: pve_sim::TagAccess::None,
+        ..SimConfig::default()
+    })
+    .await;
+    let sub = PveSubstrate::new(client(&sim), opts());
+    sub.clone_vm(&req("pve2", 0)).await.expect("stages");
+    // After a restart: found again by its name and marker, untagged.
+    let sub = PveSubstrate::new(client(&sim), opts());
+    sub.clone_vm(&req("pve2", 1)).await.expect("reuses");
+    assert_eq!(sim.call_count(endpoints::MIGRATE), 1);
+    let reps = replicas(&sim);
+    assert_eq!(reps.len(), 1);
+    assert!(reps[0].1.tags.is_none(), "{:?}", reps[0].1.tags);
     sim.shutdown().await;
 }
