@@ -489,3 +489,78 @@ async fn replicas_work_when_the_cluster_refuses_new_tags() {
     assert!(reps[0].1.tags.is_none(), "{:?}", reps[0].1.tags);
     sim.shutdown().await;
 }
+
+/// Through the `Backend` the engine drives: what becomes `last_error`.
+#[tokio::test]
+async fn through_the_backend_a_failed_staging_is_the_create_error() {
+    use providerkit::{Backend, CreateCtx};
+    use proxmox_backend::backend::ProxmoxBackend;
+    use proxmox_backend::catalog::{expand_slots, InstanceType, Offering, Pricing};
+    use std::collections::BTreeMap;
+
+    let sim = sim_with(SimConfig::default()).await;
+    sim.faults().fail_next_task(
+        "qmtemplate",
+        1,
+        "can't lock file '/var/lock/qemu-server/lock-100.conf' - got timeout",
+    );
+    let mut types = BTreeMap::new();
+    types.insert(
+        "pve.small".to_string(),
+        InstanceType {
+            vcpu: 2,
+            memory_mib: 2048,
+            template_vmid: 9000,
+            storage: None,
+        },
+    );
+    let pricing = || Pricing {
+        explicit: Default::default(),
+        per_vcpu_hour: 0.003,
+        per_gib_hour: 0.0008,
+    };
+    let offerings = vec![Offering {
+        instance_type: "pve.small".into(),
+        zone: "pve2".into(),
+        capacity_type: String::new(),
+        count: 2,
+        resources: Default::default(),
+        labels: Default::default(),
+    }];
+    let zones = vec!["pve1".to_string(), "pve2".to_string()];
+    let slots = expand_slots("proxmox", &offerings, &types, Some(&zones), &pricing()).unwrap();
+    let sub = Arc::new(PveSubstrate::new(client(&sim), opts()));
+    let backend = ProxmoxBackend::new(slots, types, pricing(), sub);
+    let ids: Vec<String> = backend
+        .describe()
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|s| s.id)
+        .collect();
+    let ctx = |id: &str| CreateCtx {
+        machine_id: id.to_string(),
+        operation_id: format!("op-{id}"),
+        instance_type: "pve.small".into(),
+        zone: "pve2".into(),
+    };
+    let e = backend
+        .create(ctx(&ids[0]))
+        .await
+        .expect_err("staging fails");
+    let last_error = e.to_string();
+    assert!(
+        last_error.contains("failed at step 5 of 5, converting VM")
+            && last_error.contains("to a template")
+            && last_error.contains("got timeout"),
+        "{last_error}"
+    );
+    assert!(replicas(&sim).is_empty(), "the half-made copy is removed");
+    let host = backend
+        .create(ctx(&ids[1]))
+        .await
+        .expect("the next Create stages it");
+    assert!(host.host_ref.starts_with("pve2/"), "{}", host.host_ref);
+    assert_eq!(replicas(&sim).len(), 1);
+    sim.shutdown().await;
+}
