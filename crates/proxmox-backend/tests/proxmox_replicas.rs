@@ -499,10 +499,23 @@ async fn through_the_backend_a_failed_staging_is_the_create_error() {
     use std::collections::BTreeMap;
 
     let sim = sim_with(SimConfig::default()).await;
+    // A lock timeout is retried; a storage failure is not.
     sim.faults().fail_next_task(
         "qmtemplate",
         1,
         "can't lock file '/var/lock/qemu-server/lock-100.conf' - got timeout",
+    );
+    let sub = PveSubstrate::new(client(&sim), opts());
+    sub.clone_vm(&req("pve2", 9))
+        .await
+        .expect("conversion retried");
+    assert_eq!(replicas(&sim).len(), 1);
+    // The template changes, so the next Create stages a new copy, and fails.
+    assert!(sim.update_vm(9000, |vm| vm.description = Some("v2".into())));
+    sim.faults().fail_next_task(
+        "qmtemplate",
+        1,
+        "lvrename 'pve/vm-102-disk-0' error: Logical volume is in use",
     );
     let mut types = BTreeMap::new();
     types.insert(
@@ -552,10 +565,11 @@ async fn through_the_backend_a_failed_staging_is_the_create_error() {
     assert!(
         last_error.contains("failed at step 5 of 5, converting VM")
             && last_error.contains("to a template")
-            && last_error.contains("got timeout"),
+            && last_error.contains("Logical volume is in use"),
         "{last_error}"
     );
-    assert!(replicas(&sim).is_empty(), "the half-made copy is removed");
+    // The stale copy was removed first, the half-made one after the failure.
+    assert!(replicas(&sim).is_empty(), "{:?}", replicas(&sim));
     let host = backend
         .create(ctx(&ids[1]))
         .await

@@ -514,14 +514,24 @@ impl PveSubstrate {
             let why = self.task_error_lines(&upid).await;
             return Err((Step::Migrate, e, why));
         }
-        let mut call = || self.client.convert_to_template(node, vm.vmid);
-        let upid = self
-            .retry_raw(Some(node), deadline, &mut call)
-            .await
-            .map_err(fail(Step::Convert))?;
-        self.wait_task(&upid, "template conversion")
-            .await
-            .map_err(fail(Step::Convert))?;
+        // Right after the migration the config lock may still be contended
+        // (a backup job, a person): a lock timeout is retried.
+        let mut attempt = 0;
+        loop {
+            let mut call = || self.client.convert_to_template(node, vm.vmid);
+            let upid = self
+                .retry_raw(Some(node), deadline, &mut call)
+                .await
+                .map_err(fail(Step::Convert))?;
+            match self.wait_task(&upid, "template conversion").await {
+                Ok(()) => break,
+                Err(e) if e.is_lock_timeout() && Instant::now() < deadline => {
+                    self.pause(attempt, deadline).await;
+                    attempt += 1;
+                }
+                Err(e) => return Err(fail(Step::Convert)(e)),
+            }
+        }
         tracing::debug!(vm = vm.vmid, source, node, "replica converted");
         Ok(())
     }
