@@ -104,6 +104,8 @@ privs=(
     VM.Audit         # read status/current, config (marker), cluster/resources inventory
     Datastore.AllocateSpace # allocate the full clone's disks (granted on /storage/<id>)
     Pool.Audit       # read the pool's members
+    VM.Clone         # clone from a per-node template replica (it lives in the pool)
+    VM.Migrate       # move a staged replica offline to its node
 )
 # Guest-agent calls (agent/ping, agent/file-write, agent/exec, exec-status) carry
 # the bootstrap and the drain. Up to 8 they need VM.Monitor; 9 replaced it with
@@ -117,9 +119,9 @@ if [[ $PVE_MAJOR -ge 9 ]]; then
 else
     privs+=(VM.Monitor) # every agent/* call
 fi
-# Not granted: VM.Clone on the pool (only on the templates, via the template
-# role below), VM.Config.Disk/Network/HWType/Cloudinit (clones keep the
-# template's hardware), Datastore.Audit (no storage endpoint is read), Sys.*,
+# Not granted: VM.Config.Disk/Network/HWType/Cloudinit (clones keep the
+# template's hardware), Datastore.Audit (the storage status and lists read for
+# room checks and replicas need only Datastore.AllocateSpace), Sys.*,
 # Pool.Allocate, Permissions.Modify.
 template_privs=(
     VM.Clone # POST /nodes/{node}/qemu/{template}/clone

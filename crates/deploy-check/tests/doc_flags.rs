@@ -62,6 +62,9 @@ const SPEC_FLAGS: &[&str] = &[
     "--shutdown-grace",
     "--proxmox-poll-interval",
     "--reclaim-failed-after",
+    "--template-replicas",
+    "--clone-mode",
+    "--node-storage",
 ];
 
 /// Flags of `bigfleet-proxmox ctl <sub>` (the operator CLI); `--state`,

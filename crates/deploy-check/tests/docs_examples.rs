@@ -224,7 +224,7 @@ fn configuration_file_examples_follow_the_schema() {
         let t = t.as_object().unwrap();
         for k in t.keys() {
             assert!(
-                ["vcpu", "memory_mib", "template_vmid"].contains(&k.as_str()),
+                ["vcpu", "memory_mib", "template_vmid", "storage"].contains(&k.as_str()),
                 "{name}: unknown field {k}"
             );
         }

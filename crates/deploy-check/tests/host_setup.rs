@@ -151,9 +151,11 @@ const PVE8_PRIVS: &[&str] = &[
     "Pool.Audit",
     "VM.Allocate",
     "VM.Audit",
+    "VM.Clone",
     "VM.Config.CPU",
     "VM.Config.Memory",
     "VM.Config.Options",
+    "VM.Migrate",
     "VM.Monitor",
     "VM.PowerMgmt",
 ];

@@ -148,6 +148,23 @@ pub struct Args {
     #[arg(long, value_parser = parse_vmid_range_arg)]
     pub vmid_range: Option<VmidRange>,
 
+    /// When a template's disks are on local storage of another node, stage a
+    /// copy of the template on the target node (clone, offline migration,
+    /// conversion) and clone from it; false: such Creates fail.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    pub template_replicas: bool,
+
+    /// How clones copy the template's disks: full (independent copies) or
+    /// linked (thin children of the template; same storage, needs one that
+    /// can snapshot).
+    #[arg(long, default_value = "full", value_parser = parse_clone_mode)]
+    pub clone_mode: proxmox_backend::proxmox::CloneMode,
+
+    /// Storage the clones' disks go to, per node: NODE=STORAGE,... (an
+    /// instance type's catalog `storage` wins); unset, the template's storage.
+    #[arg(long, default_value = "", value_parser = parse_node_storage_arg)]
+    pub node_storage: NodeStorage,
+
     /// Background reconcile period (0 = off).
     #[arg(long, default_value = "2m", value_parser = parse_duration)]
     pub reconcile_interval: Duration,
@@ -228,6 +245,18 @@ pub enum Command {
 /// `--vmid-range MIN-MAX`, inclusive.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct VmidRange(pub u32, pub u32);
+
+/// `--node-storage NODE=STORAGE,...`.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct NodeStorage(pub std::collections::BTreeMap<String, String>);
+
+fn parse_node_storage_arg(text: &str) -> Result<NodeStorage, String> {
+    proxmox_backend::proxmox::parse_node_storage(text).map(NodeStorage)
+}
+
+fn parse_clone_mode(text: &str) -> Result<proxmox_backend::proxmox::CloneMode, String> {
+    text.parse()
+}
 
 fn parse_vmid_range_arg(text: &str) -> Result<VmidRange, String> {
     proxmox_backend::proxmox::parse_vmid_range(text).map(|(lo, hi)| VmidRange(lo, hi))

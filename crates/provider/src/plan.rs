@@ -264,7 +264,7 @@ fn read_ca(path: &std::path::Path) -> Result<Vec<u8>, ConfigError> {
 
 /// The substrate's options from the flags, validated (the bootstrap, drain
 /// and clone flags are checked here and nowhere else).
-fn pve_options(args: &Args) -> Result<PveOptions, ConfigError> {
+fn pve_options(args: &Args, catalog: &Catalog) -> Result<PveOptions, ConfigError> {
     let options = PveOptions {
         pool: args.proxmox_pool.clone().filter(|p| !p.is_empty()),
         bootstrap_path: args.bootstrap_path.clone(),
@@ -283,6 +283,14 @@ fn pve_options(args: &Args) -> Result<PveOptions, ConfigError> {
         vmid_range: args
             .vmid_range
             .map_or(PveOptions::default().vmid_range, |r| (r.0, r.1)),
+        template_replicas: args.template_replicas,
+        clone_mode: args.clone_mode,
+        node_storage: args.node_storage.0.clone(),
+        type_storage: catalog
+            .types
+            .iter()
+            .filter_map(|(name, t)| t.storage.clone().map(|s| (name.clone(), s)))
+            .collect(),
         // Retries of transient failures end before the engine's shortest
         // transition deadline, so last_error names the cause (the node, the
         // lock) rather than "deadline exceeded".
@@ -420,7 +428,7 @@ pub fn plan(args: &Args) -> Result<Plan, ConfigError> {
     let backend = match access {
         Some(access) => BackendConfig::Proxmox(Box::new(ProxmoxConfig {
             access,
-            options: pve_options(args)?,
+            options: pve_options(args, &catalog)?,
         })),
         None => BackendConfig::Fake {
             latency: args.fake_latency,

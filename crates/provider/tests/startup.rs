@@ -924,3 +924,19 @@ async fn preflight_failures_name_their_fix() {
     other.shutdown().await;
     sim.shutdown().await;
 }
+
+#[test]
+fn bad_clone_mode_and_node_storage_are_refused() {
+    let mut args = REAL.to_vec();
+    args.extend(["--clone-mode", "thin"]);
+    fails(
+        &args,
+        &["--clone-mode \"thin\" is invalid: expected full or linked"],
+    );
+    let mut args = REAL.to_vec();
+    args.extend(["--node-storage", "pve1"]);
+    fails(
+        &args,
+        &["--node-storage \"pve1\" is invalid", "NODE=STORAGE"],
+    );
+}

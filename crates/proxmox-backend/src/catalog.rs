@@ -17,6 +17,10 @@ pub struct InstanceType {
     pub memory_mib: u64,
     #[serde(default)]
     pub template_vmid: u32,
+    /// Storage the clones' disks go to (full clones); unset: the node's
+    /// `--node-storage`, else the template's own storage.
+    #[serde(default)]
+    pub storage: Option<String>,
 }
 
 /// One offering: `count` slots of one type on one node.
@@ -56,6 +60,7 @@ pub fn builtin_instance_types(template_vmid: u32) -> BTreeMap<String, InstanceTy
                 vcpu,
                 memory_mib: gib * 1024,
                 template_vmid,
+                storage: None,
             },
         )
     })
@@ -101,6 +106,17 @@ pub fn load_instance_types(
         }
         if t.template_vmid == 0 {
             t.template_vmid = template_vmid;
+        }
+        if let Some(st) = &t.storage {
+            let valid = st.starts_with(|c: char| c.is_ascii_alphabetic())
+                && st
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c));
+            if !valid {
+                return Err(ConfigError::Invalid(format!(
+                    "instance type {name}: storage {st:?} is not a PVE storage id"
+                )));
+            }
         }
     }
     Ok(types)

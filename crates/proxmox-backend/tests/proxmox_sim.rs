@@ -386,7 +386,14 @@ async fn cross_node_clone_needs_shared_storage() {
         ..SimConfig::default()
     })
     .await;
-    let sub = PveSubstrate::new(client(&sim), opts());
+    // Without per-node replicas (`--template-replicas=false`).
+    let sub = PveSubstrate::new(
+        client(&sim),
+        PveOptions {
+            template_replicas: false,
+            ..opts()
+        },
+    );
     let e = sub
         .clone_vm(&req("p/OnDemand/pve.small/pve2/000", "pve2"))
         .await
@@ -671,6 +678,7 @@ async fn lifecycle_through_the_backend() {
             vcpu: 2,
             memory_mib: 2048,
             template_vmid: 9000,
+            storage: None,
         },
     );
     let pricing = || Pricing {

@@ -240,6 +240,8 @@ pub struct TemplateSpec {
     pub memory_mib: u64,
     /// Guest agent enabled in the template's config (`agent: 1`).
     pub agent: bool,
+    /// Size of its one disk (`scsi0: ...,size=32G`).
+    pub disk_gib: u64,
 }
 
 impl TemplateSpec {
@@ -254,6 +256,7 @@ impl TemplateSpec {
             cores: 2,
             memory_mib: 2048,
             agent: true,
+            disk_gib: 32,
         }
     }
 
@@ -264,6 +267,113 @@ impl TemplateSpec {
             shared: true,
             ..Self::local(vmid, node)
         }
+    }
+}
+
+/// A storage type (storage.cfg `type`), as far as clones and capacity care.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StorageKind {
+    /// `dir` (disks as qcow2 files).
+    Dir,
+    /// `lvm`: thick LVM, no snapshots, so no linked clones.
+    Lvm,
+    /// `lvmthin` (the `local-lvm` of a fresh install).
+    LvmThin,
+    /// `zfspool`.
+    ZfsPool,
+    /// `rbd` (Ceph).
+    Rbd,
+    /// `nfs` (qcow2 files).
+    Nfs,
+}
+
+impl StorageKind {
+    /// The `type` PVE reports.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Dir => "dir",
+            Self::Lvm => "lvm",
+            Self::LvmThin => "lvmthin",
+            Self::ZfsPool => "zfspool",
+            Self::Rbd => "rbd",
+            Self::Nfs => "nfs",
+        }
+    }
+
+    /// Whether a template's disk on it can back a linked clone (PVE's
+    /// `clone` volume feature on a base volume: not on thick LVM).
+    pub fn supports_linked_clones(self) -> bool {
+        !matches!(self, Self::Lvm)
+    }
+
+    /// LVM-backed storages report allocation failures from `lvcreate`.
+    fn is_lvm(self) -> bool {
+        matches!(self, Self::Lvm | Self::LvmThin)
+    }
+
+    /// The storage layer's text when a new disk does not fit.
+    pub fn no_space(self, storage: &str, volume: &str, need: u64, avail: u64) -> String {
+        if self.is_lvm() {
+            // 4 MiB extents, as `vgcreate` makes them by default.
+            format!(
+                "lvcreate 'pve/{volume}' error:   Volume group \"pve\" has insufficient free space ({} extents): {} required.",
+                avail >> 22,
+                need.div_ceil(1 << 22)
+            )
+        } else {
+            format!("unable to create image: '{storage}:{volume}': No space left on device")
+        }
+    }
+}
+
+impl FromStr for StorageKind {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        Ok(match s.trim() {
+            "dir" => Self::Dir,
+            "lvm" => Self::Lvm,
+            "lvmthin" => Self::LvmThin,
+            "zfspool" => Self::ZfsPool,
+            "rbd" => Self::Rbd,
+            "nfs" => Self::Nfs,
+            other => {
+                return Err(format!(
+                "unknown storage type '{other}' (expected dir, lvm, lvmthin, zfspool, rbd or nfs)"
+            ))
+            }
+        })
+    }
+}
+
+/// One storage of storage.cfg, present on every node. A local (not
+/// `shared`) storage is a separate pool of `total_gib` on each node.
+#[derive(Clone, Debug)]
+pub struct StorageSpec {
+    pub name: String,
+    pub kind: StorageKind,
+    pub shared: bool,
+    /// Capacity (per node when local).
+    pub total_gib: u64,
+    /// Content types, e.g. `images,rootdir`.
+    pub content: String,
+}
+
+impl StorageSpec {
+    /// A storage for VM disks (`images,rootdir`).
+    pub fn new(name: &str, kind: StorageKind, shared: bool, total_gib: u64) -> Self {
+        Self {
+            name: name.to_string(),
+            kind,
+            shared,
+            total_gib,
+            content: "images,rootdir".into(),
+        }
+    }
+
+    pub fn with_content(mut self, content: &str) -> Self {
+        self.content = content.to_string();
+        self
     }
 }
 
@@ -279,6 +389,10 @@ pub struct SimConfig {
     pub pools: Vec<String>,
     /// Storages other than the templates' that count as shared.
     pub shared_storages: Vec<String>,
+    /// storage.cfg: type, shared flag and capacity of each storage. Storages
+    /// named only in `shared_storages` or by a template are `rbd` (shared)
+    /// or `dir` (local) with ample room.
+    pub storages: Vec<StorageSpec>,
     /// `USER@REALM!TOKENID`.
     pub token_id: String,
     pub token_secret: String,
@@ -415,6 +529,13 @@ impl Default for SimConfig {
             templates: vec![TemplateSpec::local(9000, "pve1")],
             pools: vec!["bigfleet".into()],
             shared_storages: vec!["ceph-pool".into()],
+            storages: vec![
+                StorageSpec::new("local", StorageKind::Dir, false, 100)
+                    .with_content("backup,iso,vztmpl"),
+                // Ample, so seeded fleets fit; tests of exhaustion set their own.
+                StorageSpec::new("local-lvm", StorageKind::LvmThin, false, 64 << 10),
+                StorageSpec::new("ceph-pool", StorageKind::Rbd, true, 1 << 20),
+            ],
             token_id: "bigfleet@pve!autoscaler".into(),
             token_secret: "00000000-0000-4000-8000-000000000000".into(),
             auth_failure_delay: Duration::ZERO,

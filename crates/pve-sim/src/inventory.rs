@@ -105,7 +105,7 @@ impl Shared {
                 for st in self.storages_on(&c, node) {
                     let mut row = json!({
                         "id": format!("storage/{node}/{}", st.name), "type": "storage",
-                        "node": node, "storage": st.name, "plugintype": st.kind,
+                        "node": node, "storage": st.name, "plugintype": st.kind.as_str(),
                         "content": st.content, "shared": u8::from(st.shared),
                         "status": if n.online { "available" } else { "unknown" },
                     });
@@ -159,58 +159,6 @@ impl Shared {
             rows.push(row);
         }
         Value::Array(rows)
-    }
-
-    /// Storages visible on `node`: `local`, `local-lvm`, the shared storages,
-    /// and any other storage a VM on the node uses.
-    pub(crate) fn storages_on(&self, c: &Cluster, node: &str) -> Vec<StorageInfo> {
-        let mut names: Vec<(String, &'static str, &'static str, bool, u64)> = vec![
-            ("local".into(), "dir", "backup,iso,vztmpl", false, 100 << 30),
-            (
-                "local-lvm".into(),
-                "lvmthin",
-                "images,rootdir",
-                false,
-                1 << 40,
-            ),
-        ];
-        let mut shared: Vec<String> = self.cfg.shared_storages.clone();
-        shared.extend(
-            self.cfg
-                .templates
-                .iter()
-                .filter(|t| t.shared)
-                .map(|t| t.storage.clone()),
-        );
-        for s in shared {
-            if !names.iter().any(|n| n.0 == s) {
-                names.push((s, "rbd", "images,rootdir", true, 10 << 40));
-            }
-        }
-        for vm in c.vms.values().filter(|v| v.node == node) {
-            if !names.iter().any(|n| n.0 == vm.storage) {
-                names.push((vm.storage.clone(), "dir", "images", false, 1 << 40));
-            }
-        }
-        names
-            .into_iter()
-            .map(|(name, kind, content, shared, total)| {
-                let used = c
-                    .vms
-                    .values()
-                    .filter(|v| v.storage == name && (shared || v.node == node))
-                    .count() as u64
-                    * STORAGE_BYTES;
-                StorageInfo {
-                    name,
-                    kind,
-                    content,
-                    shared,
-                    total,
-                    used: used.min(total),
-                }
-            })
-            .collect()
     }
 
     /// `GET /nodes/{node}/storage`.
@@ -675,31 +623,6 @@ pub fn comment_block(d: &str) -> String {
         .rposition(|l| !l.is_empty())
         .map_or(0, |i| i + 1);
     lines[..keep].iter().map(|l| format!("{l}\n")).collect()
-}
-
-/// One storage as the storage endpoints report it.
-pub(crate) struct StorageInfo {
-    pub name: String,
-    pub kind: &'static str,
-    pub content: &'static str,
-    pub shared: bool,
-    pub total: u64,
-    pub used: u64,
-}
-
-impl StorageInfo {
-    fn status_json(&self, with_name: bool) -> Value {
-        let mut v = json!({
-            "type": self.kind, "content": self.content, "shared": u8::from(self.shared),
-            "active": 1, "enabled": 1, "total": self.total, "used": self.used,
-            "avail": self.total - self.used,
-        });
-        if with_name {
-            v["storage"] = json!(self.name);
-            v["used_fraction"] = json!(self.used as f64 / self.total as f64);
-        }
-        v
-    }
 }
 
 /// Privileges of PVE 8's Administrator role that matter to a VM lifecycle

@@ -33,6 +33,7 @@ pub mod schema;
 pub mod server;
 pub mod sim;
 pub mod state;
+mod storage;
 pub mod tasks;
 pub mod tls;
 
@@ -46,8 +47,8 @@ use tokio::task::JoinHandle;
 
 pub use agent::{GuestExec, GuestHandler, GuestOutput, GUEST_ROOT_ENV};
 pub use config::{
-    find_qemu_ga, GuestAgentMode, HttpServerVersion, SimConfig, TagAccess, TagStyle, TemplateSpec,
-    GUEST_AGENT_ENV,
+    find_qemu_ga, GuestAgentMode, HttpServerVersion, SimConfig, StorageKind, StorageSpec,
+    TagAccess, TagStyle, TemplateSpec, GUEST_AGENT_ENV,
 };
 pub use faults::Faults;
 pub use params::Params;
@@ -348,6 +349,14 @@ impl PveSim {
         self.shared.guest.clear();
     }
 
+    /// Remove a VM behind the API's back (`qm destroy` on its node).
+    pub fn remove_vm(&self, vmid: u32) -> Option<Vm> {
+        let mut c = self.shared.cluster.lock();
+        c.agents.remove(&vmid);
+        c.resources_cache = None;
+        c.vms.remove(&vmid)
+    }
+
     /// Insert a VM directly (not via the API).
     pub fn insert_vm(&self, vm: Vm) -> Result<()> {
         self.shared.insert_vm(vm)
@@ -375,6 +384,8 @@ impl PveSim {
             pool: self.shared.cfg.pools.first().cloned(),
             storage: "local-lvm".into(),
             shared_storage: false,
+            disk_gib: 32,
+            linked_base: None,
             extra: BTreeMap::new(),
             guest_root: self.shared.guest_root(vmid),
         }

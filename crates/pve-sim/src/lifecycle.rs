@@ -26,6 +26,8 @@ struct CloneWork {
     newid: u32,
     vmid: u32,
     kind: &'static str,
+    /// Bytes the new disk takes (0 for a linked clone).
+    need: u64,
     pending: Option<Vm>,
 }
 
@@ -46,6 +48,20 @@ impl Shared {
             )));
         }
         let target = p.get("target").unwrap_or(node).to_string();
+        // qemu-server checks a given `storage` before anything else: it must
+        // exist, and be shared when the clone goes to another node.
+        let target_storage = match p.get("storage") {
+            Some(st) => match self.storage_on(&c, node, st) {
+                None => return Err(ApiError::internal(format!("storage '{st}' does not exist"))),
+                Some(info) if target != node && !info.shared => {
+                    return Err(ApiError::internal(format!(
+                        "can't clone to non-shared storage '{st}'"
+                    )))
+                }
+                Some(info) => Some(info),
+            },
+            None => None,
+        };
         if target != node {
             if !c.nodes.contains_key(&target) {
                 return Err(ApiError::internal(format!(
@@ -57,18 +73,30 @@ impl Shared {
                     "target node '{target}' is not online"
                 )));
             }
-            if !src.shared_storage {
-                return Err(ApiError::internal(format!(
-                    "can't clone VM to node '{target}' (VM uses local storage)"
-                )));
-            }
         }
-        // Templates default to linked clones; other VMs are always copied in full.
-        let full = !src.template || p.bool("full").unwrap_or(false);
-        if p.contains("storage") && !full {
+        // Templates default to linked clones; other VMs to full ones.
+        let full = p.bool("full").unwrap_or(!src.template);
+        if target_storage.is_some() && !full {
             return Err(ApiError::internal(
                 "parameter 'storage' not allowed for linked clones",
             ));
+        }
+        if target != node && !src.shared_storage {
+            return Err(ApiError::internal(format!(
+                "can't clone VM to node '{target}' (VM uses local storage)"
+            )));
+        }
+        if !full {
+            // A linked clone needs the `clone` volume feature: a template's
+            // base volume, on a storage that can snapshot it (not thick LVM).
+            let supports = self
+                .storage_on(&c, node, &src.storage)
+                .is_some_and(|st| st.kind.supports_linked_clones());
+            if !src.template || !supports {
+                return Err(ApiError::internal(
+                    "Linked clone feature is not supported for drive 'scsi0'",
+                ));
+            }
         }
         let pool = p.get("pool").map(str::to_string);
         if let Some(pool) = &pool {
@@ -76,9 +104,9 @@ impl Shared {
                 return Err(ApiError::internal(format!("pool '{pool}' does not exist")));
             }
         }
-        let storage = match p.get("storage") {
-            Some(s) if full => s.to_string(),
-            _ => src.storage.clone(),
+        let storage = match &target_storage {
+            Some(st) => st.name.clone(),
+            None => src.storage.clone(),
         };
         let shared = if storage == src.storage {
             src.shared_storage
@@ -108,9 +136,12 @@ impl Shared {
             pool,
             storage: storage.clone(),
             shared_storage: shared,
+            disk_gib: src.disk_gib,
+            linked_base: (!full).then_some(vmid),
             extra: BTreeMap::new(),
             guest_root: self.guest_root(newid),
         };
+        let need = if full { src.disk_gib << 30 } else { 0 };
         // With the real timeline the worker creates the VM; else it exists,
         // finished but locked, from the moment the POST is answered.
         let timeline = self.cfg.clone_timeline;
@@ -140,6 +171,7 @@ impl Shared {
                     newid,
                     vmid,
                     kind,
+                    need,
                     pending,
                 };
                 me.clone_worker(w).await
@@ -163,6 +195,7 @@ impl Shared {
             newid,
             vmid,
             kind,
+            need,
             pending,
         } = w;
         if self.cfg.keep_failed_clone && pending.is_none() {
@@ -203,6 +236,19 @@ impl Shared {
             c.created.insert(newid, Instant::now());
             c.rrd.remove(&newid);
             self.touch(&mut c);
+        }
+        {
+            // The new disk is allocated first, on the source node (a clone
+            // to another node is on shared storage): no room fails the
+            // worker, which removes what it made.
+            let mut c = self.cluster.lock();
+            let vol = format!("vm-{newid}-disk-0");
+            if let Err(text) = self.room_for(&c, &source, &storage, newid, &vol, need) {
+                c.vms.remove(&newid);
+                c.agents.remove(&newid);
+                self.touch(&mut c);
+                return Err(format!("clone failed: {text}"));
+            }
         }
         let key = (node, storage.clone());
         let limit = if shared {
@@ -495,6 +541,18 @@ impl Shared {
                     Ok(())
                 })
                 .await?;
+                let in_use = {
+                    let c = me.cluster.lock();
+                    let base = c.vms.get(&vmid).filter(|v| v.template).map(Vm::disk);
+                    base.filter(|_| c.vms.values().any(|v| v.linked_base == Some(vmid)))
+                };
+                if let Some(disk) = in_use {
+                    me.release_flock(vmid, |_| {});
+                    let volid = disk.split(',').next().unwrap_or_default().to_string();
+                    return Err(format!(
+                        "base volume '{volid}' is still in use by linked cloned"
+                    ));
+                }
                 tokio::time::sleep(me.cfg.destroy_duration).await;
                 let root = me.guest_root(vmid);
                 me.release_flock(vmid, |c| {
@@ -553,6 +611,16 @@ impl Shared {
                 "can't migrate running VM without --online",
             ));
         }
+        // Local disks go to `targetstorage` (else the same storage id) on
+        // the target node, which must have it.
+        let to_storage = p
+            .get("targetstorage")
+            .map_or_else(|| vm.storage.clone(), str::to_string);
+        if !vm.shared_storage && self.storage_on(&c, &target, &to_storage).is_none() {
+            return Err(ApiError::internal(format!(
+                "storage '{to_storage}' does not exist"
+            )));
+        }
         if vm.running && !vm.shared_storage && !with_local {
             return Err(ApiError::internal(format!(
                 "can't live migrate attached local disks without with-local-disks option ({})",
@@ -606,11 +674,48 @@ impl Shared {
                         format!("starting migration of VM {vmid} to node '{target}'"),
                     );
                 }
+                // Local disks are copied to the target node first; a target
+                // storage without room aborts the migration, leaving the VM
+                // where it was.
+                let room = {
+                    let c = me.cluster.lock();
+                    match c.vms.get(&vmid) {
+                        Some(vm) if !vm.shared_storage => me
+                            .room_for(
+                                &c,
+                                &target,
+                                &to_storage,
+                                vmid,
+                                &vm.volume(),
+                                vm.allocated_bytes(),
+                            )
+                            .map_err(|e| {
+                                format!(
+                                    "storage migration for '{}:{}' to storage '{to_storage}' failed - {e}",
+                                    vm.storage,
+                                    vm.volume()
+                                )
+                            }),
+                        _ => Ok(()),
+                    }
+                };
                 tokio::time::sleep(me.cfg.migrate_duration).await;
+                if let Err(why) = room {
+                    me.release_flock(vmid, |c| {
+                        if let Some(vm) = c.vms.get_mut(&vmid) {
+                            vm.lock = None;
+                        }
+                        c.task_log(&upid, format!("ERROR: migration aborted: {why}"));
+                    });
+                    return Err("migration aborted".into());
+                }
                 me.release_flock(vmid, |c| {
                     if let Some(vm) = c.vms.get_mut(&vmid) {
                         vm.lock = None;
                         vm.node = target.clone();
+                        if !vm.shared_storage {
+                            vm.storage = to_storage.clone();
+                        }
                     }
                     c.resources_cache = None;
                     c.task_log(&upid, format!("migration finished successfully ({kind})"));

@@ -460,6 +460,12 @@ fn required_privileges(
         | ("POST", "/nodes/{node}/qemu/{vmid}/status/stop")
         | ("POST", "/nodes/{node}/qemu/{vmid}/status/shutdown") => one(&vm, vec!["VM.PowerMgmt"]),
         ("DELETE", "/nodes/{node}/qemu/{vmid}") => one(&vm, vec!["VM.Allocate"]),
+        ("POST", "/nodes/{node}/qemu/{vmid}/migrate") => one(&vm, vec!["VM.Migrate"]),
+        ("POST", "/nodes/{node}/qemu/{vmid}/template") => one(&vm, vec!["VM.Allocate"]),
+        ("GET", "/nodes/{node}/storage/{storage}/status") => one(
+            &format!("/storage/{}", p.get("storage").unwrap_or_default()),
+            vec!["Datastore.Audit", "Datastore.AllocateSpace"],
+        ),
         ("POST", "/nodes/{node}/qemu/{vmid}/agent/ping") => one(
             &vm,
             agent(&["VM.GuestAgent.Audit", "VM.GuestAgent.Unrestricted"]),

@@ -143,6 +143,8 @@ impl Shared {
             pool: None,
             storage: String::new(),
             shared_storage: false,
+            disk_gib: 0,
+            linked_base: None,
             extra: BTreeMap::new(),
             guest_root: self.guest_root(vmid),
         }
@@ -169,6 +171,8 @@ impl Shared {
             pool: None,
             storage: t.storage.clone(),
             shared_storage: t.shared,
+            disk_gib: t.disk_gib,
+            linked_base: None,
             extra: BTreeMap::new(),
             guest_root: self.guest_root(t.vmid),
         };

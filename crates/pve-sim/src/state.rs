@@ -63,6 +63,11 @@ pub struct Vm {
     pub pool: Option<String>,
     pub storage: String,
     pub shared_storage: bool,
+    /// Size of the VM's one disk, `scsi0`.
+    pub disk_gib: u64,
+    /// A linked clone: its disk is a thin child of this template's base
+    /// volume and takes no room of its own.
+    pub linked_base: Option<u32>,
     /// Other config keys set through the API, kept verbatim.
     pub extra: BTreeMap<String, String>,
     /// Guest scratch root standing in for the guest's `/`.
@@ -76,11 +81,31 @@ impl Vm {
         crate::params::parse_bool(v).unwrap_or(false)
     }
 
-    pub fn disk(&self) -> String {
-        if self.template {
-            format!("{}:base-{}-disk-0,size=32G", self.storage, self.vmid)
+    /// The volume name of the disk (`vm-N-disk-0`, `base-N-disk-0` once a
+    /// template; a linked clone's names its base: `base-B-disk-0/vm-N-disk-0`).
+    pub fn volume(&self) -> String {
+        let own = if self.template {
+            format!("base-{}-disk-0", self.vmid)
         } else {
-            format!("{}:vm-{}-disk-0,size=32G", self.storage, self.vmid)
+            format!("vm-{}-disk-0", self.vmid)
+        };
+        match self.linked_base {
+            Some(b) => format!("base-{b}-disk-0/{own}"),
+            None => own,
+        }
+    }
+
+    /// The `scsi0` property string.
+    pub fn disk(&self) -> String {
+        format!("{}:{},size={}G", self.storage, self.volume(), self.disk_gib)
+    }
+
+    /// Bytes the disk takes on its storage (a linked clone's are its base's).
+    pub fn allocated_bytes(&self) -> u64 {
+        if self.linked_base.is_some() {
+            0
+        } else {
+            self.disk_gib << 30
         }
     }
 

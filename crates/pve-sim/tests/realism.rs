@@ -27,7 +27,12 @@ async fn clone(api: &Api, template: &str, newid: &str) {
     let r = api
         .post(
             &format!("/nodes/pve1/qemu/{template}/clone"),
-            &[("newid", newid), ("name", &format!("vm-{newid}"))],
+            // Full: a VM of its own (a linked clone's disk names its base).
+            &[
+                ("newid", newid),
+                ("name", &format!("vm-{newid}")),
+                ("full", "1"),
+            ],
         )
         .await;
     assert_eq!(api.wait_task_of(r).await["exitstatus"], "OK");

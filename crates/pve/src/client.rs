@@ -27,9 +27,7 @@ use crate::error::{chain_message, find_rustls_error, is_lock_timeout_text, PveEr
 use crate::form::{encode_segment, Params};
 use crate::tags::join_tags;
 use crate::types::{
-    exit_ok, lenient, CloneParams, ClusterOptions, ClusterVm, ConfigParams, ExecStatus,
-    FileEncoding, NodeInfo, Permissions, PoolMember, TaskLogLine, TaskState, TaskStatus, VmConfig,
-    VmStatus,
+    exit_ok, lenient, CloneParams, ClusterOptions, ClusterVm, ConfigParams, ExecStatus, FileEncoding, MigrateParams, NodeInfo, Permissions, PoolMember, StorageStatus, TaskLogLine, TaskState, TaskStatus, VmConfig, VmStatus,
 };
 use crate::upid::Upid;
 
@@ -592,6 +590,59 @@ impl PveClient {
             &p,
         )
         .await
+    }
+
+    /// `POST .../migrate`: moves the VM to `params.target` (offline unless
+    /// `online`). Returns the `qmigrate` task (`hamigrate` for HA-managed VMs).
+    pub async fn migrate(
+        &self,
+        node: &str,
+        vmid: u32,
+        params: &MigrateParams,
+    ) -> Result<Upid, PveError> {
+        let mut p = Params::new();
+        p.push("target", params.target.as_str());
+        p.push_bool("online", params.online);
+        if params.with_local_disks {
+            p.push_bool("with-local-disks", true);
+        }
+        p.push_opt("targetstorage", params.targetstorage.as_deref());
+        let path = Self::vm_path(node, vmid, "/migrate");
+        self.call_upid("migrate", Method::POST, &path, &p).await
+    }
+
+    /// `POST .../template`: converts a stopped VM into a template (its disks
+    /// become base volumes). Returns the `qmtemplate` task.
+    pub async fn convert_to_template(&self, node: &str, vmid: u32) -> Result<Upid, PveError> {
+        let path = Self::vm_path(node, vmid, "/template");
+        self.call_upid("template", Method::POST, &path, &Params::new())
+            .await
+    }
+
+    /// `GET /nodes/{node}/storage`: every storage the node sees, with type,
+    /// shared flag and capacity.
+    pub async fn node_storages(&self, node: &str) -> Result<Vec<StorageStatus>, PveError> {
+        let path = format!("/nodes/{}/storage", encode_segment(node));
+        self.call("node_storages", Method::GET, &path, &Params::new())
+            .await
+    }
+
+    /// `GET /nodes/{node}/storage/{storage}/status`.
+    pub async fn storage_status(
+        &self,
+        node: &str,
+        storage: &str,
+    ) -> Result<StorageStatus, PveError> {
+        let path = format!(
+            "/nodes/{}/storage/{}/status",
+            encode_segment(node),
+            encode_segment(storage)
+        );
+        let mut st: StorageStatus = self
+            .call("storage_status", Method::GET, &path, &Params::new())
+            .await?;
+        st.storage.get_or_insert_with(|| storage.to_string());
+        Ok(st)
     }
 
     fn task_path(upid: &Upid, rest: &str) -> String {

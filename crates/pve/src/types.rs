@@ -279,7 +279,44 @@ fn disk_storage(value: &str) -> Option<&str> {
     (!storage.is_empty() && !storage.starts_with('/')).then_some(storage)
 }
 
+/// Bytes of a disk's `size=` option (`32G`, `512M`, `1T`, `4096K`, or bare
+/// bytes). `None` when absent or unparsable.
+fn disk_size(value: &str) -> Option<u64> {
+    let size = value
+        .split(',')
+        .find_map(|p| p.trim().strip_prefix("size="))?
+        .trim();
+    let (num, shift) = match size.as_bytes().last()? {
+        b'K' | b'k' => (&size[..size.len() - 1], 10),
+        b'M' | b'm' => (&size[..size.len() - 1], 20),
+        b'G' | b'g' => (&size[..size.len() - 1], 30),
+        b'T' | b't' => (&size[..size.len() - 1], 40),
+        _ => (size, 0),
+    };
+    if let Ok(n) = num.parse::<u64>() {
+        return n.checked_mul(1u64 << shift);
+    }
+    // Fractional sizes (`1.5G`) appear after some resizes.
+    let f: f64 = num.parse().ok()?;
+    (f.is_finite() && f >= 0.0).then(|| (f * (1u64 << shift) as f64) as u64)
+}
+
 impl VmConfig {
+    /// Disks that live on a PVE storage: `(key, storage, bytes)`, bytes 0
+    /// when the config gives no size. CD-ROMs, `none` and pass-through
+    /// devices are left out.
+    pub fn disks(&self) -> Vec<(String, String, u64)> {
+        self.other
+            .iter()
+            .filter(|(k, _)| is_disk_key(k))
+            .filter_map(|(k, v)| {
+                let v = v.as_str()?;
+                let storage = disk_storage(v)?;
+                Some((k.clone(), storage.to_string(), disk_size(v).unwrap_or(0)))
+            })
+            .collect()
+    }
+
     /// The storage ids the VM's disks live on, sorted and deduplicated. Disk
     /// keys are read from [`VmConfig::other`]; CD-ROMs, `none` and
     /// pass-through devices are ignored. Empty for a VM without disks.
@@ -456,6 +493,56 @@ pub struct NodeInfo {
     /// `AB:CD:...` SHA-256 of the node's certificate.
     #[serde(default, deserialize_with = "lenient::opt_string")]
     pub ssl_fingerprint: Option<String>,
+}
+
+/// One storage on one node: `GET /nodes/{node}/storage` (one row each,
+/// `storage` set) or `GET /nodes/{node}/storage/{storage}/status`.
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+pub struct StorageStatus {
+    #[serde(default, deserialize_with = "lenient::opt_string")]
+    pub storage: Option<String>,
+    /// Plugin type: `dir`, `lvm`, `lvmthin`, `zfspool`, `rbd`, `nfs`, ...
+    #[serde(default, rename = "type")]
+    pub kind: String,
+    #[serde(default, deserialize_with = "lenient::opt_string")]
+    pub content: Option<String>,
+    #[serde(default, deserialize_with = "lenient::bool")]
+    pub shared: bool,
+    #[serde(default, deserialize_with = "lenient::opt_bool")]
+    pub active: Option<bool>,
+    #[serde(default, deserialize_with = "lenient::opt_bool")]
+    pub enabled: Option<bool>,
+    /// Bytes.
+    #[serde(default, deserialize_with = "lenient::opt_u64")]
+    pub total: Option<u64>,
+    #[serde(default, deserialize_with = "lenient::opt_u64")]
+    pub used: Option<u64>,
+    #[serde(default, deserialize_with = "lenient::opt_u64")]
+    pub avail: Option<u64>,
+}
+
+impl StorageStatus {
+    /// Whether a template's disk on this storage type can back a linked
+    /// clone (PVE's `clone` volume feature; thick LVM and raw block
+    /// storages cannot snapshot a base volume).
+    pub fn supports_linked_clones(&self) -> bool {
+        !matches!(
+            self.kind.as_str(),
+            "lvm" | "iscsi" | "iscsidirect" | "pbs" | "cephfs"
+        )
+    }
+}
+
+/// Parameters of `POST /nodes/{node}/qemu/{vmid}/migrate`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct MigrateParams {
+    pub target: String,
+    /// Live migration; offline (the VM stopped) when false.
+    pub online: bool,
+    /// Copy local disks along (needed online; offline PVE copies them anyway).
+    pub with_local_disks: bool,
+    /// Storage the local disks land on at the target (default: the same id).
+    pub targetstorage: Option<String>,
 }
 
 /// One pool member.

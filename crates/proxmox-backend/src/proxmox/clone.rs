@@ -98,6 +98,7 @@ impl PveSubstrate {
             .await?;
         let _permit = self.clone_permit(&req.node, &storage).await?;
         let description = marker_description(&req.machine_id, &req.operation_id);
+        let (full, target_storage) = self.clone_options(req);
         let mut last: Option<String> = None;
         let mut attempt: u32 = 0;
         loop {
@@ -123,8 +124,8 @@ impl PveSubstrate {
                 name: Some(name.to_string()),
                 description: Some(description.clone()),
                 pool: self.opts.pool.clone(),
-                full: Some(true),
-                storage: None,
+                full: Some(full),
+                storage: target_storage.clone(),
                 target: (req.node != template_node).then(|| req.node.clone()),
             };
             self.pending

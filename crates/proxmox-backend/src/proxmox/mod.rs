@@ -5,8 +5,14 @@
 //!
 //! Cost model (API calls per operation, independent of cluster size):
 //! Create = 1 inventory read + 1 `nextid` + clone + task polls + 1 config PUT +
-//! start + task polls + agent pings (the first Create per template also reads
-//! the template's config once, for its disk storage); Configure/Drain =
+//! start + task polls + agent pings, + 1 storage status read per full clone
+//! (the room check). The first Create per template also reads the
+//! template's config once (disk storages and sizes), the first cross-node
+//! one the template node's storage list (shared or local); a Create served
+//! by a per-node replica reads the template's config each time (its digest
+//! tells a fresh replica from a stale one), and the one that stages it adds
+//! clone + migrate + template conversion and their task polls (`replica`);
+//! Configure/Drain =
 //! status + ping + exec + exec-status polls; Delete = status + config (the
 //! marker is the ownership proof) + stop + destroy + task polls; a
 //! reconcile pass = 1 inventory read plus config reads only for marked VMs that
@@ -45,13 +51,16 @@ mod inventory;
 mod late;
 mod marker;
 mod options;
+mod placement;
 mod preflight;
+mod replica;
 mod vmid;
 
 pub use marker::{
     marker_description, owned_by, parse_marker, parse_marker_operation, vm_name, MANAGED_TAG,
 };
-pub use options::{parse_vmid_range, PveOptions};
+pub use options::{parse_node_storage, parse_vmid_range, CloneMode, PveOptions};
+pub use replica::{parse_replica_marker, replica_description, REPLICA_TAG};
 
 /// The real Proxmox substrate.
 pub struct PveSubstrate {
@@ -79,6 +88,8 @@ pub struct PveSubstrate {
     /// Readiness probes since the last Configure, by VMID: what a readiness
     /// timeout's `last_error` quotes.
     probes: Mutex<HashMap<u32, Probes>>,
+    /// Clone sources (template or per-node replica) and storage room.
+    placement: placement::PlacementState,
 }
 
 /// The readiness probes of one Configure.
@@ -145,6 +156,7 @@ impl PveSubstrate {
             clone_slots: Mutex::new(HashMap::new()),
             tags_restricted: AtomicBool::new(false),
             probes: Mutex::new(HashMap::new()),
+            placement: placement::PlacementState::default(),
         }
     }
 
@@ -465,7 +477,10 @@ impl Substrate for PveSubstrate {
         }
 
         let template_node = self.template_node(req.template_vmid, &list)?;
-        let vm = self.clone_new(req, &template_node, &name, deadline).await?;
+        // From the template itself, or its replica on the target node.
+        let vm = self
+            .clone_planned(req, &template_node, &list, &name, deadline)
+            .await?;
         tracing::info!(machine_id = %req.machine_id, vm = %vm, "clone done");
         self.mark(&vm, req, deadline).await?;
         self.start(&vm, deadline).await?;

@@ -1,8 +1,44 @@
 //! Behaviour knobs of the Proxmox substrate and their validation.
 
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 use crate::ConfigError;
+
+/// How a Create copies the template's disks.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum CloneMode {
+    /// A full copy: independent of the template, any storage, slower.
+    #[default]
+    Full,
+    /// A thin child of the template's base volume: fast and small, but tied
+    /// to the template (which cannot be destroyed while clones use it), on
+    /// the template's storage, and only where that storage can snapshot.
+    Linked,
+}
+
+impl std::str::FromStr for CloneMode {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.trim() {
+            "full" => Ok(Self::Full),
+            "linked" => Ok(Self::Linked),
+            other => Err(format!(
+                "--clone-mode {other:?} is invalid: expected full or linked"
+            )),
+        }
+    }
+}
+
+impl std::fmt::Display for CloneMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Full => "full",
+            Self::Linked => "linked",
+        })
+    }
+}
 
 /// Behaviour knobs of [`super::PveSubstrate`].
 #[derive(Clone, Debug)]
@@ -47,6 +83,19 @@ pub struct PveOptions {
     /// applied and tried again with a fresh VMID. Clone workers start within
     /// a second of the request, so this only needs to cover a slow node.
     pub ambiguous_settle: Duration,
+    /// When a template's disks are on storage a target node cannot clone
+    /// from (local storage of another node), stage a copy of it on that
+    /// node (clone, offline migration, template conversion) and clone from
+    /// the copy. `false`: such Creates fail, naming the fix.
+    pub template_replicas: bool,
+    /// Full or linked clones.
+    pub clone_mode: CloneMode,
+    /// Storage a clone's disks go to, by instance type (catalog `storage`);
+    /// wins over [`PveOptions::node_storage`].
+    pub type_storage: BTreeMap<String, String>,
+    /// Storage a clone's disks (and a template replica's) go to, by node
+    /// (`--node-storage`). Unset: the template's own storage id.
+    pub node_storage: BTreeMap<String, String>,
 }
 
 impl Default for PveOptions {
@@ -69,6 +118,10 @@ impl Default for PveOptions {
             vmid_range: (100, 999_999),
             retry_window: Duration::from_secs(4 * 60),
             ambiguous_settle: Duration::from_secs(30),
+            template_replicas: true,
+            clone_mode: CloneMode::Full,
+            type_storage: BTreeMap::new(),
+            node_storage: BTreeMap::new(),
         }
     }
 }
@@ -107,8 +160,45 @@ impl PveOptions {
                 "--vmid-range {lo}-{hi} is invalid: it must be MIN-MAX with 100 <= MIN <= MAX <= 999999999 (PVE's VMID limits)"
             )));
         }
+        if self.clone_mode == CloneMode::Linked
+            && (!self.type_storage.is_empty() || !self.node_storage.is_empty())
+        {
+            return Err(ConfigError::Invalid(
+                "--clone-mode linked keeps a clone's disks on its template's storage \
+                 (PVE refuses `storage` for linked clones): drop --node-storage and the \
+                 instance types' `storage`, or use --clone-mode full"
+                    .into(),
+            ));
+        }
         Ok(())
     }
+}
+
+/// Parses `--node-storage node=storage,node=storage`.
+pub fn parse_node_storage(s: &str) -> Result<BTreeMap<String, String>, String> {
+    let mut out = BTreeMap::new();
+    for pair in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        let bad = |why: &str| {
+            format!("--node-storage {pair:?} is invalid: {why} (expected NODE=STORAGE,NODE=STORAGE, e.g. pve1=local-lvm,pve2=fast-zfs)")
+        };
+        let (node, storage) = pair.split_once('=').ok_or_else(|| bad("no '='"))?;
+        let (node, storage) = (node.trim(), storage.trim());
+        if node.is_empty() || storage.is_empty() {
+            return Err(bad("empty node or storage"));
+        }
+        // PVE storage ids: a letter, then letters, digits, '-', '_', '.'.
+        let valid = storage.starts_with(|c: char| c.is_ascii_alphabetic())
+            && storage
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c));
+        if !valid {
+            return Err(bad(&format!("{storage:?} is not a PVE storage id")));
+        }
+        if out.insert(node.to_string(), storage.to_string()).is_some() {
+            return Err(bad(&format!("node {node} is named twice")));
+        }
+    }
+    Ok(out)
 }
 
 /// Parses `--vmid-range MIN-MAX` (inclusive), naming the problem on bad input.
@@ -159,6 +249,32 @@ mod tests {
             ..PveOptions::default()
         };
         assert!(bad.validate().is_err());
+    }
+
+    #[test]
+    fn clone_mode_and_node_storage_flags() {
+        assert_eq!("linked".parse::<CloneMode>(), Ok(CloneMode::Linked));
+        assert!("thin"
+            .parse::<CloneMode>()
+            .unwrap_err()
+            .contains("full or linked"));
+        let m = parse_node_storage("pve1=local-lvm, pve2=fast.zfs").unwrap();
+        assert_eq!(m.get("pve2").map(String::as_str), Some("fast.zfs"));
+        assert!(parse_node_storage("").unwrap().is_empty());
+        for bad in ["pve1", "pve1=", "=x", "pve1=9bad", "a=x,a=y"] {
+            let e = parse_node_storage(bad).unwrap_err();
+            assert!(e.contains("--node-storage"), "{bad}: {e}");
+        }
+        let linked = PveOptions {
+            clone_mode: CloneMode::Linked,
+            node_storage: m,
+            ..PveOptions::default()
+        };
+        assert!(linked
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("--clone-mode linked"));
     }
 
     #[test]

@@ -32,7 +32,7 @@
 use std::collections::BTreeSet;
 use std::sync::atomic::Ordering;
 
-use pve::{AccessFailure, PveError, TagAccess};
+use pve::{AccessFailure, ClusterVm, PveError, TagAccess};
 
 use super::{err, PveSubstrate};
 use crate::substrate::SubstrateError;
@@ -107,6 +107,19 @@ const ON_TEMPLATE: &[Need] = &[
     Need {
         job: "read the template's config",
         any_of: &["VM.Audit"],
+    },
+];
+
+/// On the pool, only when a template on local storage serves another node
+/// and replicas are on: staging clones a replica and migrates it there.
+const ON_REPLICAS: &[Need] = &[
+    Need {
+        job: "clone a per-node template replica",
+        any_of: &["VM.Clone"],
+    },
+    Need {
+        job: "migrate a replica to its node",
+        any_of: &["VM.Migrate"],
     },
 ];
 
@@ -253,6 +266,9 @@ impl PveSubstrate {
             None => "/vms".to_string(),
         };
         let mut paths: Vec<(String, &[Need])> = vec![(pool_path.clone(), ON_CLONES)];
+        if self.stages_replicas(nodes, templates, &list).await {
+            paths.push((pool_path.clone(), ON_REPLICAS));
+        }
         paths.extend(templates.iter().map(|t| (format!("/vms/{t}"), ON_TEMPLATE)));
         paths.extend(
             storages
@@ -288,6 +304,7 @@ impl PveSubstrate {
             ));
         }
 
+        warnings.extend(self.check_placement(nodes, templates, &list).await?);
         self.check_tag_policy(sys_modify_on_root, &mut warnings)
             .await;
         Ok(warnings)
@@ -405,6 +422,35 @@ impl PveSubstrate {
     /// names the machine, and the clone's `bigfleet-` name still marks it in
     /// the inventory), so the tags are a convenience, and a restricted
     /// policy is a cluster admin's deliberate choice.
+    /// Whether some Create will stage a replica: replicas are on and a
+    /// template whose disks are not all on shared storage serves another
+    /// node. A read that fails here counts as no (the staging itself names
+    /// a missing privilege later).
+    async fn stages_replicas(&self, nodes: &[String], templates: &[u32], list: &[ClusterVm]) -> bool {
+        if !self.opts.template_replicas {
+            return false;
+        }
+        let deadline = self.deadline();
+        for &t in templates {
+            let Some(tnode) = list.iter().find(|v| v.vmid == t).map(|v| v.node.as_str()) else {
+                continue;
+            };
+            if nodes.iter().all(|n| n == tnode) {
+                continue;
+            }
+            let (Ok(layout), Ok(storages)) = (
+                self.layout(t, tnode, None, deadline).await,
+                self.node_storages(tnode, deadline).await,
+            ) else {
+                continue;
+            };
+            if !layout.shared(&storages) {
+                return true;
+            }
+        }
+        false
+    }
+
     async fn check_tag_policy(&self, sys_modify_on_root: bool, warnings: &mut Vec<String>) {
         match self.client.cluster_options().await {
             Ok(o) if o.tag_access.refuses_new_tags() && !sys_modify_on_root => {

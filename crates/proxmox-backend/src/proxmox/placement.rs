@@ -1,0 +1,482 @@
+//! Where a clone comes from and where its disks go: the clone mode, the
+//! target storage (instance type, then node), whether the template's disks
+//! can reach the target node or a per-node replica is needed, the room check
+//! before cloning, and the start-up check of all of it.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+use providerkit::ErrorKind;
+use pve::{ClusterVm, PveError, StorageStatus};
+use tokio::sync::OnceCell;
+use tokio::time::Instant;
+
+use super::options::CloneMode;
+use super::replica::Replicas;
+use super::{err_at, PveSubstrate};
+use crate::substrate::{CloneRequest, SubstrateError, VmRef};
+
+/// Caches and bookkeeping of placement decisions.
+#[derive(Default)]
+pub(super) struct PlacementState {
+    /// Template vmid -> its disks and their storages; read once per
+    /// template (and again when a replica check sees a new digest).
+    layouts: Mutex<HashMap<u32, Arc<OnceCell<Arc<Layout>>>>>,
+    /// Node -> its storages by id (type, shared flag), read once per node
+    /// when a decision needs them.
+    storages: Mutex<HashMap<String, Arc<OnceCell<Arc<NodeStorages>>>>>,
+    /// Bytes of full clones in flight per (node, storage): allocated by
+    /// PVE only once each clone worker runs, so not yet in `used`.
+    reserved: Mutex<HashMap<(String, String), u64>>,
+    /// The token may not read storage status (no `Datastore.Audit` or
+    /// `Datastore.AllocateSpace` there): room checks are skipped.
+    status_refused: AtomicBool,
+    pub(super) replicas: Replicas,
+}
+
+/// A template's disks as its node sees them.
+#[derive(Debug)]
+pub(super) struct Layout {
+    /// Config digest the layout was read at.
+    pub(super) digest: String,
+    /// `(storage, bytes)` per disk.
+    pub(super) disks: Vec<(String, u64)>,
+}
+
+/// One node's storages by id; a storage missing here is one the token may
+/// not see.
+pub(super) type NodeStorages = HashMap<String, StorageStatus>;
+
+impl Layout {
+    /// Whether every disk is on shared storage, by the template node's
+    /// storages (one the token cannot see counts as local: staging a replica
+    /// of a shared template is wasteful, cloning a local one to another node
+    /// fails).
+    pub(super) fn shared(&self, storages: &NodeStorages) -> bool {
+        self.disks
+            .iter()
+            .all(|(s, _)| storages.get(s).is_some_and(|st| st.shared))
+    }
+
+    /// Bytes the disks need, by the storage they land on.
+    fn needs(&self, dest: impl Fn(&str) -> String) -> BTreeMap<String, u64> {
+        let mut out = BTreeMap::new();
+        for (s, bytes) in &self.disks {
+            *out.entry(dest(s)).or_default() += bytes;
+        }
+        out
+    }
+}
+
+/// Where one Create clones from. Holds the room it reserved until dropped.
+pub(super) struct ClonePlan<'a> {
+    pub(super) source_vmid: u32,
+    pub(super) source_node: String,
+    _room: Vec<RoomGuard<'a>>,
+}
+
+/// Bytes reserved on one (node, storage) for a clone in flight.
+pub(super) struct RoomGuard<'a> {
+    state: &'a PlacementState,
+    key: (String, String),
+    bytes: u64,
+}
+
+impl Drop for RoomGuard<'_> {
+    fn drop(&mut self) {
+        let mut r = self.state.reserved.lock();
+        if let Some(v) = r.get_mut(&self.key) {
+            *v = v.saturating_sub(self.bytes);
+        }
+    }
+}
+
+/// `12.5 GiB`.
+pub(super) fn gib(bytes: u64) -> String {
+    format!("{:.1} GiB", bytes as f64 / f64::from(1u32 << 30))
+}
+
+impl PveSubstrate {
+    /// The storage a clone's disks go to, if one is configured: the
+    /// instance type's, else the node's.
+    pub(super) fn target_storage(&self, req: &CloneRequest) -> Option<String> {
+        self.opts
+            .type_storage
+            .get(&req.instance_type)
+            .or_else(|| self.opts.node_storage.get(&req.node))
+            .cloned()
+    }
+
+    /// `full` and `storage` of the clone request.
+    pub(super) fn clone_options(&self, req: &CloneRequest) -> (bool, Option<String>) {
+        match self.opts.clone_mode {
+            CloneMode::Full => (true, self.target_storage(req)),
+            CloneMode::Linked => (false, None),
+        }
+    }
+
+    /// The template's disks and storages, read once (a failed read is not
+    /// cached). `fresh_digest`: re-read when the cached one differs.
+    pub(super) async fn layout(
+        &self,
+        template: u32,
+        template_node: &str,
+        fresh_digest: Option<&str>,
+        deadline: Instant,
+    ) -> Result<Arc<Layout>, SubstrateError> {
+        let cell = {
+            let mut all = self.placement.layouts.lock();
+            let cell = all.entry(template).or_default();
+            let stale = cell
+                .get()
+                .zip(fresh_digest)
+                .is_some_and(|(l, d)| l.digest != d);
+            if stale {
+                *cell = Arc::default();
+            }
+            Arc::clone(cell)
+        };
+        cell.get_or_try_init(|| async {
+            let cfg = self
+                .retry_pve(
+                    format!("reading the config of template {template} on node {template_node}"),
+                    Some(template_node),
+                    deadline,
+                    || self.client.get_config(template_node, template),
+                )
+                .await?;
+            // The same read gives the clone-slot key: one read per template.
+            let key = super::clone::storage_key(&cfg.disk_storages());
+            let _already = self
+                .template_storage
+                .lock()
+                .entry(template)
+                .or_default()
+                .set(key);
+            let disks = cfg
+                .disks()
+                .into_iter()
+                .map(|(_, storage, bytes)| (storage, bytes))
+                .collect();
+            Ok(Arc::new(Layout {
+                digest: cfg.digest.clone().unwrap_or_default(),
+                disks,
+            }))
+        })
+        .await
+        .cloned()
+    }
+
+    /// `node`'s storages, read once (a failed read is not cached; a refused
+    /// one is an empty map, with a warning).
+    pub(super) async fn node_storages(
+        &self,
+        node: &str,
+        deadline: Instant,
+    ) -> Result<Arc<NodeStorages>, SubstrateError> {
+        let cell = Arc::clone(
+            self.placement
+                .storages
+                .lock()
+                .entry(node.to_string())
+                .or_default(),
+        );
+        cell.get_or_try_init(|| async {
+            let mut call = || self.client.node_storages(node);
+            match self.retry_raw(Some(node), deadline, &mut call).await {
+                Ok(list) => Ok(Arc::new(
+                    list.into_iter()
+                        .filter_map(|s| s.storage.clone().map(|id| (id, s)))
+                        .collect(),
+                )),
+                Err(e) if e.is_forbidden() => {
+                    tracing::warn!(node, error = %e,
+                        "cannot list the node's storages; treating templates' disks there as local");
+                    Ok(Arc::default())
+                }
+                Err(e) => Err(err_at(
+                    format!("listing the storages of node {node}"),
+                    Some(node),
+                    &e,
+                )),
+            }
+        })
+        .await
+        .cloned()
+    }
+
+    /// Decides the clone's source (the template, or its replica on the
+    /// target node) and, for a full clone, checks and reserves the room its
+    /// disks need.
+    pub(super) async fn plan_clone(
+        &self,
+        req: &CloneRequest,
+        template_node: &str,
+        list: &[ClusterVm],
+        deadline: Instant,
+    ) -> Result<ClonePlan<'_>, SubstrateError> {
+        let layout = self
+            .layout(req.template_vmid, template_node, None, deadline)
+            .await?;
+        let replica = self.opts.template_replicas
+            && req.node != template_node
+            && !layout.shared(&*self.node_storages(template_node, deadline).await?);
+        let (source_vmid, source_node, layout) = if replica {
+            let (vmid, layout) = self.replica_for(req, template_node, list, deadline).await?;
+            (vmid, req.node.clone(), layout)
+        } else {
+            (req.template_vmid, template_node.to_string(), layout)
+        };
+        let (full, storage) = self.clone_options(req);
+        let mut room = Vec::new();
+        if full {
+            // A replica's disks are on the node's storage (or the template's ids).
+            let node_storage = self.opts.node_storage.get(&req.node).cloned();
+            let needs = layout.needs(|s| {
+                storage
+                    .clone()
+                    .or_else(|| replica.then(|| node_storage.clone()).flatten())
+                    .unwrap_or_else(|| s.to_string())
+            });
+            let what = format!("the full clone of template {}", req.template_vmid);
+            // The clone worker allocates on the node it runs on: the source's
+            // (a clone to another node is on shared storage, the same pool
+            // from every node).
+            for (st, bytes) in needs {
+                if let Some(g) = self
+                    .reserve_room(&source_node, &st, bytes, &what, deadline)
+                    .await?
+                {
+                    room.push(g);
+                }
+            }
+        }
+        Ok(ClonePlan {
+            source_vmid,
+            source_node,
+            _room: room,
+        })
+    }
+
+    /// Plans the clone and clones: from the template, or from its replica on
+    /// the target node. A replica that vanished since it was last seen
+    /// (destroyed out of band) is forgotten and staged again, once.
+    pub(super) async fn clone_planned(
+        &self,
+        req: &CloneRequest,
+        template_node: &str,
+        list: &[ClusterVm],
+        name: &str,
+        deadline: Instant,
+    ) -> Result<VmRef, SubstrateError> {
+        let mut again = true;
+        loop {
+            let plan = self.plan_clone(req, template_node, list, deadline).await?;
+            let source = CloneRequest {
+                template_vmid: plan.source_vmid,
+                ..req.clone()
+            };
+            let out = self
+                .clone_new(&source, &plan.source_node, name, deadline)
+                .await;
+            let gone = format!("/qemu-server/{}.conf' does not exist", plan.source_vmid);
+            match out {
+                Err(e)
+                    if again
+                        && plan.source_vmid != req.template_vmid
+                        && e.to_string().contains(&gone) =>
+                {
+                    tracing::warn!(replica = plan.source_vmid, node = %req.node, "the template replica is gone; staging it again");
+                    self.forget_replica(plan.source_vmid);
+                    again = false;
+                }
+                out => return out,
+            }
+        }
+    }
+
+    /// Checks that `bytes` fit on `storage` of `node` beside the clones in
+    /// flight, and reserves them. `None` when the token may not read the
+    /// storage's status (checked by PVE at allocation then).
+    pub(super) async fn reserve_room(
+        &self,
+        node: &str,
+        storage: &str,
+        bytes: u64,
+        what: &str,
+        deadline: Instant,
+    ) -> Result<Option<RoomGuard<'_>>, SubstrateError> {
+        if bytes == 0 || self.placement.status_refused.load(Ordering::Relaxed) {
+            return Ok(None);
+        }
+        let mut call = || self.client.storage_status(node, storage);
+        let st = match self.retry_raw(Some(node), deadline, &mut call).await {
+            Ok(st) => st,
+            Err(e) if e.is_forbidden() => {
+                if !self.placement.status_refused.swap(true, Ordering::Relaxed) {
+                    tracing::warn!(node, storage, error = %e,
+                        "the API token may not read storage status; room is not checked before cloning \
+                         (grant Datastore.AllocateSpace or Datastore.Audit on /storage/<id>)");
+                }
+                return Ok(None);
+            }
+            Err(e) if storage_missing(&e) => {
+                return Err(SubstrateError::caused_by(
+                    ErrorKind::Permanent,
+                    format!(
+                        "storage {storage} does not exist on node {node} (or the API token may not use it): \
+                         fix --node-storage or the instance type's `storage`"
+                    ),
+                    e,
+                ))
+            }
+            Err(e) => {
+                return Err(err_at(
+                    format!("reading the free space of storage {storage} on node {node}"),
+                    Some(node),
+                    &e,
+                ))
+            }
+        };
+        let Some(avail) = st.avail else {
+            return Ok(None);
+        };
+        let key = (node.to_string(), storage.to_string());
+        let mut reserved = self.placement.reserved.lock();
+        let held = reserved.get(&key).copied().unwrap_or(0);
+        if bytes.saturating_add(held) > avail {
+            let in_flight = if held > 0 {
+                format!(" ({} of it held by clones in progress)", gib(held))
+            } else {
+                String::new()
+            };
+            return Err(SubstrateError::new(format!(
+                "not enough room on storage {storage} of node {node}: {what} needs {} and {} is free{in_flight}. \
+                 Free space there, or point the instance type (catalog `storage`) or the node \
+                 (--node-storage) at a storage with room",
+                gib(bytes),
+                gib(avail.saturating_sub(held)),
+            )));
+        }
+        *reserved.entry(key.clone()).or_default() += bytes;
+        Ok(Some(RoomGuard {
+            state: &self.placement,
+            key,
+            bytes,
+        }))
+    }
+
+    /// Start-up check of clone mode, storages and replicas against the
+    /// cluster: every configured storage exists on its node, and linked
+    /// clones are possible for every (template, node) pair. Errors name the
+    /// fix; the strings returned are warnings.
+    pub(super) async fn check_placement(
+        &self,
+        nodes: &[String],
+        templates: &[u32],
+        list: &[ClusterVm],
+    ) -> Result<Vec<String>, SubstrateError> {
+        let deadline = self.deadline();
+        let mut warnings = Vec::new();
+        if let Some(n) = self.opts.node_storage.keys().find(|n| !nodes.contains(n)) {
+            return Err(SubstrateError::new(format!(
+                "--node-storage names node {n:?}, which is not in --nodes ({})",
+                nodes.join(", ")
+            )));
+        }
+        let mut node_storages: HashMap<&str, Arc<NodeStorages>> = HashMap::new();
+        let wanted = !self.opts.node_storage.is_empty() || !self.opts.type_storage.is_empty();
+        if wanted || self.opts.clone_mode == CloneMode::Linked {
+            for node in nodes {
+                match self.node_storages(node, deadline).await {
+                    Ok(m) => {
+                        node_storages.insert(node, m);
+                    }
+                    Err(e) if e.kind() == ErrorKind::Transient => warnings.push(format!(
+                        "{e}: its storage settings are checked by its first Create"
+                    )),
+                    Err(e) => return Err(e),
+                }
+            }
+        }
+        for (node, seen) in &node_storages {
+            let mut want: Vec<(&str, String)> = Vec::new();
+            if let Some(s) = self.opts.node_storage.get(*node) {
+                want.push((s, "--node-storage".into()));
+            }
+            for (t, s) in &self.opts.type_storage {
+                want.push((s, format!("instance type {t}'s `storage`")));
+            }
+            for (s, from) in want {
+                if !seen.contains_key(s) {
+                    let mut have: Vec<&str> = seen.keys().map(String::as_str).collect();
+                    have.sort_unstable();
+                    return Err(SubstrateError::new(format!(
+                        "storage {s:?} (from {from}) is not on node {node}, or the API token may not use it \
+                         (grant Datastore.AllocateSpace on /storage/{s}); storages it can use there: {}",
+                        have.join(", ")
+                    )));
+                }
+            }
+        }
+        if self.opts.clone_mode != CloneMode::Linked {
+            return Ok(warnings);
+        }
+        for &t in templates {
+            let Some(tnode) = list.iter().find(|v| v.vmid == t).map(|v| v.node.clone()) else {
+                continue;
+            };
+            let layout = self.layout(t, &tnode, None, deadline).await?;
+            let tstorages = self.node_storages(&tnode, deadline).await?;
+            for (s, _) in &layout.disks {
+                let Some(st) = tstorages.get(s) else {
+                    continue;
+                };
+                if !st.supports_linked_clones() {
+                    return Err(SubstrateError::new(format!(
+                        "--clone-mode linked: template {t}'s disks are on storage {s} (type {}), which cannot \
+                         make linked clones. Use --clone-mode full, or move the template's disks to LVM-thin, \
+                         ZFS, Ceph RBD or a qcow2 directory storage",
+                        st.kind
+                    )));
+                }
+            }
+            if layout.shared(&tstorages) {
+                continue;
+            }
+            for node in nodes.iter().filter(|n| **n != tnode) {
+                if !self.opts.template_replicas {
+                    return Err(SubstrateError::new(format!(
+                        "--clone-mode linked: template {t} is on local storage of node {tnode}, so node {node} \
+                         cannot make linked clones of it. Leave --template-replicas on (a copy of the template \
+                         per node), put the template on shared storage, or use --clone-mode full"
+                    )));
+                }
+                // The replica lands on the template's storage ids (no
+                // storage override with linked clones): that storage on
+                // this node must be able to link too.
+                for (s, _) in &layout.disks {
+                    let Some(st) = node_storages.get(node.as_str()).and_then(|m| m.get(s)) else {
+                        continue;
+                    };
+                    if !st.supports_linked_clones() {
+                        return Err(SubstrateError::new(format!(
+                            "--clone-mode linked: template {t}'s replica on node {node} would be on storage {s} \
+                             (type {}), which cannot make linked clones. Use --clone-mode full",
+                            st.kind
+                        )));
+                    }
+                }
+            }
+        }
+        Ok(warnings)
+    }
+}
+
+/// `storage 'X' does not exist` (or not available on the node).
+fn storage_missing(e: &PveError) -> bool {
+    let t = e.to_string();
+    t.contains("does not exist") || t.contains("not available on node")
+}

@@ -1,0 +1,607 @@
+//! Per-node template replicas: when a template's disks are on local storage
+//! of another node, Creates on this node clone from a copy of it here,
+//! staged once by the provider (clone on the template's node, offline
+//! migration with the local disks, conversion to a template).
+//!
+//! A replica is ours only by its description marker, which names the source
+//! template and the source's config digest at staging time; a copy whose
+//! digest differs from the source's is stale and is no longer used (and is
+//! replaced by the next staging). Templates without the marker, however
+//! they look, are never touched. Stagings of one (template, node) are
+//! single-flight: concurrent Creates share one, and its outcome.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+use pve::{CloneParams, ClusterVm, ConfigParams, MigrateParams, PveError, Upid};
+use tokio::sync::Mutex as AsyncMutex;
+use tokio::time::Instant;
+
+use super::placement::Layout;
+use super::vmid::Reservation;
+use super::{err_at, PveSubstrate};
+use crate::substrate::{CloneRequest, SubstrateError, VmRef};
+
+/// Tag on every replica (discovery from the inventory; the marker is the proof).
+pub const REPLICA_TAG: &str = "bigfleet-replica";
+
+const MARKER_PREFIX: &str = "BigFleet template replica.";
+
+/// The replica's description: `BigFleet template replica. source_vmid=<id>
+/// source_digest=<digest> node=<node it is for>`.
+pub fn replica_description(source_vmid: u32, source_digest: &str, node: &str) -> String {
+    format!("{MARKER_PREFIX} source_vmid={source_vmid} source_digest={source_digest} node={node}")
+}
+
+/// The node a replica is for (a half-staged one may still be on the
+/// template's node).
+fn replica_target(description: &str) -> Option<String> {
+    parse_replica_marker(description)?;
+    description
+        .split_whitespace()
+        .find_map(|w| w.strip_prefix("node="))
+        .filter(|n| !n.is_empty())
+        .map(str::to_string)
+}
+
+/// `(source vmid, source digest)` from a replica's description.
+pub fn parse_replica_marker(description: &str) -> Option<(u32, String)> {
+    if !description.trim_start().starts_with(MARKER_PREFIX) {
+        return None;
+    }
+    let field = |k: &str| {
+        description
+            .split_whitespace()
+            .find_map(|w| w.strip_prefix(k))
+            .map(str::to_string)
+    };
+    let source = field("source_vmid=")?.parse().ok()?;
+    Some((source, field("source_digest=")?))
+}
+
+/// `bigfleet-replica-<source>-<node>` as a DNS label.
+fn replica_name(source: u32, node: &str) -> String {
+    let mut out = format!("bigfleet-replica-{source}-");
+    for c in node.to_ascii_lowercase().chars() {
+        out.push(if c.is_ascii_alphanumeric() { c } else { '-' });
+    }
+    out.truncate(63);
+    out.trim_end_matches('-').to_string()
+}
+
+/// What a replica's config said when last read.
+#[derive(Clone, Debug)]
+struct ReplicaInfo {
+    /// Where it is now.
+    node: String,
+    /// The node it is for.
+    target: String,
+    source: u32,
+    digest: String,
+    /// Converted (a staging that died half-way leaves a plain VM).
+    template: bool,
+    /// When this process staged it (a listing taken before may not show it yet).
+    staged: Option<std::time::Instant>,
+}
+
+/// How long a replica this process staged is trusted without showing up in
+/// the inventory (PVE lists a new VM within seconds).
+const STAGED_GRACE: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// One (template, node)'s staging: Creates that waited for a staging take
+/// its outcome instead of starting another.
+#[derive(Default)]
+struct Flight {
+    finished: AtomicU64,
+    last: AsyncMutex<Option<Result<u32, SubstrateError>>>,
+}
+
+#[derive(Default)]
+pub(super) struct Replicas {
+    flights: Mutex<HashMap<(u32, String), Arc<Flight>>>,
+    /// Replicas (ours, by marker) by VMID; VMIDs read and found not ours
+    /// map to `None` so they are not read again.
+    known: Mutex<HashMap<u32, Option<ReplicaInfo>>>,
+}
+
+/// Why step 2 failed: PVE refused or failed the clone of this VMID, or
+/// something before it did.
+enum CloneFailure {
+    Pve(u32, PveError),
+    Other(SubstrateError),
+}
+
+/// A failed step of a staging: the step, PVE's error, the task log's word.
+type StepFailure = (Step, PveError, Option<String>);
+
+/// The steps of a staging, named in `last_error` when one fails.
+#[derive(Clone, Copy)]
+enum Step {
+    Room,
+    Clone,
+    Tag,
+    Migrate,
+    Convert,
+}
+
+impl Step {
+    fn describe(self, source: u32, vmid: u32, from: &str, to: &str) -> String {
+        match self {
+            Step::Room => format!("step 1 of 5, checking room on nodes {from} and {to}"),
+            Step::Clone => {
+                format!("step 2 of 5, cloning template {source} to VM {vmid} on node {from}")
+            }
+            Step::Tag => format!("step 3 of 5, tagging VM {vmid}"),
+            Step::Migrate => format!(
+                "step 4 of 5, migrating VM {vmid} offline with its local disks from node {from} to node {to}"
+            ),
+            Step::Convert => {
+                format!("step 5 of 5, converting VM {vmid} on node {to} to a template")
+            }
+        }
+    }
+}
+
+impl PveSubstrate {
+    /// The replica of `req.template_vmid` on `req.node` to clone from,
+    /// staging (or refreshing) it first when there is no fresh one; with the
+    /// template's layout at its current digest. One config read of the
+    /// source per call: that is what tells a fresh replica from a stale one.
+    pub(super) async fn replica_for(
+        &self,
+        req: &CloneRequest,
+        template_node: &str,
+        list: &[ClusterVm],
+        deadline: Instant,
+    ) -> Result<(u32, Arc<Layout>), SubstrateError> {
+        let source = req.template_vmid;
+        let node = req.node.as_str();
+        let cfg = self
+            .retry_pve(
+                format!("reading the config of template {source} on node {template_node}"),
+                Some(template_node),
+                deadline,
+                || self.client.get_config(template_node, source),
+            )
+            .await?;
+        let digest = cfg.digest.clone().unwrap_or_default();
+        let layout = self
+            .layout(source, template_node, Some(&digest), deadline)
+            .await?;
+        self.learn_replicas(node, template_node, list, deadline)
+            .await?;
+        if let Some(vmid) = self.fresh_replica(source, node, &digest) {
+            return Ok((vmid, layout));
+        }
+        let flight = Arc::clone(
+            self.placement
+                .replicas
+                .flights
+                .lock()
+                .entry((source, node.to_string()))
+                .or_default(),
+        );
+        let seen = flight.finished.load(Ordering::SeqCst);
+        let mut last = flight.last.lock().await;
+        if flight.finished.load(Ordering::SeqCst) != seen {
+            // A staging ended while we waited: share its outcome.
+            if let Some(outcome) = last.clone() {
+                return outcome.map(|vmid| (vmid, Arc::clone(&layout)));
+            }
+        }
+        // A staging that ended before this Create listed the cluster.
+        if let Some(vmid) = self.fresh_replica(source, node, &digest) {
+            return Ok((vmid, layout));
+        }
+        let outcome = self
+            .stage_replica(req, template_node, &digest, &layout, deadline)
+            .await;
+        if let Err(e) = &outcome {
+            tracing::warn!(template = source, node, error = %e, "staging a template replica failed; the next Create retries it");
+        }
+        *last = Some(outcome.clone());
+        flight.finished.fetch_add(1, Ordering::SeqCst);
+        outcome.map(|vmid| (vmid, layout))
+    }
+
+    /// Reads the config of replica-looking VMs on `node` not read before
+    /// (tag or name; the marker decides).
+    async fn learn_replicas(
+        &self,
+        node: &str,
+        template_node: &str,
+        list: &[ClusterVm],
+        deadline: Instant,
+    ) -> Result<(), SubstrateError> {
+        let unread: Vec<&ClusterVm> = {
+            let mut known = self.placement.replicas.known.lock();
+            // Gone from the cluster (destroyed out of band): forget it, so the
+            // next staging replaces it rather than Creates cloning nothing.
+            known.retain(|vmid, i| {
+                list.iter().any(|v| v.vmid == *vmid)
+                    || i.as_ref()
+                        .and_then(|i| i.staged)
+                        .is_some_and(|t| t.elapsed() < STAGED_GRACE)
+            });
+            list.iter()
+                // The template's node too: a staging cut short (a restart)
+                // leaves its copy there.
+                .filter(|v| {
+                    (v.node == node || v.node == template_node) && !known.contains_key(&v.vmid)
+                })
+                .filter(|v| {
+                    v.tags.iter().any(|t| t == REPLICA_TAG)
+                        || v.name
+                            .as_deref()
+                            .is_some_and(|n| n.starts_with("bigfleet-replica-"))
+                })
+                .collect()
+        };
+        for v in unread {
+            let mut call = || self.client.get_config(&v.node, v.vmid);
+            let info = match self.retry_raw(Some(node), deadline, &mut call).await {
+                Ok(cfg) => cfg
+                    .description
+                    .as_deref()
+                    .and_then(parse_replica_marker)
+                    .map(|(source, digest)| ReplicaInfo {
+                        node: v.node.clone(),
+                        target: cfg
+                            .description
+                            .as_deref()
+                            .and_then(replica_target)
+                            .unwrap_or_else(|| v.node.clone()),
+                        source,
+                        digest,
+                        template: cfg.template.unwrap_or(false) && cfg.lock.is_none(),
+                        staged: None,
+                    }),
+                Err(e) if e.is_not_found() || e.is_forbidden() => None,
+                Err(e) => {
+                    return Err(err_at(
+                        format!("reading the config of VM {}/{}", v.node, v.vmid),
+                        Some(node),
+                        &e,
+                    ))
+                }
+            };
+            if info.is_none() {
+                tracing::debug!(
+                    vmid = v.vmid,
+                    node,
+                    "replica-looking VM without our replica marker: not ours, never touched"
+                );
+            }
+            self.placement.replicas.known.lock().insert(v.vmid, info);
+        }
+        Ok(())
+    }
+
+    /// Drops what is known of a replica (it is gone).
+    pub(super) fn forget_replica(&self, vmid: u32) {
+        self.placement.replicas.known.lock().remove(&vmid);
+    }
+
+    /// The newest converted replica of `source` on `node` made at `digest`.
+    fn fresh_replica(&self, source: u32, node: &str, digest: &str) -> Option<u32> {
+        self.placement
+            .replicas
+            .known
+            .lock()
+            .iter()
+            .filter_map(|(vmid, i)| i.as_ref().map(|i| (*vmid, i)))
+            .filter(|(_, i)| i.node == node && i.target == node && i.source == source)
+            .filter(|(_, i)| i.template && i.digest == digest)
+            .map(|(vmid, _)| vmid)
+            .max()
+    }
+
+    /// Our replicas of `source` for `node` that are not fresh at `digest`
+    /// (stale, half-staged, or left on the template's node), where they are.
+    fn stale_replicas(&self, source: u32, node: &str, digest: &str) -> Vec<VmRef> {
+        self.placement
+            .replicas
+            .known
+            .lock()
+            .iter()
+            .filter_map(|(vmid, i)| i.as_ref().map(|i| (*vmid, i)))
+            .filter(|(_, i)| i.target == node && i.source == source)
+            .filter(|(_, i)| !i.template || i.digest != digest || i.node != node)
+            .map(|(vmid, i)| VmRef {
+                node: i.node.clone(),
+                vmid,
+            })
+            .collect()
+    }
+
+    /// Stages a fresh replica, replacing stale ones. A failure names the
+    /// step and removes what the staging made.
+    async fn stage_replica(
+        &self,
+        req: &CloneRequest,
+        template_node: &str,
+        digest: &str,
+        layout: &Layout,
+        deadline: Instant,
+    ) -> Result<u32, SubstrateError> {
+        let source = req.template_vmid;
+        let node = req.node.as_str();
+        let context = |step: Step, vmid: u32| {
+            format!(
+                "staging a copy of template {source} (its disks are on local storage of node {template_node}) \
+                 on node {node} failed at {}",
+                step.describe(source, vmid, template_node, node)
+            )
+        };
+        for old in self.stale_replicas(source, node, digest) {
+            self.remove_replica(&old, source, deadline).await;
+        }
+        let target_storage = self.opts.node_storage.get(node).cloned();
+        let what = format!("a copy of template {source}");
+        let mut room = Vec::new();
+        for (s, bytes) in &layout.disks {
+            // The clone lands on the template's storage first, then on the
+            // node's storage (or the same id) there.
+            let to = target_storage.clone().unwrap_or_else(|| s.clone());
+            for (n, st) in [(template_node, s.as_str()), (node, to.as_str())] {
+                let g = self
+                    .reserve_room(n, st, *bytes, &what, deadline)
+                    .await
+                    .map_err(|e| e.context(context(Step::Room, 0)))?;
+                room.extend(g);
+            }
+        }
+        tracing::info!(
+            template = source,
+            template_node,
+            node,
+            "staging a template replica"
+        );
+        let (res, here) = self
+            .clone_for_replica(source, template_node, node, digest, deadline)
+            .await
+            .map_err(|f| match f {
+                CloneFailure::Pve(vmid, e) => {
+                    SubstrateError::caused_by(super::kind_of(&e), context(Step::Clone, vmid), e)
+                }
+                CloneFailure::Other(e) => e.context(context(Step::Clone, 0)),
+            })?;
+        let vmid = res.vmid;
+        res.commit();
+        let staged = self
+            .finish_staging(&here, node, source, target_storage, deadline)
+            .await;
+        match staged {
+            Ok(()) => {
+                self.placement.replicas.known.lock().insert(
+                    vmid,
+                    Some(ReplicaInfo {
+                        node: node.to_string(),
+                        target: node.to_string(),
+                        source,
+                        digest: digest.to_string(),
+                        template: true,
+                        staged: Some(std::time::Instant::now()),
+                    }),
+                );
+                tracing::info!(
+                    template = source,
+                    node,
+                    replica = vmid,
+                    "template replica staged"
+                );
+                Ok(vmid)
+            }
+            Err((step, e, log)) => {
+                // Wherever it got to: the migration moves it, or not.
+                for n in [node, template_node] {
+                    let vm = VmRef {
+                        node: n.to_string(),
+                        vmid,
+                    };
+                    self.remove_replica(&vm, source, deadline).await;
+                }
+                let mut ctx = context(step, vmid);
+                if let Some(log) = log {
+                    ctx = format!("{ctx} ({log})");
+                }
+                Err(SubstrateError::caused_by(super::kind_of(&e), ctx, e))
+            }
+        }
+    }
+
+    /// Step 2: a full clone of the template on its own node, under the same
+    /// clone slots as Creates there (the storage lock is shared). VMID
+    /// collisions move on to a fresh id; storage lock timeouts back off and
+    /// retry until `deadline`. A failed worker's leftover (ours by marker)
+    /// is removed.
+    async fn clone_for_replica(
+        &self,
+        source: u32,
+        template_node: &str,
+        node: &str,
+        digest: &str,
+        deadline: Instant,
+    ) -> Result<(Reservation<'_>, VmRef), CloneFailure> {
+        let key = self
+            .template_storage(source, template_node, deadline)
+            .await
+            .map_err(CloneFailure::Other)?;
+        let _permit = self
+            .clone_permit(template_node, &key)
+            .await
+            .map_err(CloneFailure::Other)?;
+        let mut attempt = 0;
+        loop {
+            let res = self
+                .reserve_vmid(deadline)
+                .await
+                .map_err(CloneFailure::Other)?;
+            let vm = VmRef {
+                node: template_node.to_string(),
+                vmid: res.vmid,
+            };
+            let params = CloneParams {
+                newid: res.vmid,
+                name: Some(replica_name(source, node)),
+                description: Some(replica_description(source, digest, node)),
+                pool: self.opts.pool.clone(),
+                full: Some(true),
+                storage: None,
+                target: None,
+            };
+            let outcome = match self.client.clone_vm(template_node, source, &params).await {
+                Ok(upid) => self.wait_task(&upid, "replica clone").await,
+                Err(e) => Err(e),
+            };
+            let e = match outcome {
+                Ok(()) => return Ok((res, vm)),
+                Err(e) => e,
+            };
+            self.remove_replica(&vm, source, deadline).await;
+            let retry = e.is_vmid_collision(res.vmid) || e.is_lock_timeout() || e.is_transient();
+            if !retry || Instant::now() >= deadline {
+                return Err(CloneFailure::Pve(res.vmid, e));
+            }
+            tracing::info!(vm = %vm, error = %e, "replica clone failed transiently; retrying");
+            if !e.is_vmid_collision(res.vmid) {
+                self.pause(attempt, deadline).await;
+                attempt += 1;
+            }
+        }
+    }
+
+    /// Tag, migrate, convert: steps 3 to 5. A failure is the step, PVE's
+    /// error, and what the task log adds.
+    async fn finish_staging(
+        &self,
+        vm: &VmRef,
+        node: &str,
+        source: u32,
+        target_storage: Option<String>,
+        deadline: Instant,
+    ) -> Result<(), StepFailure> {
+        let fail = |step: Step| move |e: PveError| (step, e, None);
+        if !self.tags_restricted.load(Ordering::Relaxed) {
+            let params = ConfigParams {
+                tags: Some(vec![REPLICA_TAG.to_string()]),
+                ..ConfigParams::default()
+            };
+            let mut call = || self.client.set_config_sync(&vm.node, vm.vmid, &params);
+            match self.retry_raw(Some(&vm.node), deadline, &mut call).await {
+                Ok(()) => {}
+                // Restricted user-tag-access: the name and marker suffice.
+                Err(e) if e.is_forbidden() => {
+                    tracing::info!(vm = %vm, error = %e, "replica left untagged (user-tag-access)");
+                }
+                Err(e) => return Err(fail(Step::Tag)(e)),
+            }
+        }
+        let params = MigrateParams {
+            target: node.to_string(),
+            online: false,
+            with_local_disks: true,
+            targetstorage: target_storage,
+        };
+        let mut call = || self.client.migrate(&vm.node, vm.vmid, &params);
+        let upid = self
+            .retry_raw(Some(&vm.node), deadline, &mut call)
+            .await
+            .map_err(fail(Step::Migrate))?;
+        if let Err(e) = self.wait_task(&upid, "replica migration").await {
+            let why = self.task_error_lines(&upid).await;
+            return Err((Step::Migrate, e, why));
+        }
+        // Right after the migration the config lock may still be contended
+        // (a backup job, a person): a lock timeout is retried.
+        let mut attempt = 0;
+        loop {
+            let mut call = || self.client.convert_to_template(node, vm.vmid);
+            let upid = self
+                .retry_raw(Some(node), deadline, &mut call)
+                .await
+                .map_err(fail(Step::Convert))?;
+            match self.wait_task(&upid, "template conversion").await {
+                Ok(()) => break,
+                Err(e) if e.is_lock_timeout() && Instant::now() < deadline => {
+                    self.pause(attempt, deadline).await;
+                    attempt += 1;
+                }
+                Err(e) => return Err(fail(Step::Convert)(e)),
+            }
+        }
+        tracing::debug!(vm = vm.vmid, source, node, "replica converted");
+        Ok(())
+    }
+
+    /// The `ERROR` lines of a failed task's log (PVE puts a migration's cause
+    /// there; the exit status says only `migration aborted`).
+    async fn task_error_lines(&self, upid: &Upid) -> Option<String> {
+        let lines = self.client.task_log(upid, 0, 500).await.ok()?;
+        let errs: Vec<&str> = lines
+            .iter()
+            .map(|l| l.t.trim())
+            .filter(|t| t.contains("ERROR") || t.contains("failed"))
+            .collect();
+        (!errs.is_empty()).then(|| errs.join("; "))
+    }
+
+    /// Destroys a replica of `source` at `vm` if its marker says we made it;
+    /// anything else there is left alone. Best effort: a replica that cannot
+    /// go (linked clones still use it) stays, unused.
+    async fn remove_replica(&self, vm: &VmRef, source: u32, deadline: Instant) {
+        let mut call = || self.client.get_config(&vm.node, vm.vmid);
+        let ours = match self.retry_raw(Some(&vm.node), deadline, &mut call).await {
+            Ok(cfg) => cfg
+                .description
+                .as_deref()
+                .and_then(parse_replica_marker)
+                .is_some_and(|(s, _)| s == source),
+            Err(_) => false,
+        };
+        if !ours {
+            return;
+        }
+        let mut call = || self.client.status_current(&vm.node, vm.vmid);
+        let Ok(st) = self.retry_raw(Some(&vm.node), deadline, &mut call).await else {
+            return;
+        };
+        tracing::info!(vm = %vm, source, "removing a stale or half-staged template replica");
+        match self.destroy_owned(vm, &st, deadline).await {
+            Ok(()) => {
+                self.placement.replicas.known.lock().remove(&vm.vmid);
+            }
+            Err(e) => {
+                tracing::warn!(vm = %vm, error = %e, "could not remove a stale template replica; it is no longer used");
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn replica_markers_round_trip() {
+        let d = replica_description(9000, "abc123", "pve2");
+        assert_eq!(replica_target(&d).as_deref(), Some("pve2"));
+        assert_eq!(parse_replica_marker(&d), Some((9000, "abc123".into())));
+        assert_eq!(
+            parse_replica_marker(&format!("{d}\n")),
+            Some((9000, "abc123".into()))
+        );
+        assert_eq!(parse_replica_marker("my own copy of 9000"), None);
+        assert_eq!(
+            parse_replica_marker("BigFleet managed VM. machine_id=x operation_id=y"),
+            None
+        );
+        assert_eq!(
+            parse_replica_marker("BigFleet template replica. source_vmid=x"),
+            None
+        );
+        assert_eq!(replica_name(9000, "PVE_2"), "bigfleet-replica-9000-pve-2");
+    }
+}

@@ -1,0 +1,146 @@
+//! Create latency and PVE API calls per Create by template placement, on
+//! pve-sim with its default timings and the provider's default options.
+//! A benchmark, not a test: it asserts only that nothing failed.
+//!
+//! `cargo test -p proxmox-backend --test bench_replicas -- --ignored --nocapture`
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use proxmox_backend::proxmox::{PveOptions, PveSubstrate};
+use proxmox_backend::substrate::{CloneRequest, Substrate};
+use pve::{PveClient, PveConfig};
+use pve_sim::{PveSim, SimConfig, TemplateSpec};
+
+fn client(sim: &PveSim) -> PveClient {
+    let mut cfg = PveConfig::new(sim.base_url(), sim.token_id(), sim.token_secret());
+    cfg.ca_pem = Some(sim.ca_pem().as_bytes().to_vec());
+    PveClient::new(cfg).expect("client")
+}
+
+/// The provider's defaults (`--proxmox-poll-interval 1s`, 2 clones per node
+/// and storage), in the pool.
+fn opts() -> PveOptions {
+    PveOptions {
+        pool: Some("bigfleet".into()),
+        ..PveOptions::default()
+    }
+}
+
+fn req(node: &str, template: u32, i: usize) -> CloneRequest {
+    CloneRequest {
+        machine_id: format!("bench/OnDemand/pve.small/{node}/{i:03}"),
+        operation_id: format!("op-{node}-{i}"),
+        instance_type: "pve.small".into(),
+        node: node.into(),
+        template_vmid: template,
+        vcpu: 2,
+        memory_mib: 2048,
+    }
+}
+
+fn calls(sim: &PveSim) -> u64 {
+    sim.faults().counts().values().sum()
+}
+
+/// One Create: (seconds, API calls).
+async fn one(sim: &PveSim, sub: &PveSubstrate, r: &CloneRequest) -> (f64, u64) {
+    sim.reset_counts();
+    let t = Instant::now();
+    sub.clone_vm(r).await.expect("create");
+    (t.elapsed().as_secs_f64(), calls(sim))
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn report(what: &str, runs: &[(f64, u64)]) {
+    let lat = median(runs.iter().map(|r| r.0).collect());
+    let c = median(runs.iter().map(|r| r.1 as f64).collect());
+    println!(
+        "{what}: n={} latency p50 {:.2} s, API calls p50 {c:.0} (all: {:?})",
+        runs.len(),
+        lat,
+        runs.iter().map(|r| r.1).collect::<Vec<_>>()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "benchmark: run with --ignored --nocapture"]
+async fn create_cost_by_template_placement() {
+    // (a) A template on shared storage, cloned to another node.
+    let sim = PveSim::start(SimConfig {
+        templates: vec![TemplateSpec::shared(9000, "pve1")],
+        ..SimConfig::default()
+    })
+    .await
+    .unwrap();
+    let sub = PveSubstrate::new(client(&sim), opts());
+    one(&sim, &sub, &req("pve2", 9000, 100)).await; // warm the per-template caches
+    let mut runs = Vec::new();
+    for i in 0..5 {
+        runs.push(one(&sim, &sub, &req("pve2", 9000, i)).await);
+    }
+    report("(a) shared template, cross-node Create", &runs);
+    sim.shutdown().await;
+
+    // (c) The first Create on a node a local template is not on: stages.
+    let mut first = Vec::new();
+    let mut warm = Vec::new();
+    for round in 0..3 {
+        let sim = PveSim::start(SimConfig::default()).await.unwrap();
+        let sub = PveSubstrate::new(client(&sim), opts());
+        first.push(one(&sim, &sub, &req("pve2", 9000, 200 + round)).await);
+        // (b) Later Creates there: from the warm replica.
+        for i in 0..2 {
+            warm.push(one(&sim, &sub, &req("pve2", 9000, 300 + round * 10 + i)).await);
+        }
+        sim.shutdown().await;
+    }
+    report("(b) local template, warm replica on the node", &warm);
+    report(
+        "(c) local template, first Create on the node (stages the replica)",
+        &first,
+    );
+
+    // The 16-way burst from one local template across both nodes.
+    let sim = PveSim::start(SimConfig::default()).await.unwrap();
+    let sub = Arc::new(PveSubstrate::new(client(&sim), opts()));
+    sim.reset_counts();
+    let t = Instant::now();
+    let tasks: Vec<_> = (0..16)
+        .map(|i| {
+            let sub = Arc::clone(&sub);
+            let node = if i % 2 == 0 { "pve1" } else { "pve2" };
+            tokio::spawn(async move {
+                let t = Instant::now();
+                let r = sub.clone_vm(&req(node, 9000, 400 + i)).await;
+                (t.elapsed(), r.map_err(|e| e.to_string()))
+            })
+        })
+        .collect();
+    let mut lat = Vec::new();
+    let mut failed = Vec::new();
+    for task in tasks {
+        let (d, r) = task.await.unwrap();
+        lat.push(d.as_secs_f64());
+        if let Err(e) = r {
+            failed.push(e);
+        }
+    }
+    let wall = t.elapsed();
+    let max = lat.iter().copied().fold(0.0, f64::max);
+    println!(
+        "burst: 16 Creates (8 on pve1, 8 on pve2) from local template 9000 on pve1: {} FAILED, \
+         wall {:.2} s, latency p50 {:.2} s max {max:.2} s, {} API calls ({:.1} per Create)",
+        failed.len(),
+        wall.as_secs_f64(),
+        median(lat),
+        calls(&sim),
+        calls(&sim) as f64 / 16.0
+    );
+    assert!(failed.is_empty(), "{failed:?}");
+    sim.shutdown().await;
+}
