@@ -143,6 +143,7 @@ async fn the_engine_quotes_the_last_probe_in_last_error() {
             vcpu: 2,
             memory_mib: 2048,
             template_vmid: 9000,
+            storage: None,
         },
     )]);
     let pricing = Pricing {

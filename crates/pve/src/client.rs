@@ -27,7 +27,9 @@ use crate::error::{chain_message, find_rustls_error, is_lock_timeout_text, PveEr
 use crate::form::{encode_segment, Params};
 use crate::tags::join_tags;
 use crate::types::{
-    exit_ok, lenient, CloneParams, ClusterOptions, ClusterVm, ConfigParams, ExecStatus, FileEncoding, MigrateParams, NodeInfo, Permissions, PoolMember, StorageStatus, TaskLogLine, TaskState, TaskStatus, VmConfig, VmStatus,
+    exit_ok, lenient, CloneParams, ClusterOptions, ClusterVm, ConfigParams, ExecStatus,
+    FileEncoding, MigrateParams, NodeInfo, Permissions, PoolMember, StorageStatus, TaskLogLine,
+    TaskState, TaskStatus, VmConfig, VmStatus,
 };
 use crate::upid::Upid;
 

@@ -25,6 +25,8 @@ pub use error::{AccessFailure, PveError};
 pub use tags::{is_valid_tag, join_tags, machine_tag, normalize_tags, sanitize_tag};
 pub use tls::{cert_fingerprint, format_fingerprint, parse_fingerprint, parse_fingerprints};
 pub use types::{
-    exit_ok, CloneParams, ClusterOptions, ClusterVm, ConfigParams, ExecStatus, FileEncoding, MigrateParams, NodeInfo, Permissions, PoolMember, StorageStatus, TagAccess, TaskLogLine, TaskState, TaskStatus, VmConfig, VmStatus,
+    exit_ok, CloneParams, ClusterOptions, ClusterVm, ConfigParams, ExecStatus, FileEncoding,
+    MigrateParams, NodeInfo, Permissions, PoolMember, StorageStatus, TagAccess, TaskLogLine,
+    TaskState, TaskStatus, VmConfig, VmStatus,
 };
 pub use upid::Upid;

@@ -426,7 +426,12 @@ impl PveSubstrate {
     /// template whose disks are not all on shared storage serves another
     /// node. A read that fails here counts as no (the staging itself names
     /// a missing privilege later).
-    async fn stages_replicas(&self, nodes: &[String], templates: &[u32], list: &[ClusterVm]) -> bool {
+    async fn stages_replicas(
+        &self,
+        nodes: &[String],
+        templates: &[u32],
+        list: &[ClusterVm],
+    ) -> bool {
         if !self.opts.template_replicas {
             return false;
         }
