@@ -57,6 +57,30 @@ async fn preflight(sim: &PveSim, pool: &str) -> Result<Vec<String>, String> {
         .map_err(|e| e.to_string())
 }
 
+/// The privileges in the shell array `name=( ... )` of
+/// deploy/host-setup/setup-token.sh (the first word of each line), so this
+/// test holds the preflight to what the script really grants.
+fn setup_script_array(name: &str) -> Vec<String> {
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../deploy/host-setup/setup-token.sh"
+    );
+    let script = std::fs::read_to_string(path).expect("setup-token.sh");
+    let start = script
+        .find(&format!("\n{name}=(\n"))
+        .unwrap_or_else(|| panic!("setup-token.sh has no {name}=( array"));
+    let body = &script[start + name.len() + 4..];
+    let body = &body[..body.find("\n)").expect("the array is closed")];
+    let privs: Vec<String> = body
+        .lines()
+        .filter_map(|l| l.split_whitespace().next())
+        .filter(|w| !w.starts_with('#'))
+        .map(str::to_string)
+        .collect();
+    assert!(privs.len() >= 2, "{name}: {privs:?}");
+    privs
+}
+
 /// The token deploy/host-setup/setup-token.sh creates: nothing on `/`, the
 /// provider's role on the pool, the template role on the template, the
 /// role's Datastore privileges on the storage. `pool_audit: false` models
@@ -68,23 +92,17 @@ fn setup_script_token(pool: &str, pool_audit: bool) -> SimConfig {
             .map(|p| (path.to_string(), p.to_string()))
             .collect()
     };
-    let mut granted = on(
-        &format!("/pool/{pool}"),
-        &[
-            "VM.Allocate",
-            "VM.Config.CPU",
-            "VM.Config.Memory",
-            "VM.Config.Options",
-            "VM.PowerMgmt",
-            "VM.Audit",
-            "Datastore.AllocateSpace",
-            "VM.Monitor",
-        ],
-    );
+    let mut pool_privs = setup_script_array("privs");
+    pool_privs.retain(|p| p != "Pool.Audit");
+    pool_privs.push("VM.Monitor".into());
+    let pool_privs: Vec<&str> = pool_privs.iter().map(String::as_str).collect();
+    let mut granted = on(&format!("/pool/{pool}"), &pool_privs);
     if pool_audit {
         granted.push((format!("/pool/{pool}"), "Pool.Audit".into()));
     }
-    granted.extend(on("/vms/9000", &["VM.Clone", "VM.Audit"]));
+    let template_privs = setup_script_array("template_privs");
+    let template_privs: Vec<&str> = template_privs.iter().map(String::as_str).collect();
+    granted.extend(on("/vms/9000", &template_privs));
     granted.extend(on("/storage/local-lvm", &["Datastore.AllocateSpace"]));
     granted.extend(on("/nodes", &["Sys.Audit"]));
     SimConfig {
