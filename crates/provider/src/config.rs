@@ -250,15 +250,17 @@ pub struct VmidRange(pub u32, pub u32);
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct NodeStorage(pub std::collections::BTreeMap<String, String>);
 
-fn parse_node_storage_arg(text: &str) -> Result<NodeStorage, String> {
+fn parse_node_storage_arg(text: &str) -> Result<NodeStorage, proxmox_backend::ConfigError> {
     proxmox_backend::proxmox::parse_node_storage(text).map(NodeStorage)
 }
 
-fn parse_clone_mode(text: &str) -> Result<proxmox_backend::proxmox::CloneMode, String> {
+fn parse_clone_mode(
+    text: &str,
+) -> Result<proxmox_backend::proxmox::CloneMode, proxmox_backend::ConfigError> {
     text.parse()
 }
 
-fn parse_vmid_range_arg(text: &str) -> Result<VmidRange, String> {
+fn parse_vmid_range_arg(text: &str) -> Result<VmidRange, proxmox_backend::ConfigError> {
     proxmox_backend::proxmox::parse_vmid_range(text).map(|(lo, hi)| VmidRange(lo, hi))
 }
 

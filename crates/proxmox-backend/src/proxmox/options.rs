@@ -18,15 +18,15 @@ pub enum CloneMode {
 }
 
 impl std::str::FromStr for CloneMode {
-    type Err = String;
+    type Err = ConfigError;
 
-    fn from_str(s: &str) -> Result<Self, String> {
+    fn from_str(s: &str) -> Result<Self, ConfigError> {
         match s.trim() {
             "full" => Ok(Self::Full),
             "linked" => Ok(Self::Linked),
-            other => Err(format!(
+            other => Err(ConfigError::Invalid(format!(
                 "--clone-mode {other:?} is invalid: expected full or linked"
-            )),
+            ))),
         }
     }
 }
@@ -175,11 +175,11 @@ impl PveOptions {
 }
 
 /// Parses `--node-storage node=storage,node=storage`.
-pub fn parse_node_storage(s: &str) -> Result<BTreeMap<String, String>, String> {
+pub fn parse_node_storage(s: &str) -> Result<BTreeMap<String, String>, ConfigError> {
     let mut out = BTreeMap::new();
     for pair in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
         let bad = |why: &str| {
-            format!("--node-storage {pair:?} is invalid: {why} (expected NODE=STORAGE,NODE=STORAGE, e.g. pve1=local-lvm,pve2=fast-zfs)")
+            ConfigError::Invalid(format!("--node-storage {pair:?} is invalid: {why} (expected NODE=STORAGE,NODE=STORAGE, e.g. pve1=local-lvm,pve2=fast-zfs)"))
         };
         let (node, storage) = pair.split_once('=').ok_or_else(|| bad("no '='"))?;
         let (node, storage) = (node.trim(), storage.trim());
@@ -202,9 +202,11 @@ pub fn parse_node_storage(s: &str) -> Result<BTreeMap<String, String>, String> {
 }
 
 /// Parses `--vmid-range MIN-MAX` (inclusive), naming the problem on bad input.
-pub fn parse_vmid_range(s: &str) -> Result<(u32, u32), String> {
+pub fn parse_vmid_range(s: &str) -> Result<(u32, u32), ConfigError> {
     let bad = |why: &str| {
-        format!("--vmid-range {s:?} is invalid: {why} (expected MIN-MAX, e.g. 10000-19999)")
+        ConfigError::Invalid(format!(
+            "--vmid-range {s:?} is invalid: {why} (expected MIN-MAX, e.g. 10000-19999)"
+        ))
     };
     let (lo, hi) = s
         .trim()
@@ -253,16 +255,15 @@ mod tests {
 
     #[test]
     fn clone_mode_and_node_storage_flags() {
-        assert_eq!("linked".parse::<CloneMode>(), Ok(CloneMode::Linked));
-        assert!("thin"
-            .parse::<CloneMode>()
-            .unwrap_err()
-            .contains("full or linked"));
+        assert_eq!("linked".parse::<CloneMode>().ok(), Some(CloneMode::Linked));
+        let e = "thin".parse::<CloneMode>().unwrap_err();
+        assert!(matches!(e, ConfigError::Invalid(_)), "{e:?}");
+        assert!(e.to_string().contains("full or linked"), "{e}");
         let m = parse_node_storage("pve1=local-lvm, pve2=fast.zfs").unwrap();
         assert_eq!(m.get("pve2").map(String::as_str), Some("fast.zfs"));
         assert!(parse_node_storage("").unwrap().is_empty());
         for bad in ["pve1", "pve1=", "=x", "pve1=9bad", "a=x,a=y"] {
-            let e = parse_node_storage(bad).unwrap_err();
+            let e = parse_node_storage(bad).unwrap_err().to_string();
             assert!(e.contains("--node-storage"), "{bad}: {e}");
         }
         let linked = PveOptions {
@@ -279,10 +280,10 @@ mod tests {
 
     #[test]
     fn vmid_range_flag() {
-        assert_eq!(parse_vmid_range("10000-19999"), Ok((10000, 19999)));
-        assert_eq!(parse_vmid_range(" 100 - 100 "), Ok((100, 100)));
+        assert_eq!(parse_vmid_range("10000-19999").ok(), Some((10000, 19999)));
+        assert_eq!(parse_vmid_range(" 100 - 100 ").ok(), Some((100, 100)));
         for bad in ["", "100", "99-200", "300-200", "a-200", "100-1000000000"] {
-            let e = parse_vmid_range(bad).unwrap_err();
+            let e = parse_vmid_range(bad).unwrap_err().to_string();
             assert!(
                 e.contains("--vmid-range") && e.contains("MIN-MAX"),
                 "{bad}: {e}"
