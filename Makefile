@@ -15,7 +15,7 @@ BFC := $(DEBUG_DIR)/bfconformance
 SEED_FLAG := $(if $(SEED),--seed $(SEED),)
 
 .PHONY: build build-proxmox run-fake test test-proxmox lint fmt certify-proxmox \
-        report-proxmox report-ci certify-pve-sim scale-100k mutation-check bench bench-memory crash-1000 crash-real fuzz
+        report-proxmox report-ci certify-pve-sim scale-100k mutation-check bench bench-memory bench-replicas crash-1000 crash-real fuzz
 
 build:
 	$(CARGO) build --workspace
@@ -77,14 +77,22 @@ scale-100k:
 
 # The standard benchmark set, appended to bench/latest.txt (see BENCHMARKS.md):
 # loadgen end to end over gRPC (sharing the CPUs, then pinned one CPU each),
-# the engine alone in process, and the durable store against a rewrite-all
-# baseline.
+# the engine alone in process, the durable store against a rewrite-all
+# baseline, and the Create cost by template placement (real substrate on
+# pve-sim: shared template, warm replica, first staging, 16-way burst).
 bench:
 	$(CARGO) build --release -p bigfleet-proxmox -p loadgen
 	$(RELEASE_DIR)/loadgen --provider-bin $(RELEASE_DIR)/bigfleet-proxmox --out bench/latest.txt
 	$(RELEASE_DIR)/loadgen --provider-bin $(RELEASE_DIR)/bigfleet-proxmox --pin --out bench/latest.txt
 	$(CARGO) bench -p providerkit --bench engine_bench | tee -a bench/latest.txt
 	$(CARGO) bench -p sqlite-store --bench store_bench -- 2 | tee -a bench/latest.txt
+	$(MAKE) bench-replicas
+
+# Create latency and PVE API calls per Create by template placement, and
+# the 16-way burst from one local template (BENCHMARKS.md).
+bench-replicas:
+	$(CARGO) test -p proxmox-backend --test bench_replicas -- --ignored --nocapture \
+	  | tee -a bench/latest.txt
 
 # The memory goals alone (issue #15; also in `make bench`): peak RSS at 100k
 # machines under boot + List + Get + Create, and the growth under 4
