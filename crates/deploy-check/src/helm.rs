@@ -393,6 +393,8 @@ pub const FUNCS: &[(&str, Func)] = &[
     ("lookup", lookup),
     ("dig", dig),
     ("dict", dict),
+    ("keys", keys),
+    ("sortAlpha", sort_alpha),
 ];
 
 fn render_source(name: &str, helpers: &str, source: &str, ctx: Value) -> Result<String, Error> {
@@ -773,6 +775,41 @@ fn dict(args: &[Value]) -> Result<Value, FuncError> {
     Ok(Value::Map(m))
 }
 
+/// Sprig's `keys map...`: the maps' keys, in no particular order (Go's map
+/// order, like Sprig); pipe through `sortAlpha` for a stable one.
+fn keys(args: &[Value]) -> Result<Value, FuncError> {
+    if args.is_empty() {
+        return Err(FuncError::AtLeastXArgs("keys".to_owned(), 1));
+    }
+    let mut out = Vec::new();
+    for a in args {
+        match a {
+            Value::Map(m) | Value::Object(m) => out.extend(m.keys().cloned().map(Value::from)),
+            Value::NoValue | Value::Nil => {}
+            other => {
+                return Err(FuncError::Generic(format!(
+                    "keys: expected a map, got {other:?}"
+                )))
+            }
+        }
+    }
+    Ok(Value::Array(out))
+}
+
+/// Sprig's `sortAlpha list`: the items as strings, sorted.
+fn sort_alpha(args: &[Value]) -> Result<Value, FuncError> {
+    let mut items = match arg("sortAlpha", args, 0, 1)? {
+        Value::Array(items) => items
+            .iter()
+            .map(|i| as_str("sortAlpha", i))
+            .collect::<Result<Vec<_>, _>>()?,
+        Value::NoValue | Value::Nil => Vec::new(),
+        other => vec![as_str("sortAlpha", other)?],
+    };
+    items.sort_unstable();
+    Ok(Value::Array(items.into_iter().map(Value::from).collect()))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -856,6 +893,18 @@ mod tests {
         )
         .unwrap();
         assert_eq!(out, "hello||djE=|-|hi ann");
+    }
+
+    #[test]
+    fn keys_sort_alpha_and_index_walk_a_map_in_order() {
+        // Go's map order is random: only `keys | sortAlpha` is stable.
+        let src = "{{- $m := .Values.m -}}{{- range $i, $k := keys $m | sortAlpha -}}{{ if $i }},{{ end }}{{ $k }}={{ index $m $k }}{{- end -}}";
+        for _ in 0..8 {
+            let out = render(src, "m: {pve3: c, pve1: a, pve10: d, pve2: b}\n").unwrap();
+            assert_eq!(out, "pve1=a,pve10=d,pve2=b,pve3=c");
+        }
+        assert_eq!(render(src, "m: {}\n").unwrap(), "");
+        assert!(render("{{ keys .Values.l }}", "l: [1]\n").is_err());
     }
 
     #[test]

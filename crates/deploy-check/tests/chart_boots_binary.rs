@@ -1,7 +1,8 @@
 //! The arguments the Helm chart renders are accepted by the real binary:
-//! the fake-backend release (with durable state and offerings) boots to
-//! `serving CapacityProvider`, and a real-backend release fails on the
-//! missing token file rather than on an unknown flag.
+//! the fake-backend release (with durable state and offerings, and with the
+//! clone and storage values set) boots to `serving CapacityProvider`, and a
+//! real-backend release fails on the missing token file rather than on an
+//! unknown flag or value.
 //!
 //! Needs the built provider (`cargo build -p bigfleet-proxmox`).
 
@@ -130,6 +131,39 @@ fn fake_backend_release_with_durable_state_boots() {
     );
 }
 
+const CATALOG: &str =
+    r#"{"pve.small": {"vcpu": 2, "memory_mib": 4096, "template_vmid": 9001, "storage": "nvme"}}"#;
+
+/// The clone and storage values, each set away from its default: the
+/// binary takes what they render (and the catalog's `storage`).
+#[test]
+fn fake_backend_release_with_clone_and_storage_values_boots() {
+    let sets: &[(&str, &[&str])] = &[
+        (
+            "proxmox: {templateReplicas: false, nodeStorage: {pve-b: fast-zfs, pve-a: local-lvm}}",
+            &[
+                "--template-replicas=false",
+                "--node-storage=pve-a=local-lvm,pve-b=fast-zfs",
+            ],
+        ),
+        ("proxmox: {cloneMode: linked}", &["--clone-mode=linked"]),
+    ];
+    for (set, want) in sets {
+        let values = format!(
+            "{}{set}\ninstanceTypes: {{content: '{CATALOG}'}}\n",
+            fake_values(false)
+        );
+        let args = chart_args(&values);
+        for w in *want {
+            assert!(args.iter().any(|a| a == w), "{set}: {w} not in {args:?}");
+        }
+        let dir = workdir();
+        std::fs::write(dir.path().join("etc/config/instance-types.json"), CATALOG).unwrap();
+        let line = boot(&values, dir.path());
+        assert!(line.contains("offerings=3"), "{set}: {line}");
+    }
+}
+
 #[test]
 fn real_backend_release_parses_and_fails_on_the_missing_secret() {
     let bin = provider_binary().unwrap_or_else(|e| panic!("{e}"));
@@ -137,13 +171,19 @@ fn real_backend_release_parses_and_fails_on_the_missing_secret() {
     let args = localise(
         chart_args(
             r#"
-proxmox: {apiURL: "https://pve1.example.internal:8006/api2/json", tokenID: "bigfleet@pve!autoscaler", nodes: [pve1, pve2], pool: bigfleet}
+proxmox: {apiURL: "https://pve1.example.internal:8006/api2/json", tokenID: "bigfleet@pve!autoscaler", nodes: [pve1, pve2], pool: bigfleet, templateReplicas: false, nodeStorage: {pve1: local-lvm, pve2: fast-zfs}}
 credentials: {token: {secretName: t}, ca: {secretName: c}}
 tls: {enabled: true, mtls: true, secretName: s}
 "#,
         ),
         dir.path(),
     );
+    for flag in [
+        "--template-replicas=false",
+        "--node-storage=pve1=local-lvm,pve2=fast-zfs",
+    ] {
+        assert!(args.iter().any(|a| a == flag), "{flag} not in {args:?}");
+    }
     let out = Command::new(&bin).args(&args).output().unwrap();
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);

@@ -329,6 +329,42 @@ fn network_policy_example_renders() {
 }
 
 #[test]
+fn storage_example_renders_its_flag_and_catalog() {
+    let docs = render_doc_example("install.md", "nodeStorage:");
+    let dep = docs
+        .iter()
+        .find(|d| d["kind"] == "Deployment")
+        .expect("a Deployment");
+    let args: Vec<&str> = dep["spec"]["template"]["spec"]["containers"][0]["args"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(Json::as_str)
+        .collect();
+    assert!(
+        args.contains(&"--node-storage=pve1=local-lvm,pve2=fast-zfs"),
+        "{args:?}"
+    );
+    let cm = docs
+        .iter()
+        .find(|d| d["kind"] == "ConfigMap")
+        .expect("the config ConfigMap");
+    let types: Json =
+        serde_json::from_str(cm["data"]["instance-types.json"].as_str().unwrap()).unwrap();
+    assert_eq!(types["db.large"]["storage"], "nvme");
+    // The install example's offerings still find their types.
+    let offerings: Json =
+        serde_json::from_str(cm["data"]["offerings.json"].as_str().unwrap()).unwrap();
+    for o in offerings.as_array().unwrap() {
+        let t = o["instance_type"].as_str().unwrap();
+        assert!(
+            types.get(t).is_some(),
+            "offering type {t} not in the catalog"
+        );
+    }
+}
+
+#[test]
 fn prometheus_operator_example_renders() {
     let docs = render_doc_example("observability.md", "serviceMonitor:");
     let kinds: BTreeSet<&str> = docs.iter().filter_map(|d| d["kind"].as_str()).collect();

@@ -670,6 +670,120 @@ fn refuses_real_backend_without_connection_settings() {
     assert!(render_err("{}").contains("proxmox.apiURL is required"));
 }
 
+/// The args the clone and storage values render, in order.
+fn clone_args(r: &Rendered) -> Vec<String> {
+    r.args()
+        .into_iter()
+        .filter(|a| {
+            ["--template-replicas", "--clone-mode", "--node-storage"]
+                .iter()
+                .any(|f| a == f || a.starts_with(&format!("{f}=")))
+        })
+        .collect()
+}
+
+#[test]
+fn clone_values_render_no_flag_at_the_provider_defaults() {
+    for extra in [
+        "{}",
+        // The defaults spelt out.
+        "proxmox: {templateReplicas: true, cloneMode: full, nodeStorage: {}}",
+    ] {
+        let r = render(&with_minimal(extra));
+        common(&r);
+        assert_eq!(clone_args(&r), Vec::<String>::new(), "{extra}");
+    }
+    // A null override drops the chart's default (helm's merge); the
+    // provider's own default then holds, so still no flag.
+    let mut v = values(MINIMAL_CA);
+    for key in ["templateReplicas", "cloneMode", "nodeStorage"] {
+        v["proxmox"][key] = serde_yaml::Value::Null;
+    }
+    let nulls = serde_yaml::to_string(&v).unwrap();
+    assert!(nulls.contains("cloneMode: null"), "{nulls}");
+    let r = render(&nulls);
+    common(&r);
+    assert_eq!(clone_args(&r), Vec::<String>::new(), "{nulls}");
+    let r = render("fakeBackend: {enabled: true}\nstate: {enabled: false}\n");
+    assert_eq!(clone_args(&r), Vec::<String>::new());
+}
+
+#[test]
+fn clone_values_render_exactly_their_flags() {
+    let cases: &[(&str, &[&str])] = &[
+        (
+            "proxmox: {templateReplicas: false}",
+            &["--template-replicas=false"],
+        ),
+        ("proxmox: {cloneMode: linked}", &["--clone-mode=linked"]),
+        (
+            "proxmox: {nodeStorage: {pve1: local-lvm}}",
+            &["--node-storage=pve1=local-lvm"],
+        ),
+        // One flag for every node, in node-name order whatever the map's.
+        (
+            "proxmox: {nodeStorage: {pve2: fast-zfs, pve10: nvme.1, pve1: local_lvm}}",
+            &["--node-storage=pve1=local_lvm,pve10=nvme.1,pve2=fast-zfs"],
+        ),
+        (
+            "proxmox: {templateReplicas: false, nodeStorage: {pve2: fast-zfs, pve1: local-lvm}}",
+            &[
+                "--template-replicas=false",
+                "--node-storage=pve1=local-lvm,pve2=fast-zfs",
+            ],
+        ),
+        (
+            "proxmox: {templateReplicas: false, cloneMode: linked}",
+            &["--template-replicas=false", "--clone-mode=linked"],
+        ),
+    ];
+    for (extra, want) in cases {
+        // Rendered afresh each time: a map's iteration order varies per render.
+        for _ in 0..4 {
+            let r = render(&with_minimal(extra));
+            common(&r);
+            assert_eq!(clone_args(&r), *want, "{extra}");
+        }
+    }
+    // The fake backend gets them too, as it gets --proxmox-pool (and ignores them).
+    let r = render(
+        "fakeBackend: {enabled: true}\nstate: {enabled: false}\nproxmox: {cloneMode: linked}\n",
+    );
+    assert_eq!(clone_args(&r), ["--clone-mode=linked"]);
+}
+
+#[test]
+fn instance_type_storage_reaches_the_catalog_file() {
+    let r = render(&with_minimal(
+        r#"instanceTypes: {content: '{"db.large": {"vcpu": 8, "memory_mib": 32768, "storage": "nvme"}}'}"#,
+    ));
+    common(&r);
+    let data = r.config_maps[0].data.as_ref().unwrap();
+    let types: Json = serde_json::from_str(&data["instance-types.json"]).unwrap();
+    assert_eq!(types["db.large"]["storage"], "nvme");
+    assert_eq!(
+        r.flags()["--instance-types"],
+        "/etc/bigfleet/config/instance-types.json"
+    );
+}
+
+#[test]
+fn refuses_linked_clones_with_node_storage() {
+    let e = render_err(&with_minimal(
+        "proxmox: {cloneMode: linked, nodeStorage: {pve1: local-lvm}}",
+    ));
+    assert!(
+        e.contains("proxmox.cloneMode linked")
+            && e.contains("empty proxmox.nodeStorage, or set proxmox.cloneMode full"),
+        "{e}"
+    );
+    // Either alone renders.
+    render(&with_minimal("proxmox: {cloneMode: linked}"));
+    render(&with_minimal(
+        "proxmox: {cloneMode: full, nodeStorage: {pve1: local-lvm}}",
+    ));
+}
+
 #[test]
 fn refuses_inconsistent_tls_and_backend_settings() {
     let e = render_err(&format!("{MINIMAL_CA}\ntls: {{enabled: true}}\n"));
@@ -779,6 +893,12 @@ fn schema_rejects_unknown_keys_at_every_level() {
             "periodSecond",
             "/livenessProbe",
         ),
+        ("proxmox: {cloneMod: linked}", "cloneMod", "/proxmox"),
+        (
+            "proxmox: {templateReplica: false}",
+            "templateReplica",
+            "/proxmox",
+        ),
     ] {
         let e = render_err(&with_minimal(typo));
         assert!(
@@ -820,6 +940,42 @@ fn schema_rejects_wrong_types_and_values() {
             "resources: {limits: {memory: [256Mi]}}",
             "/resources/limits/memory",
         ),
+        (
+            "proxmox: {templateReplicas: \"false\"}",
+            "/proxmox/templateReplicas",
+        ),
+        ("proxmox: {cloneMode: thin}", "/proxmox/cloneMode"),
+        ("proxmox: {cloneMode: Linked}", "/proxmox/cloneMode"),
+        // The flag's syntax is not the value's: a map, node to storage.
+        (
+            "proxmox: {nodeStorage: \"pve1=local-lvm\"}",
+            "/proxmox/nodeStorage",
+        ),
+        (
+            "proxmox: {nodeStorage: [pve1, local-lvm]}",
+            "/proxmox/nodeStorage",
+        ),
+        (
+            "proxmox: {nodeStorage: {pve1: 7}}",
+            "/proxmox/nodeStorage/pve1",
+        ),
+        (
+            "proxmox: {nodeStorage: {pve1: {name: local-lvm}}}",
+            "/proxmox/nodeStorage/pve1",
+        ),
+        // Not a PVE storage id; ',' and '=' would corrupt the flag.
+        (
+            "proxmox: {nodeStorage: {pve1: \"local-lvm,pve2=x\"}}",
+            "/proxmox/nodeStorage/pve1",
+        ),
+        (
+            "proxmox: {nodeStorage: {pve1: 9fast}}",
+            "/proxmox/nodeStorage/pve1",
+        ),
+        (
+            "proxmox: {nodeStorage: {\"pve1=x\": local-lvm}}",
+            "/proxmox/nodeStorage",
+        ),
     ] {
         let e = render_err(&with_minimal(bad));
         assert!(
@@ -842,10 +998,10 @@ image: {repository: registry.example/bigfleet-proxmox, tag: "0.1.1", pullPolicy:
 imagePullSecrets: [{name: regcred}]
 nameOverride: pve
 provider: pve-dc1
-proxmox: {templateVMID: 9001, tlsFingerprint: "AB:CD"}
+proxmox: {templateVMID: 9001, tlsFingerprint: "AB:CD", templateReplicas: false, cloneMode: full, nodeStorage: {pve1: local-lvm, pve2: fast.zfs_1}}
 credentials: {token: {secretName: pve-token, secretKey: secret}, ca: {secretName: pve-ca, secretKey: ca.pem}}
 offerings: {content: '[{"instance_type": "pve.small", "zone": "pve1", "count": 2}]'}
-instanceTypes: {content: '{"pve.small": {"vcpu": 2, "memory_mib": 2048}}'}
+instanceTypes: {content: '{"pve.small": {"vcpu": 2, "memory_mib": 2048, "storage": "nvme"}}'}
 state: {persistence: {size: 2Gi, storageClass: fast, accessModes: [ReadWriteOncePod]}}
 tls: {enabled: true, mtls: true, secretName: provider-tls}
 log: {format: json, level: debug}

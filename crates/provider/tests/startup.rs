@@ -940,3 +940,84 @@ fn bad_clone_mode_and_node_storage_are_refused() {
         &["--node-storage \"pve1\" is invalid", "NODE=STORAGE"],
     );
 }
+
+/// `--clone-mode linked` where PVE cannot make linked clones stops start-up
+/// with a message naming the fix; on the same cluster, a template PVE can
+/// link from starts (so the refusals are about the template, not the mode).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn linked_clones_pve_cannot_make_stop_start_up_naming_the_fix() {
+    // 9000 on local LVM-thin of pve1 (linkable there, and from a replica on
+    // pve2); 9100 on thick LVM, which cannot snapshot.
+    let mut thick = pve_sim::TemplateSpec::local(9100, "pve1");
+    thick.storage = "thick".into();
+    let sim = pve_sim::PveSim::start(pve_sim::SimConfig {
+        templates: vec![pve_sim::TemplateSpec::local(9000, "pve1"), thick],
+        storages: vec![
+            pve_sim::StorageSpec::new("local-lvm", pve_sim::StorageKind::LvmThin, false, 1024),
+            pve_sim::StorageSpec::new("thick", pve_sim::StorageKind::Lvm, false, 1024),
+        ],
+        ..pve_sim::SimConfig::default()
+    })
+    .await
+    .expect("simulator");
+    let pki = Pki::new();
+    let ca = path_str(&pki.write("pve-ca.pem", sim.ca_pem())).to_string();
+    let secret = sim.token_secret().to_string();
+    let real = against_sim(&sim, &sim.base_url(), &secret, &ca);
+    let mut linked: Vec<&str> = real.iter().map(String::as_str).collect();
+    linked.extend(["--clone-mode", "linked"]);
+
+    let cases: [(&[&str], &[&str]); 2] = [
+        (
+            &["--template-vmid", "9100"],
+            &[
+                "--clone-mode linked: template 9100's disks are on storage thick (type lvm), \
+                 which cannot make linked clones",
+                "Use --clone-mode full, or move the template's disks to LVM-thin",
+            ],
+        ),
+        (
+            &["--template-replicas=false"],
+            &[
+                "--clone-mode linked: template 9000 is on local storage of node pve1, so node \
+                 pve2 cannot make linked clones of it",
+                "Leave --template-replicas on",
+                "or use --clone-mode full",
+            ],
+        ),
+    ];
+    for (extra, expect) in cases {
+        let mut all = vec!["--addr", "127.0.0.1:0", "--metrics-addr", ""];
+        all.extend(&linked);
+        all.extend(extra);
+        let run = tokio::task::block_in_place(|| run_to_exit(&all, EXIT_DEADLINE));
+        let stderr = run.stderr;
+        assert!(!run.status.success(), "{extra:?} must fail:\n{stderr}");
+        let reason = stderr
+            .lines()
+            .filter_map(|l| provider_testkit::field(l, "error"))
+            .collect::<Vec<_>>()
+            .join("\n");
+        for e in expect {
+            assert!(
+                reason.contains(e),
+                "{extra:?}: the error lacks {e:?}:\n{stderr}"
+            );
+        }
+        assert!(
+            !stderr.contains(provider_testkit::STARTUP_LINE),
+            "{extra:?}: must not serve:\n{stderr}"
+        );
+        assert!(!stderr.contains(&secret), "the secret is never logged");
+    }
+
+    // Serves (Provider::start waits for the start-up line and /readyz).
+    let provider = tokio::task::block_in_place(|| Provider::start(&linked));
+    assert!(
+        provider.startup_line.contains("proxmox_backend=proxmox"),
+        "{}",
+        provider.startup_line
+    );
+    drop(provider);
+    sim.shutdown().await;
+}

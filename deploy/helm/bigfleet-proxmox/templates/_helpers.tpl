@@ -1,8 +1,8 @@
 {{/*
 Named templates shared by the manifests. The chart keeps to a small template
 subset (values, if/else, range, include, default, quote, required, fail,
-toYaml | nindent, join, trunc, trimSuffix, sha256sum, dict, dig, lookup and
-.Files.Get) so crates/deploy-check can render and validate it without a helm
+toYaml | nindent, join, trunc, trimSuffix, sha256sum, dict, dig, keys,
+sortAlpha, index, lookup and .Files.Get) so crates/deploy-check can render and validate it without a helm
 binary.
 */}}
 
@@ -62,6 +62,18 @@ instance-types.json: |
 {{- end -}}
 
 {{/*
+proxmox.nodeStorage as --node-storage's NODE=STORAGE,... value, in node-name
+order (a map's own order is random, which would change the pod template on
+every upgrade).
+*/}}
+{{- define "bigfleet-proxmox.nodeStorage" -}}
+{{- $storage := .Values.proxmox.nodeStorage -}}
+{{- range $i, $node := keys $storage | sortAlpha -}}
+{{- if $i }},{{ end }}{{ $node }}={{ index $storage $node }}
+{{- end -}}
+{{- end -}}
+
+{{/*
 Checksum of a Secret the chart mounts but does not create: its name, the key
 and, when helm can read the Secret (install and upgrade; not `helm template`),
 the key's data. Called with (dict "namespace" .. "name" .. "key" ..).
@@ -96,6 +108,9 @@ too; failing here keeps a broken release from ever being applied.
 {{- if and (not .Values.credentials.ca.secretName) (not .Values.proxmox.tlsFingerprint) -}}
 {{- fail "TLS verification material is required: set credentials.ca.secretName (--proxmox-ca-file) or proxmox.tlsFingerprint (--proxmox-tls-fingerprint); verification of the Proxmox API cannot be disabled" -}}
 {{- end -}}
+{{- end -}}
+{{- if and (eq (default "full" .Values.proxmox.cloneMode) "linked") .Values.proxmox.nodeStorage -}}
+{{- fail "proxmox.cloneMode linked keeps every clone's disks on its template's storage (PVE refuses a target storage for linked clones): empty proxmox.nodeStorage, or set proxmox.cloneMode full" -}}
 {{- end -}}
 {{- if .Values.tls.enabled -}}
 {{- if not .Values.tls.secretName -}}
