@@ -14,12 +14,11 @@ use proxmox_backend::substrate::{CloneRequest, Substrate};
 use pve_sim::{endpoints, PveSim, SimConfig};
 
 fn opts() -> PveOptions {
-    PveOptions {
-        max_parallel_clones: 4,
-        retry_window: Duration::from_secs(15),
-        ambiguous_settle: Duration::from_millis(400),
-        ..common::opts(Duration::from_secs(20))
-    }
+    common::opts_retrying(
+        Duration::from_secs(20),
+        Duration::from_secs(15),
+        Duration::from_millis(400),
+    )
 }
 
 fn req(machine_id: &str) -> CloneRequest {

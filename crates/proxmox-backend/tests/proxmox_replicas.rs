@@ -14,12 +14,11 @@ use proxmox_backend::substrate::{CloneRequest, Substrate};
 use pve_sim::{endpoints, PveSim, SimConfig, StorageKind, StorageSpec, TemplateSpec, Vm};
 
 fn opts() -> PveOptions {
-    PveOptions {
-        max_parallel_clones: 4,
-        retry_window: Duration::from_secs(30),
-        ambiguous_settle: Duration::from_millis(500),
-        ..common::opts(Duration::from_secs(30))
-    }
+    common::opts_retrying(
+        Duration::from_secs(30),
+        Duration::from_secs(30),
+        Duration::from_millis(500),
+    )
 }
 
 /// The `i`th machine on `node`.

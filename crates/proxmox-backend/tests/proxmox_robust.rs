@@ -13,12 +13,11 @@ use pve::PveConfig;
 use pve_sim::{endpoints, SimConfig, TagAccess, TemplateSpec};
 
 fn opts() -> PveOptions {
-    PveOptions {
-        max_parallel_clones: 4,
-        retry_window: Duration::from_secs(15),
-        ambiguous_settle: Duration::from_millis(500),
-        ..common::opts(Duration::from_secs(20))
-    }
+    common::opts_retrying(
+        Duration::from_secs(20),
+        Duration::from_secs(15),
+        Duration::from_millis(500),
+    )
 }
 
 fn fast() -> SimConfig {

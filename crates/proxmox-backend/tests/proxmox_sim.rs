@@ -30,12 +30,13 @@ fn opts() -> PveOptions {
     PveOptions {
         drain_command: "kubectl drain \"$(hostname)\" --ignore-daemonsets --delete-emptydir-data"
             .into(),
-        max_parallel_clones: 4,
         readiness_timeout: Duration::from_secs(10),
         drain_timeout: Duration::from_secs(30),
-        retry_window: Duration::from_secs(20),
-        ambiguous_settle: Duration::from_millis(500),
-        ..common::opts(Duration::from_secs(30))
+        ..common::opts_retrying(
+            Duration::from_secs(30),
+            Duration::from_secs(20),
+            Duration::from_millis(500),
+        )
     }
 }
 

@@ -95,6 +95,22 @@ pub fn opts(timeout: Duration) -> PveOptions {
     }
 }
 
+/// [`opts`] with 4 clones in parallel, retrying transient failures for
+/// `retry_window` and waiting `ambiguous_settle` before judging a clone
+/// whose answer was lost.
+pub fn opts_retrying(
+    timeout: Duration,
+    retry_window: Duration,
+    ambiguous_settle: Duration,
+) -> PveOptions {
+    PveOptions {
+        max_parallel_clones: 4,
+        retry_window,
+        ambiguous_settle,
+        ..opts(timeout)
+    }
+}
+
 /// The Create of a `pve.small` (2 vCPU, 2 GiB) on `node` from template
 /// 9000, as operation `op-1`.
 pub fn req(machine_id: &str, node: &str) -> CloneRequest {
