@@ -12,13 +12,8 @@ use std::time::Duration;
 
 use bigfleet_proto::admin::admin_client::AdminClient;
 use bigfleet_proto::admin::ReclaimRequest;
-use common::{path_str, Pki, Provider, BIN};
+use common::{path_str, tls_channel, Pki, Provider, BIN};
 use serde_json::Value;
-use tonic::transport::{Certificate, ClientTlsConfig, Endpoint, Identity};
-
-fn read(p: &Path) -> String {
-    std::fs::read_to_string(p).expect("read pem")
-}
 
 /// `--fake-latency 30s`: a Create is still running when the process is
 /// killed, so it comes back FAILED after the restart.
@@ -74,23 +69,8 @@ async fn reclaim(
     identity: Option<(&Path, &Path)>,
     id: &str,
 ) -> Result<(), String> {
-    let mut tls = ClientTlsConfig::new()
-        .domain_name("localhost")
-        .ca_certificate(Certificate::from_pem(read(ca)));
-    if let Some((cert, key)) = identity {
-        tls = tls.identity(Identity::from_pem(read(cert), read(key)));
-    }
-    let endpoint = Endpoint::from_shared(format!("https://{addr}"))
-        .map_err(|e| e.to_string())?
-        .tls_config(tls)
-        .map_err(|e| e.to_string())?
-        .connect_timeout(Duration::from_secs(5))
-        .timeout(Duration::from_secs(10));
     let call = async {
-        let channel = endpoint
-            .connect()
-            .await
-            .map_err(|e| format!("connect: {e:?}"))?;
+        let channel = tls_channel(addr, ca, identity).await?;
         AdminClient::new(channel)
             .reclaim(ReclaimRequest {
                 machine_id: id.to_string(),

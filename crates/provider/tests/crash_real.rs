@@ -22,6 +22,7 @@
 mod common;
 
 use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -29,7 +30,7 @@ use std::time::{Duration, Instant};
 use bigfleet_proto::admin::admin_client::AdminClient;
 use bigfleet_proto::admin::{ReclaimRequest, ReclaimStatus};
 use bigfleet_proto::v1alpha1 as pb;
-use common::{path_str, Provider};
+use common::{path_str, sim_backend_args, sim_ca_file, start_blocking};
 use parking_lot::Mutex;
 use pb::capacity_provider_client::CapacityProviderClient;
 use pb::MachineState as S;
@@ -252,54 +253,34 @@ fn consistent(known: &Known, m: &pb::Machine) -> bool {
     }
 }
 
-fn provider_args(sim: &PveSim, ca: &str, state: &str, slots: usize) -> Vec<String> {
-    [
-        "--proxmox-backend",
-        "proxmox",
-        "--proxmox-api-url",
-        &sim.base_url(),
-        "--proxmox-token-id",
-        sim.token_id(),
-        "--proxmox-token-secret",
-        sim.token_secret(),
-        "--proxmox-ca-file",
+fn provider_args(sim: &PveSim, ca: &Path, state: &str, slots: usize) -> Vec<String> {
+    let slots = slots.to_string();
+    sim_backend_args(
+        sim,
         ca,
-        "--proxmox-pool",
-        "bigfleet",
-        "--nodes",
         "pve1,pve2",
-        "--seed-count",
-        &slots.to_string(),
-        "--proxmox-poll-interval",
-        "20ms",
-        "--max-parallel-clones",
-        "16",
-        "--readiness-command=",
-        "--bootstrap-exec=/bin/true",
-        "--drain-command=echo drained",
-        "--state",
-        state,
-        "--reconcile-interval",
-        "250ms",
-        "--reclaim-failed-after",
-        "0",
-        "--create-timeout",
-        "20s",
-        "--delete-timeout",
-        "20s",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect()
-}
-
-async fn start_provider(args: Vec<String>) -> Provider {
-    tokio::task::spawn_blocking(move || {
-        let refs: Vec<&str> = args.iter().map(String::as_str).collect();
-        Provider::start(&refs)
-    })
-    .await
-    .expect("provider start")
+        &[
+            "--seed-count",
+            &slots,
+            "--proxmox-poll-interval",
+            "20ms",
+            "--max-parallel-clones",
+            "16",
+            "--readiness-command=",
+            "--bootstrap-exec=/bin/true",
+            "--drain-command=echo drained",
+            "--state",
+            state,
+            "--reconcile-interval",
+            "250ms",
+            "--reclaim-failed-after",
+            "0",
+            "--create-timeout",
+            "20s",
+            "--delete-timeout",
+            "20s",
+        ],
+    )
 }
 
 /// The simulator has no task in progress: no VM holds a lock, twice in a row.
@@ -437,15 +418,13 @@ async fn kill_nine_campaign_on_the_real_backend() {
     })
     .await
     .expect("simulator");
-    let dir = tempfile::tempdir().unwrap();
-    let ca = dir.path().join("pve-ca.pem");
-    sim.write_ca(&ca).unwrap();
+    let (dir, ca) = sim_ca_file(&sim);
     let state_path = dir.path().join("state.db");
-    let args = provider_args(&sim, path_str(&ca), path_str(&state_path), SLOTS);
+    let args = provider_args(&sim, &ca, path_str(&state_path), SLOTS);
 
     let started = Instant::now();
     let mut figures = Figures::default();
-    let mut provider = start_provider(args.clone()).await;
+    let mut provider = start_blocking(args.clone()).await;
     let mut c = Client::new(common::plain_channel(provider.grpc).await);
     let model = Arc::new(Model {
         machines: Mutex::new(
@@ -486,7 +465,7 @@ async fn kill_nine_campaign_on_the_real_backend() {
         figures.acked += a;
         figures.completed += done;
 
-        provider = start_provider(args.clone()).await;
+        provider = start_blocking(args.clone()).await;
         c = Client::new(common::plain_channel(provider.grpc).await);
         let known = model.machines.lock().clone();
         let (machines, v) = settle_and_check(&sim, &mut c, &known).await;

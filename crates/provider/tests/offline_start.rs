@@ -10,8 +10,11 @@ mod common;
 use std::time::{Duration, Instant};
 
 use bigfleet_proto::v1alpha1::capacity_provider_client::CapacityProviderClient;
-use bigfleet_proto::v1alpha1::{CreateRequest, ListFilter, MachineRef, MachineState};
-use common::{http_get, path_str, wait_state, Provider};
+use bigfleet_proto::v1alpha1::{CreateRequest, MachineRef, MachineState};
+use common::{
+    http_get, sim_backend_args, sim_ca_file, speculative_in, start_blocking, wait_failed,
+    wait_state, Provider,
+};
 use pve_sim::{endpoints, PveSim, SimConfig, TemplateSpec};
 use tonic::transport::Channel;
 
@@ -28,66 +31,34 @@ async fn sim_with_pve2_offline() -> (PveSim, tempfile::TempDir, std::path::PathB
     .await
     .expect("simulator");
     assert!(sim.set_node_online("pve2", false));
-    let dir = tempfile::tempdir().expect("tempdir");
-    let ca = dir.path().join("pve-ca.pem");
-    sim.write_ca(&ca).expect("write CA");
+    let (dir, ca) = sim_ca_file(&sim);
     (sim, dir, ca)
 }
 
-/// Boots the binary (blocking: run beside the simulator's runtime).
+/// Boots the binary (blocking: run beside the simulator's runtime); it
+/// returns once the start-up line is out and /readyz answers 200.
 async fn start(sim: &PveSim, ca: &std::path::Path, create_timeout: &str) -> Provider {
-    let args: Vec<String> = [
-        "--proxmox-backend",
-        "proxmox",
-        "--proxmox-api-url",
-        &sim.base_url(),
-        "--proxmox-token-id",
-        sim.token_id(),
-        "--proxmox-token-secret",
-        sim.token_secret(),
-        "--proxmox-ca-file",
-        path_str(ca),
-        "--proxmox-pool",
-        "bigfleet",
-        "--nodes",
+    start_blocking(sim_backend_args(
+        sim,
+        ca,
         "pve1,pve2",
-        "--seed-count",
-        "2",
-        "--proxmox-poll-interval",
-        "50ms",
-        "--readiness-command=",
-        "--reconcile-interval",
-        "250ms",
-        "--create-timeout",
-        create_timeout,
-        "--delete-timeout",
-        create_timeout,
-        "--configure-timeout",
-        create_timeout,
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
-    tokio::task::spawn_blocking(move || {
-        let refs: Vec<&str> = args.iter().map(String::as_str).collect();
-        // Returns once the start-up line is out and /readyz answers 200.
-        Provider::start(&refs)
-    })
+        &[
+            "--seed-count",
+            "2",
+            "--proxmox-poll-interval",
+            "50ms",
+            "--readiness-command=",
+            "--reconcile-interval",
+            "250ms",
+            "--create-timeout",
+            create_timeout,
+            "--delete-timeout",
+            create_timeout,
+            "--configure-timeout",
+            create_timeout,
+        ],
+    ))
     .await
-    .expect("provider start")
-}
-
-/// A SPECULATIVE machine in zone `node`.
-async fn speculative_in(c: &mut CapacityProviderClient<Channel>, node: &str) -> String {
-    c.list(ListFilter::default())
-        .await
-        .expect("List")
-        .into_inner()
-        .machines
-        .into_iter()
-        .find(|m| m.state == MachineState::Speculative as i32 && m.zone == node)
-        .unwrap_or_else(|| panic!("a SPECULATIVE slot in zone {node}"))
-        .id
 }
 
 async fn create(c: &mut CapacityProviderClient<Channel>, id: &str) {
@@ -127,12 +98,26 @@ fn assert_serves_and_reports_nodes(p: &Provider) {
     );
 }
 
+/// The simulator with pve2 offline, the binary booted on it (checked to
+/// serve and report its nodes) with `create_timeout`, and a client.
+async fn boot(
+    create_timeout: &str,
+) -> (
+    PveSim,
+    tempfile::TempDir,
+    Provider,
+    CapacityProviderClient<Channel>,
+) {
+    let (sim, dir, ca) = sim_with_pve2_offline().await;
+    let p = start(&sim, &ca, create_timeout).await;
+    assert_serves_and_reports_nodes(&p);
+    let c = p.client().await;
+    (sim, dir, p, c)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn starts_with_a_node_offline_and_a_create_waits_for_it() {
-    let (sim, _dir, ca) = sim_with_pve2_offline().await;
-    let p = start(&sim, &ca, "40s").await;
-    assert_serves_and_reports_nodes(&p);
-    let mut c = p.client().await;
+    let (sim, _dir, p, mut c) = boot("40s").await;
 
     // The healthy node's capacity works meanwhile.
     let on_pve1 = speculative_in(&mut c, "pve1").await;
@@ -180,27 +165,10 @@ async fn starts_with_a_node_offline_and_a_create_waits_for_it() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_create_on_a_node_that_stays_offline_fails_naming_it() {
-    let (sim, _dir, ca) = sim_with_pve2_offline().await;
-    let p = start(&sim, &ca, "3s").await;
-    assert_serves_and_reports_nodes(&p);
-    let mut c = p.client().await;
+    let (sim, _dir, _p, mut c) = boot("3s").await;
     let on_pve2 = speculative_in(&mut c, "pve2").await;
     create(&mut c, &on_pve2).await;
-    let deadline = Instant::now() + DEADLINE;
-    let failed = loop {
-        let m = c
-            .get(MachineRef {
-                id: on_pve2.clone(),
-            })
-            .await
-            .expect("Get")
-            .into_inner();
-        if m.state == MachineState::Failed as i32 {
-            break m;
-        }
-        assert!(Instant::now() < deadline, "never FAILED: {m:?}");
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    };
+    let failed = wait_failed(&mut c, &on_pve2, DEADLINE).await;
     assert!(
         failed.last_error.contains("node pve2") && failed.last_error.contains("offline"),
         "last_error names the node: {}",

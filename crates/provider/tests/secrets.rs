@@ -4,12 +4,12 @@
 
 mod common;
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use bigfleet_proto::v1alpha1::{
-    ConfigureRequest, CreateRequest, ListFilter, MachineRef, MachineState,
+use bigfleet_proto::v1alpha1::{ConfigureRequest, CreateRequest, ListFilter, MachineState};
+use common::{
+    http_get, path_str, sim_backend_args, sim_ca_file, wait_failed, wait_state, Provider,
 };
-use common::{http_get, path_str, wait_state, Provider};
 use pve_sim::{PveSim, SimConfig};
 
 const DEADLINE: Duration = Duration::from_secs(60);
@@ -24,33 +24,23 @@ async fn a_failing_bootstrap_that_echoes_the_blob_leaks_nothing() {
     let sim = PveSim::start(SimConfig::default())
         .await
         .expect("simulator");
-    let dir = tempfile::tempdir().unwrap();
-    let ca = dir.path().join("pve-ca.pem");
-    sim.write_ca(&ca).unwrap();
+    let (dir, ca) = sim_ca_file(&sim);
     let state = dir.path().join("state.db");
-    let url = sim.base_url();
-    let provider = Provider::start(&[
-        "--proxmox-backend",
-        "proxmox",
-        "--proxmox-api-url",
-        &url,
-        "--proxmox-token-id",
-        sim.token_id(),
-        "--proxmox-token-secret",
-        sim.token_secret(),
-        "--proxmox-ca-file",
-        path_str(&ca),
-        "--proxmox-pool",
-        "bigfleet",
-        "--nodes",
+    let args = sim_backend_args(
+        &sim,
+        &ca,
         "pve1",
-        "--seed-count",
-        "1",
-        "--proxmox-poll-interval",
-        "50ms",
-        "--state",
-        path_str(&state),
-    ]);
+        &[
+            "--seed-count",
+            "1",
+            "--proxmox-poll-interval",
+            "50ms",
+            "--state",
+            path_str(&state),
+        ],
+    );
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let provider = Provider::start(&args);
     let mut c = provider.client().await;
     let id = common::speculative_id(&mut c).await;
     c.create(CreateRequest {
@@ -72,19 +62,7 @@ async fn a_failing_bootstrap_that_echoes_the_blob_leaks_nothing() {
     })
     .await
     .expect("Configure is accepted; the bootstrap fails later");
-    let deadline = Instant::now() + DEADLINE;
-    let failed = loop {
-        let m = c
-            .get(MachineRef { id: id.clone() })
-            .await
-            .expect("Get")
-            .into_inner();
-        if m.state == MachineState::Failed as i32 {
-            break m;
-        }
-        assert!(Instant::now() < deadline, "never FAILED: {m:?}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
+    let failed = wait_failed(&mut c, &id, DEADLINE).await;
     let err = &failed.last_error;
     assert!(err.contains("exited 3"), "{err}");
     assert!(

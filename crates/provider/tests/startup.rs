@@ -840,23 +840,7 @@ fn fatal_errors_are_structured_lines_in_the_chosen_format() {
 
 /// Real-backend flags against a running pve-sim, trusting `ca` (a path).
 fn against_sim(sim: &pve_sim::PveSim, url: &str, secret: &str, ca: &str) -> Vec<String> {
-    [
-        "--proxmox-api-url",
-        url,
-        "--proxmox-token-id",
-        sim.token_id(),
-        "--proxmox-token-secret",
-        secret,
-        "--proxmox-ca-file",
-        ca,
-        "--proxmox-pool",
-        "bigfleet",
-        "--nodes",
-        "pve1,pve2",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect()
+    common::pve_flags(sim, url, secret, ca, "pve1,pve2")
 }
 
 /// Each way of not reaching the API fails start-up with the hint that

@@ -11,16 +11,12 @@ use std::time::Duration;
 
 use bigfleet_proto::v1alpha1::capacity_provider_client::CapacityProviderClient;
 use bigfleet_proto::v1alpha1::ListFilter;
-use common::{path_str, Pki, Provider};
+use common::{path_str, tls_channel, Pki, Provider};
 use provider_testkit::field;
 use rustls::pki_types::ServerName;
-use tonic::transport::{Certificate, ClientTlsConfig, Endpoint, Identity};
+use tonic::transport::Endpoint;
 
 const RPC_DEADLINE: Duration = Duration::from_secs(15);
-
-fn read(p: &Path) -> String {
-    std::fs::read_to_string(p).expect("read pem")
-}
 
 fn start_tls(pki: &Pki, mtls: bool) -> Provider {
     let mut args = vec![
@@ -45,23 +41,8 @@ async fn list_over_tls(
     ca: &Path,
     identity: Option<(&Path, &Path)>,
 ) -> Result<usize, String> {
-    let mut tls = ClientTlsConfig::new()
-        .domain_name("localhost")
-        .ca_certificate(Certificate::from_pem(read(ca)));
-    if let Some((cert, key)) = identity {
-        tls = tls.identity(Identity::from_pem(read(cert), read(key)));
-    }
-    let endpoint = Endpoint::from_shared(format!("https://{addr}"))
-        .map_err(|e| e.to_string())?
-        .tls_config(tls)
-        .map_err(|e| e.to_string())?
-        .connect_timeout(Duration::from_secs(5))
-        .timeout(Duration::from_secs(10));
     let call = async {
-        let channel = endpoint
-            .connect()
-            .await
-            .map_err(|e| format!("connect: {e:?}"))?;
+        let channel = tls_channel(addr, ca, identity).await?;
         let list = CapacityProviderClient::new(channel)
             .list(ListFilter::default())
             .await

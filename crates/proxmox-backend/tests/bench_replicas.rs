@@ -4,18 +4,20 @@
 //!
 //! `cargo test -p proxmox-backend --test bench_replicas -- --ignored --nocapture`
 
+mod common;
+
 use std::sync::Arc;
 use std::time::Instant;
 
+use common::total_calls as calls;
 use proxmox_backend::proxmox::{PveOptions, PveSubstrate};
 use proxmox_backend::substrate::{CloneRequest, Substrate};
-use pve::{PveClient, PveConfig};
+use pve::PveClient;
 use pve_sim::{PveSim, SimConfig, TemplateSpec};
 
+/// A client with the default timeouts and retries.
 fn client(sim: &PveSim) -> PveClient {
-    let mut cfg = PveConfig::new(sim.base_url(), sim.token_id(), sim.token_secret());
-    cfg.ca_pem = Some(sim.ca_pem().as_bytes().to_vec());
-    PveClient::new(cfg).expect("client")
+    common::client_of(common::config(sim))
 }
 
 /// The provider's defaults (`--proxmox-poll-interval 1s`, 2 clones per node
@@ -29,18 +31,10 @@ fn opts() -> PveOptions {
 
 fn req(node: &str, template: u32, i: usize) -> CloneRequest {
     CloneRequest {
-        machine_id: format!("bench/OnDemand/pve.small/{node}/{i:03}"),
         operation_id: format!("op-{node}-{i}"),
-        instance_type: "pve.small".into(),
-        node: node.into(),
         template_vmid: template,
-        vcpu: 2,
-        memory_mib: 2048,
+        ..common::req(&format!("bench/OnDemand/pve.small/{node}/{i:03}"), node)
     }
-}
-
-fn calls(sim: &PveSim) -> u64 {
-    sim.faults().counts().values().sum()
 }
 
 /// One Create: (seconds, API calls).

@@ -2,52 +2,35 @@
 //! way a new operator's set-up can be wrong fails before serving, naming
 //! the fix.
 
+mod common;
+
 use std::time::Duration;
 
+use common::sim_with;
 use proxmox_backend::proxmox::{PveOptions, PveSubstrate};
 use proxmox_backend::substrate::{CloneRequest, Substrate};
-use pve::{PveClient, PveConfig, RetryPolicy};
+use pve::{PveClient, PveConfig};
 use pve_sim::{endpoints, PveSim, SimConfig, TagAccess, TemplateSpec};
 
+/// A client config that does not retry: each failure is seen as it is.
 fn config(sim: &PveSim) -> PveConfig {
-    let mut cfg = PveConfig::new(sim.base_url(), sim.token_id(), sim.token_secret());
-    cfg.ca_pem = Some(sim.ca_pem().as_bytes().to_vec());
-    cfg.request_timeout = Duration::from_secs(10);
-    cfg.retry = RetryPolicy {
-        max_attempts: 1,
-        initial_backoff: Duration::from_millis(10),
-        max_backoff: Duration::from_millis(10),
-    };
-    cfg
+    common::config_retrying(sim, 1, Duration::from_millis(10), Duration::from_millis(10))
 }
 
 fn client(sim: &PveSim) -> PveClient {
-    PveClient::new(config(sim)).expect("client")
+    common::client_of(config(sim))
 }
 
 fn opts(pool: &str) -> PveOptions {
     PveOptions {
         pool: Some(pool.into()),
-        task_timeout: Duration::from_secs(20),
-        agent_timeout: Duration::from_secs(20),
-        exec_timeout: Duration::from_secs(20),
-        poll_interval: Duration::from_millis(50),
         retry_window: Duration::from_secs(5),
-        ..PveOptions::default()
+        ..common::opts(Duration::from_secs(20))
     }
 }
 
 fn fast() -> SimConfig {
-    SimConfig {
-        clone_duration: Duration::from_millis(100),
-        agent_boot_delay: Duration::from_millis(50),
-        rrd_lag: Duration::ZERO,
-        ..SimConfig::default()
-    }
-}
-
-async fn sim_with(cfg: SimConfig) -> PveSim {
-    PveSim::start(cfg).await.expect("simulator")
+    common::fast_sim(Duration::from_millis(100), Duration::from_millis(50))
 }
 
 async fn preflight(sim: &PveSim, pool: &str) -> Result<Vec<String>, String> {
@@ -249,15 +232,7 @@ async fn a_template_without_the_agent_is_refused() {
 }
 
 fn req(machine_id: &str) -> CloneRequest {
-    CloneRequest {
-        machine_id: machine_id.into(),
-        operation_id: "op-1".into(),
-        instance_type: "pve.small".into(),
-        node: "pve1".into(),
-        template_vmid: 9000,
-        vcpu: 2,
-        memory_mib: 2048,
-    }
+    common::req(machine_id, "pve1")
 }
 
 #[tokio::test]

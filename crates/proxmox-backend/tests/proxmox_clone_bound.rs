@@ -2,49 +2,30 @@
 //! checked against the PVE simulator. A clone in flight is visible in the
 //! simulator as a VM holding the `clone` config lock.
 
+mod common;
+
 use std::sync::Arc;
 use std::time::Duration;
 
+use common::{client, until as wait_for};
 use proxmox_backend::proxmox::{PveOptions, PveSubstrate};
 use proxmox_backend::substrate::{CloneRequest, Substrate, VmRef};
-use pve::{PveClient, PveConfig, RetryPolicy};
 use pve_sim::{endpoints, PveSim, SimConfig, TemplateSpec};
 use tokio::task::JoinHandle;
-use tokio::time::Instant;
 
-fn client(sim: &PveSim) -> PveClient {
-    let mut cfg = PveConfig::new(sim.base_url(), sim.token_id(), sim.token_secret());
-    cfg.ca_pem = Some(sim.ca_pem().as_bytes().to_vec());
-    cfg.request_timeout = Duration::from_secs(10);
-    cfg.retry = RetryPolicy {
-        max_attempts: 5,
-        initial_backoff: Duration::from_millis(20),
-        max_backoff: Duration::from_millis(200),
-    };
-    PveClient::new(cfg).expect("client")
-}
-
-/// One clone slot per (node, storage).
+/// One clone slot per (node, storage), outside any pool.
 fn opts() -> PveOptions {
     PveOptions {
+        pool: None,
         max_parallel_clones: 1,
-        task_timeout: Duration::from_secs(30),
-        agent_timeout: Duration::from_secs(30),
-        exec_timeout: Duration::from_secs(30),
-        poll_interval: Duration::from_millis(50),
-        ..PveOptions::default()
+        ..common::opts(Duration::from_secs(30))
     }
 }
 
 fn req(machine_id: &str, node: &str, template: u32) -> CloneRequest {
     CloneRequest {
-        machine_id: machine_id.into(),
-        operation_id: "op-1".into(),
-        instance_type: "pve.small".into(),
-        node: node.into(),
         template_vmid: template,
-        vcpu: 2,
-        memory_mib: 2048,
+        ..common::req(machine_id, node)
     }
 }
 
@@ -86,14 +67,6 @@ fn spawn_create(
 ) -> JoinHandle<Result<VmRef, proxmox_backend::substrate::SubstrateError>> {
     let sub = sub.clone();
     tokio::spawn(async move { sub.clone_vm(&r).await })
-}
-
-async fn wait_for(what: &str, within: Duration, mut cond: impl FnMut() -> bool) {
-    let deadline = Instant::now() + within;
-    while !cond() {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
 }
 
 #[tokio::test]

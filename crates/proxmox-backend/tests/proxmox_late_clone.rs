@@ -4,73 +4,38 @@
 //! one VM: the late one is destroyed, but only when its description marker
 //! names this machine and this operation.
 
+mod common;
+
 use std::time::Duration;
 
+use common::{client_3_tries as client, clones};
 use proxmox_backend::proxmox::{marker_description, parse_marker, PveOptions, PveSubstrate};
 use proxmox_backend::substrate::{CloneRequest, Substrate};
-use pve::{PveClient, PveConfig, RetryPolicy};
 use pve_sim::{endpoints, PveSim, SimConfig};
 
-fn client(sim: &PveSim) -> PveClient {
-    let mut cfg = PveConfig::new(sim.base_url(), sim.token_id(), sim.token_secret());
-    cfg.ca_pem = Some(sim.ca_pem().as_bytes().to_vec());
-    cfg.request_timeout = Duration::from_secs(10);
-    cfg.retry = RetryPolicy {
-        max_attempts: 3,
-        initial_backoff: Duration::from_millis(20),
-        max_backoff: Duration::from_millis(100),
-    };
-    PveClient::new(cfg).expect("client")
-}
-
 fn opts() -> PveOptions {
-    PveOptions {
-        pool: Some("bigfleet".into()),
-        max_parallel_clones: 4,
-        task_timeout: Duration::from_secs(20),
-        agent_timeout: Duration::from_secs(20),
-        exec_timeout: Duration::from_secs(20),
-        poll_interval: Duration::from_millis(50),
-        retry_window: Duration::from_secs(15),
-        ambiguous_settle: Duration::from_millis(400),
-        ..PveOptions::default()
-    }
+    common::opts_retrying(
+        Duration::from_secs(20),
+        Duration::from_secs(15),
+        Duration::from_millis(400),
+    )
 }
 
 fn req(machine_id: &str) -> CloneRequest {
-    CloneRequest {
-        machine_id: machine_id.into(),
-        operation_id: "op-1".into(),
-        instance_type: "pve.small".into(),
-        node: "pve1".into(),
-        template_vmid: 9000,
-        vcpu: 2,
-        memory_mib: 2048,
-    }
+    common::req(machine_id, "pve1")
 }
 
 /// The clone worker's real timeline under a pool-scoped token.
 fn sim_config() -> SimConfig {
     SimConfig {
-        clone_duration: Duration::from_millis(150),
-        agent_boot_delay: Duration::from_millis(100),
-        rrd_lag: Duration::ZERO,
         clone_timeline: true,
         pool_acl: true,
-        ..SimConfig::default()
+        ..common::fast_sim(Duration::from_millis(150), Duration::from_millis(100))
     }
 }
 
-fn clones(sim: &PveSim) -> Vec<pve_sim::Vm> {
-    sim.vms().into_values().filter(|v| !v.template).collect()
-}
-
-async fn until(what: &str, mut cond: impl FnMut() -> bool) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
-    while !cond() {
-        assert!(tokio::time::Instant::now() < deadline, "timed out: {what}");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+async fn until(what: &str, cond: impl FnMut() -> bool) {
+    common::until(what, Duration::from_secs(15), cond).await
 }
 
 /// Starts a Create whose first clone POST answers 596 and lands `delay`
@@ -103,7 +68,7 @@ async fn create_with_a_late_landing(sim: &PveSim, sub: &PveSubstrate, id: &str) 
 
 #[tokio::test]
 async fn a_lost_clone_landing_late_leaves_one_vm_per_machine() {
-    let sim = PveSim::start(sim_config()).await.expect("simulator");
+    let sim = common::sim_with(sim_config()).await;
     let sub = PveSubstrate::new(client(&sim), opts());
     let id = "p/OnDemand/pve.small/pve1/001";
     let kept = create_with_a_late_landing(&sim, &sub, id).await;
@@ -130,7 +95,7 @@ async fn a_lost_clone_landing_late_leaves_one_vm_per_machine() {
 
 #[tokio::test]
 async fn a_late_vm_whose_marker_names_another_operation_is_left_alone() {
-    let sim = PveSim::start(sim_config()).await.expect("simulator");
+    let sim = common::sim_with(sim_config()).await;
     let sub = PveSubstrate::new(client(&sim), opts());
     let id = "p/OnDemand/pve.small/pve1/002";
     let kept = create_with_a_late_landing(&sim, &sub, id).await;
@@ -165,7 +130,7 @@ async fn a_late_vm_whose_marker_names_another_operation_is_left_alone() {
 
 #[tokio::test]
 async fn a_late_clone_that_is_the_machines_only_vm_is_kept_and_adopted() {
-    let sim = PveSim::start(sim_config()).await.expect("simulator");
+    let sim = common::sim_with(sim_config()).await;
     let sub = PveSubstrate::new(client(&sim), opts());
     let id = "p/OnDemand/pve.small/pve1/003";
     sim.faults().apply_late(

@@ -1,55 +1,32 @@
 //! Templates on local storage, per-node replicas, clone modes and storage
 //! placement: the real substrate against the PVE simulator.
 
+mod common;
+
 use std::sync::Arc;
 use std::time::Duration;
 
+use common::{assert_no_violations, client, sim_with};
 use proxmox_backend::proxmox::{
     parse_replica_marker, CloneMode, PveOptions, PveSubstrate, REPLICA_TAG,
 };
 use proxmox_backend::substrate::{CloneRequest, Substrate};
-use pve::{PveClient, PveConfig, RetryPolicy};
 use pve_sim::{endpoints, PveSim, SimConfig, StorageKind, StorageSpec, TemplateSpec, Vm};
 
-fn client(sim: &PveSim) -> PveClient {
-    let mut cfg = PveConfig::new(sim.base_url(), sim.token_id(), sim.token_secret());
-    cfg.ca_pem = Some(sim.ca_pem().as_bytes().to_vec());
-    cfg.request_timeout = Duration::from_secs(10);
-    cfg.retry = RetryPolicy {
-        max_attempts: 5,
-        initial_backoff: Duration::from_millis(20),
-        max_backoff: Duration::from_millis(200),
-    };
-    PveClient::new(cfg).expect("client")
-}
-
 fn opts() -> PveOptions {
-    PveOptions {
-        pool: Some("bigfleet".into()),
-        max_parallel_clones: 4,
-        task_timeout: Duration::from_secs(30),
-        agent_timeout: Duration::from_secs(30),
-        poll_interval: Duration::from_millis(50),
-        retry_window: Duration::from_secs(30),
-        ambiguous_settle: Duration::from_millis(500),
-        ..PveOptions::default()
-    }
+    common::opts_retrying(
+        Duration::from_secs(30),
+        Duration::from_secs(30),
+        Duration::from_millis(500),
+    )
 }
 
+/// The `i`th machine on `node`.
 fn req(node: &str, i: usize) -> CloneRequest {
     CloneRequest {
-        machine_id: format!("p/OnDemand/pve.small/{node}/{i:03}"),
         operation_id: format!("op-{node}-{i}"),
-        instance_type: "pve.small".into(),
-        node: node.into(),
-        template_vmid: 9000,
-        vcpu: 2,
-        memory_mib: 2048,
+        ..common::req(&format!("p/OnDemand/pve.small/{node}/{i:03}"), node)
     }
-}
-
-async fn sim_with(cfg: SimConfig) -> PveSim {
-    PveSim::start(cfg).await.expect("simulator")
 }
 
 /// Our replicas in the simulator: (vmid, VM, marker).
@@ -61,11 +38,6 @@ fn replicas(sim: &PveSim) -> Vec<(u32, Vm, (u32, String))> {
             Some((id, vm, m))
         })
         .collect()
-}
-
-fn assert_no_violations(sim: &PveSim) {
-    let v = sim.schema_violations();
-    assert!(v.is_empty(), "schema violations: {v:?}");
 }
 
 #[tokio::test]
@@ -494,9 +466,6 @@ async fn replicas_work_when_the_cluster_refuses_new_tags() {
 #[tokio::test]
 async fn through_the_backend_a_failed_staging_is_the_create_error() {
     use providerkit::{Backend, CreateCtx};
-    use proxmox_backend::backend::ProxmoxBackend;
-    use proxmox_backend::catalog::{expand_slots, InstanceType, Offering, Pricing};
-    use std::collections::BTreeMap;
 
     let sim = sim_with(SimConfig::default()).await;
     // A lock timeout is retried; a storage failure is not.
@@ -517,33 +486,13 @@ async fn through_the_backend_a_failed_staging_is_the_create_error() {
         1,
         "lvrename 'pve/vm-102-disk-0' error: Logical volume is in use",
     );
-    let mut types = BTreeMap::new();
-    types.insert(
-        "pve.small".to_string(),
-        InstanceType {
-            vcpu: 2,
-            memory_mib: 2048,
-            template_vmid: 9000,
-            storage: None,
-        },
+    let (backend, _) = common::small_backend(
+        "proxmox",
+        "pve2",
+        2,
+        &["pve1", "pve2"],
+        PveSubstrate::new(client(&sim), opts()),
     );
-    let pricing = || Pricing {
-        explicit: Default::default(),
-        per_vcpu_hour: 0.003,
-        per_gib_hour: 0.0008,
-    };
-    let offerings = vec![Offering {
-        instance_type: "pve.small".into(),
-        zone: "pve2".into(),
-        capacity_type: String::new(),
-        count: 2,
-        resources: Default::default(),
-        labels: Default::default(),
-    }];
-    let zones = vec!["pve1".to_string(), "pve2".to_string()];
-    let slots = expand_slots("proxmox", &offerings, &types, Some(&zones), &pricing()).unwrap();
-    let sub = Arc::new(PveSubstrate::new(client(&sim), opts()));
-    let backend = ProxmoxBackend::new(slots, types, pricing(), sub);
     let ids: Vec<String> = backend
         .describe()
         .await

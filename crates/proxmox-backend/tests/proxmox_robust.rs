@@ -1,81 +1,32 @@
 //! Real-cluster failure modes, each reproduced in the PVE simulator and
 //! driven through the real substrate (PveSubstrate over verified HTTPS).
 
+mod common;
+
 use std::sync::Arc;
 use std::time::Duration;
 
+use common::{assert_no_violations, client_3_tries as client, clones, req, sim_with};
 use proxmox_backend::proxmox::{marker_description, parse_marker, PveOptions, PveSubstrate};
-use proxmox_backend::substrate::{CloneRequest, Substrate, VmRef};
-use pve::{PveClient, PveConfig, RetryPolicy};
-use pve_sim::{endpoints, PveSim, SimConfig, TagAccess, TemplateSpec};
-
-fn client(sim: &PveSim) -> PveClient {
-    let mut cfg = PveConfig::new(sim.base_url(), sim.token_id(), sim.token_secret());
-    cfg.ca_pem = Some(sim.ca_pem().as_bytes().to_vec());
-    cfg.request_timeout = Duration::from_secs(10);
-    cfg.retry = RetryPolicy {
-        max_attempts: 3,
-        initial_backoff: Duration::from_millis(20),
-        max_backoff: Duration::from_millis(100),
-    };
-    PveClient::new(cfg).expect("client")
-}
+use proxmox_backend::substrate::{Substrate, VmRef};
+use pve::PveConfig;
+use pve_sim::{endpoints, SimConfig, TagAccess, TemplateSpec};
 
 fn opts() -> PveOptions {
-    PveOptions {
-        pool: Some("bigfleet".into()),
-        max_parallel_clones: 4,
-        task_timeout: Duration::from_secs(20),
-        agent_timeout: Duration::from_secs(20),
-        exec_timeout: Duration::from_secs(20),
-        poll_interval: Duration::from_millis(50),
-        retry_window: Duration::from_secs(15),
-        ambiguous_settle: Duration::from_millis(500),
-        ..PveOptions::default()
-    }
-}
-
-fn req(machine_id: &str, node: &str) -> CloneRequest {
-    CloneRequest {
-        machine_id: machine_id.into(),
-        operation_id: "op-1".into(),
-        instance_type: "pve.small".into(),
-        node: node.into(),
-        template_vmid: 9000,
-        vcpu: 2,
-        memory_mib: 2048,
-    }
+    common::opts_retrying(
+        Duration::from_secs(20),
+        Duration::from_secs(15),
+        Duration::from_millis(500),
+    )
 }
 
 fn fast() -> SimConfig {
-    SimConfig {
-        clone_duration: Duration::from_millis(150),
-        agent_boot_delay: Duration::from_millis(100),
-        rrd_lag: Duration::ZERO,
-        ..SimConfig::default()
-    }
-}
-
-async fn sim_with(cfg: SimConfig) -> PveSim {
-    PveSim::start(cfg).await.expect("simulator")
-}
-
-fn clones(sim: &PveSim) -> Vec<pve_sim::Vm> {
-    sim.vms().into_values().filter(|v| !v.template).collect()
-}
-
-fn assert_no_violations(sim: &PveSim) {
-    let v = sim.schema_violations();
-    assert!(v.is_empty(), "schema violations: {v:?}");
+    common::fast_sim(Duration::from_millis(150), Duration::from_millis(100))
 }
 
 /// Waits (bounded) until `cond` holds on the simulator.
-async fn until(what: &str, mut cond: impl FnMut() -> bool) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    while !cond() {
-        assert!(tokio::time::Instant::now() < deadline, "timed out: {what}");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+async fn until(what: &str, cond: impl FnMut() -> bool) {
+    common::until(what, Duration::from_secs(10), cond).await
 }
 
 // ---- item 2: never destroy what isn't ours ----

@@ -1,74 +1,52 @@
 //! The real Proxmox substrate against the PVE simulator, over verified HTTPS.
 
+mod common;
+
 use std::collections::{BTreeMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
+use common::{assert_no_violations, client, sim_with, total_calls};
 use proxmox_backend::proxmox::{parse_marker, vm_name, PveOptions, PveSubstrate};
 use proxmox_backend::substrate::{CloneRequest, Substrate, VmRef};
-use pve::{PveClient, PveConfig, RetryPolicy};
+use pve::PveClient;
 use pve_sim::{endpoints, GuestOutput, PveSim, SimConfig, TemplateSpec};
 
 const LOCK_MSG: &str = "can't lock file '/var/lock/qemu-server/lock-100.conf' - got timeout";
 
 fn client_with(sim: &PveSim, ca: Option<Vec<u8>>, pins: Vec<[u8; 32]>) -> PveClient {
-    let mut cfg = PveConfig::new(sim.base_url(), sim.token_id(), sim.token_secret());
+    let mut cfg = common::config_retrying(
+        sim,
+        5,
+        Duration::from_millis(20),
+        Duration::from_millis(200),
+    );
     cfg.ca_pem = ca;
     cfg.fingerprints = pins;
-    cfg.request_timeout = Duration::from_secs(10);
-    cfg.retry = RetryPolicy {
-        max_attempts: 5,
-        initial_backoff: Duration::from_millis(20),
-        max_backoff: Duration::from_millis(200),
-    };
-    PveClient::new(cfg).expect("client")
-}
-
-fn client(sim: &PveSim) -> PveClient {
-    client_with(sim, Some(sim.ca_pem().as_bytes().to_vec()), vec![])
+    common::client_of(cfg)
 }
 
 fn opts() -> PveOptions {
     PveOptions {
-        pool: Some("bigfleet".into()),
         drain_command: "kubectl drain \"$(hostname)\" --ignore-daemonsets --delete-emptydir-data"
             .into(),
-        max_parallel_clones: 4,
-        task_timeout: Duration::from_secs(30),
-        agent_timeout: Duration::from_secs(30),
-        exec_timeout: Duration::from_secs(30),
         readiness_timeout: Duration::from_secs(10),
         drain_timeout: Duration::from_secs(30),
-        poll_interval: Duration::from_millis(50),
-        retry_window: Duration::from_secs(20),
-        ambiguous_settle: Duration::from_millis(500),
-        ..PveOptions::default()
+        ..common::opts_retrying(
+            Duration::from_secs(30),
+            Duration::from_secs(20),
+            Duration::from_millis(500),
+        )
     }
 }
 
+/// A `pve.small` with 3 vCPU and 3 GiB, so its sizing is seen to be applied.
 fn req(machine_id: &str, node: &str) -> CloneRequest {
     CloneRequest {
-        machine_id: machine_id.into(),
-        operation_id: "op-1".into(),
-        instance_type: "pve.small".into(),
-        node: node.into(),
-        template_vmid: 9000,
         vcpu: 3,
         memory_mib: 3072,
+        ..common::req(machine_id, node)
     }
-}
-
-async fn sim_with(cfg: SimConfig) -> PveSim {
-    PveSim::start(cfg).await.expect("simulator")
-}
-
-fn total_calls(sim: &PveSim) -> u64 {
-    sim.faults().counts().values().sum()
-}
-
-fn assert_no_violations(sim: &PveSim) {
-    let v = sim.schema_violations();
-    assert!(v.is_empty(), "schema violations: {v:?}");
 }
 
 #[tokio::test]
@@ -115,15 +93,7 @@ async fn full_lifecycle() {
     );
     assert!(!sub.readiness_gate());
 
-    let seen = Arc::new(parking_lot::Mutex::new(Vec::<String>::new()));
-    let seen2 = seen.clone();
-    sim.add_guest_handler(move |e| {
-        let line = e.command_line();
-        line.contains("kubectl drain").then(|| {
-            seen2.lock().push(line.clone());
-            GuestOutput::exit(0)
-        })
-    });
+    let seen = common::record_commands(&sim, "kubectl drain");
     sub.drain(&vm, Duration::from_secs(30))
         .await
         .expect("drain");
@@ -580,8 +550,7 @@ async fn unreachable_node_and_lock_timeouts_are_retried() {
 #[tokio::test]
 async fn lost_clone_answer_then_retry_gives_one_vm() {
     let sim = sim_with(SimConfig::default()).await;
-    let mut cfg = PveConfig::new(sim.base_url(), sim.token_id(), sim.token_secret());
-    cfg.ca_pem = Some(sim.ca_pem().as_bytes().to_vec());
+    let mut cfg = common::config(&sim);
     cfg.request_timeout = Duration::from_millis(700);
     let o = PveOptions {
         retry_window: Duration::from_secs(3),
@@ -651,8 +620,8 @@ async fn preflight_checks_nodes_and_templates() {
         .await
         .expect_err("unknown template");
     assert!(e.to_string().contains("9999"), "{e}");
-    let mut bad = PveConfig::new(sim.base_url(), sim.token_id(), "wrong-secret");
-    bad.ca_pem = Some(sim.ca_pem().as_bytes().to_vec());
+    let mut bad = common::config(&sim);
+    bad.token_secret = "wrong-secret".into();
     let sub = PveSubstrate::new(PveClient::new(bad).unwrap(), opts());
     let e = sub
         .preflight(&["pve1".into()], &[9000])
@@ -666,38 +635,16 @@ async fn preflight_checks_nodes_and_templates() {
 #[tokio::test]
 async fn lifecycle_through_the_backend() {
     use providerkit::{Backend, ConfigureCtx, CreateCtx, DeleteCtx, DrainCtx};
-    use proxmox_backend::backend::ProxmoxBackend;
-    use proxmox_backend::catalog::{expand_slots, InstanceType, Offering, Pricing};
 
     let sim = sim_with(SimConfig::default()).await;
     sim.on_guest_command("kubectl drain", GuestOutput::exit(0));
-    let mut types = BTreeMap::new();
-    types.insert(
-        "pve.small".to_string(),
-        InstanceType {
-            vcpu: 2,
-            memory_mib: 2048,
-            template_vmid: 9000,
-            storage: None,
-        },
+    let (backend, _) = common::small_backend(
+        "proxmox",
+        "pve1",
+        2,
+        &["pve1", "pve2"],
+        PveSubstrate::new(client(&sim), opts()),
     );
-    let pricing = || Pricing {
-        explicit: Default::default(),
-        per_vcpu_hour: 0.003,
-        per_gib_hour: 0.0008,
-    };
-    let offerings = vec![Offering {
-        instance_type: "pve.small".into(),
-        zone: "pve1".into(),
-        capacity_type: String::new(),
-        count: 2,
-        resources: Default::default(),
-        labels: Default::default(),
-    }];
-    let zones = vec!["pve1".to_string(), "pve2".to_string()];
-    let slots = expand_slots("proxmox", &offerings, &types, Some(&zones), &pricing()).unwrap();
-    let sub = Arc::new(PveSubstrate::new(client(&sim), opts()));
-    let backend = ProxmoxBackend::new(slots, types, pricing(), sub);
 
     let specs = backend.describe().await.unwrap();
     assert_eq!(specs.len(), 2);

@@ -2,58 +2,44 @@
 //! pve-sim's guest agent: the readiness timeout's last probe (redacted),
 //! and the drain command's arguments.
 
+mod common;
+
 use std::sync::Arc;
 use std::time::Duration;
 
 use proxmox_backend::proxmox::{PveOptions, PveSubstrate};
-use proxmox_backend::substrate::{CloneRequest, Substrate, VmRef};
-use pve::{PveClient, PveConfig};
+use proxmox_backend::substrate::{Substrate, VmRef};
+use pve::PveClient;
 use pve_sim::{GuestOutput, PveSim, SimConfig};
 
 const SECRET: &str = "abcdefgh-SECRETTOKEN-12345";
 
+/// A client with the default timeouts and retries.
 fn client(sim: &PveSim) -> PveClient {
-    let mut cfg = PveConfig::new(sim.base_url(), sim.token_id(), sim.token_secret());
-    cfg.ca_pem = Some(sim.ca_pem().as_bytes().to_vec());
-    PveClient::new(cfg).expect("client")
+    common::client_of(common::config(sim))
 }
 
 fn opts() -> PveOptions {
     PveOptions {
-        pool: Some("bigfleet".into()),
         readiness_command: "kubectl get node ready-check".into(),
-        task_timeout: Duration::from_secs(20),
-        agent_timeout: Duration::from_secs(20),
-        exec_timeout: Duration::from_secs(20),
         readiness_timeout: Duration::from_secs(10),
         drain_timeout: Duration::from_secs(30),
-        poll_interval: Duration::from_millis(50),
         retry_window: Duration::from_secs(10),
-        ..PveOptions::default()
+        ..common::opts(Duration::from_secs(20))
     }
 }
 
 async fn vm(sim: &PveSim, sub: &PveSubstrate, index: u32) -> VmRef {
-    sub.clone_vm(&CloneRequest {
-        machine_id: format!("p/OnDemand/pve.small/pve1/{index:03}"),
-        operation_id: "op-1".into(),
-        instance_type: "pve.small".into(),
-        node: "pve1".into(),
-        template_vmid: 9000,
-        vcpu: 2,
-        memory_mib: 2048,
-    })
+    sub.clone_vm(&common::req(
+        &format!("p/OnDemand/pve.small/pve1/{index:03}"),
+        "pve1",
+    ))
     .await
     .unwrap_or_else(|e| panic!("create on {}: {e}", sim.base_url()))
 }
 
 fn fast() -> SimConfig {
-    SimConfig {
-        clone_duration: Duration::from_millis(100),
-        agent_boot_delay: Duration::from_millis(50),
-        rrd_lag: Duration::ZERO,
-        ..SimConfig::default()
-    }
+    common::fast_sim(Duration::from_millis(100), Duration::from_millis(50))
 }
 
 #[tokio::test]
@@ -94,15 +80,7 @@ async fn a_drain_without_grace_leaves_the_pods_own_grace() {
     let sim = PveSim::start(fast()).await.expect("simulator");
     let sub = PveSubstrate::new(client(&sim), opts());
     let vm = vm(&sim, &sub, 2).await;
-    let seen = Arc::new(parking_lot::Mutex::new(Vec::<String>::new()));
-    let seen2 = seen.clone();
-    sim.add_guest_handler(move |e| {
-        let line = e.command_line();
-        line.contains("kubectl drain").then(|| {
-            seen2.lock().push(line.clone());
-            GuestOutput::exit(0)
-        })
-    });
+    let seen = common::record_commands(&sim, "kubectl drain");
     sub.drain(&vm, Duration::ZERO).await.expect("drain");
     sub.drain(&vm, Duration::from_secs(45))
         .await
@@ -126,50 +104,22 @@ async fn a_drain_without_grace_leaves_the_pods_own_grace() {
 /// join token cut out.
 #[tokio::test]
 async fn the_engine_quotes_the_last_probe_in_last_error() {
-    use std::collections::BTreeMap;
-
     use providerkit::{Engine, EngineOptions, MemoryStore, State, Timeouts, Token};
-    use proxmox_backend::backend::ProxmoxBackend;
-    use proxmox_backend::catalog::{expand_slots, InstanceType, Offering, Pricing};
 
     let sim = PveSim::start(fast()).await.expect("simulator");
     sim.on_guest_command(
         "ready-check",
         GuestOutput::exit(1).with_stderr(format!("Unauthorized: bootstrap token {SECRET}\n")),
     );
-    let types = BTreeMap::from([(
-        "pve.small".to_string(),
-        InstanceType {
-            vcpu: 2,
-            memory_mib: 2048,
-            template_vmid: 9000,
-            storage: None,
-        },
-    )]);
-    let pricing = Pricing {
-        explicit: Default::default(),
-        per_vcpu_hour: 0.003,
-        per_gib_hour: 0.0008,
-    };
-    let offerings = vec![Offering {
-        instance_type: "pve.small".into(),
-        zone: "pve1".into(),
-        capacity_type: String::new(),
-        count: 1,
-        resources: Default::default(),
-        labels: Default::default(),
-    }];
-    let slots = expand_slots(
+    let (backend, ids) = common::small_backend(
         "p",
-        &offerings,
-        &types,
-        Some(&["pve1".to_string()]),
-        &pricing,
-    )
-    .expect("slots");
-    let id = slots[0].id.clone();
-    let sub = Arc::new(PveSubstrate::new(client(&sim), opts()));
-    let backend = Arc::new(ProxmoxBackend::new(slots, types, pricing, sub));
+        "pve1",
+        1,
+        &["pve1"],
+        PveSubstrate::new(client(&sim), opts()),
+    );
+    let id = ids[0].clone();
+    let backend = Arc::new(backend);
     let engine = Engine::start(
         backend,
         Arc::new(MemoryStore::new()),

@@ -261,11 +261,7 @@ impl Shared {
                     .strip_prefix(acl)
                     .is_some_and(|rest| rest.starts_with('/'))
         };
-        let base: &[&str] = if self.cfg.pve9 {
-            PRIVILEGES_PVE9
-        } else {
-            PRIVILEGES
-        };
+        let base = default_privileges(self.cfg.pve9);
         let mut names: Vec<String> = base.iter().map(|p| p.to_string()).collect();
         names.extend(self.cfg.granted_privileges.iter().map(|(_, p)| p.clone()));
         names.sort();
@@ -660,42 +656,31 @@ const PRIVILEGES: &[&str] = &[
     "VM.Snapshot.Rollback",
 ];
 
-/// [`PRIVILEGES`] as PVE 9 names them: `VM.Monitor` is gone, the guest
+/// What PVE 9 renamed in [`PRIVILEGES`]: `VM.Monitor` is gone, the guest
 /// agent has its own privileges.
-const PRIVILEGES_PVE9: &[&str] = &[
-    "Datastore.Allocate",
-    "Datastore.AllocateSpace",
-    "Datastore.AllocateTemplate",
-    "Datastore.Audit",
-    "Pool.Allocate",
-    "Pool.Audit",
-    "Sys.Audit",
-    "Sys.Console",
-    "Sys.PowerMgmt",
-    "Sys.Syslog",
-    "VM.Allocate",
-    "VM.Audit",
-    "VM.Backup",
-    "VM.Clone",
-    "VM.Config.CDROM",
-    "VM.Config.CPU",
-    "VM.Config.Cloudinit",
-    "VM.Config.Disk",
-    "VM.Config.HWType",
-    "VM.Config.Memory",
-    "VM.Config.Network",
-    "VM.Config.Options",
-    "VM.Console",
+const PVE9_DROPPED: &[&str] = &["VM.Monitor"];
+const PVE9_ADDED: &[&str] = &[
     "VM.GuestAgent.Audit",
     "VM.GuestAgent.FileRead",
     "VM.GuestAgent.FileSystemMgmt",
     "VM.GuestAgent.FileWrite",
     "VM.GuestAgent.Unrestricted",
-    "VM.Migrate",
-    "VM.PowerMgmt",
-    "VM.Snapshot",
-    "VM.Snapshot.Rollback",
 ];
+
+/// The default privileges on `/`: [`PRIVILEGES`], as PVE 9 names them when
+/// `pve9`; sorted.
+fn default_privileges(pve9: bool) -> Vec<&'static str> {
+    let mut names: Vec<&'static str> = PRIVILEGES
+        .iter()
+        .copied()
+        .filter(|p| !pve9 || !PVE9_DROPPED.contains(p))
+        .collect();
+    if pve9 {
+        names.extend_from_slice(PVE9_ADDED);
+    }
+    names.sort_unstable();
+    names
+}
 
 pub(crate) const PVE_VERSION: &str = "8.3.2";
 pub(crate) const PVE_REPOID: &str = "3e76eec21c4a14a7";
@@ -715,4 +700,23 @@ fn pool_members(c: &Cluster, pool: &str) -> Value {
             })
             .collect(),
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{default_privileges, PRIVILEGES, PVE9_ADDED};
+
+    #[test]
+    fn pve9_renames_only_the_guest_agent_privileges() {
+        let (pve8, pve9) = (default_privileges(false), default_privileges(true));
+        assert_eq!(pve8, PRIVILEGES, "PVE 8's list as written, in order");
+        assert_eq!((pve8.len(), pve9.len()), (28, 32));
+        assert!(pve8.contains(&"VM.Monitor") && !pve9.contains(&"VM.Monitor"));
+        let common: Vec<_> = pve8.iter().filter(|p| **p != "VM.Monitor").collect();
+        assert!(common.iter().all(|p| pve9.contains(p)), "{pve9:?}");
+        assert!(PVE9_ADDED
+            .iter()
+            .all(|p| pve9.contains(p) && !pve8.contains(p)));
+        assert!(pve9.is_sorted(), "{pve9:?}");
+    }
 }

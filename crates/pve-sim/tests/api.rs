@@ -9,7 +9,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 mod common;
 
-use common::{urlencode, Api};
+use common::{shutdown_clean, start_sim, urlencode, Api};
 
 fn fast_cfg() -> SimConfig {
     SimConfig {
@@ -315,12 +315,7 @@ async fn full_lifecycle_clone_config_start_agent_destroy() {
         "Configuration file 'nodes/pve1/qemu-server/100.conf' does not exist"
     );
 
-    assert!(
-        sim.schema_violations().is_empty(),
-        "{:?}",
-        sim.schema_violations()
-    );
-    sim.shutdown().await;
+    shutdown_clean(sim).await;
 }
 
 #[tokio::test]
@@ -442,12 +437,7 @@ async fn exec_input_data_json_body_and_guest_handlers() {
     assert_eq!(r.status, 200);
     let r = api.post("/nodes/pve1/qemu/101/agent/ping", &[]).await;
     assert_eq!(r.message(), "No QEMU guest agent configured");
-    assert!(
-        sim.schema_violations().is_empty(),
-        "{:?}",
-        sim.schema_violations()
-    );
-    sim.shutdown().await;
+    shutdown_clean(sim).await;
 }
 
 #[tokio::test]
@@ -627,8 +617,7 @@ async fn ha_stop_is_async_and_destroy_needs_purge() {
 
 #[tokio::test]
 async fn schema_violations_get_400_with_errors_map() {
-    let sim = PveSim::start(fast_cfg()).await.unwrap();
-    let api = Api::new(&sim);
+    let (sim, api) = start_sim(fast_cfg()).await;
     let r = api
         .post(
             "/nodes/pve1/qemu/9000/clone",
@@ -672,8 +661,7 @@ async fn schema_violations_get_400_with_errors_map() {
 
 #[tokio::test]
 async fn fault_injection_counters_and_offline_node() {
-    let sim = PveSim::start(fast_cfg()).await.unwrap();
-    let api = Api::new(&sim);
+    let (sim, api) = start_sim(fast_cfg()).await;
     sim.faults()
         .fail_next(endpoints::CLONE, 1, 500, "injected boom");
     let r = api
@@ -746,8 +734,7 @@ async fn fault_injection_counters_and_offline_node() {
 
 #[tokio::test]
 async fn thousand_marked_vms_in_one_inventory_call() {
-    let sim = PveSim::start(fast_cfg()).await.unwrap();
-    let api = Api::new(&sim);
+    let (sim, api) = start_sim(fast_cfg()).await;
     let ids = sim.seed_marked_vms(1000).unwrap();
     assert_eq!(ids.len(), 1000);
     let res = api.get("/cluster/resources", &[("type", "vm")]).await;

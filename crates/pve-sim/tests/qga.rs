@@ -10,7 +10,7 @@ use serde_json::Value;
 
 mod common;
 
-use common::{Api, Resp};
+use common::{shutdown_clean, start_sim, Api, Resp};
 
 /// The qemu-ga to use, or `None` (after saying so) to skip.
 fn qemu_ga_or_skip() -> Option<PathBuf> {
@@ -61,8 +61,7 @@ async fn wait_agent(api: &Api, vmid: u32) -> Resp {
 
 /// A simulator whose VM `vmid` runs and whose qemu-ga answers.
 async fn agent_up(bin: PathBuf, vmid: u32) -> (PveSim, Api) {
-    let sim = PveSim::start(cfg(bin)).await.unwrap();
-    let api = Api::new(&sim);
+    let (sim, api) = start_sim(cfg(bin)).await;
     running_vm(&api, vmid).await;
     wait_agent(&api, vmid).await;
     (sim, api)
@@ -70,12 +69,7 @@ async fn agent_up(bin: PathBuf, vmid: u32) -> (PveSim, Api) {
 
 /// Every request the test sent matched the API schema; then stop.
 async fn shut_down_clean(sim: PveSim) {
-    assert!(
-        sim.schema_violations().is_empty(),
-        "{:?}",
-        sim.schema_violations()
-    );
-    sim.shutdown().await;
+    shutdown_clean(sim).await;
 }
 
 /// A live process (not a zombie) with this pid.

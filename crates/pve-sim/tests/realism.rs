@@ -8,7 +8,7 @@ use serde_json::Value;
 
 mod common;
 
-use common::Api;
+use common::{shutdown_clean, start_sim, Api};
 
 fn cfg() -> SimConfig {
     SimConfig {
@@ -335,8 +335,7 @@ async fn semicolons_separate_form_pairs_like_pve() {
 
 #[tokio::test]
 async fn cluster_node_storage_and_permission_views() {
-    let sim = PveSim::start(cfg()).await.unwrap();
-    let api = Api::new(&sim);
+    let (sim, api) = start_sim(cfg()).await;
     let cs = api.get("/cluster/status", &[]).await;
     let rows = cs.data().as_array().unwrap();
     assert_eq!(rows[0]["type"], "cluster");
@@ -407,8 +406,7 @@ async fn cluster_node_storage_and_permission_views() {
 
 #[tokio::test]
 async fn migrate_and_template_refuse_what_pve_refuses() {
-    let sim = PveSim::start(cfg()).await.unwrap();
-    let api = Api::new(&sim);
+    let (sim, api) = start_sim(cfg()).await;
     clone(&api, "9000", "101").await;
     start(&api, "pve1", "101").await;
     let m = "/nodes/pve1/qemu/101/migrate";
@@ -461,18 +459,12 @@ async fn migrate_and_template_refuse_what_pve_refuses() {
         .unwrap()
         .iter()
         .any(|e| e["subdir"] == "current"));
-    assert!(
-        sim.schema_violations().is_empty(),
-        "{:?}",
-        sim.schema_violations()
-    );
-    sim.shutdown().await;
+    shutdown_clean(sim).await;
 }
 
 #[tokio::test]
 async fn agent_info_osinfo_and_interfaces() {
-    let sim = PveSim::start(cfg()).await.unwrap();
-    let api = Api::new(&sim);
+    let (sim, api) = start_sim(cfg()).await;
     clone(&api, "9000", "300").await;
     let r = api
         .get("/nodes/pve1/qemu/300/agent/network-get-interfaces", &[])
@@ -505,8 +497,7 @@ async fn agent_info_osinfo_and_interfaces() {
 
 #[tokio::test]
 async fn forgiving_turns_every_knob_off_and_ha_vms_migrate_through_the_ha_manager() {
-    let sim = PveSim::start(cfg().forgiving()).await.unwrap();
-    let api = Api::new(&sim);
+    let (sim, api) = start_sim(cfg().forgiving()).await;
     clone(&api, "9001", "101").await;
     let r = row(
         api.get("/cluster/resources", &[("type", "vm")])

@@ -3,11 +3,11 @@
 
 use std::time::Duration;
 
-use pve_sim::{PveSim, SimConfig, StorageKind, StorageSpec, TemplateSpec};
+use pve_sim::{SimConfig, StorageKind, StorageSpec, TemplateSpec};
 
 mod common;
 
-use common::{urlencode, Api};
+use common::{shutdown_clean, start_sim, urlencode, Api};
 
 fn cfg() -> SimConfig {
     let mut thick = TemplateSpec::local(9002, "pve1");
@@ -39,8 +39,7 @@ async fn task_of(api: &Api, path: &str, form: &[(&str, &str)]) -> serde_json::Va
 
 #[tokio::test]
 async fn capacity_is_reported_and_enforced() {
-    let sim = PveSim::start(cfg()).await.unwrap();
-    let api = Api::new(&sim);
+    let (sim, api) = start_sim(cfg()).await;
     let st = api.get("/nodes/pve1/storage/local-lvm/status", &[]).await;
     assert_eq!(st.data()["type"], "lvmthin");
     assert_eq!(st.data()["total"], 100u64 << 30);
@@ -151,18 +150,12 @@ async fn capacity_is_reported_and_enforced() {
         )
         .await;
     assert_eq!(r.message(), "storage 'nosuch' does not exist");
-    assert!(
-        sim.schema_violations().is_empty(),
-        "{:?}",
-        sim.schema_violations()
-    );
-    sim.shutdown().await;
+    shutdown_clean(sim).await;
 }
 
 #[tokio::test]
 async fn linked_clones_and_the_storage_parameter_follow_pve() {
-    let sim = PveSim::start(cfg()).await.unwrap();
-    let api = Api::new(&sim);
+    let (sim, api) = start_sim(cfg()).await;
     let clone = |tmpl: &str| format!("/nodes/pve1/qemu/{tmpl}/clone");
     let linked_refused = "Linked clone feature is not supported for drive 'scsi0'";
     // Thick LVM cannot snapshot: no linked clone, but a full one works.
@@ -237,10 +230,5 @@ async fn linked_clones_and_the_storage_parameter_follow_pve() {
     assert_eq!(t["exitstatus"], "OK");
     let vm = sim.vm(203).unwrap();
     assert_eq!((vm.node.as_str(), vm.linked_base), ("pve2", Some(9001)));
-    assert!(
-        sim.schema_violations().is_empty(),
-        "{:?}",
-        sim.schema_violations()
-    );
-    sim.shutdown().await;
+    shutdown_clean(sim).await;
 }

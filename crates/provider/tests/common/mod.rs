@@ -13,7 +13,8 @@ use std::time::{Duration, Instant};
 
 use bigfleet_proto::v1alpha1::capacity_provider_client::CapacityProviderClient;
 use bigfleet_proto::v1alpha1::{ListFilter, Machine, MachineRef, MachineState};
-use tonic::transport::{Channel, Endpoint};
+use pve_sim::PveSim;
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_bigfleet-proxmox");
 
@@ -266,6 +267,89 @@ pub async fn plain_channel(addr: SocketAddr) -> Channel {
         .expect("connect to the provider")
 }
 
+/// A channel to `addr` over TLS for `localhost`, trusting the CA at `ca`
+/// and presenting `identity` (certificate, key) if given. Any failure
+/// (building the endpoint, connecting, the handshake) is an Err with its
+/// description.
+pub async fn tls_channel(
+    addr: SocketAddr,
+    ca: &Path,
+    identity: Option<(&Path, &Path)>,
+) -> Result<Channel, String> {
+    let read = |p: &Path| std::fs::read_to_string(p).expect("read pem");
+    let mut tls = ClientTlsConfig::new()
+        .domain_name("localhost")
+        .ca_certificate(Certificate::from_pem(read(ca)));
+    if let Some((cert, key)) = identity {
+        tls = tls.identity(Identity::from_pem(read(cert), read(key)));
+    }
+    Endpoint::from_shared(format!("https://{addr}"))
+        .map_err(|e| e.to_string())?
+        .tls_config(tls)
+        .map_err(|e| e.to_string())?
+        .connect_timeout(Duration::from_secs(5))
+        .timeout(Duration::from_secs(10))
+        .connect()
+        .await
+        .map_err(|e| format!("connect: {e:?}"))
+}
+
+/// Boots the binary with `args` from async code (blocking: beside the
+/// runtime that serves the simulator) and returns once it is ready.
+pub async fn start_blocking(args: Vec<String>) -> Provider {
+    tokio::task::spawn_blocking(move || {
+        let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+        Provider::start(&refs)
+    })
+    .await
+    .expect("provider start")
+}
+
+/// The simulator's CA written to a file in a fresh temporary directory.
+pub fn sim_ca_file(sim: &PveSim) -> (tempfile::TempDir, PathBuf) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let ca = dir.path().join("pve-ca.pem");
+    sim.write_ca(&ca).expect("write CA");
+    (dir, ca)
+}
+
+/// The flags for the PVE API at `url` with the simulator's token id and
+/// `secret`, trusting the CA file `ca`, in the pool `bigfleet` on `nodes`.
+pub fn pve_flags(sim: &PveSim, url: &str, secret: &str, ca: &str, nodes: &str) -> Vec<String> {
+    [
+        "--proxmox-api-url",
+        url,
+        "--proxmox-token-id",
+        sim.token_id(),
+        "--proxmox-token-secret",
+        secret,
+        "--proxmox-ca-file",
+        ca,
+        "--proxmox-pool",
+        "bigfleet",
+        "--nodes",
+        nodes,
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect()
+}
+
+/// The real backend on the simulator (`--proxmox-backend proxmox` and
+/// [`pve_flags`] for its own API and secret), then `more`.
+pub fn sim_backend_args(sim: &PveSim, ca: &Path, nodes: &str, more: &[&str]) -> Vec<String> {
+    let mut args = vec!["--proxmox-backend".to_string(), "proxmox".to_string()];
+    args.extend(pve_flags(
+        sim,
+        &sim.base_url(),
+        sim.token_secret(),
+        path_str(ca),
+        nodes,
+    ));
+    args.extend(more.iter().map(|s| s.to_string()));
+    args
+}
+
 /// A minimal HTTP/1.1 GET: status code and body (chunked bodies decoded).
 pub fn http_get(addr: SocketAddr, path: &str) -> std::io::Result<(u16, String)> {
     let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(5))?;
@@ -311,14 +395,27 @@ pub fn http_get(addr: SocketAddr, path: &str) -> std::io::Result<(u16, String)> 
 
 /// The id of a SPECULATIVE slot (the first one List returns).
 pub async fn speculative_id(c: &mut CapacityProviderClient<Channel>) -> String {
+    speculative_where(c, "", |_| true).await
+}
+
+/// The id of a SPECULATIVE slot in zone `node`.
+pub async fn speculative_in(c: &mut CapacityProviderClient<Channel>, node: &str) -> String {
+    speculative_where(c, &format!(" in zone {node}"), |m| m.zone == node).await
+}
+
+async fn speculative_where(
+    c: &mut CapacityProviderClient<Channel>,
+    what: &str,
+    pred: impl Fn(&Machine) -> bool,
+) -> String {
     c.list(ListFilter::default())
         .await
         .expect("List")
         .into_inner()
         .machines
         .into_iter()
-        .find(|m| m.state == MachineState::Speculative as i32)
-        .expect("a SPECULATIVE slot")
+        .find(|m| m.state == MachineState::Speculative as i32 && pred(m))
+        .unwrap_or_else(|| panic!("a SPECULATIVE slot{what}"))
         .id
 }
 
@@ -329,6 +426,52 @@ pub async fn wait_state(
     want: MachineState,
     timeout: Duration,
 ) -> Machine {
+    poll_get(
+        client,
+        id,
+        timeout,
+        |m| m.state == want as i32,
+        |m, late| {
+            assert!(
+                m.state != MachineState::Failed as i32,
+                "{id} went FAILED waiting for {want:?}: {}",
+                m.last_error
+            );
+            assert!(
+                !late,
+                "{id} is still {:?}, not {want:?}, after {timeout:?}",
+                MachineState::try_from(m.state)
+            );
+        },
+    )
+    .await
+}
+
+/// Poll Get until the machine is FAILED.
+pub async fn wait_failed(
+    client: &mut CapacityProviderClient<Channel>,
+    id: &str,
+    timeout: Duration,
+) -> Machine {
+    poll_get(
+        client,
+        id,
+        timeout,
+        |m| m.state == MachineState::Failed as i32,
+        |m, late| assert!(!late, "never FAILED: {m:?}"),
+    )
+    .await
+}
+
+/// Polls Get until `done` accepts the machine; every other answer goes to
+/// `check`, with whether `timeout` has passed, to assert on.
+async fn poll_get(
+    client: &mut CapacityProviderClient<Channel>,
+    id: &str,
+    timeout: Duration,
+    done: impl Fn(&Machine) -> bool,
+    check: impl Fn(&Machine, bool),
+) -> Machine {
     let deadline = Instant::now() + timeout;
     loop {
         let m = client
@@ -336,19 +479,10 @@ pub async fn wait_state(
             .await
             .expect("Get")
             .into_inner();
-        if m.state == want as i32 {
+        if done(&m) {
             return m;
         }
-        assert!(
-            m.state != MachineState::Failed as i32,
-            "{id} went FAILED waiting for {want:?}: {}",
-            m.last_error
-        );
-        assert!(
-            Instant::now() < deadline,
-            "{id} is still {:?}, not {want:?}, after {timeout:?}",
-            MachineState::try_from(m.state)
-        );
+        check(&m, Instant::now() >= deadline);
         tokio::time::sleep(POLL).await;
     }
 }

@@ -4,8 +4,26 @@
 
 use std::time::Duration;
 
-use pve_sim::PveSim;
+use pve_sim::{PveSim, SimConfig};
 use serde_json::Value;
+
+/// The simulator started with `cfg`, and a client of its API.
+pub async fn start_sim(cfg: SimConfig) -> (PveSim, Api) {
+    let sim = PveSim::start(cfg).await.expect("simulator");
+    let api = Api::new(&sim);
+    (sim, api)
+}
+
+/// Asserts that every request the simulator answered matched PVE's
+/// schema, then shuts it down.
+pub async fn shutdown_clean(sim: PveSim) {
+    assert!(
+        sim.schema_violations().is_empty(),
+        "{:?}",
+        sim.schema_violations()
+    );
+    sim.shutdown().await;
+}
 
 pub struct Api {
     pub c: reqwest::Client,
