@@ -59,6 +59,30 @@ impl ProxmoxBackend {
         Ok(vms)
     }
 
+    /// After a Delete, any other VM still marked for the machine would
+    /// outlive its slot: a clone whose answer was lost and that landed after
+    /// a restart (the in-memory watch that reaps such clones is gone). Its
+    /// marker names the machine, and the slot has no VM any more, so it is
+    /// destroyed (`delete_vm` checks the marker again). Best effort: the
+    /// Delete itself is done; a failure here only logs, and a reclaim or the
+    /// next Delete of the slot sweeps again. One inventory read, served from
+    /// the marker cache.
+    async fn sweep_twins(&self, machine_id: &str) {
+        let twins = match self.marked_for(machine_id).await {
+            Ok(twins) => twins,
+            Err(e) => {
+                tracing::warn!(machine_id, error = %e, "could not check for other VMs marked for a deleted machine; a reclaim or the next Delete checks again");
+                return;
+            }
+        };
+        for twin in twins {
+            tracing::warn!(machine_id, vm = %twin, "a second VM marked for this machine survived its Delete (a clone that landed late); destroying it");
+            if let Err(e) = self.substrate.delete_vm(&twin, machine_id).await {
+                tracing::warn!(machine_id, vm = %twin, error = %e, "could not destroy a second VM marked for a deleted machine; a reclaim or the next Delete retries");
+            }
+        }
+    }
+
     fn spec(slot: &Slot, host: Option<SubstrateHost>) -> SlotSpec {
         SlotSpec {
             id: slot.id.clone(),
@@ -173,7 +197,9 @@ impl Backend for ProxmoxBackend {
         self.substrate
             .delete_vm(&vm, &ctx.machine_id)
             .await
-            .map_err(be)
+            .map_err(be)?;
+        self.sweep_twins(&ctx.machine_id).await;
+        Ok(())
     }
 
     /// Destroys every VM whose marker names the machine, found in the

@@ -9,6 +9,7 @@ mod common;
 use std::time::Duration;
 
 use common::{client_3_tries as client, clones};
+use providerkit::{Backend, DeleteCtx};
 use proxmox_backend::proxmox::{marker_description, parse_marker, PveOptions, PveSubstrate};
 use proxmox_backend::substrate::{CloneRequest, Substrate};
 use pve_sim::{endpoints, PveSim, SimConfig};
@@ -173,5 +174,75 @@ async fn a_late_clone_that_is_the_machines_only_vm_is_kept_and_adopted() {
     assert_eq!(vm.vmid, late);
     assert_eq!(sim.call_count(endpoints::CLONE), 2, "no third clone");
     assert_eq!(clones(&sim).len(), 1);
+    sim.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_late_clone_that_outlived_a_restart_goes_with_its_machines_delete() {
+    let sim = common::sim_with(sim_config()).await;
+    let id = "p/OnDemand/pve.small/pve1/004";
+    let kept = create_with_a_late_landing(&sim, &PveSubstrate::new(client(&sim), opts()), id).await;
+    // A restart: the new process never watched the lost clone. (If the
+    // Create's own check already removed it, there is nothing to sweep.)
+    let late: Vec<u32> = clones(&sim)
+        .iter()
+        .map(|v| v.vmid)
+        .filter(|v| *v != kept)
+        .collect();
+    assert_eq!(
+        late.len(),
+        1,
+        "the late clone landed after the Create: {late:?}"
+    );
+    let (backend, _) = common::small_backend(
+        "p",
+        "pve1",
+        1,
+        &["pve1"],
+        PveSubstrate::new(client(&sim), opts()),
+    );
+    backend
+        .delete(DeleteCtx {
+            machine_id: id.into(),
+            operation_id: "op-delete".into(),
+            host_ref: format!("pve1/{kept}"),
+        })
+        .await
+        .expect("delete");
+    assert!(sim.vm(kept).is_none(), "the machine's VM is destroyed");
+    assert!(
+        sim.vm(late[0]).is_none(),
+        "the second VM marked for the machine goes with it"
+    );
+    assert!(clones(&sim).is_empty(), "{:?}", clones(&sim));
+    sim.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_delete_never_sweeps_a_vm_marked_for_another_machine() {
+    let sim = common::sim_with(sim_config()).await;
+    let sub = PveSubstrate::new(client(&sim), opts());
+    let mine = sub
+        .clone_vm(&req("p/OnDemand/pve.small/pve1/005"))
+        .await
+        .expect("create mine");
+    let other = sub
+        .clone_vm(&req("p/OnDemand/pve.small/pve1/006"))
+        .await
+        .expect("create the other");
+    let (backend, _) = common::small_backend("p", "pve1", 1, &["pve1"], sub);
+    backend
+        .delete(DeleteCtx {
+            machine_id: "p/OnDemand/pve.small/pve1/005".into(),
+            operation_id: "op-delete".into(),
+            host_ref: mine.host_ref(),
+        })
+        .await
+        .expect("delete");
+    assert!(sim.vm(mine.vmid).is_none());
+    assert!(
+        sim.vm(other.vmid).is_some(),
+        "another machine's VM is never touched"
+    );
     sim.shutdown().await;
 }
