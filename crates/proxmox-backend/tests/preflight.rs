@@ -88,6 +88,8 @@ fn setup_script_token(pool: &str, pool_audit: bool) -> SimConfig {
     granted.extend(on("/vms/9000", &template_privs));
     granted.extend(on("/storage/local-lvm", &["Datastore.AllocateSpace"]));
     granted.extend(on("/nodes", &["Sys.Audit"]));
+    // PVESDNUser on the default --bridge vmbr0.
+    granted.extend(on("/sdn/zones/localnetwork/vmbr0", &["SDN.Use"]));
     SimConfig {
         dropped_privileges: vec![("/".into(), "*".into())],
         granted_privileges: granted,
@@ -379,6 +381,19 @@ async fn the_checked_privileges_are_the_ones_the_lifecycle_uses() {
         cfg.granted_privileges
             .retain(|g| *g != (path.clone(), privilege.clone()));
         let sim = sim_with(cfg).await;
+        if path.starts_with("/sdn/") {
+            // A bridge's SDN.Use is warned of, not refused (see
+            // a_bridge_the_token_may_not_use_is_named_at_start_up...).
+            let warnings = preflight(&sim, "bigfleet").await.expect("a warning");
+            assert!(
+                warnings
+                    .iter()
+                    .any(|w| w.contains(&path) && w.contains(&privilege)),
+                "{privilege} on {path}: {warnings:?}"
+            );
+            sim.shutdown().await;
+            continue;
+        }
         let e = preflight(&sim, "bigfleet")
             .await
             .expect_err(&format!("{privilege} on {path} is needed"));
@@ -404,6 +419,40 @@ async fn the_simulator_refuses_what_the_token_lacks() {
         .to_string();
     assert!(
         e.contains("Permission check failed (/vms/") && e.contains("VM.PowerMgmt)"),
+        "{e}"
+    );
+    sim.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_bridge_the_token_may_not_use_is_named_at_start_up_and_refuses_clones() {
+    let mut cfg = setup_script_token("bigfleet", true);
+    cfg.granted_privileges
+        .retain(|(path, _)| !path.starts_with("/sdn/"));
+    let sim = sim_with(cfg).await;
+    let warnings = preflight(&sim, "bigfleet")
+        .await
+        .expect("a warning, not a refusal");
+    let w = warnings
+        .iter()
+        .find(|w| w.contains("SDN.Use"))
+        .unwrap_or_else(|| panic!("no SDN.Use warning: {warnings:?}"));
+    assert!(
+        w.contains("/sdn/zones/localnetwork/vmbr0")
+            && w.contains("template 9000")
+            && w.contains("pveum acl modify /sdn/zones/localnetwork/vmbr0")
+            && w.contains("PVESDNUser"),
+        "{w}"
+    );
+    // The failure it warns of: the simulator refuses the clone as PVE does.
+    let sub = PveSubstrate::new(client(&sim), opts("bigfleet"));
+    let e = sub
+        .clone_vm(&common::req("p/OnDemand/pve.small/pve1/000", "pve1"))
+        .await
+        .expect_err("a clone without SDN.Use on the bridge");
+    assert!(
+        e.to_string()
+            .contains("Permission check failed (/sdn/zones/localnetwork/vmbr0, SDN.Use)"),
         "{e}"
     );
     sim.shutdown().await;

@@ -632,6 +632,7 @@ const PRIVILEGES: &[&str] = &[
     "Datastore.Audit",
     "Pool.Allocate",
     "Pool.Audit",
+    "SDN.Use",
     "Sys.Audit",
     "Sys.Console",
     "Sys.PowerMgmt",
@@ -710,7 +711,7 @@ mod tests {
     fn pve9_renames_only_the_guest_agent_privileges() {
         let (pve8, pve9) = (default_privileges(false), default_privileges(true));
         assert_eq!(pve8, PRIVILEGES, "PVE 8's list as written, in order");
-        assert_eq!((pve8.len(), pve9.len()), (28, 32));
+        assert_eq!((pve8.len(), pve9.len()), (29, 33));
         assert!(pve8.contains(&"VM.Monitor") && !pve9.contains(&"VM.Monitor"));
         let common: Vec<_> = pve8.iter().filter(|p| **p != "VM.Monitor").collect();
         assert!(common.iter().all(|p| pve9.contains(p)), "{pve9:?}");

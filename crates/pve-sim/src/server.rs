@@ -438,6 +438,10 @@ fn required_privileges(
                 None => format!("/vms/{}", p.u64("newid").unwrap_or(0)),
             };
             out.push((target, vec!["VM.Allocate"]));
+            // PVE 8 and newer: the clone's NICs need SDN.Use on their
+            // bridge (every simulated VM has net0 on vmbr0, a plain bridge
+            // in the `localnetwork` zone).
+            out.push(("/sdn/zones/localnetwork/vmbr0".to_string(), vec!["SDN.Use"]));
             out
         }
         ("GET", "/nodes/{node}/qemu/{vmid}/config")

@@ -317,6 +317,30 @@ impl VmConfig {
             .collect()
     }
 
+    /// The bridges (or SDN VNets) the VM's NICs (`netN`) are on, sorted and
+    /// deduplicated.
+    pub fn bridges(&self) -> Vec<String> {
+        let mut out: Vec<String> = self
+            .other
+            .iter()
+            .filter(|(k, _)| {
+                k.strip_prefix("net")
+                    .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+            })
+            .filter_map(|(_, v)| v.as_str())
+            .filter_map(|v| {
+                v.split(',')
+                    .find_map(|part| part.trim().strip_prefix("bridge="))
+                    .map(str::trim)
+                    .filter(|b| !b.is_empty())
+                    .map(str::to_string)
+            })
+            .collect();
+        out.sort();
+        out.dedup();
+        out
+    }
+
     /// The storage ids the VM's disks live on, sorted and deduplicated. Disk
     /// keys are read from [`VmConfig::other`]; CD-ROMs, `none` and
     /// pass-through devices are ignored. Empty for a VM without disks.
@@ -706,6 +730,20 @@ mod tests {
             vec!["ceph-pool", "local-lvm", "local-zfs", "nfs-images"]
         );
         assert!(c.template == Some(true));
+    }
+
+    #[test]
+    fn bridges_of_every_nic() {
+        let c: VmConfig = serde_json::from_value(json!({
+            "net0": "virtio=BC:24:11:00:23:28,bridge=vmbr0,firewall=1",
+            "net1": "e1000=BC:24:11:00:23:29, bridge=vnet7 ,tag=20",
+            "net2": "virtio=BC:24:11:00:23:30,bridge=vmbr0",
+            "net3": "virtio=BC:24:11:00:23:31",
+            "netx": "bridge=not-a-nic",
+            "scsi0": "local-lvm:vm-1-disk-0,size=8G"
+        }))
+        .unwrap();
+        assert_eq!(c.bridges(), vec!["vmbr0", "vnet7"]);
     }
 
     #[test]
