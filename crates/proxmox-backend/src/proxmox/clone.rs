@@ -344,31 +344,24 @@ impl PveSubstrate {
         req: &CloneRequest,
         deadline: Instant,
     ) -> Result<(), SubstrateError> {
-        let mut call = || self.client.status_current(&vm.node, vm.vmid);
-        let st = match self.retry_raw(Some(&vm.node), deadline, &mut call).await {
-            Ok(st) => st,
-            // Gone, or outside the token's pool (never joined it): nothing of
-            // ours that this token could destroy.
-            Err(e) if e.is_not_found() || e.is_forbidden() => return Ok(()),
-            Err(e) => {
-                return Err(err_at(
-                    format!("checking the failed clone VM {vm}"),
-                    Some(&vm.node),
-                    &e,
-                ))
-            }
+        const WHAT: &str = "checking the failed clone";
+        // Gone, or outside the token's pool (never joined it): nothing of
+        // ours that this token could destroy.
+        let Some(st) = self
+            .read_present(WHAT, vm, deadline, || {
+                self.client.status_current(&vm.node, vm.vmid)
+            })
+            .await?
+        else {
+            return Ok(());
         };
-        let mut call = || self.client.get_config(&vm.node, vm.vmid);
-        let cfg = match self.retry_raw(Some(&vm.node), deadline, &mut call).await {
-            Ok(cfg) => cfg,
-            Err(e) if e.is_not_found() || e.is_forbidden() => return Ok(()),
-            Err(e) => {
-                return Err(err_at(
-                    format!("checking the failed clone VM {vm}"),
-                    Some(&vm.node),
-                    &e,
-                ))
-            }
+        let Some(cfg) = self
+            .read_present(WHAT, vm, deadline, || {
+                self.client.get_config(&vm.node, vm.vmid)
+            })
+            .await?
+        else {
+            return Ok(());
         };
         if !owned_by(
             cfg.description.as_deref(),

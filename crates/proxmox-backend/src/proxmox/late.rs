@@ -11,7 +11,7 @@ use tokio::time::Instant;
 use super::clone::Probe;
 use super::marker::owned_by;
 use super::vmid::LateClone;
-use super::{err_at, PveSubstrate};
+use super::PveSubstrate;
 use crate::substrate::{CloneRequest, SubstrateError, VmRef};
 
 impl PveSubstrate {
@@ -107,17 +107,14 @@ impl PveSubstrate {
         let forget = || {
             self.vmids.lock().late.remove(&vm.vmid);
         };
-        let mut call = || self.client.get_config(&vm.node, vm.vmid);
-        let cfg = match self.retry_raw(Some(&vm.node), deadline, &mut call).await {
-            Ok(cfg) => cfg,
-            Err(e) if e.is_not_found() || e.is_forbidden() => return Ok(false),
-            Err(e) => {
-                return Err(err_at(
-                    format!("checking the late clone VM {vm}"),
-                    Some(&vm.node),
-                    &e,
-                ))
-            }
+        const WHAT: &str = "checking the late clone";
+        let Some(cfg) = self
+            .read_present(WHAT, vm, deadline, || {
+                self.client.get_config(&vm.node, vm.vmid)
+            })
+            .await?
+        else {
+            return Ok(false);
         };
         if cfg.lock.is_some() {
             // Still being cloned (its marker may not be written yet), or
@@ -133,17 +130,13 @@ impl PveSubstrate {
             forget();
             return Ok(false);
         }
-        let mut call = || self.client.status_current(&vm.node, vm.vmid);
-        let st = match self.retry_raw(Some(&vm.node), deadline, &mut call).await {
-            Ok(st) => st,
-            Err(e) if e.is_not_found() || e.is_forbidden() => return Ok(false),
-            Err(e) => {
-                return Err(err_at(
-                    format!("checking the late clone VM {vm}"),
-                    Some(&vm.node),
-                    &e,
-                ))
-            }
+        let Some(st) = self
+            .read_present(WHAT, vm, deadline, || {
+                self.client.status_current(&vm.node, vm.vmid)
+            })
+            .await?
+        else {
+            return Ok(false);
         };
         tracing::warn!(vm = %vm, machine_id = %late.machine_id,
             "a clone given up as not applied (its answer was lost) landed late next to this machine's VM; destroying the duplicate");

@@ -236,6 +236,28 @@ impl PveSubstrate {
         }
     }
 
+    /// A retried read of VM `vm`; `None` when it is gone or outside the
+    /// token's reach (404, or 403 under a pool-scoped token once the VM is
+    /// not in the pool), i.e. nothing of ours this token could act on. Any
+    /// other failure names `what` was being done.
+    pub(super) async fn read_present<T, F, Fut>(
+        &self,
+        what: &str,
+        vm: &VmRef,
+        deadline: Instant,
+        mut call: F,
+    ) -> Result<Option<T>, SubstrateError>
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = Result<T, PveError>>,
+    {
+        match self.retry_raw(Some(&vm.node), deadline, &mut call).await {
+            Ok(v) => Ok(Some(v)),
+            Err(e) if e.is_not_found() || e.is_forbidden() => Ok(None),
+            Err(e) => Err(err_at(format!("{what} VM {vm}"), Some(&vm.node), &e)),
+        }
+    }
+
     // ---- inventory ----
 
     // ---- tasks and agent ----
@@ -367,16 +389,12 @@ impl PveSubstrate {
                     vmid: vm.vmid,
                 };
                 tracing::info!(vmid = vm.vmid, from = %vm.node, to = %moved.node, "VM moved; deleting it on its new node");
-                let mut call = || self.client.status_current(&moved.node, moved.vmid);
-                match self.retry_raw(Some(&moved.node), deadline, &mut call).await {
-                    Ok(st) => Ok(Some((moved, st))),
-                    Err(e) if e.is_not_found() || e.is_forbidden() => Ok(None),
-                    Err(e) => Err(err_at(
-                        format!("reading the status of VM {moved}"),
-                        Some(&moved.node),
-                        &e,
-                    )),
-                }
+                let st = self
+                    .read_present("reading the status of", &moved, deadline, || {
+                        self.client.status_current(&moved.node, moved.vmid)
+                    })
+                    .await?;
+                Ok(st.map(|st| (moved, st)))
             }
             Err(e) => Err(err_at(
                 format!("reading the status of VM {vm}"),
@@ -498,25 +516,15 @@ impl Substrate for PveSubstrate {
             self.forget(vm.vmid);
             return Ok(());
         };
-        let cfg = match self
-            .retry_raw(Some(&vm.node), deadline, &mut || {
+        let Some(cfg) = self
+            .read_present("reading the marker of", &vm, deadline, || {
                 self.client.get_config(&vm.node, vm.vmid)
             })
-            .await
-        {
-            Ok(cfg) => cfg,
-            Err(e) if e.is_not_found() || e.is_forbidden() => {
-                tracing::info!(vm = %vm, "VM gone before its marker could be read");
-                self.forget(vm.vmid);
-                return Ok(());
-            }
-            Err(e) => {
-                return Err(err_at(
-                    format!("reading the marker of VM {vm}"),
-                    Some(&vm.node),
-                    &e,
-                ))
-            }
+            .await?
+        else {
+            tracing::info!(vm = %vm, "VM gone before its marker could be read");
+            self.forget(vm.vmid);
+            return Ok(());
         };
         if !owned_by(cfg.description.as_deref(), machine_id, None) {
             // The VMID was reused, or the VM only looks like ours: our VM is gone.
