@@ -13,6 +13,7 @@ use bytes::Bytes;
 use futures::future::BoxFuture;
 use futures::FutureExt;
 use http_body::{Body as HttpBody, Frame, SizeHint};
+use prost::encoding::decode_varint;
 use tonic::body::Body;
 use tonic::Code;
 use tower::{Layer, Service};
@@ -62,19 +63,6 @@ enum Peeked {
     NeedMore,
 }
 
-fn varint(buf: &[u8], pos: &mut usize) -> Option<u64> {
-    let mut value = 0u64;
-    for shift in (0..64).step_by(7) {
-        let byte = *buf.get(*pos)?;
-        *pos += 1;
-        value |= u64::from(byte & 0x7f) << shift;
-        if byte & 0x80 == 0 {
-            return Some(value);
-        }
-    }
-    None
-}
-
 /// Field 1 (a string) of the protobuf message in the gRPC frame that
 /// `buf` starts with; NeedMore while `buf` may be too short to tell.
 fn peek_field_one(buf: &[u8]) -> Peeked {
@@ -93,31 +81,36 @@ fn peek_field_one(buf: &[u8]) -> Peeked {
     } else {
         Peeked::NeedMore
     };
-    let mut pos = 0;
-    while pos < msg.len() {
-        let Some(key) = varint(msg, &mut pos) else {
+    // The protobuf wire format, walked with prost's varint decoder (which
+    // fails on a cut or overlong varint: either way, too short to tell).
+    let mut rest = msg;
+    while !rest.is_empty() {
+        let Ok(key) = decode_varint(&mut rest) else {
             return short;
         };
         let skip = match key & 7 {
-            0 => match varint(msg, &mut pos) {
-                Some(_) => 0,
-                None => return short,
+            0 => match decode_varint(&mut rest) {
+                Ok(_) => 0,
+                Err(_) => return short,
             },
             1 => 8,
-            2 => match varint(msg, &mut pos) {
-                Some(n) => n as usize,
-                None => return short,
+            2 => match decode_varint(&mut rest) {
+                Ok(n) => usize::try_from(n).unwrap_or(usize::MAX),
+                Err(_) => return short,
             },
             5 => 4,
             _ => return Peeked::Absent,
         };
         if key == (1 << 3) | 2 {
-            return match msg.get(pos..pos.saturating_add(skip)) {
+            return match rest.get(..skip) {
                 Some(id) => Peeked::Found(clip(&String::from_utf8_lossy(id))),
                 None => short,
             };
         }
-        pos = pos.saturating_add(skip);
+        let Some(after) = rest.get(skip..) else {
+            return short;
+        };
+        rest = after;
     }
     short
 }
@@ -198,22 +191,9 @@ impl HttpBody for PeekBody {
 /// headers), percent-decoded and clipped.
 fn message_of(response: &HttpResponse) -> Option<String> {
     let raw = response.headers().get("grpc-message")?.as_bytes();
-    let mut out = Vec::with_capacity(raw.len());
-    let mut i = 0;
-    while i < raw.len() {
-        let hex = |b: u8| (b as char).to_digit(16);
-        match (raw[i], raw.get(i + 1).copied(), raw.get(i + 2).copied()) {
-            (b'%', Some(h), Some(l)) if hex(h).is_some() && hex(l).is_some() => {
-                out.push((hex(h).unwrap_or(0) * 16 + hex(l).unwrap_or(0)) as u8);
-                i += 3;
-            }
-            (b, _, _) => {
-                out.push(b);
-                i += 1;
-            }
-        }
-    }
-    Some(clip(&String::from_utf8_lossy(&out)))
+    Some(clip(
+        &percent_encoding::percent_decode(raw).decode_utf8_lossy(),
+    ))
 }
 
 /// gRPC code names as dashboards expect them (`OK`, `NotFound`, ...).
