@@ -38,7 +38,7 @@ impl Backend for Tiny {
             host_ref: ctx.machine_id,
         })
     }
-    async fn configure(&self, _: ConfigureCtx) -> Result<(), BackendError> {
+    async fn configure(&self, _: &ConfigureCtx) -> Result<(), BackendError> {
         Ok(())
     }
     async fn drain(&self, _: DrainCtx) -> Result<(), BackendError> {

@@ -73,7 +73,7 @@ impl Backend for InstantBackend {
             host_ref: format!("pve0/{}", ctx.machine_id.len()),
         })
     }
-    async fn configure(&self, _ctx: ConfigureCtx) -> Result<(), BackendError> {
+    async fn configure(&self, _ctx: &ConfigureCtx) -> Result<(), BackendError> {
         Ok(())
     }
     async fn drain(&self, _ctx: DrainCtx) -> Result<(), BackendError> {

@@ -190,8 +190,9 @@ pub trait Backend: Send + Sync + 'static {
     /// Provision a host for the slot; returns its substrate reference.
     async fn create(&self, ctx: CreateCtx) -> Result<SubstrateHost, BackendError>;
 
-    /// Join the host to `cluster_id` with the bootstrap blob.
-    async fn configure(&self, ctx: ConfigureCtx) -> Result<(), BackendError>;
+    /// Join the host to `cluster_id` with the bootstrap blob. By reference:
+    /// the blob (up to the cap, 1 MiB) is not copied for the call.
+    async fn configure(&self, ctx: &ConfigureCtx) -> Result<(), BackendError>;
 
     /// Remove the host's workload within the grace period; the host stays.
     async fn drain(&self, ctx: DrainCtx) -> Result<(), BackendError>;

@@ -110,7 +110,7 @@ impl Backend for ScriptedBackend {
             host_ref: format!("pve-a/{vm}"),
         })
     }
-    async fn configure(&self, _ctx: ConfigureCtx) -> Result<(), BackendError> {
+    async fn configure(&self, _ctx: &ConfigureCtx) -> Result<(), BackendError> {
         self.act(TransitionKind::Configure).await
     }
     async fn drain(&self, _ctx: DrainCtx) -> Result<(), BackendError> {

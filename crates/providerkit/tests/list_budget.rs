@@ -38,7 +38,7 @@ impl Backend for Slots {
     async fn create(&self, _ctx: CreateCtx) -> Result<SubstrateHost, BackendError> {
         Err(BackendError::new("unused"))
     }
-    async fn configure(&self, _ctx: ConfigureCtx) -> Result<(), BackendError> {
+    async fn configure(&self, _ctx: &ConfigureCtx) -> Result<(), BackendError> {
         Err(BackendError::new("unused"))
     }
     async fn drain(&self, _ctx: DrainCtx) -> Result<(), BackendError> {

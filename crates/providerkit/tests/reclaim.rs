@@ -107,7 +107,7 @@ impl Backend for TestBackend {
         }
         Ok(SubstrateHost { host_ref })
     }
-    async fn configure(&self, _ctx: ConfigureCtx) -> Result<(), BackendError> {
+    async fn configure(&self, _ctx: &ConfigureCtx) -> Result<(), BackendError> {
         if *self.marked.fail_configure.lock() {
             return Err(BackendError::new("bootstrap hook exited 1"));
         }

@@ -170,7 +170,7 @@ impl Backend for ProxmoxBackend {
         })
     }
 
-    async fn configure(&self, ctx: ConfigureCtx) -> Result<(), BackendError> {
+    async fn configure(&self, ctx: &ConfigureCtx) -> Result<(), BackendError> {
         let vm = parse_host(&ctx.host_ref)?;
         self.substrate.ensure_running(&vm).await.map_err(be)?;
         self.substrate

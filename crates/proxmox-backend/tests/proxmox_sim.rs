@@ -155,9 +155,17 @@ async fn large_blob_is_chunked_and_verified() {
             .unwrap(),
         blob
     );
-    assert_eq!(sim.call_count(endpoints::AGENT_FILE_WRITE), 1);
-    // 150 000 bytes = 5 chunks: 1 file-write, 4 appends, 1 checksum, 1 hook.
-    assert_eq!(sim.call_count(endpoints::AGENT_EXEC), 6);
+    // 150 000 bytes = 5 chunks: 5 file-writes, then 1 exec that joins the
+    // parts and prints the checksum, and 1 for the hook.
+    assert_eq!(sim.call_count(endpoints::AGENT_FILE_WRITE), 5);
+    assert_eq!(sim.call_count(endpoints::AGENT_EXEC), 2);
+    for i in 1..5 {
+        assert!(
+            sim.read_guest_file(vm.vmid, &format!("/run/bigfleet-bootstrap.part{i}"))
+                .is_err(),
+            "part {i} is removed once joined"
+        );
+    }
     assert_no_violations(&sim);
     sim.shutdown().await;
 }
@@ -670,7 +678,7 @@ async fn lifecycle_through_the_backend() {
 
     assert!(sim.stop_vm_out_of_band(vm.vmid));
     backend
-        .configure(ConfigureCtx {
+        .configure(&ConfigureCtx {
             machine_id: machine_id.clone(),
             operation_id: "op-cfg".into(),
             host_ref: host.host_ref.clone(),

@@ -44,7 +44,7 @@ impl Backend for TinyBackend {
         })
     }
 
-    async fn configure(&self, ctx: ConfigureCtx) -> Result<(), BackendError> {
+    async fn configure(&self, ctx: &ConfigureCtx) -> Result<(), BackendError> {
         if ctx.machine_id == "m-hang" {
             std::future::pending::<()>().await;
         }

@@ -160,7 +160,7 @@ impl Backend for FaultBackend {
         })
     }
 
-    async fn configure(&self, ctx: ConfigureCtx) -> Result<(), BackendError> {
+    async fn configure(&self, ctx: &ConfigureCtx) -> Result<(), BackendError> {
         self.act(&ctx.machine_id, "configure").await
     }
 

@@ -69,7 +69,7 @@ impl Engine {
         match work {
             Work::Create(ctx) => self.backend.create(ctx).await.map(Outcome::Created),
             Work::Configure(ctx) => {
-                self.backend.configure(ctx.clone()).await?;
+                self.backend.configure(&ctx).await?;
                 if self.backend.supports_readiness() {
                     while !self.backend.node_ready(&ctx).await? {
                         tokio::time::sleep(self.opts.timeouts.readiness_poll).await;

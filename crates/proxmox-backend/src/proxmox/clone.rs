@@ -1,83 +1,62 @@
-//! Cloning: clone slots per (target node, storage), the template's storage,
-//! the clone itself with its retry loop, marking, and clean-up of a failed clone.
+//! Cloning one machine's VM: the clone itself with its retry loop (VMID
+//! collisions, locks, an offline node, a lost answer resolved by the
+//! marker), marking, and clean-up of a failed clone.
 
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use providerkit::ErrorKind;
 use pve::{machine_tag, CloneParams, ConfigParams, PveError};
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
 
-use super::inventory::Known;
-use super::marker::{looks_managed, marker_description, owned_by, vm_name, MANAGED_TAG};
-use super::vmid::LateClone;
-use super::{err, err_at, node_offline, PveSubstrate};
+use super::api::{err, err_at, node_offline, Api, Probe};
+use super::inventory::{Inventory, Known};
+use super::late::LateClones;
+use super::marker::{looks_managed, marker_description, owned_by, vm_name, TagPolicy, MANAGED_TAG};
+use super::placement::Placement;
+use super::slots::CloneSlots;
+use super::vmid::{LateClone, Vmids};
 use crate::substrate::{CloneRequest, SubstrateError, VmRef};
 
-/// Clone-slot key for a template's disk storages (sorted, deduplicated): one
-/// storage is its id; several are joined into one stable key, so templates
-/// spanning the same set of storages share a bound; none (a diskless
-/// template) is a fixed placeholder.
-pub(super) fn storage_key(storages: &[String]) -> String {
-    if storages.is_empty() {
-        "(no disks)".to_string()
-    } else {
-        storages.join("+")
-    }
+/// Makes and marks the VM of one machine; it owns no state of its own, only
+/// the parts a clone goes through.
+pub(super) struct Cloner {
+    api: Arc<Api>,
+    vmids: Arc<Vmids>,
+    inventory: Arc<Inventory>,
+    slots: Arc<CloneSlots>,
+    placement: Arc<Placement>,
+    late: Arc<LateClones>,
+    tags: Arc<TagPolicy>,
 }
 
-impl PveSubstrate {
-    pub(super) async fn clone_permit(
-        &self,
-        node: &str,
-        storage: &str,
-    ) -> Result<OwnedSemaphorePermit, SubstrateError> {
-        let sem = self
-            .clone_slots
-            .lock()
-            .entry((node.to_string(), storage.to_string()))
-            .or_insert_with(|| Arc::new(Semaphore::new(self.opts.max_parallel_clones.max(1))))
-            .clone();
-        sem.acquire_owned()
-            .await
-            .map_err(|_| SubstrateError::new("clone slots closed"))
+/// The parts a [`Cloner`] goes through.
+pub(super) struct ClonerParts {
+    pub(super) api: Arc<Api>,
+    pub(super) vmids: Arc<Vmids>,
+    pub(super) inventory: Arc<Inventory>,
+    pub(super) slots: Arc<CloneSlots>,
+    pub(super) placement: Arc<Placement>,
+    pub(super) late: Arc<LateClones>,
+    pub(super) tags: Arc<TagPolicy>,
+}
+
+impl Cloner {
+    pub(super) fn new(p: ClonerParts) -> Cloner {
+        Cloner {
+            api: p.api,
+            vmids: p.vmids,
+            inventory: p.inventory,
+            slots: p.slots,
+            placement: p.placement,
+            late: p.late,
+            tags: p.tags,
+        }
     }
 
-    /// The clone-slot key of a template's disk storages. A full clone without
-    /// `storage` lands on the same storages, so their locks are what parallel
-    /// clones contend on. One config read per template per process; a failed
-    /// read fails the Create (and is retried by the next one).
-    pub(super) async fn template_storage(
-        &self,
-        template: u32,
-        template_node: &str,
-        deadline: Instant,
-    ) -> Result<String, SubstrateError> {
-        let cell = self
-            .template_storage
-            .lock()
-            .entry(template)
-            .or_default()
-            .clone();
-        cell.get_or_try_init(|| async {
-            let cfg = self
-                .retry_pve(
-                    format!(
-                        "reading the config of template {template} on node {template_node} \
-                         (needed to bound clones per storage)"
-                    ),
-                    Some(template_node),
-                    deadline,
-                    || self.client.get_config(template_node, template),
-                )
-                .await?;
-            let key = storage_key(&cfg.disk_storages());
-            tracing::debug!(template, storage = %key, "template disk storage resolved");
-            Ok(key)
-        })
-        .await
-        .cloned()
+    /// Drops what is known of a VMID this part destroyed, and cools it down.
+    fn forget(&self, vmid: u32) {
+        self.inventory.forget(vmid);
+        self.vmids.cool_down(vmid);
     }
 
     /// Clones until a VMID sticks or `deadline` passes: a VMID collision
@@ -94,11 +73,12 @@ impl PveSubstrate {
         deadline: Instant,
     ) -> Result<VmRef, SubstrateError> {
         let storage = self
-            .template_storage(req.template_vmid, template_node, deadline)
+            .placement
+            .storage_key(req.template_vmid, template_node, deadline)
             .await?;
-        let _permit = self.clone_permit(&req.node, &storage).await?;
+        let _permit = self.slots.permit(&req.node, &storage).await?;
         let description = marker_description(&req.machine_id, &req.operation_id);
-        let (full, target_storage) = self.clone_options(req);
+        let (full, target_storage) = self.placement.clone_options(req);
         let mut last: Option<String> = None;
         let mut attempt: u32 = 0;
         loop {
@@ -109,12 +89,12 @@ impl PveSubstrate {
                         "cloning template {} to node {} did not succeed within {:?} (last error: {})",
                         req.template_vmid,
                         req.node,
-                        self.opts.retry_window,
+                        self.api.opts.retry_window,
                         last.unwrap_or_else(|| "none".into())
                     ),
                 ));
             }
-            let res = self.reserve_vmid(deadline).await?;
+            let res = self.vmids.reserve(deadline).await?;
             let vm = VmRef {
                 node: req.node.clone(),
                 vmid: res.vmid,
@@ -123,16 +103,15 @@ impl PveSubstrate {
                 newid: res.vmid,
                 name: Some(name.to_string()),
                 description: Some(description.clone()),
-                pool: self.opts.pool.clone(),
+                pool: self.api.opts.pool.clone(),
                 full: Some(full),
                 storage: target_storage.clone(),
                 target: (req.node != template_node).then(|| req.node.clone()),
             };
-            self.pending
-                .lock()
-                .insert(req.machine_id.clone(), vm.clone());
+            self.inventory.set_pending(&req.machine_id, &vm);
             tracing::info!(machine_id = %req.machine_id, vm = %vm, template = req.template_vmid, template_node, storage = %storage, "cloning");
             let upid = match self
+                .api
                 .client
                 .clone_vm(template_node, req.template_vmid, &params)
                 .await
@@ -140,12 +119,12 @@ impl PveSubstrate {
                 Ok(upid) => upid,
                 Err(e) if e.is_vmid_collision(res.vmid) => {
                     tracing::info!(vmid = res.vmid, "VMID taken meanwhile; trying a fresh one");
-                    self.pending.lock().remove(&req.machine_id);
+                    self.inventory.clear_pending(&req.machine_id);
                     last = Some(e.to_string());
                     continue;
                 }
                 Err(e) if e.to_string().contains("uses local storage") => {
-                    self.pending.lock().remove(&req.machine_id);
+                    self.inventory.clear_pending(&req.machine_id);
                     return Err(SubstrateError::new(format!(
                         "cannot clone template {} from node {template_node} to node {}: its disks are on local storage. \
                          Put the template on shared storage, or keep a template per node and point each node's instance types at it ({e})",
@@ -157,7 +136,9 @@ impl PveSubstrate {
                     match self.resolve_ambiguous_clone(&vm, req, &e, deadline).await? {
                         Ambiguous::Ours => {
                             res.commit();
-                            self.reap_late_twins(req, vm.vmid, deadline).await;
+                            self.late
+                                .reap_twins(&req.machine_id, vm.vmid, deadline)
+                                .await;
                             return Ok(vm);
                         }
                         Ambiguous::Absent => {
@@ -166,8 +147,8 @@ impl PveSubstrate {
                             // landing there later is found and removed once
                             // the fresh clone exists (one VM per machine).
                             let until = std::time::Instant::now()
-                                + self.opts.vmid_cooldown.max(self.opts.task_timeout);
-                            self.vmids.lock().late.insert(
+                                + self.api.opts.vmid_cooldown.max(self.api.opts.task_timeout);
+                            self.vmids.watch_late(
                                 vm.vmid,
                                 LateClone {
                                     machine_id: req.machine_id.clone(),
@@ -179,14 +160,14 @@ impl PveSubstrate {
                         }
                         Ambiguous::Taken => {}
                     }
-                    self.pending.lock().remove(&req.machine_id);
+                    self.inventory.clear_pending(&req.machine_id);
                     last = Some(e.to_string());
                     continue;
                 }
                 Err(e) if e.is_lock_timeout() => {
-                    self.pending.lock().remove(&req.machine_id);
+                    self.inventory.clear_pending(&req.machine_id);
                     last = Some(e.to_string());
-                    self.pause(attempt, deadline).await;
+                    self.api.pause(attempt, deadline).await;
                     attempt += 1;
                     continue;
                 }
@@ -194,12 +175,12 @@ impl PveSubstrate {
                     // `VM 9000 is locked (backup)`: a nightly backup of the
                     // template; it clears by itself.
                     tracing::info!(template = req.template_vmid, error = %e, "template is locked; waiting");
-                    self.pending.lock().remove(&req.machine_id);
+                    self.inventory.clear_pending(&req.machine_id);
                     last = Some(format!(
                         "template {} on node {template_node} is locked: {e}",
                         req.template_vmid
                     ));
-                    self.pause(attempt, deadline).await;
+                    self.api.pause(attempt, deadline).await;
                     attempt += 1;
                     continue;
                 }
@@ -207,17 +188,17 @@ impl PveSubstrate {
                     // Not applied (595: pveproxy could not connect; a target
                     // node that is not online is refused before anything).
                     tracing::info!(node = %req.node, template_node, error = %e, "node unreachable; waiting");
-                    self.pending.lock().remove(&req.machine_id);
+                    self.inventory.clear_pending(&req.machine_id);
                     last = Some(format!(
                         "node {} (template node {template_node}) is offline or unreachable: {e}",
                         req.node
                     ));
-                    self.pause(attempt, deadline).await;
+                    self.api.pause(attempt, deadline).await;
                     attempt += 1;
                     continue;
                 }
                 Err(e) => {
-                    self.pending.lock().remove(&req.machine_id);
+                    self.inventory.clear_pending(&req.machine_id);
                     return Err(err(
                         format!("cloning template {} to VM {vm}", req.template_vmid),
                         &e,
@@ -225,30 +206,32 @@ impl PveSubstrate {
                 }
             };
             tracing::info!(machine_id = %req.machine_id, vm = %vm, task = %upid, "clone started");
-            match self.wait_task(&upid, "clone").await {
+            match self.api.wait_task(&upid, "clone").await {
                 Ok(()) => {
                     res.commit();
-                    self.reap_late_twins(req, vm.vmid, deadline).await;
+                    self.late
+                        .reap_twins(&req.machine_id, vm.vmid, deadline)
+                        .await;
                     return Ok(vm);
                 }
                 Err(e) if e.is_vmid_collision(res.vmid) => {
                     // The worker found the id taken before creating anything:
                     // whatever is at that VMID is not ours; never touch it.
                     tracing::info!(vm = %vm, error = %e, "the clone worker found the VMID taken; trying a fresh one");
-                    self.pending.lock().remove(&req.machine_id);
+                    self.inventory.clear_pending(&req.machine_id);
                     last = Some(e.to_string());
                 }
                 Err(e) if e.is_lock_timeout() => {
                     tracing::info!(vm = %vm, error = %e, "clone hit a storage lock timeout; retrying");
                     self.remove_failed_clone(&vm, req, deadline).await?;
-                    self.pending.lock().remove(&req.machine_id);
+                    self.inventory.clear_pending(&req.machine_id);
                     last = Some(e.to_string());
-                    self.pause(attempt, deadline).await;
+                    self.api.pause(attempt, deadline).await;
                     attempt += 1;
                 }
                 Err(e @ PveError::TaskFailed { .. }) => {
                     self.remove_failed_clone(&vm, req, deadline).await?;
-                    self.pending.lock().remove(&req.machine_id);
+                    self.inventory.clear_pending(&req.machine_id);
                     return Err(err(format!("clone task for VM {vm}"), &e));
                 }
                 // Still running at the deadline (or unreadable): the VM may yet
@@ -267,7 +250,7 @@ impl PveSubstrate {
     /// `deadline` with a transient error that keeps `pending`, so a retried
     /// Create resolves it.
     ///
-    /// [`PveOptions::ambiguous_settle`]: super::PveOptions::ambiguous_settle
+    /// [`PveOptions::ambiguous_settle`]: super::options::PveOptions::ambiguous_settle
     async fn resolve_ambiguous_clone(
         &self,
         vm: &VmRef,
@@ -275,11 +258,12 @@ impl PveSubstrate {
         cause: &PveError,
         deadline: Instant,
     ) -> Result<Ambiguous, SubstrateError> {
-        let settle = Instant::now() + self.opts.ambiguous_settle;
+        let settle = Instant::now() + self.api.opts.ambiguous_settle;
         loop {
-            match self.probe_pending(vm, &req.machine_id, deadline).await? {
+            match self.api.probe(vm, &req.machine_id, deadline).await? {
                 Probe::Ours(_) => {
-                    self.wait_status(vm, "unlocked after cloning", |s| s.lock.is_none())
+                    self.api
+                        .wait_status(vm, "unlocked after cloning", |s| s.lock.is_none())
                         .await?;
                     return Ok(Ambiguous::Ours);
                 }
@@ -293,45 +277,12 @@ impl PveSubstrate {
                     format!(
                         "the clone request for VM {vm} may have been applied (its answer was lost) \
                          and the VM is still being cloned after {:?}; a retried Create adopts it by its marker",
-                        self.opts.retry_window
+                        self.api.opts.retry_window
                     ),
                     cause.clone(),
                 ));
             }
-            tokio::time::sleep(self.opts.poll_interval).await;
-        }
-    }
-
-    /// What is at a VMID a clone of ours was started on.
-    pub(super) async fn probe_pending(
-        &self,
-        vm: &VmRef,
-        machine_id: &str,
-        deadline: Instant,
-    ) -> Result<Probe, SubstrateError> {
-        let mut call = || self.client.get_config(&vm.node, vm.vmid);
-        match self.retry_raw(Some(&vm.node), deadline, &mut call).await {
-            Ok(cfg) if owned_by(cfg.description.as_deref(), machine_id, None) => {
-                Ok(Probe::Ours(cfg.tags))
-            }
-            // A temporary config (`lock: clone`, nothing else yet): whose is
-            // not known until the worker writes the final one.
-            Ok(cfg) if cfg.lock.as_deref() == Some("clone") && cfg.description.is_none() => {
-                Ok(Probe::Cloning)
-            }
-            Ok(_) => Ok(Probe::Foreign),
-            // Not on this node (a clone to another node keeps its temporary
-            // config on the template's node) or outside the token's pool (pool
-            // membership is added at the end of a clone): ask whether the id
-            // is in use at all.
-            Err(e) if e.is_not_found() || e.is_forbidden() => {
-                if self.vmid_taken(vm.vmid, deadline).await? {
-                    Ok(Probe::Cloning)
-                } else {
-                    Ok(Probe::Gone)
-                }
-            }
-            Err(e) => Err(err_at(format!("checking VM {vm}"), Some(&vm.node), &e)),
+            tokio::time::sleep(self.api.opts.poll_interval).await;
         }
     }
 
@@ -348,16 +299,18 @@ impl PveSubstrate {
         // Gone, or outside the token's pool (never joined it): nothing of
         // ours that this token could destroy.
         let Some(st) = self
+            .api
             .read_present(WHAT, vm, deadline, || {
-                self.client.status_current(&vm.node, vm.vmid)
+                self.api.client.status_current(&vm.node, vm.vmid)
             })
             .await?
         else {
             return Ok(());
         };
         let Some(cfg) = self
+            .api
             .read_present(WHAT, vm, deadline, || {
-                self.client.get_config(&vm.node, vm.vmid)
+                self.api.client.get_config(&vm.node, vm.vmid)
             })
             .await?
         else {
@@ -374,7 +327,9 @@ impl PveSubstrate {
             return Ok(());
         }
         tracing::warn!(vm = %vm, "failed clone left its VM behind; destroying it");
-        self.destroy_owned(vm, &st, deadline).await
+        self.api.destroy(vm, &st, deadline).await?;
+        self.forget(vm.vmid);
+        Ok(())
     }
 
     /// Sizes and tags the VM, waiting out the clone's config lock. Where the
@@ -391,19 +346,20 @@ impl PveSubstrate {
             cores: Some(req.vcpu),
             memory: Some(req.memory_mib),
             description: Some(marker_description(&req.machine_id, &req.operation_id)),
-            tags: (!self.tags_restricted.load(Ordering::Relaxed)).then(|| tags.clone()),
+            tags: (!self.tags.restricted()).then(|| tags.clone()),
             digest: None,
         };
         let mut attempt = 0;
         loop {
             match self
+                .api
                 .client
                 .set_config_sync(&vm.node, vm.vmid, &params)
                 .await
             {
                 Ok(()) => break,
                 Err(e) if e.is_forbidden() && params.tags.is_some() => {
-                    if !self.tags_restricted.swap(true, Ordering::Relaxed) {
+                    if self.tags.restrict() {
                         tracing::warn!(vm = %vm, error = %e,
                             "the cluster refuses new tags (datacenter option user-tag-access); \
                              VMs are owned by their description marker only. To keep the tags, set \
@@ -415,16 +371,17 @@ impl PveSubstrate {
                 Err(e) if e.is_locked() && Instant::now() < deadline => {
                     tracing::debug!(vm = %vm, error = %e, "config locked; waiting");
                     if e.is_lock_timeout() {
-                        self.pause(attempt, deadline).await;
+                        self.api.pause(attempt, deadline).await;
                     } else {
-                        self.wait_status(vm, "unlocked", |s| s.lock.is_none())
+                        self.api
+                            .wait_status(vm, "unlocked", |s| s.lock.is_none())
                             .await?;
                     }
                     attempt += 1;
                 }
                 // Repeating the same PUT is harmless.
                 Err(e) if e.is_transient() && Instant::now() < deadline => {
-                    self.pause(attempt, deadline).await;
+                    self.api.pause(attempt, deadline).await;
                     attempt += 1;
                 }
                 Err(e) => {
@@ -438,19 +395,19 @@ impl PveSubstrate {
         }
         let Some(applied) = params.tags else {
             // Tags unknown (the template's, if any): the next pass reads the config.
-            self.index.lock().remove(&vm.vmid);
+            self.inventory.learn(vm.vmid, None);
             return Ok(());
         };
         let mut normalized = pve::normalize_tags(&pve::join_tags(&applied));
         normalized.sort();
-        self.index.lock().insert(
+        self.inventory.learn(
             vm.vmid,
-            Known {
+            Some(Known {
                 node: vm.node.clone(),
                 name: Some(vm_name(&req.instance_type, &req.machine_id)),
                 tags: normalized,
                 machine_id: Some(req.machine_id.clone()),
-            },
+            }),
         );
         Ok(())
     }
@@ -464,39 +421,4 @@ enum Ambiguous {
     Absent,
     /// Its VMID holds a VM that is not ours: ours never landed there.
     Taken,
-}
-
-/// What [`PveSubstrate::probe_pending`] found at a VMID.
-pub(super) enum Probe {
-    /// Our marker; the VM's tags.
-    Ours(Vec<String>),
-    /// In use but not readable as ours yet: a clone in progress.
-    Cloning,
-    /// Free.
-    Gone,
-    /// Another VM (a different marker, or none).
-    Foreign,
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn storage_keys() {
-        let s = |v: &[&str]| v.iter().map(|x| x.to_string()).collect::<Vec<_>>();
-        assert_eq!(storage_key(&s(&["local-lvm"])), "local-lvm");
-        assert_eq!(
-            storage_key(&s(&["ceph-pool", "local-lvm"])),
-            "ceph-pool+local-lvm"
-        );
-        assert_eq!(storage_key(&[]), "(no disks)");
-        // `disk_storages` sorts, so the key does not depend on disk order.
-        let cfg: pve::VmConfig = serde_json::from_value(serde_json::json!({
-            "virtio0": "local-lvm:base-1-disk-1", "scsi0": "ceph-pool:base-1-disk-0",
-            "scsi1": "local-lvm:base-1-disk-2", "ide2": "none,media=cdrom"
-        }))
-        .unwrap();
-        assert_eq!(storage_key(&cfg.disk_storages()), "ceph-pool+local-lvm");
-    }
 }

@@ -1,14 +1,18 @@
 //! Work inside the guest through the qemu guest agent: waiting for it,
-//! chunked file writes and command execution with exit status and output.
+//! delivering the bootstrap blob in chunks, running the bootstrap hook, the
+//! readiness probes (with what the last one said) and the drain, each with
+//! exit status and output, and the blob kept out of every quoted output.
 
+use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::Duration;
 
-use base64::Engine as _;
+use parking_lot::Mutex;
 use pve::{ExecStatus, FileEncoding, PveError};
 use sha2::{Digest, Sha256};
 use tokio::time::Instant;
 
-use super::{err, PveSubstrate};
+use super::api::{err, kind_of, Api};
 use providerkit::ErrorKind;
 
 use crate::redact::{Redactor, REDACTED};
@@ -51,21 +55,12 @@ pub(super) fn tail(s: &str) -> &str {
 
 /// Ok for exit 0; otherwise an error with the exit code / signal and the tail of stderr.
 pub(super) fn exec_outcome(what: &str, st: &ExecStatus) -> Result<(), SubstrateError> {
-    exec_outcome_redacted(what, st, &[])
+    exec_outcome_with(what, st, &Redactor::new(&[]))
 }
 
-/// [`exec_outcome`] for a command that saw `secret` (the bootstrap blob):
-/// every piece of it is cut from the quoted output before the tail is taken
-/// (see [`crate::redact`]), and the error says so.
-pub(super) fn exec_outcome_redacted(
-    what: &str,
-    st: &ExecStatus,
-    secret: &[u8],
-) -> Result<(), SubstrateError> {
-    exec_outcome_with(what, st, &Redactor::new(secret))
-}
-
-/// [`exec_outcome_redacted`] with a redactor built once.
+/// Ok for exit 0; otherwise [`exec_outcome`]'s error with every piece of
+/// the bootstrap blob that `redactor` knows cut from the quoted output
+/// before the tail is taken (see [`crate::redact`]), and the error says so.
 pub(super) fn exec_outcome_with(
     what: &str,
     st: &ExecStatus,
@@ -107,7 +102,7 @@ pub(super) fn exec_outcome_with(
 impl ExecError {
     pub(super) fn kind(&self) -> ErrorKind {
         match self {
-            ExecError::Api(e) => super::kind_of(e),
+            ExecError::Api(e) => kind_of(e),
             // The command may still be running or may have finished: not
             // safely retried.
             ExecError::Deadline { .. } | ExecError::Lost { .. } => ErrorKind::Permanent,
@@ -120,12 +115,49 @@ pub(super) fn exec_err(context: impl std::fmt::Display, e: &ExecError) -> Substr
     SubstrateError::caused_by(e.kind(), context, e.clone())
 }
 
-impl PveSubstrate {
+/// The readiness probes of one Configure.
+struct Probes {
+    attempts: u32,
+    /// The last failed probe, already redacted.
+    last: Option<String>,
+    /// Built from this Configure's blob: probe output can repeat it too
+    /// (a join token read back from a file the bootstrap wrote).
+    redactor: Arc<Redactor>,
+}
+
+/// The guest-agent work of every VM, and the readiness probes of each
+/// Configure since its last verdict.
+pub(super) struct Guest {
+    api: Arc<Api>,
+    /// Readiness probes since the last Configure, by VMID: what a readiness
+    /// timeout's `last_error` quotes.
+    probes: Mutex<HashMap<u32, Probes>>,
+}
+
+impl Guest {
+    pub(super) fn new(api: Arc<Api>) -> Guest {
+        Guest {
+            api,
+            probes: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// Whether a readiness command gates Configure.
+    pub(super) fn readiness_gate(&self) -> bool {
+        !self.api.opts.readiness_command.trim().is_empty()
+    }
+
+    /// Forgets the probes of `vmid` (Drain and Delete end a Configure's story).
+    pub(super) fn forget(&self, vmid: u32) {
+        self.probes.lock().remove(&vmid);
+    }
+
     /// Pings the agent until it answers, polling through boot-time failures.
     pub(super) async fn wait_agent(&self, vm: &VmRef) -> Result<(), SubstrateError> {
-        let deadline = Instant::now() + self.opts.agent_timeout;
+        let opts = &self.api.opts;
+        let deadline = Instant::now() + opts.agent_timeout;
         loop {
-            match self.client.agent_ping(&vm.node, vm.vmid).await {
+            match self.api.client.agent_ping(&vm.node, vm.vmid).await {
                 Ok(()) => {
                     tracing::info!(vm = %vm, "guest agent up");
                     return Ok(());
@@ -134,35 +166,32 @@ impl PveSubstrate {
                     if Instant::now() >= deadline {
                         return Err(SubstrateError::new(format!(
                             "the guest agent of VM {vm} did not answer within {:?} (last error: {e}); is qemu-guest-agent installed and enabled in the template?",
-                            self.opts.agent_timeout
+                            opts.agent_timeout
                         )));
                     }
                 }
                 Err(e) => return Err(err(format!("pinging the guest agent of VM {vm}"), &e)),
             }
-            tokio::time::sleep(self.opts.poll_interval).await;
+            tokio::time::sleep(opts.poll_interval).await;
         }
     }
 
     /// Runs `argv` in the guest and waits for it to exit (bounded by `timeout`).
-    pub(super) async fn run(
+    async fn run(
         &self,
         vm: &VmRef,
         argv: &[String],
-        input: Option<&[u8]>,
         timeout: Duration,
     ) -> Result<ExecStatus, ExecError> {
-        let pid = self
-            .client
-            .agent_exec(&vm.node, vm.vmid, argv, input)
-            .await?;
+        let client = &self.api.client;
+        let pid = client.agent_exec(&vm.node, vm.vmid, argv, None).await?;
         let deadline = Instant::now() + timeout;
-        let mut delay = self.first_poll();
+        let mut delay = self.api.first_poll();
         let mut dropped: Option<String> = None;
         loop {
             tokio::time::sleep(delay).await;
-            delay = (delay * 2).min(self.opts.poll_interval);
-            match self.client.agent_exec_status(&vm.node, vm.vmid, pid).await {
+            delay = (delay * 2).min(self.api.opts.poll_interval);
+            match client.agent_exec_status(&vm.node, vm.vmid, pid).await {
                 Ok(st) if st.exited => return Ok(st),
                 Ok(_) => {}
                 // The reply carrying the exit was lost and qemu-ga has forgotten the pid.
@@ -183,13 +212,71 @@ impl PveSubstrate {
         }
     }
 
-    /// Delivers the blob to `path`: one file-write when small, else a first
-    /// file-write plus appends through `base64 -d`, verified by sha256.
-    pub(super) async fn write_blob(
+    /// Delivers the blob, runs the bootstrap hook on it, and opens the
+    /// readiness probes of this Configure. The redactor is built once, off
+    /// the async workers (its cost grows with the blob), and serves every
+    /// output quoted from here on, the probes' too.
+    pub(super) async fn configure(&self, vm: &VmRef, blob: &[u8]) -> Result<(), SubstrateError> {
+        let opts = &self.api.opts;
+        if opts.bootstrap_exec.is_empty() {
+            return Err(SubstrateError::new("no bootstrap exec configured"));
+        }
+        let redactor = Redactor::build(blob).await;
+        // Only kept while the readiness gate may probe; dropped on failure,
+        // on the gate's verdict, and by Drain and Delete.
+        if self.readiness_gate() {
+            self.probes.lock().insert(
+                vm.vmid,
+                Probes {
+                    attempts: 0,
+                    last: None,
+                    redactor: Arc::clone(&redactor),
+                },
+            );
+        }
+        let outcome = self
+            .bootstrap(vm, &opts.bootstrap_path, blob, &redactor)
+            .await;
+        if outcome.is_err() {
+            self.forget(vm.vmid);
+        }
+        outcome
+    }
+
+    /// Writes the blob and runs the bootstrap hook on it.
+    async fn bootstrap(
         &self,
         vm: &VmRef,
         path: &str,
         blob: &[u8],
+        redactor: &Redactor,
+    ) -> Result<(), SubstrateError> {
+        self.write_blob(vm, path, blob, redactor).await?;
+        tracing::info!(vm = %vm, bytes = blob.len(), "bootstrap blob written");
+        let mut argv = self.api.opts.bootstrap_exec.clone();
+        argv.push(path.to_string());
+        let what = format!("bootstrap hook `{}`", argv.join(" "));
+        let st = self
+            .run(vm, &argv, self.api.opts.exec_timeout)
+            .await
+            .map_err(|e| exec_err(format!("running the {what} in VM {vm}"), &e))?;
+        tracing::info!(vm = %vm, exit_code = ?st.exitcode, signal = ?st.signal, "bootstrap exited");
+        exec_outcome_with(&what, &st, redactor)
+            .map_err(|e| SubstrateError::new(format!("VM {vm}: {e}")))
+    }
+
+    /// Delivers the blob to `path`: one file-write when small; else the
+    /// first chunk to `path` and each further one to a part file beside it,
+    /// one file-write each, then one command that appends the parts in
+    /// order, removes them and prints the sha256 checked here. File-writes
+    /// answer at once, where an exec per chunk costs a round trip plus
+    /// exec-status polls each.
+    async fn write_blob(
+        &self,
+        vm: &VmRef,
+        path: &str,
+        blob: &[u8],
+        redactor: &Redactor,
     ) -> Result<(), SubstrateError> {
         let ctx = || {
             format!(
@@ -197,43 +284,39 @@ impl PveSubstrate {
                 blob.len()
             )
         };
-        let mut chunks = blob.chunks(CHUNK_RAW);
-        let first = chunks.next().unwrap_or_default();
-        self.client
-            .agent_file_write(&vm.node, vm.vmid, path, first, FileEncoding::Base64)
-            .await
-            .map_err(|e| err(ctx(), &e))?;
-        if blob.len() <= CHUNK_RAW {
+        let client = &self.api.client;
+        let mut parts = Vec::new();
+        for (i, chunk) in blob.chunks(CHUNK_RAW).enumerate() {
+            let file = if i == 0 {
+                path.to_string()
+            } else {
+                part_path(path, i)
+            };
+            client
+                .agent_file_write(&vm.node, vm.vmid, &file, chunk, FileEncoding::Base64)
+                .await
+                .map_err(|e| err(ctx(), &e))?;
+            if i > 0 {
+                parts.push(file);
+            }
+        }
+        if blob.is_empty() {
+            // `chunks` yields nothing for an empty blob: still make the file.
+            client
+                .agent_file_write(&vm.node, vm.vmid, path, blob, FileEncoding::Base64)
+                .await
+                .map_err(|e| err(ctx(), &e))?;
+        }
+        if parts.is_empty() {
             return Ok(());
         }
-        let append: Vec<String> = vec![
-            "/bin/sh".into(),
-            "-c".into(),
-            "base64 -d >> \"$1\"".into(),
-            "bigfleet-append".into(),
-            path.into(),
-        ];
-        for chunk in chunks {
-            let b64 = base64::engine::general_purpose::STANDARD.encode(chunk);
-            let st = self
-                .run(vm, &append, Some(b64.as_bytes()), self.opts.exec_timeout)
-                .await
-                .map_err(|e| exec_err(ctx(), &e))?;
-            exec_outcome_redacted("appending a bootstrap chunk", &st, blob)
-                .map_err(|e| SubstrateError::new(format!("{}: {e}", ctx())))?;
-        }
-        let want = hex::encode(Sha256::digest(blob));
         let st = self
-            .run(
-                vm,
-                &["sha256sum".to_string(), path.to_string()],
-                None,
-                self.opts.exec_timeout,
-            )
+            .run(vm, &join_argv(path, &parts), self.api.opts.exec_timeout)
             .await
             .map_err(|e| exec_err(ctx(), &e))?;
-        exec_outcome_redacted("sha256sum", &st, blob)
+        exec_outcome_with("joining the bootstrap chunks", &st, redactor)
             .map_err(|e| SubstrateError::new(format!("{}: {e}", ctx())))?;
+        let want = hex::encode(Sha256::digest(blob));
         let got = st
             .out_data
             .as_deref()
@@ -247,11 +330,189 @@ impl PveSubstrate {
         }
         Ok(())
     }
+
+    /// One readiness probe: `Ok(true)` when the command succeeds (and the
+    /// probes end), `Ok(false)` while it fails or the agent is away (the
+    /// failure is kept for [`Guest::readiness_detail`]).
+    pub(super) async fn node_ready(&self, vm: &VmRef) -> Result<bool, SubstrateError> {
+        if !self.readiness_gate() {
+            return Ok(true);
+        }
+        let opts = &self.api.opts;
+        let argv = vec![
+            "/bin/sh".to_string(),
+            "-c".to_string(),
+            opts.readiness_command.clone(),
+        ];
+        let outcome = self.run(vm, &argv, opts.readiness_timeout).await;
+        let mut probes = self.probes.lock();
+        let p = probes.entry(vm.vmid).or_insert_with(|| Probes {
+            attempts: 0,
+            last: None,
+            redactor: Arc::new(Redactor::new(&[])),
+        });
+        p.attempts += 1;
+        let attempt = p.attempts;
+        match outcome {
+            Ok(st) => {
+                tracing::info!(vm = %vm, attempt, exit_code = ?st.exitcode, signal = ?st.signal, "readiness probe");
+                match exec_outcome_with("the readiness command", &st, &p.redactor) {
+                    Ok(()) => {
+                        probes.remove(&vm.vmid);
+                        Ok(true)
+                    }
+                    Err(e) => {
+                        p.last = Some(e.to_string());
+                        Ok(false)
+                    }
+                }
+            }
+            // Rebooting after the bootstrap: not ready yet.
+            Err(ExecError::Api(e)) if e.is_agent_transient() => {
+                tracing::info!(vm = %vm, attempt, error = %e, "readiness probe: guest agent not answering");
+                p.last = Some(format!("the guest agent did not answer: {e}"));
+                Ok(false)
+            }
+            Err(e) => Err(exec_err(format!("probing readiness of VM {vm}"), &e)),
+        }
+    }
+
+    /// What the last failed probe said, once (the probes end here).
+    pub(super) fn readiness_detail(&self, vm: &VmRef) -> Option<String> {
+        let probes = self.probes.lock().remove(&vm.vmid)?;
+        let last = probes.last?;
+        Some(format!(
+            "last readiness probe (attempt {}): {last}",
+            probes.attempts
+        ))
+    }
+
+    /// Runs the drain command in the guest.
+    pub(super) async fn drain(&self, vm: &VmRef, grace: Duration) -> Result<(), SubstrateError> {
+        self.forget(vm.vmid);
+        let opts = &self.api.opts;
+        if opts.drain_command.trim().is_empty() {
+            return Err(SubstrateError::new("no drain command configured"));
+        }
+        let cmd = drain_command(&opts.drain_command, grace, opts.drain_timeout);
+        tracing::info!(vm = %vm, command = %cmd, "draining");
+        let argv = vec!["/bin/sh".to_string(), "-c".to_string(), cmd];
+        let st = self
+            .run(vm, &argv, opts.drain_timeout + Duration::from_secs(30))
+            .await
+            .map_err(|e| exec_err(format!("draining VM {vm}"), &e))?;
+        tracing::info!(vm = %vm, exit_code = ?st.exitcode, signal = ?st.signal, "drain command exited");
+        exec_outcome("drain command", &st).map_err(|e| SubstrateError::new(format!("VM {vm}: {e}")))
+    }
+}
+
+/// The `i`th part file of a chunked blob: beside the blob, numbered so the
+/// join's order is explicit.
+fn part_path(path: &str, i: usize) -> String {
+    format!("{path}.part{i}")
+}
+
+/// The command that appends `parts` to `path` in the order given, removes
+/// them (also on failure, with the half-joined file: they hold the blob) and
+/// prints the sha256 of the result. Every file is named as an argument, not
+/// built inside the script, so the command reads only what it is given.
+fn join_argv(path: &str, parts: &[String]) -> Vec<String> {
+    const SCRIPT: &str = r#"p="$1"; shift
+for part in "$@"; do
+  cat "$part" >> "$p" || { rm -f "$p" "$@"; exit 1; }
+done
+rm -f "$@"
+sha256sum "$p""#;
+    let mut argv: Vec<String> = vec![
+        "/bin/sh".into(),
+        "-c".into(),
+        SCRIPT.into(),
+        "bigfleet-join".into(),
+        path.into(),
+    ];
+    argv.extend(parts.iter().cloned());
+    argv
+}
+
+/// The drain command as run: `--drain-command`, then `--grace-period=N`
+/// only for a request's positive grace (0, proto3's unset, leaves each
+/// pod's own `terminationGracePeriodSeconds` in force, where kubectl's
+/// `--grace-period=0` would mean "delete now"), then `--timeout=Ns` so
+/// kubectl gives up before the provider stops waiting.
+pub(crate) fn drain_command(base: &str, grace: Duration, drain_timeout: Duration) -> String {
+    let mut cmd = base.trim().to_string();
+    if grace.as_secs() > 0 {
+        cmd.push_str(&format!(" --grace-period={}", grace.as_secs()));
+    }
+    cmd.push_str(&format!(" --timeout={}s", drain_timeout.as_secs().max(1)));
+    cmd
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn drain_appends_grace_only_when_asked() {
+        let base = "kubectl drain \"$(hostname)\" --ignore-daemonsets";
+        let t = Duration::from_secs(600);
+        assert_eq!(
+            drain_command(base, Duration::ZERO, t),
+            format!("{base} --timeout=600s"),
+            "0 = the pods' own grace"
+        );
+        assert_eq!(
+            drain_command(base, Duration::from_secs(30), t),
+            format!("{base} --grace-period=30 --timeout=600s")
+        );
+        assert_eq!(
+            drain_command(base, Duration::from_millis(400), Duration::ZERO),
+            format!("{base} --timeout=1s"),
+            "sub-second grace rounds to unset; the timeout is at least 1s"
+        );
+    }
+
+    /// The join script itself, run by a real `/bin/sh` on the files as
+    /// the chunked write leaves them.
+    #[test]
+    fn the_join_appends_the_parts_in_order_and_removes_them() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("bootstrap");
+        let path = path.to_str().unwrap();
+        let blob: Vec<u8> = (0..(CHUNK_RAW * 2 + 100))
+            .map(|i| (i % 251) as u8)
+            .collect();
+        let chunks: Vec<&[u8]> = blob.chunks(CHUNK_RAW).collect();
+        std::fs::write(path, chunks[0]).unwrap();
+        let parts: Vec<String> = (1..chunks.len()).map(|i| part_path(path, i)).collect();
+        for (part, chunk) in parts.iter().zip(&chunks[1..]) {
+            std::fs::write(part, chunk).unwrap();
+        }
+        let run = |argv: Vec<String>| {
+            std::process::Command::new(&argv[0])
+                .args(&argv[1..])
+                .output()
+                .unwrap()
+        };
+        let out = run(join_argv(path, &parts));
+        assert!(out.status.success(), "{out:?}");
+        assert_eq!(std::fs::read(path).unwrap(), blob);
+        let printed = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            printed.starts_with(&hex::encode(Sha256::digest(&blob))),
+            "{printed}"
+        );
+        let left = std::fs::read_dir(dir.path()).unwrap().count();
+        assert_eq!(left, 1, "only the blob is left");
+
+        // A missing part fails the join and leaves no piece of the blob.
+        std::fs::write(path, chunks[0]).unwrap();
+        std::fs::write(&parts[1], chunks[2]).unwrap();
+        let out = run(join_argv(path, &parts));
+        assert!(!out.status.success());
+        let left = std::fs::read_dir(dir.path()).unwrap().count();
+        assert_eq!(left, 0, "no piece of the blob is left behind");
+    }
 
     #[test]
     fn exec_errors_quote_exit_and_stderr_tail() {

@@ -1,24 +1,23 @@
 //! The inventory read: which VMs exist, which carry our marker, and the
 //! per-VM knowledge that spares repeated config reads.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
 
 use futures::stream;
 use futures::stream::{StreamExt, TryStreamExt};
-use pve::{machine_tag, ClusterVm, VmStatus};
+use parking_lot::Mutex;
+use pve::ClusterVm;
 
-use providerkit::ErrorKind;
-
-use super::clone::Probe;
-use super::marker::{looks_managed, parse_marker, MANAGED_TAG};
-use super::{err, err_at, PveSubstrate};
-use crate::substrate::{CloneRequest, SubstrateError, VmRef};
+use super::api::{err, Api};
+use super::marker::{looks_managed, parse_marker};
+use crate::substrate::{SubstrateError, VmRef};
 
 /// Concurrent config reads while indexing new VMs.
-pub(super) const CONFIG_READ_CONCURRENCY: usize = 8;
+const CONFIG_READ_CONCURRENCY: usize = 8;
 
 /// The outcome of one config read during a pass.
-pub(super) enum ConfigRead {
+enum ConfigRead {
     /// The machine id from the marker, if any.
     Read(Option<String>),
     /// The node did not answer.
@@ -37,7 +36,27 @@ pub(super) struct Known {
     pub(super) machine_id: Option<String>,
 }
 
-impl PveSubstrate {
+/// What the provider knows of the cluster's VMs between listings.
+pub(super) struct Inventory {
+    api: Arc<Api>,
+    /// vmid -> what we know; refreshed by every inventory read.
+    index: Mutex<HashMap<u32, Known>>,
+    /// Template vmid -> node it lives on.
+    templates: Mutex<HashMap<u32, String>>,
+    /// VMs whose clone we started, by machine id (covers a stale inventory).
+    pending: Mutex<HashMap<String, VmRef>>,
+}
+
+impl Inventory {
+    pub(super) fn new(api: Arc<Api>) -> Inventory {
+        Inventory {
+            api,
+            index: Mutex::new(HashMap::new()),
+            templates: Mutex::new(HashMap::new()),
+            pending: Mutex::new(HashMap::new()),
+        }
+    }
+
     /// One `/cluster/resources` read. Configs are read (and cached) only for
     /// VMs that look managed, pass `want`, and are new or changed since last seen.
     /// Returns the listing and the machine id of every marked VM in it.
@@ -46,6 +65,7 @@ impl PveSubstrate {
         want: impl Fn(&ClusterVm) -> bool,
     ) -> Result<(Vec<ClusterVm>, Vec<(ClusterVm, String)>), SubstrateError> {
         let list = self
+            .api
             .client
             .cluster_resources_vms()
             .await
@@ -70,7 +90,7 @@ impl PveSubstrate {
         };
         let read: Vec<(ClusterVm, ConfigRead)> = stream::iter(to_read)
             .map(|v| async move {
-                match self.client.get_config(&v.node, v.vmid).await {
+                match self.api.client.get_config(&v.node, v.vmid).await {
                     Ok(cfg) => {
                         let id = cfg.description.as_deref().and_then(parse_marker);
                         Ok(Some((v, Read(id))))
@@ -140,116 +160,51 @@ impl PveSubstrate {
             }
             marked
         };
-        let marked = self.reap_late_clones(marked).await;
         Ok((list, marked))
     }
 
+    /// Drops what is known of a VMID (destroyed, or not ours after all).
     pub(super) fn forget(&self, vmid: u32) {
         self.index.lock().remove(&vmid);
         self.pending.lock().retain(|_, vm| vm.vmid != vmid);
-        self.vmids
+    }
+
+    /// Records what marking a VM made of it, so the next pass spares the
+    /// config read; `None`: not known (the next pass reads the config).
+    pub(super) fn learn(&self, vmid: u32, known: Option<Known>) {
+        match known {
+            Some(k) => self.index.lock().insert(vmid, k),
+            None => self.index.lock().remove(&vmid),
+        };
+    }
+
+    /// The VM a clone of ours was started on for `machine_id`, if any.
+    pub(super) fn pending(&self, machine_id: &str) -> Option<VmRef> {
+        self.pending.lock().get(machine_id).cloned()
+    }
+
+    /// A clone for `machine_id` is being started at `vm`.
+    pub(super) fn set_pending(&self, machine_id: &str, vm: &VmRef) {
+        self.pending
             .lock()
-            .cooldown
-            .insert(vmid, std::time::Instant::now() + self.opts.vmid_cooldown);
+            .insert(machine_id.to_string(), vm.clone());
+    }
+
+    /// The machine's clone is settled (adopted, landed, or given up).
+    pub(super) fn clear_pending(&self, machine_id: &str) {
+        self.pending.lock().remove(machine_id);
     }
 
     /// Finds the node a VMID is on now (after a 'does not exist' on the node we
     /// expected); `None` if the cluster no longer has it.
     pub(super) async fn locate(&self, vmid: u32) -> Result<Option<ClusterVm>, SubstrateError> {
         let list = self
+            .api
             .client
             .cluster_resources_vms()
             .await
             .map_err(|e| err("listing the cluster's VMs", &e))?;
         Ok(list.into_iter().find(|v| v.vmid == vmid && !v.template))
-    }
-
-    /// `status/current`, refusing VMs without our marker.
-    pub(super) async fn managed_status(
-        &self,
-        vm: &VmRef,
-        deadline: tokio::time::Instant,
-    ) -> Result<VmStatus, SubstrateError> {
-        let mut call = || self.client.status_current(&vm.node, vm.vmid);
-        let st = self
-            .retry_raw(Some(&vm.node), deadline, &mut call)
-            .await
-            .map_err(|e| {
-                if e.is_not_found() {
-                    SubstrateError::new(format!(
-                        "VM {vm} does not exist (destroyed, or moved to another node; the next reconcile updates its host): {e}"
-                    ))
-                } else {
-                    err_at(format!("reading the status of VM {vm}"), Some(&vm.node), &e)
-                }
-            })?;
-        if !looks_managed(&st.tags, st.name.as_deref()) {
-            return Err(SubstrateError::new(format!(
-                "VM {vm} does not carry the {MANAGED_TAG} marker; refusing to touch it"
-            )));
-        }
-        Ok(st)
-    }
-
-    /// An existing VM marked with this machine id, if any: the in-process
-    /// record of clones we started, then the (possibly seconds-stale) inventory.
-    pub(super) async fn find_existing(
-        &self,
-        req: &CloneRequest,
-        expected_name: &str,
-        deadline: tokio::time::Instant,
-    ) -> Result<(Option<(VmRef, Vec<String>)>, Vec<ClusterVm>), SubstrateError> {
-        let pending = self.pending.lock().get(&req.machine_id).cloned();
-        let mtag = machine_tag(&req.machine_id);
-        let (list, marked) = self
-            .scan(|v| v.tags.contains(&mtag) || v.name.as_deref() == Some(expected_name))
-            .await?;
-        let mut found: Vec<&ClusterVm> = marked
-            .iter()
-            .filter(|(_, id)| *id == req.machine_id)
-            .map(|(v, _)| v)
-            .collect();
-        // Prefer a running one, then the oldest.
-        found.sort_by_key(|v| (v.status != "running", v.vmid));
-        if found.len() > 1 {
-            tracing::warn!(machine_id = %req.machine_id, vmids = ?found.iter().map(|v| v.vmid).collect::<Vec<_>>(), "several VMs carry this machine id; adopting the first");
-        }
-        if let Some(v) = found.first() {
-            let vm = VmRef {
-                node: v.node.clone(),
-                vmid: v.vmid,
-            };
-            // Adopted: it is this machine's VM now, not a late duplicate.
-            self.vmids.lock().late.remove(&v.vmid);
-            return Ok((Some((vm, v.tags.clone())), list));
-        }
-        if let Some(vm) = pending {
-            // Not in the inventory yet: ask the VM itself. A clone still in
-            // progress (temporary config, or outside the pool until its end)
-            // is waited for: cloning again would make a second VM.
-            loop {
-                match self.probe_pending(&vm, &req.machine_id, deadline).await? {
-                    Probe::Ours(tags) => {
-                        self.vmids.lock().late.remove(&vm.vmid);
-                        return Ok((Some((vm, tags)), list));
-                    }
-                    Probe::Gone | Probe::Foreign => break,
-                    Probe::Cloning if tokio::time::Instant::now() >= deadline => {
-                        return Err(SubstrateError::with_kind(
-                            ErrorKind::Transient,
-                            format!(
-                                "VM {vm}, cloned for this machine by an earlier attempt, is still being cloned \
-                                 (or is not visible to the API token) after {:?}; retry the Create",
-                                self.opts.retry_window
-                            ),
-                        ))
-                    }
-                    Probe::Cloning => tokio::time::sleep(self.opts.poll_interval).await,
-                }
-            }
-            self.pending.lock().remove(&req.machine_id);
-        }
-        Ok((None, list))
     }
 
     pub(super) fn template_node(

@@ -4,44 +4,58 @@
 //! and the late one's marker names this machine and this operation.
 
 use std::collections::HashSet;
+use std::sync::Arc;
 
 use pve::ClusterVm;
 use tokio::time::Instant;
 
-use super::clone::Probe;
+use super::api::{Api, Probe};
+use super::inventory::Inventory;
 use super::marker::owned_by;
-use super::vmid::LateClone;
-use super::PveSubstrate;
-use crate::substrate::{CloneRequest, SubstrateError, VmRef};
+use super::vmid::{LateClone, Vmids};
+use crate::substrate::{SubstrateError, VmRef};
 
-impl PveSubstrate {
+/// The watch over late clones; the watched VMIDs themselves are kept with
+/// the VMID choice, which must not reuse them.
+pub(super) struct LateClones {
+    api: Arc<Api>,
+    vmids: Arc<Vmids>,
+    inventory: Arc<Inventory>,
+}
+
+impl LateClones {
+    pub(super) fn new(api: Arc<Api>, vmids: Arc<Vmids>, inventory: Arc<Inventory>) -> LateClones {
+        LateClones {
+            api,
+            vmids,
+            inventory,
+        }
+    }
+
     /// Once `keep` (this machine's clone) exists: removes any earlier clone
     /// of the same machine that was given up as not applied and has landed
     /// since. One still being cloned, or not yet there, stays watched (the
     /// reconcile pass finds it later). Failures only log: the Create has its
     /// VM, and the next pass tries again.
-    pub(super) async fn reap_late_twins(&self, req: &CloneRequest, keep: u32, deadline: Instant) {
+    pub(super) async fn reap_twins(&self, machine_id: &str, keep: u32, deadline: Instant) {
         let late: Vec<(u32, LateClone)> = self
             .vmids
-            .lock()
             .late_clones()
             .into_iter()
-            .filter(|(vmid, l)| *vmid != keep && l.machine_id == req.machine_id)
+            .filter(|(vmid, l)| *vmid != keep && l.machine_id == machine_id)
             .collect();
         for (vmid, l) in late {
             let vm = VmRef {
                 node: l.node.clone(),
                 vmid,
             };
-            match self.probe_pending(&vm, &l.machine_id, deadline).await {
+            match self.api.probe(&vm, &l.machine_id, deadline).await {
                 Ok(Probe::Ours(_)) => {
                     if let Err(e) = self.remove_late_clone(&vm, &l, deadline).await {
                         tracing::warn!(vm = %vm, error = %e, "could not remove a late duplicate clone; the next reconcile retries");
                     }
                 }
-                Ok(Probe::Foreign) => {
-                    self.vmids.lock().late.remove(&vmid);
-                }
+                Ok(Probe::Foreign) => self.vmids.unwatch_late(vmid),
                 Ok(Probe::Gone | Probe::Cloning) => {}
                 Err(e) => {
                     tracing::warn!(vm = %vm, error = %e, "could not check a clone given up as not applied; the next reconcile retries");
@@ -54,23 +68,23 @@ impl PveSubstrate {
     /// another VM marked for the same machine is removed (and left out of
     /// the result). While it is the machine's only VM it is kept: a retried
     /// Create or reconcile may adopt it.
-    pub(super) async fn reap_late_clones(
+    pub(super) async fn reap(
         &self,
         mut marked: Vec<(ClusterVm, String)>,
     ) -> Vec<(ClusterVm, String)> {
-        let late = self.vmids.lock().late_clones();
+        let late = self.vmids.late_clones();
         if late.is_empty() {
             return marked;
         }
         let watched: HashSet<u32> = late.iter().map(|(vmid, _)| *vmid).collect();
-        let deadline = Instant::now() + self.opts.retry_window;
+        let deadline = self.api.deadline();
         for (vmid, l) in late {
             let Some((v, id)) = marked.iter().find(|(v, _)| v.vmid == vmid) else {
                 continue;
             };
             if *id != l.machine_id {
                 // Another machine's VM at that id: our request never landed.
-                self.vmids.lock().late.remove(&vmid);
+                self.vmids.unwatch_late(vmid);
                 continue;
             }
             // The twin must be a VM this process kept, not another late one.
@@ -104,13 +118,12 @@ impl PveSubstrate {
         late: &LateClone,
         deadline: Instant,
     ) -> Result<bool, SubstrateError> {
-        let forget = || {
-            self.vmids.lock().late.remove(&vm.vmid);
-        };
+        let forget = || self.vmids.unwatch_late(vm.vmid);
         const WHAT: &str = "checking the late clone";
         let Some(cfg) = self
+            .api
             .read_present(WHAT, vm, deadline, || {
-                self.client.get_config(&vm.node, vm.vmid)
+                self.api.client.get_config(&vm.node, vm.vmid)
             })
             .await?
         else {
@@ -131,8 +144,9 @@ impl PveSubstrate {
             return Ok(false);
         }
         let Some(st) = self
+            .api
             .read_present(WHAT, vm, deadline, || {
-                self.client.status_current(&vm.node, vm.vmid)
+                self.api.client.status_current(&vm.node, vm.vmid)
             })
             .await?
         else {
@@ -140,7 +154,9 @@ impl PveSubstrate {
         };
         tracing::warn!(vm = %vm, machine_id = %late.machine_id,
             "a clone given up as not applied (its answer was lost) landed late next to this machine's VM; destroying the duplicate");
-        self.destroy_owned(vm, &st, deadline).await?;
+        self.api.destroy(vm, &st, deadline).await?;
+        self.inventory.forget(vm.vmid);
+        self.vmids.cool_down(vm.vmid);
         forget();
         Ok(true)
     }

@@ -1,6 +1,30 @@
 //! How a VM is recognised as ours: the managed tag, the description marker
 //! naming the machine, and the clone's DNS-label name.
 
+use std::sync::atomic::{AtomicBool, Ordering};
+
+/// Whether VMs get the bigfleet tags. The cluster's `user-tag-access` may
+/// refuse new tags to the token; from then on VMs are marked by their
+/// description marker only (the ownership proof anyway). Learnt by the
+/// preflight or by the first refused marking, read by every marking.
+#[derive(Default)]
+pub(super) struct TagPolicy {
+    restricted: AtomicBool,
+}
+
+impl TagPolicy {
+    /// Tags are refused: mark by description only.
+    pub(super) fn restricted(&self) -> bool {
+        self.restricted.load(Ordering::Relaxed)
+    }
+
+    /// Records that tags are refused; `true` when this is news (so the
+    /// caller warns once).
+    pub(super) fn restrict(&self) -> bool {
+        !self.restricted.swap(true, Ordering::Relaxed)
+    }
+}
+
 /// Tag every VM we create carries.
 pub const MANAGED_TAG: &str = "bigfleet";
 

@@ -13,14 +13,14 @@ use pve::{ClusterVm, PveError, StorageStatus};
 use tokio::sync::OnceCell;
 use tokio::time::Instant;
 
+use super::api::{err_at, Api};
 use super::options::CloneMode;
-use super::replica::Replicas;
-use super::{err_at, PveSubstrate};
-use crate::substrate::{CloneRequest, SubstrateError, VmRef};
+use super::slots::storage_key;
+use crate::substrate::{CloneRequest, SubstrateError};
 
-/// Caches and bookkeeping of placement decisions.
-#[derive(Default)]
-pub(super) struct PlacementState {
+/// Placement decisions with their caches and bookkeeping.
+pub(super) struct Placement {
+    api: Arc<Api>,
     /// Template vmid -> its disks and their storages; read once per
     /// template (and again when a replica check sees a new digest).
     layouts: Mutex<HashMap<u32, Arc<OnceCell<Arc<Layout>>>>>,
@@ -33,7 +33,9 @@ pub(super) struct PlacementState {
     /// The token may not read storage status (no `Datastore.Audit` or
     /// `Datastore.AllocateSpace` there): room checks are skipped.
     status_refused: AtomicBool,
-    pub(super) replicas: Replicas,
+    /// Template vmid -> clone-slot storage key of its disks, read once per
+    /// template (failed reads are not cached).
+    storage_keys: Mutex<HashMap<u32, Arc<OnceCell<String>>>>,
 }
 
 /// A template's disks as its node sees them.
@@ -61,7 +63,7 @@ impl Layout {
     }
 
     /// Bytes the disks need, by the storage they land on.
-    fn needs(&self, dest: impl Fn(&str) -> String) -> BTreeMap<String, u64> {
+    pub(super) fn needs(&self, dest: impl Fn(&str) -> String) -> BTreeMap<String, u64> {
         let mut out = BTreeMap::new();
         for (s, bytes) in &self.disks {
             *out.entry(dest(s)).or_default() += bytes;
@@ -70,16 +72,9 @@ impl Layout {
     }
 }
 
-/// Where one Create clones from. Holds the room it reserved until dropped.
-pub(super) struct ClonePlan<'a> {
-    pub(super) source_vmid: u32,
-    pub(super) source_node: String,
-    _room: Vec<RoomGuard<'a>>,
-}
-
 /// Bytes reserved on one (node, storage) for a clone in flight.
 pub(super) struct RoomGuard<'a> {
-    state: &'a PlacementState,
+    state: &'a Placement,
     key: (String, String),
     bytes: u64,
 }
@@ -98,20 +93,69 @@ pub(super) fn gib(bytes: u64) -> String {
     format!("{:.1} GiB", bytes as f64 / f64::from(1u32 << 30))
 }
 
-impl PveSubstrate {
+impl Placement {
+    pub(super) fn new(api: Arc<Api>) -> Placement {
+        Placement {
+            api,
+            layouts: Mutex::default(),
+            storages: Mutex::default(),
+            reserved: Mutex::default(),
+            status_refused: AtomicBool::new(false),
+            storage_keys: Mutex::default(),
+        }
+    }
+
+    /// The clone-slot key of a template's disk storages. A full clone without
+    /// `storage` lands on the same storages, so their locks are what parallel
+    /// clones contend on. One config read per template per process; a failed
+    /// read fails the Create (and is retried by the next one).
+    pub(super) async fn storage_key(
+        &self,
+        template: u32,
+        template_node: &str,
+        deadline: Instant,
+    ) -> Result<String, SubstrateError> {
+        let cell = self
+            .storage_keys
+            .lock()
+            .entry(template)
+            .or_default()
+            .clone();
+        cell.get_or_try_init(|| async {
+            let cfg = self
+                .api
+                .retry_pve(
+                    format!(
+                        "reading the config of template {template} on node {template_node} \
+                         (needed to bound clones per storage)"
+                    ),
+                    Some(template_node),
+                    deadline,
+                    || self.api.client.get_config(template_node, template),
+                )
+                .await?;
+            let key = storage_key(&cfg.disk_storages());
+            tracing::debug!(template, storage = %key, "template disk storage resolved");
+            Ok(key)
+        })
+        .await
+        .cloned()
+    }
+
     /// The storage a clone's disks go to, if one is configured: the
     /// instance type's, else the node's.
     pub(super) fn target_storage(&self, req: &CloneRequest) -> Option<String> {
-        self.opts
+        self.api
+            .opts
             .type_storage
             .get(&req.instance_type)
-            .or_else(|| self.opts.node_storage.get(&req.node))
+            .or_else(|| self.api.opts.node_storage.get(&req.node))
             .cloned()
     }
 
     /// `full` and `storage` of the clone request.
     pub(super) fn clone_options(&self, req: &CloneRequest) -> (bool, Option<String>) {
-        match self.opts.clone_mode {
+        match self.api.opts.clone_mode {
             CloneMode::Full => (true, self.target_storage(req)),
             CloneMode::Linked => (false, None),
         }
@@ -127,7 +171,7 @@ impl PveSubstrate {
         deadline: Instant,
     ) -> Result<Arc<Layout>, SubstrateError> {
         let cell = {
-            let mut all = self.placement.layouts.lock();
+            let mut all = self.layouts.lock();
             let cell = all.entry(template).or_default();
             let stale = cell
                 .get()
@@ -140,17 +184,18 @@ impl PveSubstrate {
         };
         cell.get_or_try_init(|| async {
             let cfg = self
+                .api
                 .retry_pve(
                     format!("reading the config of template {template} on node {template_node}"),
                     Some(template_node),
                     deadline,
-                    || self.client.get_config(template_node, template),
+                    || self.api.client.get_config(template_node, template),
                 )
                 .await?;
             // The same read gives the clone-slot key: one read per template.
-            let key = super::clone::storage_key(&cfg.disk_storages());
+            let key = storage_key(&cfg.disk_storages());
             let _already = self
-                .template_storage
+                .storage_keys
                 .lock()
                 .entry(template)
                 .or_default()
@@ -176,16 +221,10 @@ impl PveSubstrate {
         node: &str,
         deadline: Instant,
     ) -> Result<Arc<NodeStorages>, SubstrateError> {
-        let cell = Arc::clone(
-            self.placement
-                .storages
-                .lock()
-                .entry(node.to_string())
-                .or_default(),
-        );
+        let cell = Arc::clone(self.storages.lock().entry(node.to_string()).or_default());
         cell.get_or_try_init(|| async {
-            let mut call = || self.client.node_storages(node);
-            match self.retry_raw(Some(node), deadline, &mut call).await {
+            let mut call = || self.api.client.node_storages(node);
+            match self.api.retry_raw(Some(node), deadline, &mut call).await {
                 Ok(list) => Ok(Arc::new(
                     list.into_iter()
                         .filter_map(|s| s.storage.clone().map(|id| (id, s)))
@@ -207,96 +246,6 @@ impl PveSubstrate {
         .cloned()
     }
 
-    /// Decides the clone's source (the template, or its replica on the
-    /// target node) and, for a full clone, checks and reserves the room its
-    /// disks need.
-    pub(super) async fn plan_clone(
-        &self,
-        req: &CloneRequest,
-        template_node: &str,
-        list: &[ClusterVm],
-        deadline: Instant,
-    ) -> Result<ClonePlan<'_>, SubstrateError> {
-        let layout = self
-            .layout(req.template_vmid, template_node, None, deadline)
-            .await?;
-        let replica = self.opts.template_replicas
-            && req.node != template_node
-            && !layout.shared(&*self.node_storages(template_node, deadline).await?);
-        let (source_vmid, source_node, layout) = if replica {
-            let (vmid, layout) = self.replica_for(req, template_node, list, deadline).await?;
-            (vmid, req.node.clone(), layout)
-        } else {
-            (req.template_vmid, template_node.to_string(), layout)
-        };
-        let (full, storage) = self.clone_options(req);
-        let mut room = Vec::new();
-        if full {
-            // A replica's disks are on the node's storage (or the template's ids).
-            let node_storage = self.opts.node_storage.get(&req.node).cloned();
-            let needs = layout.needs(|s| {
-                storage
-                    .clone()
-                    .or_else(|| replica.then(|| node_storage.clone()).flatten())
-                    .unwrap_or_else(|| s.to_string())
-            });
-            let what = format!("the full clone of template {}", req.template_vmid);
-            // The clone worker allocates on the node it runs on: the source's
-            // (a clone to another node is on shared storage, the same pool
-            // from every node).
-            for (st, bytes) in needs {
-                if let Some(g) = self
-                    .reserve_room(&source_node, &st, bytes, &what, deadline)
-                    .await?
-                {
-                    room.push(g);
-                }
-            }
-        }
-        Ok(ClonePlan {
-            source_vmid,
-            source_node,
-            _room: room,
-        })
-    }
-
-    /// Plans the clone and clones: from the template, or from its replica on
-    /// the target node. A replica that vanished since it was last seen
-    /// (destroyed out of band) is forgotten and staged again, once.
-    pub(super) async fn clone_planned(
-        &self,
-        req: &CloneRequest,
-        template_node: &str,
-        list: &[ClusterVm],
-        name: &str,
-        deadline: Instant,
-    ) -> Result<VmRef, SubstrateError> {
-        let mut again = true;
-        loop {
-            let plan = self.plan_clone(req, template_node, list, deadline).await?;
-            let source = CloneRequest {
-                template_vmid: plan.source_vmid,
-                ..req.clone()
-            };
-            let out = self
-                .clone_new(&source, &plan.source_node, name, deadline)
-                .await;
-            let gone = format!("/qemu-server/{}.conf' does not exist", plan.source_vmid);
-            match out {
-                Err(e)
-                    if again
-                        && plan.source_vmid != req.template_vmid
-                        && e.to_string().contains(&gone) =>
-                {
-                    tracing::warn!(replica = plan.source_vmid, node = %req.node, "the template replica is gone; staging it again");
-                    self.forget_replica(plan.source_vmid);
-                    again = false;
-                }
-                out => return out,
-            }
-        }
-    }
-
     /// Checks that `bytes` fit on `storage` of `node` beside the clones in
     /// flight, and reserves them. `None` when the token may not read the
     /// storage's status (checked by PVE at allocation then).
@@ -308,14 +257,14 @@ impl PveSubstrate {
         what: &str,
         deadline: Instant,
     ) -> Result<Option<RoomGuard<'_>>, SubstrateError> {
-        if bytes == 0 || self.placement.status_refused.load(Ordering::Relaxed) {
+        if bytes == 0 || self.status_refused.load(Ordering::Relaxed) {
             return Ok(None);
         }
-        let mut call = || self.client.storage_status(node, storage);
-        let st = match self.retry_raw(Some(node), deadline, &mut call).await {
+        let mut call = || self.api.client.storage_status(node, storage);
+        let st = match self.api.retry_raw(Some(node), deadline, &mut call).await {
             Ok(st) => st,
             Err(e) if e.is_forbidden() => {
-                if !self.placement.status_refused.swap(true, Ordering::Relaxed) {
+                if !self.status_refused.swap(true, Ordering::Relaxed) {
                     tracing::warn!(node, storage, error = %e,
                         "the API token may not read storage status; room is not checked before cloning \
                          (grant Datastore.AllocateSpace or Datastore.Audit on /storage/<id>)");
@@ -344,7 +293,7 @@ impl PveSubstrate {
             return Ok(None);
         };
         let key = (node.to_string(), storage.to_string());
-        let mut reserved = self.placement.reserved.lock();
+        let mut reserved = self.reserved.lock();
         let held = reserved.get(&key).copied().unwrap_or(0);
         if bytes.saturating_add(held) > avail {
             let in_flight = if held > 0 {
@@ -362,7 +311,7 @@ impl PveSubstrate {
         }
         *reserved.entry(key.clone()).or_default() += bytes;
         Ok(Some(RoomGuard {
-            state: &self.placement,
+            state: self,
             key,
             bytes,
         }))
@@ -378,17 +327,24 @@ impl PveSubstrate {
         templates: &[u32],
         list: &[ClusterVm],
     ) -> Result<Vec<String>, SubstrateError> {
-        let deadline = self.deadline();
+        let deadline = self.api.deadline();
         let mut warnings = Vec::new();
-        if let Some(n) = self.opts.node_storage.keys().find(|n| !nodes.contains(n)) {
+        if let Some(n) = self
+            .api
+            .opts
+            .node_storage
+            .keys()
+            .find(|n| !nodes.contains(n))
+        {
             return Err(SubstrateError::new(format!(
                 "--node-storage names node {n:?}, which is not in --nodes ({})",
                 nodes.join(", ")
             )));
         }
         let mut node_storages: HashMap<&str, Arc<NodeStorages>> = HashMap::new();
-        let wanted = !self.opts.node_storage.is_empty() || !self.opts.type_storage.is_empty();
-        if wanted || self.opts.clone_mode == CloneMode::Linked {
+        let wanted =
+            !self.api.opts.node_storage.is_empty() || !self.api.opts.type_storage.is_empty();
+        if wanted || self.api.opts.clone_mode == CloneMode::Linked {
             for node in nodes {
                 match self.node_storages(node, deadline).await {
                     Ok(m) => {
@@ -403,10 +359,10 @@ impl PveSubstrate {
         }
         for (node, seen) in &node_storages {
             let mut want: Vec<(&str, String)> = Vec::new();
-            if let Some(s) = self.opts.node_storage.get(*node) {
+            if let Some(s) = self.api.opts.node_storage.get(*node) {
                 want.push((s, "--node-storage".into()));
             }
-            for (t, s) in &self.opts.type_storage {
+            for (t, s) in &self.api.opts.type_storage {
                 want.push((s, format!("instance type {t}'s `storage`")));
             }
             for (s, from) in want {
@@ -421,7 +377,7 @@ impl PveSubstrate {
                 }
             }
         }
-        if self.opts.clone_mode != CloneMode::Linked {
+        if self.api.opts.clone_mode != CloneMode::Linked {
             return Ok(warnings);
         }
         for &t in templates {
@@ -447,7 +403,7 @@ impl PveSubstrate {
                 continue;
             }
             for node in nodes.iter().filter(|n| **n != tnode) {
-                if !self.opts.template_replicas {
+                if !self.api.opts.template_replicas {
                     return Err(SubstrateError::new(format!(
                         "--clone-mode linked: template {t} is on local storage of node {tnode}, so node {node} \
                          cannot make linked clones of it. Leave --template-replicas on (a copy of the template \

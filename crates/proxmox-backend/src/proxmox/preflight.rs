@@ -34,11 +34,13 @@
 //! there), `Pool.Audit` (only used, when held, to confirm the pool exists).
 
 use std::collections::BTreeSet;
-use std::sync::atomic::Ordering;
 
 use pve::{AccessFailure, ClusterVm, PveError, TagAccess};
 
-use super::{err, PveSubstrate};
+use super::api::{err, Api};
+use super::inventory::Inventory;
+use super::marker::TagPolicy;
+use super::placement::Placement;
 use crate::substrate::SubstrateError;
 
 /// One job of the lifecycle and the privileges that allow it: any one of
@@ -181,17 +183,26 @@ fn major(release: &str) -> Option<u32> {
     release.split('.').next()?.trim().parse().ok()
 }
 
-impl PveSubstrate {
+/// The start-up check over the parts it reads; it holds nothing itself.
+pub(super) struct Preflight<'a> {
+    pub(super) api: &'a Api,
+    pub(super) inventory: &'a Inventory,
+    pub(super) placement: &'a Placement,
+    pub(super) tags: &'a TagPolicy,
+}
+
+impl Preflight<'_> {
     /// Startup check. Errors name the problem and the fix; the returned
     /// strings are warnings (offline node, source VM not a template, a check
     /// that could not be made, marker-only ownership).
-    pub async fn preflight(
+    pub(super) async fn run(
         &self,
         nodes: &[String],
         templates: &[u32],
     ) -> Result<Vec<String>, SubstrateError> {
-        let url = self.client.base_url().to_string();
+        let url = self.api.client.base_url().to_string();
         let cluster = self
+            .api
             .client
             .nodes()
             .await
@@ -221,12 +232,12 @@ impl PveSubstrate {
             }
         }
         // The version only picks which privilege names the fix suggests.
-        let major = match self.client.release().await {
+        let major = match self.api.client.release().await {
             Ok(r) => major(&r).unwrap_or(8),
             Err(_) => 8,
         };
 
-        let (list, _) = self.scan(|_| false).await?;
+        let (list, _) = self.inventory.scan(|_| false).await?;
         let mut storages: BTreeSet<String> = BTreeSet::new();
         // Bridge -> the templates with a NIC on it.
         let mut bridges: std::collections::BTreeMap<String, Vec<u32>> = Default::default();
@@ -243,7 +254,7 @@ impl PveSubstrate {
                     v.node
                 ));
             }
-            match self.client.get_config(&v.node, *t).await {
+            match self.api.client.get_config(&v.node, *t).await {
                 Ok(cfg) => {
                     if !cfg.agent_enabled() {
                         return Err(SubstrateError::new(format!(
@@ -270,7 +281,7 @@ impl PveSubstrate {
             }
         }
 
-        let pool_path = match &self.opts.pool {
+        let pool_path = match &self.api.opts.pool {
             Some(p) => format!("/pool/{p}"),
             None => "/vms".to_string(),
         };
@@ -296,6 +307,7 @@ impl PveSubstrate {
             }
             held_on_pool = held.first().cloned().unwrap_or_default();
             sys_modify_on_root = self
+                .api
                 .client
                 .permissions(Some("/"))
                 .await
@@ -306,7 +318,7 @@ impl PveSubstrate {
         if major >= 8 && !held_on_pool.is_empty() {
             self.check_bridges(&bridges, &mut warnings).await;
         }
-        if let Some(pool) = &self.opts.pool {
+        if let Some(pool) = &self.api.opts.pool {
             self.check_pool(pool, &held_on_pool, &gaps).await?;
         }
         if !gaps.is_empty() {
@@ -316,7 +328,11 @@ impl PveSubstrate {
             ));
         }
 
-        warnings.extend(self.check_placement(nodes, templates, &list).await?);
+        warnings.extend(
+            self.placement
+                .check_placement(nodes, templates, &list)
+                .await?,
+        );
         self.check_tag_policy(sys_modify_on_root, &mut warnings)
             .await;
         Ok(warnings)
@@ -331,7 +347,7 @@ impl PveSubstrate {
     ) -> Option<Vec<BTreeSet<String>>> {
         let mut out = Vec::new();
         for (path, _) in paths {
-            match self.client.permissions(Some(path)).await {
+            match self.api.client.permissions(Some(path)).await {
                 Ok(mut p) => out.push(p.remove(path).unwrap_or_default()),
                 Err(e) => {
                     warnings.push(format!(
@@ -357,7 +373,7 @@ impl PveSubstrate {
     ) -> Result<(), SubstrateError> {
         let path = format!("/pool/{pool}");
         if held.contains("Pool.Audit") {
-            return match self.client.pool_members(pool).await {
+            return match self.api.client.pool_members(pool).await {
                 Ok(_) => Ok(()),
                 Err(e) if e.is_not_found() => Err(SubstrateError::new(format!(
                     "pool {pool:?} from --proxmox-pool does not exist: fix the name, or create it \
@@ -379,7 +395,7 @@ impl PveSubstrate {
                      name (`pveum pool list`), create the pool (`pveum pool add {pool}`), and \
                      grant the provider's role on it (`pveum acl modify {path} --tokens '{}' \
                      --roles <role>`; deploy/host-setup/setup-token.sh does both)",
-                    self.client.token_id()
+                    self.api.client.token_id()
                 ),
             ));
         }
@@ -387,7 +403,7 @@ impl PveSubstrate {
     }
 
     fn privilege_message(&self, gaps: &[(String, Vec<&Need>)], major: u32) -> String {
-        let token = self.client.token_id();
+        let token = self.api.client.token_id();
         let user = token.split('!').next().unwrap_or(token);
         let mut parts = Vec::new();
         let mut fixes = Vec::new();
@@ -446,7 +462,7 @@ impl PveSubstrate {
     ) {
         for (bridge, users) in bridges {
             let path = format!("/sdn/zones/localnetwork/{bridge}");
-            let held = match self.client.permissions(Some(&path)).await {
+            let held = match self.api.client.permissions(Some(&path)).await {
                 Ok(mut p) => p.remove(&path).unwrap_or_default(),
                 Err(_) => continue,
             };
@@ -461,7 +477,7 @@ impl PveSubstrate {
                  PVESDNUser` (deploy/host-setup/setup-token.sh --bridge {bridge} does this); if \
                  {bridge} is an SDN VNet, use its zone in the path instead of localnetwork",
                 templates.join(", "),
-                self.client.token_id(),
+                self.api.client.token_id(),
             ));
         }
     }
@@ -476,10 +492,10 @@ impl PveSubstrate {
         templates: &[u32],
         list: &[ClusterVm],
     ) -> bool {
-        if !self.opts.template_replicas {
+        if !self.api.opts.template_replicas {
             return false;
         }
-        let deadline = self.deadline();
+        let deadline = self.api.deadline();
         for &t in templates {
             let Some(tnode) = list.iter().find(|v| v.vmid == t).map(|v| v.node.as_str()) else {
                 continue;
@@ -488,8 +504,8 @@ impl PveSubstrate {
                 continue;
             }
             let (Ok(layout), Ok(storages)) = (
-                self.layout(t, tnode, None, deadline).await,
-                self.node_storages(tnode, deadline).await,
+                self.placement.layout(t, tnode, None, deadline).await,
+                self.placement.node_storages(tnode, deadline).await,
             ) else {
                 continue;
             };
@@ -501,9 +517,9 @@ impl PveSubstrate {
     }
 
     async fn check_tag_policy(&self, sys_modify_on_root: bool, warnings: &mut Vec<String>) {
-        match self.client.cluster_options().await {
+        match self.api.client.cluster_options().await {
             Ok(o) if o.tag_access.refuses_new_tags() && !sys_modify_on_root => {
-                self.tags_restricted.store(true, Ordering::Relaxed);
+                self.tags.restrict();
                 let policy = match &o.tag_access {
                     TagAccess::Free => "user-allow=free".to_string(),
                     TagAccess::Existing(l) if l.is_empty() => "user-allow=existing".to_string(),

@@ -19,9 +19,11 @@ use pve::{CloneParams, ClusterVm, ConfigParams, MigrateParams, PveError, Upid};
 use tokio::sync::Mutex as AsyncMutex;
 use tokio::time::Instant;
 
-use super::placement::Layout;
-use super::vmid::Reservation;
-use super::{err_at, PveSubstrate};
+use super::api::{err_at, kind_of, Api};
+use super::marker::TagPolicy;
+use super::placement::{Layout, Placement};
+use super::slots::CloneSlots;
+use super::vmid::{Reservation, Vmids};
 use crate::substrate::{CloneRequest, SubstrateError, VmRef};
 
 /// Tag on every replica (discovery from the inventory; the marker is the proof).
@@ -98,8 +100,13 @@ struct Flight {
     last: AsyncMutex<Option<Result<u32, SubstrateError>>>,
 }
 
-#[derive(Default)]
+/// The replicas this process knows of and the stagings in flight.
 pub(super) struct Replicas {
+    api: Arc<Api>,
+    vmids: Arc<Vmids>,
+    slots: Arc<CloneSlots>,
+    placement: Arc<Placement>,
+    tags: Arc<TagPolicy>,
     flights: Mutex<HashMap<(u32, String), Arc<Flight>>>,
     /// Replicas (ours, by marker) by VMID; VMIDs read and found not ours
     /// map to `None` so they are not read again.
@@ -144,12 +151,30 @@ impl Step {
     }
 }
 
-impl PveSubstrate {
+impl Replicas {
+    pub(super) fn new(
+        api: Arc<Api>,
+        vmids: Arc<Vmids>,
+        slots: Arc<CloneSlots>,
+        placement: Arc<Placement>,
+        tags: Arc<TagPolicy>,
+    ) -> Replicas {
+        Replicas {
+            api,
+            vmids,
+            slots,
+            placement,
+            tags,
+            flights: Mutex::default(),
+            known: Mutex::default(),
+        }
+    }
+
     /// The replica of `req.template_vmid` on `req.node` to clone from,
     /// staging (or refreshing) it first when there is no fresh one; with the
     /// template's layout at its current digest. One config read of the
     /// source per call: that is what tells a fresh replica from a stale one.
-    pub(super) async fn replica_for(
+    pub(super) async fn for_create(
         &self,
         req: &CloneRequest,
         template_node: &str,
@@ -159,15 +184,17 @@ impl PveSubstrate {
         let source = req.template_vmid;
         let node = req.node.as_str();
         let cfg = self
+            .api
             .retry_pve(
                 format!("reading the config of template {source} on node {template_node}"),
                 Some(template_node),
                 deadline,
-                || self.client.get_config(template_node, source),
+                || self.api.client.get_config(template_node, source),
             )
             .await?;
         let digest = cfg.digest.clone().unwrap_or_default();
         let layout = self
+            .placement
             .layout(source, template_node, Some(&digest), deadline)
             .await?;
         self.learn_replicas(node, template_node, list, deadline)
@@ -176,9 +203,7 @@ impl PveSubstrate {
             return Ok((vmid, layout));
         }
         let flight = Arc::clone(
-            self.placement
-                .replicas
-                .flights
+            self.flights
                 .lock()
                 .entry((source, node.to_string()))
                 .or_default(),
@@ -216,7 +241,7 @@ impl PveSubstrate {
         deadline: Instant,
     ) -> Result<(), SubstrateError> {
         let unread: Vec<&ClusterVm> = {
-            let mut known = self.placement.replicas.known.lock();
+            let mut known = self.known.lock();
             // Gone from the cluster (destroyed out of band): forget it, so the
             // next staging replaces it rather than Creates cloning nothing.
             known.retain(|vmid, i| {
@@ -240,8 +265,8 @@ impl PveSubstrate {
                 .collect()
         };
         for v in unread {
-            let mut call = || self.client.get_config(&v.node, v.vmid);
-            let info = match self.retry_raw(Some(node), deadline, &mut call).await {
+            let mut call = || self.api.client.get_config(&v.node, v.vmid);
+            let info = match self.api.retry_raw(Some(node), deadline, &mut call).await {
                 Ok(cfg) => cfg
                     .description
                     .as_deref()
@@ -274,21 +299,19 @@ impl PveSubstrate {
                     "replica-looking VM without our replica marker: not ours, never touched"
                 );
             }
-            self.placement.replicas.known.lock().insert(v.vmid, info);
+            self.known.lock().insert(v.vmid, info);
         }
         Ok(())
     }
 
     /// Drops what is known of a replica (it is gone).
-    pub(super) fn forget_replica(&self, vmid: u32) {
-        self.placement.replicas.known.lock().remove(&vmid);
+    pub(super) fn forget(&self, vmid: u32) {
+        self.known.lock().remove(&vmid);
     }
 
     /// The newest converted replica of `source` on `node` made at `digest`.
     fn fresh_replica(&self, source: u32, node: &str, digest: &str) -> Option<u32> {
-        self.placement
-            .replicas
-            .known
+        self.known
             .lock()
             .iter()
             .filter_map(|(vmid, i)| i.as_ref().map(|i| (*vmid, i)))
@@ -301,9 +324,7 @@ impl PveSubstrate {
     /// Our replicas of `source` for `node` that are not fresh at `digest`
     /// (stale, half-staged, or left on the template's node), where they are.
     fn stale_replicas(&self, source: u32, node: &str, digest: &str) -> Vec<VmRef> {
-        self.placement
-            .replicas
-            .known
+        self.known
             .lock()
             .iter()
             .filter_map(|(vmid, i)| i.as_ref().map(|i| (*vmid, i)))
@@ -338,7 +359,7 @@ impl PveSubstrate {
         for old in self.stale_replicas(source, node, digest) {
             self.remove_replica(&old, source, deadline).await;
         }
-        let target_storage = self.opts.node_storage.get(node).cloned();
+        let target_storage = self.api.opts.node_storage.get(node).cloned();
         let what = format!("a copy of template {source}");
         let mut room = Vec::new();
         for (s, bytes) in &layout.disks {
@@ -347,6 +368,7 @@ impl PveSubstrate {
             let to = target_storage.clone().unwrap_or_else(|| s.clone());
             for (n, st) in [(template_node, s.as_str()), (node, to.as_str())] {
                 let g = self
+                    .placement
                     .reserve_room(n, st, *bytes, &what, deadline)
                     .await
                     .map_err(|e| e.context(context(Step::Room, 0)))?;
@@ -364,7 +386,7 @@ impl PveSubstrate {
             .await
             .map_err(|f| match f {
                 CloneFailure::Pve(vmid, e) => {
-                    SubstrateError::caused_by(super::kind_of(&e), context(Step::Clone, vmid), e)
+                    SubstrateError::caused_by(kind_of(&e), context(Step::Clone, vmid), e)
                 }
                 CloneFailure::Other(e) => e.context(context(Step::Clone, 0)),
             })?;
@@ -375,7 +397,7 @@ impl PveSubstrate {
             .await;
         match staged {
             Ok(()) => {
-                self.placement.replicas.known.lock().insert(
+                self.known.lock().insert(
                     vmid,
                     Some(ReplicaInfo {
                         node: node.to_string(),
@@ -407,7 +429,7 @@ impl PveSubstrate {
                 if let Some(log) = log {
                     ctx = format!("{ctx} ({log})");
                 }
-                Err(SubstrateError::caused_by(super::kind_of(&e), ctx, e))
+                Err(SubstrateError::caused_by(kind_of(&e), ctx, e))
             }
         }
     }
@@ -426,17 +448,20 @@ impl PveSubstrate {
         deadline: Instant,
     ) -> Result<(Reservation<'_>, VmRef), CloneFailure> {
         let key = self
-            .template_storage(source, template_node, deadline)
+            .placement
+            .storage_key(source, template_node, deadline)
             .await
             .map_err(CloneFailure::Other)?;
         let _permit = self
-            .clone_permit(template_node, &key)
+            .slots
+            .permit(template_node, &key)
             .await
             .map_err(CloneFailure::Other)?;
         let mut attempt = 0;
         loop {
             let res = self
-                .reserve_vmid(deadline)
+                .vmids
+                .reserve(deadline)
                 .await
                 .map_err(CloneFailure::Other)?;
             let vm = VmRef {
@@ -447,13 +472,18 @@ impl PveSubstrate {
                 newid: res.vmid,
                 name: Some(replica_name(source, node)),
                 description: Some(replica_description(source, digest, node)),
-                pool: self.opts.pool.clone(),
+                pool: self.api.opts.pool.clone(),
                 full: Some(true),
                 storage: None,
                 target: None,
             };
-            let outcome = match self.client.clone_vm(template_node, source, &params).await {
-                Ok(upid) => self.wait_task(&upid, "replica clone").await,
+            let outcome = match self
+                .api
+                .client
+                .clone_vm(template_node, source, &params)
+                .await
+            {
+                Ok(upid) => self.api.wait_task(&upid, "replica clone").await,
                 Err(e) => Err(e),
             };
             let e = match outcome {
@@ -467,7 +497,7 @@ impl PveSubstrate {
             }
             tracing::info!(vm = %vm, error = %e, "replica clone failed transiently; retrying");
             if !e.is_vmid_collision(res.vmid) {
-                self.pause(attempt, deadline).await;
+                self.api.pause(attempt, deadline).await;
                 attempt += 1;
             }
         }
@@ -484,13 +514,17 @@ impl PveSubstrate {
         deadline: Instant,
     ) -> Result<(), StepFailure> {
         let fail = |step: Step| move |e: PveError| (step, e, None);
-        if !self.tags_restricted.load(Ordering::Relaxed) {
+        if !self.tags.restricted() {
             let params = ConfigParams {
                 tags: Some(vec![REPLICA_TAG.to_string()]),
                 ..ConfigParams::default()
             };
-            let mut call = || self.client.set_config_sync(&vm.node, vm.vmid, &params);
-            match self.retry_raw(Some(&vm.node), deadline, &mut call).await {
+            let mut call = || self.api.client.set_config_sync(&vm.node, vm.vmid, &params);
+            match self
+                .api
+                .retry_raw(Some(&vm.node), deadline, &mut call)
+                .await
+            {
                 Ok(()) => {}
                 // Restricted user-tag-access: the name and marker suffice.
                 Err(e) if e.is_forbidden() => {
@@ -505,12 +539,13 @@ impl PveSubstrate {
             with_local_disks: true,
             targetstorage: target_storage,
         };
-        let mut call = || self.client.migrate(&vm.node, vm.vmid, &params);
+        let mut call = || self.api.client.migrate(&vm.node, vm.vmid, &params);
         let upid = self
+            .api
             .retry_raw(Some(&vm.node), deadline, &mut call)
             .await
             .map_err(fail(Step::Migrate))?;
-        if let Err(e) = self.wait_task(&upid, "replica migration").await {
+        if let Err(e) = self.api.wait_task(&upid, "replica migration").await {
             let why = self.task_error_lines(&upid).await;
             return Err((Step::Migrate, e, why));
         }
@@ -518,15 +553,16 @@ impl PveSubstrate {
         // (a backup job, a person): a lock timeout is retried.
         let mut attempt = 0;
         loop {
-            let mut call = || self.client.convert_to_template(node, vm.vmid);
+            let mut call = || self.api.client.convert_to_template(node, vm.vmid);
             let upid = self
+                .api
                 .retry_raw(Some(node), deadline, &mut call)
                 .await
                 .map_err(fail(Step::Convert))?;
-            match self.wait_task(&upid, "template conversion").await {
+            match self.api.wait_task(&upid, "template conversion").await {
                 Ok(()) => break,
                 Err(e) if e.is_lock_timeout() && Instant::now() < deadline => {
-                    self.pause(attempt, deadline).await;
+                    self.api.pause(attempt, deadline).await;
                     attempt += 1;
                 }
                 Err(e) => return Err(fail(Step::Convert)(e)),
@@ -539,7 +575,7 @@ impl PveSubstrate {
     /// The `ERROR` lines of a failed task's log (PVE puts a migration's cause
     /// there; the exit status says only `migration aborted`).
     async fn task_error_lines(&self, upid: &Upid) -> Option<String> {
-        let lines = self.client.task_log(upid, 0, 500).await.ok()?;
+        let lines = self.api.client.task_log(upid, 0, 500).await.ok()?;
         let errs: Vec<&str> = lines
             .iter()
             .map(|l| l.t.trim())
@@ -552,8 +588,12 @@ impl PveSubstrate {
     /// anything else there is left alone. Best effort: a replica that cannot
     /// go (linked clones still use it) stays, unused.
     async fn remove_replica(&self, vm: &VmRef, source: u32, deadline: Instant) {
-        let mut call = || self.client.get_config(&vm.node, vm.vmid);
-        let ours = match self.retry_raw(Some(&vm.node), deadline, &mut call).await {
+        let mut call = || self.api.client.get_config(&vm.node, vm.vmid);
+        let ours = match self
+            .api
+            .retry_raw(Some(&vm.node), deadline, &mut call)
+            .await
+        {
             Ok(cfg) => cfg
                 .description
                 .as_deref()
@@ -564,14 +604,19 @@ impl PveSubstrate {
         if !ours {
             return;
         }
-        let mut call = || self.client.status_current(&vm.node, vm.vmid);
-        let Ok(st) = self.retry_raw(Some(&vm.node), deadline, &mut call).await else {
+        let mut call = || self.api.client.status_current(&vm.node, vm.vmid);
+        let Ok(st) = self
+            .api
+            .retry_raw(Some(&vm.node), deadline, &mut call)
+            .await
+        else {
             return;
         };
         tracing::info!(vm = %vm, source, "removing a stale or half-staged template replica");
-        match self.destroy_owned(vm, &st, deadline).await {
+        match self.api.destroy(vm, &st, deadline).await {
             Ok(()) => {
-                self.placement.replicas.known.lock().remove(&vm.vmid);
+                self.vmids.cool_down(vm.vmid);
+                self.known.lock().remove(&vm.vmid);
             }
             Err(e) => {
                 tracing::warn!(vm = %vm, error = %e, "could not remove a stale template replica; it is no longer used");

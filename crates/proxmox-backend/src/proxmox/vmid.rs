@@ -2,24 +2,27 @@
 //! and the `nextid` probe loop.
 
 use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
 
+use parking_lot::Mutex;
+use tokio::sync::Mutex as AsyncMutex;
 use tokio::time::Instant;
 
-use super::{err, PveSubstrate};
+use super::api::Api;
 use crate::substrate::SubstrateError;
 
 #[derive(Default)]
-pub(super) struct VmidState {
+struct VmidState {
     /// Chosen by this process, clone not finished yet.
-    pub(super) reserved: HashSet<u32>,
+    reserved: HashSet<u32>,
     /// Freed or abandoned recently; expiry time.
-    pub(super) cooldown: HashMap<u32, std::time::Instant>,
+    cooldown: HashMap<u32, std::time::Instant>,
     /// Where the next probe starts (ids grow monotonically within the range).
-    pub(super) hint: Option<u32>,
+    hint: Option<u32>,
     /// Clones given up as not applied after a lost answer: the request may
     /// still land late, so the id stays blocked and a VM landing there is
     /// checked against a second one for the same machine.
-    pub(super) late: HashMap<u32, LateClone>,
+    late: HashMap<u32, LateClone>,
 }
 
 /// A clone request whose answer was lost and whose VMID stayed free long
@@ -34,7 +37,7 @@ pub(super) struct LateClone {
 }
 
 impl VmidState {
-    pub(super) fn blocked(&mut self, id: u32) -> bool {
+    fn blocked(&mut self, id: u32) -> bool {
         let now = std::time::Instant::now();
         self.cooldown.retain(|_, until| *until > now);
         self.late.retain(|_, l| l.until > now);
@@ -44,62 +47,105 @@ impl VmidState {
     }
 
     /// The late clones still watched, pruning expired ones.
-    pub(super) fn late_clones(&mut self) -> Vec<(u32, LateClone)> {
+    fn late_clones(&mut self) -> Vec<(u32, LateClone)> {
         let now = std::time::Instant::now();
         self.late.retain(|_, l| l.until > now);
         self.late.iter().map(|(id, l)| (*id, l.clone())).collect()
     }
 }
 
+/// VMID choice for this process: what it holds, what cools down, the late
+/// clones watched by VMID, and the lock that serialises choices.
+pub(super) struct Vmids {
+    api: Arc<Api>,
+    state: Mutex<VmidState>,
+    /// Serialises VMID choice so two clones never probe for the same id.
+    choice: AsyncMutex<()>,
+}
+
 /// A VMID chosen by this process; returned to the pool (with a cool-down)
 /// unless [`Reservation::commit`] is called, also when the future is dropped.
 pub(super) struct Reservation<'a> {
-    pub(super) owner: &'a PveSubstrate,
+    owner: &'a Vmids,
     pub(super) vmid: u32,
-    pub(super) committed: bool,
+    committed: bool,
 }
 
 impl Reservation<'_> {
     pub(super) fn commit(mut self) {
         self.committed = true;
-        self.owner.vmids.lock().reserved.remove(&self.vmid);
+        self.owner.state.lock().reserved.remove(&self.vmid);
     }
 }
 
 impl Drop for Reservation<'_> {
     fn drop(&mut self) {
         if !self.committed {
-            let mut st = self.owner.vmids.lock();
+            let mut st = self.owner.state.lock();
             st.reserved.remove(&self.vmid);
             st.cooldown.insert(
                 self.vmid,
-                std::time::Instant::now() + self.owner.opts.vmid_cooldown,
+                std::time::Instant::now() + self.owner.api.opts.vmid_cooldown,
             );
         }
     }
 }
 
-impl PveSubstrate {
+impl Vmids {
+    pub(super) fn new(api: Arc<Api>) -> Vmids {
+        Vmids {
+            api,
+            state: Mutex::new(VmidState::default()),
+            choice: AsyncMutex::new(()),
+        }
+    }
+
+    /// A VMID that was just freed or abandoned: not chosen again for the
+    /// cool-down (PVE may still be cleaning it up).
+    pub(super) fn cool_down(&self, vmid: u32) {
+        self.state.lock().cooldown.insert(
+            vmid,
+            std::time::Instant::now() + self.api.opts.vmid_cooldown,
+        );
+    }
+
+    /// Watches a clone given up as not applied: its id is not reused and a
+    /// VM landing there is checked against a second one for the machine.
+    pub(super) fn watch_late(&self, vmid: u32, late: LateClone) {
+        self.state.lock().late.insert(vmid, late);
+    }
+
+    /// Stops watching a late clone (adopted, removed, or not ours).
+    pub(super) fn unwatch_late(&self, vmid: u32) {
+        self.state.lock().late.remove(&vmid);
+    }
+
+    /// The late clones still watched.
+    pub(super) fn late_clones(&self) -> Vec<(u32, LateClone)> {
+        self.state.lock().late_clones()
+    }
+
     /// Picks a VMID in the allowed range that no other clone of this process
     /// is using and PVE reports free. One `nextid` call in the common case
     /// (PVE's first free id is in range and not ours); otherwise a walk over
     /// the range from where the last choice ended, wrapping once, that only
     /// gives up when every id in the range was found taken or blocked.
     /// Transient failures are retried until `deadline`.
-    pub(super) async fn reserve_vmid(
+    pub(super) async fn reserve(
         &self,
         deadline: Instant,
     ) -> Result<Reservation<'_>, SubstrateError> {
-        let _choice = self.vmid_choice.lock().await;
-        let range = self.opts.vmid_range;
+        let _choice = self.choice.lock().await;
+        let api = &self.api;
+        let range = api.opts.vmid_range;
         let size = u64::from(range.1 - range.0) + 1;
-        let first = self
+        let first = api
             .retry_pve("choosing a free VMID", None, deadline, || {
-                self.client.next_id(None)
+                api.client.next_id(None)
             })
             .await?;
         let start = {
-            let mut st = self.vmids.lock();
+            let mut st = self.state.lock();
             if first >= range.0 && first <= range.1 && !st.blocked(first) {
                 return Ok(self.take(&mut st, first));
             }
@@ -116,13 +162,13 @@ impl PveSubstrate {
             let Ok(candidate) = u32::try_from(u64::from(range.0) + offset) else {
                 break;
             };
-            if self.vmids.lock().blocked(candidate) {
+            if self.state.lock().blocked(candidate) {
                 continue;
             }
-            if self.vmid_taken(candidate, deadline).await? {
+            if api.vmid_taken(candidate, deadline).await? {
                 continue;
             }
-            let mut st = self.vmids.lock();
+            let mut st = self.state.lock();
             if !st.blocked(candidate) {
                 return Ok(self.take(&mut st, candidate));
             }
@@ -134,37 +180,13 @@ impl PveSubstrate {
     }
 
     fn take(&self, st: &mut VmidState, id: u32) -> Reservation<'_> {
-        let range = self.opts.vmid_range;
+        let range = self.api.opts.vmid_range;
         st.reserved.insert(id);
         st.hint = if id < range.1 { Some(id + 1) } else { None };
         Reservation {
             owner: self,
             vmid: id,
             committed: false,
-        }
-    }
-
-    /// Whether VMID `vmid` exists anywhere in the cluster, whoever can see it:
-    /// `GET /cluster/nextid?vmid=N` needs no privilege on the VM and answers N
-    /// when free, 400 "VM N already exists" when not. This is how a 403 on a
-    /// VM path under a pool-scoped token is told apart: gone, or not visible.
-    pub(super) async fn vmid_taken(
-        &self,
-        vmid: u32,
-        deadline: Instant,
-    ) -> Result<bool, SubstrateError> {
-        let what = format!("checking whether VMID {vmid} is in use");
-        let mut attempt = 0;
-        loop {
-            match self.client.next_id(Some(vmid)).await {
-                Ok(_) => return Ok(false),
-                Err(e) if e.is_already_exists() => return Ok(true),
-                Err(e) if e.is_transient() && Instant::now() < deadline => {
-                    self.pause(attempt, deadline).await;
-                    attempt += 1;
-                }
-                Err(e) => return Err(err(what, &e)),
-            }
         }
     }
 }

@@ -1,0 +1,375 @@
+//! The bottom part every other part calls through: the `pve` client with the
+//! options, how PVE failures are classified and retried, waiting on tasks
+//! and status, and the VM primitives (start, stop and destroy, status, the
+//! VMID-in-use check, what is at a VMID). It holds no state and no locks,
+//! so any part can use it without reaching into another.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use providerkit::ErrorKind;
+use pve::{PveClient, PveError, Upid, VmStatus};
+use rand::Rng;
+use tokio::time::Instant;
+
+use super::marker::{looks_managed, owned_by, MANAGED_TAG};
+use super::options::PveOptions;
+use crate::substrate::{SubstrateError, VmRef};
+
+/// How a PVE failure is classified for callers and metrics.
+pub(super) fn kind_of(e: &PveError) -> ErrorKind {
+    if e.is_auth() || e.status() == Some(403) || e.is_tls() {
+        ErrorKind::Refused
+    } else if e.is_not_found() {
+        ErrorKind::NotFound
+    } else if e.is_locked()
+        || e.is_node_unreachable()
+        || e.is_transport()
+        || e.is_timeout()
+        || matches!(e.status(), Some(502..=504 | 597))
+    {
+        ErrorKind::Transient
+    } else {
+        ErrorKind::Permanent
+    }
+}
+
+/// `{context}: {e}`, classified by [`kind_of`], keeping `e` as the cause.
+pub(super) fn err(context: impl std::fmt::Display, e: &PveError) -> SubstrateError {
+    SubstrateError::caused_by(kind_of(e), context, e.clone())
+}
+
+/// Context for a failure after retries: names the node when it was the
+/// node that did not answer, so `last_error` says where to look.
+pub(super) fn err_at(
+    context: impl std::fmt::Display,
+    node: Option<&str>,
+    e: &PveError,
+) -> SubstrateError {
+    match node {
+        Some(node) if e.is_node_unreachable() || node_offline(e) => err(
+            format!("{context}: node {node} is offline or unreachable"),
+            e,
+        ),
+        _ => err(context, e),
+    }
+}
+
+/// A clone `target` that is not online (`target node 'pve2' is not online`).
+pub(super) fn node_offline(e: &PveError) -> bool {
+    e.to_string().contains("is not online")
+}
+
+/// What [`Api::probe`] found at a VMID a clone of ours was started on.
+pub(super) enum Probe {
+    /// Our marker; the VM's tags.
+    Ours(Vec<String>),
+    /// In use but not readable as ours yet: a clone in progress.
+    Cloning,
+    /// Free.
+    Gone,
+    /// Another VM (a different marker, or none).
+    Foreign,
+}
+
+/// The client and the options, with the retry and wait policy.
+pub(super) struct Api {
+    pub(super) client: PveClient,
+    pub(super) opts: Arc<PveOptions>,
+}
+
+impl Api {
+    pub(super) fn new(client: PveClient, opts: Arc<PveOptions>) -> Api {
+        Api { client, opts }
+    }
+
+    pub(super) fn first_poll(&self) -> Duration {
+        self.opts.poll_interval.min(Duration::from_millis(100))
+    }
+
+    /// Jittered exponential backoff (`attempt` from 0), capped at 16 polls.
+    fn backoff(&self, attempt: u32) -> Duration {
+        let base = self.opts.poll_interval.max(Duration::from_millis(10));
+        let d = base.saturating_mul(1 << attempt.min(4));
+        let ms = u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(2);
+        Duration::from_millis(rand::rng().random_range(ms / 2..=ms))
+    }
+
+    /// The end of the retry window of a transition starting now.
+    pub(super) fn deadline(&self) -> Instant {
+        Instant::now() + self.opts.retry_window
+    }
+
+    /// Sleeps the backoff for `attempt`, never past `deadline`.
+    pub(super) async fn pause(&self, attempt: u32, deadline: Instant) {
+        let now = Instant::now();
+        let d = self
+            .backoff(attempt)
+            .min(deadline.saturating_duration_since(now));
+        tokio::time::sleep(d).await;
+    }
+
+    /// Runs an idempotent call (a read, or a write whose repeat is harmless)
+    /// until it succeeds, fails for good, or `deadline` passes; transient
+    /// failures (see [`PveError::is_transient`]) are retried with backoff.
+    /// The error names the node when the node did not answer.
+    pub(super) async fn retry_pve<T, F, Fut>(
+        &self,
+        what: impl std::fmt::Display,
+        node: Option<&str>,
+        deadline: Instant,
+        mut call: F,
+    ) -> Result<T, SubstrateError>
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = Result<T, PveError>>,
+    {
+        self.retry_raw(node, deadline, &mut call)
+            .await
+            .map_err(|e| err_at(what, node, &e))
+    }
+
+    /// [`Api::retry_pve`] returning the PVE error itself, for callers that
+    /// branch on it (not found, forbidden).
+    pub(super) async fn retry_raw<T, F, Fut>(
+        &self,
+        node: Option<&str>,
+        deadline: Instant,
+        call: &mut F,
+    ) -> Result<T, PveError>
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = Result<T, PveError>>,
+    {
+        let mut attempt = 0;
+        loop {
+            match call().await {
+                Ok(v) => return Ok(v),
+                Err(e) if e.is_transient() && Instant::now() < deadline => {
+                    tracing::debug!(node = node.unwrap_or(""), error = %e, attempt, "transient PVE failure; retrying");
+                    self.pause(attempt, deadline).await;
+                    attempt += 1;
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// A retried read of VM `vm`; `None` when it is gone or outside the
+    /// token's reach (404, or 403 under a pool-scoped token once the VM is
+    /// not in the pool), i.e. nothing of ours this token could act on. Any
+    /// other failure names `what` was being done.
+    pub(super) async fn read_present<T, F, Fut>(
+        &self,
+        what: &str,
+        vm: &VmRef,
+        deadline: Instant,
+        mut call: F,
+    ) -> Result<Option<T>, SubstrateError>
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = Result<T, PveError>>,
+    {
+        match self.retry_raw(Some(&vm.node), deadline, &mut call).await {
+            Ok(v) => Ok(Some(v)),
+            Err(e) if e.is_not_found() || e.is_forbidden() => Ok(None),
+            Err(e) => Err(err_at(format!("{what} VM {vm}"), Some(&vm.node), &e)),
+        }
+    }
+
+    pub(super) async fn wait_task(&self, upid: &Upid, what: &str) -> Result<(), PveError> {
+        tokio::time::sleep(self.first_poll()).await;
+        let deadline = Instant::now() + self.opts.task_timeout;
+        self.client
+            .wait_task(upid, deadline, self.opts.poll_interval)
+            .await
+            .map(|_| ())
+            .inspect_err(|e| tracing::debug!(task = what, error = %e, "PVE task failed"))
+    }
+
+    /// Polls `status/current` until `done` holds.
+    pub(super) async fn wait_status(
+        &self,
+        vm: &VmRef,
+        what: &str,
+        done: impl Fn(&VmStatus) -> bool,
+    ) -> Result<(), SubstrateError> {
+        let deadline = Instant::now() + self.opts.task_timeout;
+        loop {
+            let st = self
+                .retry_pve(
+                    format!("waiting for VM {vm} to be {what}"),
+                    Some(&vm.node),
+                    deadline,
+                    || self.client.status_current(&vm.node, vm.vmid),
+                )
+                .await?;
+            if done(&st) {
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                return Err(SubstrateError::new(format!(
+                    "VM {vm} was not {what} within {:?} (status {}, lock {:?})",
+                    self.opts.task_timeout, st.status, st.lock
+                )));
+            }
+            tokio::time::sleep(self.opts.poll_interval).await;
+        }
+    }
+
+    /// Starts a stopped VM (HA-aware: the agent wait covers a queued `hastart`).
+    /// A repeated start is harmless (the task of the second fails "already
+    /// running", taken as success), so transient failures are retried.
+    pub(super) async fn start(&self, vm: &VmRef, deadline: Instant) -> Result<(), SubstrateError> {
+        tracing::info!(vm = %vm, "starting VM");
+        let upid = self
+            .retry_pve(
+                format!("starting VM {vm}"),
+                Some(&vm.node),
+                deadline,
+                || self.client.start(&vm.node, vm.vmid),
+            )
+            .await?;
+        match self.wait_task(&upid, "start").await {
+            Ok(()) => Ok(()),
+            // Started by someone else meanwhile: fine.
+            Err(PveError::TaskFailed { exitstatus, .. })
+                if exitstatus.contains("already running") =>
+            {
+                Ok(())
+            }
+            // A repeated start (after a lost answer) waited on the first
+            // one's config lock: the first start is the one to wait for.
+            Err(e) if e.is_lock_timeout() => {
+                self.wait_status(vm, "running", |s| s.is_running()).await
+            }
+            Err(e) => Err(err(format!("starting VM {vm}"), &e)),
+        }
+    }
+
+    /// `status/current`, refusing VMs without our marker.
+    pub(super) async fn managed_status(
+        &self,
+        vm: &VmRef,
+        deadline: Instant,
+    ) -> Result<VmStatus, SubstrateError> {
+        let mut call = || self.client.status_current(&vm.node, vm.vmid);
+        let st = self
+            .retry_raw(Some(&vm.node), deadline, &mut call)
+            .await
+            .map_err(|e| {
+                if e.is_not_found() {
+                    SubstrateError::new(format!(
+                        "VM {vm} does not exist (destroyed, or moved to another node; the next reconcile updates its host): {e}"
+                    ))
+                } else {
+                    err_at(format!("reading the status of VM {vm}"), Some(&vm.node), &e)
+                }
+            })?;
+        if !looks_managed(&st.tags, st.name.as_deref()) {
+            return Err(SubstrateError::new(format!(
+                "VM {vm} does not carry the {MANAGED_TAG} marker; refusing to touch it"
+            )));
+        }
+        Ok(st)
+    }
+
+    /// Stops and destroys a VM whose marker was checked by the caller.
+    /// Repeats are harmless (stopping a stopped VM, destroying a gone one),
+    /// so transient failures are retried until `deadline`. The caller
+    /// forgets the VMID afterwards (it is gone either way on `Ok`).
+    pub(super) async fn destroy(
+        &self,
+        vm: &VmRef,
+        st: &VmStatus,
+        deadline: Instant,
+    ) -> Result<(), SubstrateError> {
+        let node = Some(vm.node.as_str());
+        if st.is_running() {
+            tracing::info!(vm = %vm, ha = st.ha_managed(), "stopping VM");
+            let mut call = || self.client.stop(&vm.node, vm.vmid);
+            match self.retry_raw(node, deadline, &mut call).await {
+                Ok(upid) => self
+                    .wait_task(&upid, "stop")
+                    .await
+                    .map_err(|e| err_at(format!("stopping VM {vm}"), node, &e))?,
+                Err(e) if e.is_not_found() => return Ok(()),
+                Err(e) => return Err(err_at(format!("stopping VM {vm}"), node, &e)),
+            }
+            if st.ha_managed() {
+                // hastop only queues the request.
+                self.wait_status(vm, "stopped", |s| !s.is_running()).await?;
+            }
+        }
+        tracing::info!(vm = %vm, "destroying VM");
+        let mut call = || self.client.destroy(&vm.node, vm.vmid);
+        match self.retry_raw(node, deadline, &mut call).await {
+            Ok(upid) => match self.wait_task(&upid, "destroy").await {
+                Ok(()) => {}
+                Err(e) if e.is_not_found() => {}
+                Err(e) => return Err(err_at(format!("destroying VM {vm}"), node, &e)),
+            },
+            Err(e) if e.is_not_found() || e.is_forbidden() => {}
+            Err(e) => return Err(err_at(format!("destroying VM {vm}"), node, &e)),
+        }
+        Ok(())
+    }
+
+    /// Whether VMID `vmid` exists anywhere in the cluster, whoever can see it:
+    /// `GET /cluster/nextid?vmid=N` needs no privilege on the VM and answers N
+    /// when free, 400 "VM N already exists" when not. This is how a 403 on a
+    /// VM path under a pool-scoped token is told apart: gone, or not visible.
+    pub(super) async fn vmid_taken(
+        &self,
+        vmid: u32,
+        deadline: Instant,
+    ) -> Result<bool, SubstrateError> {
+        let what = format!("checking whether VMID {vmid} is in use");
+        let mut attempt = 0;
+        loop {
+            match self.client.next_id(Some(vmid)).await {
+                Ok(_) => return Ok(false),
+                Err(e) if e.is_already_exists() => return Ok(true),
+                Err(e) if e.is_transient() && Instant::now() < deadline => {
+                    self.pause(attempt, deadline).await;
+                    attempt += 1;
+                }
+                Err(e) => return Err(err(what, &e)),
+            }
+        }
+    }
+
+    /// What is at a VMID a clone of ours was started on.
+    pub(super) async fn probe(
+        &self,
+        vm: &VmRef,
+        machine_id: &str,
+        deadline: Instant,
+    ) -> Result<Probe, SubstrateError> {
+        let mut call = || self.client.get_config(&vm.node, vm.vmid);
+        match self.retry_raw(Some(&vm.node), deadline, &mut call).await {
+            Ok(cfg) if owned_by(cfg.description.as_deref(), machine_id, None) => {
+                Ok(Probe::Ours(cfg.tags))
+            }
+            // A temporary config (`lock: clone`, nothing else yet): whose is
+            // not known until the worker writes the final one.
+            Ok(cfg) if cfg.lock.as_deref() == Some("clone") && cfg.description.is_none() => {
+                Ok(Probe::Cloning)
+            }
+            Ok(_) => Ok(Probe::Foreign),
+            // Not on this node (a clone to another node keeps its temporary
+            // config on the template's node) or outside the token's pool (pool
+            // membership is added at the end of a clone): ask whether the id
+            // is in use at all.
+            Err(e) if e.is_not_found() || e.is_forbidden() => {
+                if self.vmid_taken(vm.vmid, deadline).await? {
+                    Ok(Probe::Cloning)
+                } else {
+                    Ok(Probe::Gone)
+                }
+            }
+            Err(e) => Err(err_at(format!("checking VM {vm}"), Some(&vm.node), &e)),
+        }
+    }
+}
