@@ -15,7 +15,7 @@ BFC := $(DEBUG_DIR)/bfconformance
 SEED_FLAG := $(if $(SEED),--seed $(SEED),)
 
 .PHONY: build build-proxmox run-fake test test-proxmox lint fmt certify-proxmox \
-        report-proxmox report-ci certify-pve-sim scale-100k mutation-check bench bench-memory bench-replicas crash-1000 crash-real fuzz
+        report-proxmox report-ci certify-pve-sim scale-100k mutation-check bench bench-memory bench-replicas bench-configure crash-1000 crash-real fuzz
 
 build:
 	$(CARGO) build --workspace
@@ -87,6 +87,14 @@ bench:
 	$(CARGO) bench -p providerkit --bench engine_bench | tee -a bench/latest.txt
 	$(CARGO) bench -p sqlite-store --bench store_bench -- 2 | tee -a bench/latest.txt
 	$(MAKE) bench-replicas
+	$(MAKE) bench-configure
+
+# Configure with 64 KiB and 1 MiB blobs on pve-sim, one at a time and 4 in
+# parallel: the slowest Configure, the provider's CPU seconds, and Get p99
+# while they run against Get p99 at rest (BENCHMARKS.md).
+bench-configure:
+	$(CARGO) test --release -p bigfleet-proxmox --test configure_load -- --ignored --nocapture bench_configure \
+	  | tee -a bench/latest.txt
 
 # Create latency and PVE API calls per Create by template placement, and
 # the 16-way burst from one local template (BENCHMARKS.md).
