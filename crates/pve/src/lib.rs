@@ -3,6 +3,9 @@
 //!
 //! * [`PveClient`] — one method per endpoint, PVE token auth, per-request
 //!   timeout, safe-only retries ([`RetryPolicy`]) and an [`ApiObserver`] hook.
+//!   The [`client`] module is the transport (configuration, TLS, retries,
+//!   request and decode); the endpoint methods are grouped by PVE resource
+//!   (cluster, VM, guest agent, tasks, storage, access) in private modules.
 //! * [`tls`] — CA-chain and/or SHA-256 leaf-pin verification; there is no
 //!   way to turn verification off.
 //! * [`PveError`] — API/transport/task errors with classifiers
@@ -10,6 +13,7 @@
 //! * [`Upid`], [`normalize_tags`], [`sanitize_tag`], [`form::Params`],
 //!   [`types::lenient`] — the wire formats' helpers.
 
+mod api;
 pub mod client;
 pub mod error;
 pub mod form;
@@ -18,9 +22,8 @@ pub mod tls;
 pub mod types;
 pub mod upid;
 
-pub use client::{
-    ApiCall, ApiObserver, PveClient, PveConfig, RetryPolicy, MAX_EXEC_INPUT, MAX_FILE_WRITE_CONTENT,
-};
+pub use api::{MAX_EXEC_INPUT, MAX_FILE_WRITE_CONTENT};
+pub use client::{ApiCall, ApiObserver, PveClient, PveConfig, RetryPolicy};
 pub use error::{AccessFailure, PveError};
 pub use tags::{is_valid_tag, join_tags, machine_tag, normalize_tags, sanitize_tag};
 pub use tls::{cert_fingerprint, format_fingerprint, parse_fingerprint, parse_fingerprints};
