@@ -2,6 +2,7 @@
 //! observer report), and a single attempt (build the request, send it under
 //! the per-request timeout, read the body, decode).
 
+use std::error::Error;
 use std::time::Instant;
 
 use bytes::Bytes;
@@ -14,7 +15,7 @@ use super::config::ApiCall;
 use super::decode::{api_error, decode_data};
 use super::retry::retryable;
 use super::PveClient;
-use crate::error::{chain_message, find_rustls_error, PveError};
+use crate::error::PveError;
 use crate::form::Params;
 use crate::upid::Upid;
 
@@ -142,11 +143,7 @@ impl PveClient {
 
 /// A failed exchange: [`PveError::Tls`] when rustls refused the handshake,
 /// else [`PveError::Transport`].
-fn transport_error(
-    op: &'static str,
-    e: &(dyn std::error::Error + 'static),
-    connect: bool,
-) -> PveError {
+fn transport_error(op: &'static str, e: &(dyn Error + 'static), connect: bool) -> PveError {
     if let Some(tls) = find_rustls_error(e) {
         return PveError::Tls {
             op,
@@ -158,4 +155,35 @@ fn transport_error(
         message: chain_message(e),
         connect,
     }
+}
+
+/// Walks an error's source chain for a rustls error. `io::Error::source()` skips
+/// the wrapped error itself, so wrapped payloads are followed via `get_ref()`.
+fn find_rustls_error<'a>(e: &'a (dyn Error + 'static)) -> Option<&'a rustls::Error> {
+    let mut cur: Option<&(dyn Error + 'static)> = Some(e);
+    while let Some(err) = cur {
+        if let Some(r) = err.downcast_ref::<rustls::Error>() {
+            return Some(r);
+        }
+        cur = match err.downcast_ref::<std::io::Error>() {
+            Some(io) => io.get_ref().map(|inner| inner as &(dyn Error + 'static)),
+            None => err.source(),
+        };
+    }
+    None
+}
+
+/// Renders an error and its sources on one line.
+fn chain_message(e: &(dyn Error + 'static)) -> String {
+    let mut out = e.to_string();
+    let mut cur = e.source();
+    while let Some(s) = cur {
+        let text = s.to_string();
+        if !out.contains(&text) {
+            out.push_str(": ");
+            out.push_str(&text);
+        }
+        cur = s.source();
+    }
+    out
 }

@@ -1,85 +1,13 @@
-//! Error type for every client operation, with classifiers for the PVE
-//! failure modes callers must react to (lock timeouts, VMID collisions,
-//! unreachable nodes, agent not ready, ...).
+//! What kind of failure a [`PveError`] is, for callers that react to it:
+//! lock timeouts, VMID collisions, unreachable nodes, the guest agent not
+//! answering yet, whether a failed request may have been applied, and why
+//! the API could not be used at all ([`AccessFailure`]). PVE reports most of
+//! these only in its message texts, so the classifiers match the texts PVE
+//! really sends; the tests quote them.
 
-use std::collections::BTreeMap;
-use std::time::Duration;
-
-/// Everything a [`crate::PveClient`] call can fail with.
-#[derive(Clone, Debug, thiserror::Error)]
-pub enum PveError {
-    /// The client configuration is unusable (bad URL, missing trust material, ...).
-    #[error("invalid PVE client configuration: {0}")]
-    Config(String),
-
-    /// An argument the caller passed cannot be sent (too large, not UTF-8, malformed UPID, ...).
-    #[error("invalid argument: {0}")]
-    InvalidArgument(String),
-
-    /// The TLS handshake failed: wrong CA, wrong hostname, pin mismatch, bad signature.
-    /// Never retried: it does not heal by itself.
-    #[error("TLS verification of the PVE API failed for {op}: {message}")]
-    Tls { op: &'static str, message: String },
-
-    /// The request could not be completed at the transport level. `connect` is true
-    /// when no connection was established, so the request cannot have been applied.
-    #[error("transport error calling PVE {op}: {message}")]
-    Transport {
-        op: &'static str,
-        message: String,
-        connect: bool,
-    },
-
-    /// No complete response within the per-request timeout.
-    #[error("PVE {op} timed out after {timeout:?}")]
-    Timeout { op: &'static str, timeout: Duration },
-
-    /// The API answered with a non-2xx status.
-    #[error("PVE API error {status}: {message}{}", fmt_params(param_errors))]
-    Api {
-        status: u16,
-        message: String,
-        /// Per-parameter reasons from a 400 `{"errors":{...}}` body.
-        param_errors: BTreeMap<String, String>,
-    },
-
-    /// A 2xx response whose body does not have the documented shape.
-    #[error("unexpected PVE response for {op}: {message}")]
-    Decode { op: &'static str, message: String },
-
-    /// A worker task ended with an exit status other than `OK` / `WARNINGS: N`.
-    #[error("PVE task {upid} failed: {exitstatus}")]
-    TaskFailed { upid: String, exitstatus: String },
-
-    /// A task was still running (or could not be read) when the caller's deadline passed.
-    #[error("PVE task {upid} did not finish before the deadline{}", last_error.as_ref().map(|e| format!(" (last poll error: {e})")).unwrap_or_default())]
-    TaskDeadline {
-        upid: String,
-        last_error: Option<String>,
-    },
-
-    /// A looked-up object (e.g. a pool) is absent from an otherwise successful answer.
-    #[error("{0} does not exist")]
-    NotFound(String),
-}
-
-fn fmt_params(p: &BTreeMap<String, String>) -> String {
-    if p.is_empty() {
-        return String::new();
-    }
-    let parts: Vec<String> = p.iter().map(|(k, v)| format!("{k}: {v}")).collect();
-    format!(" ({})", parts.join("; "))
-}
+use super::PveError;
 
 impl PveError {
-    /// The API status code, if the server answered.
-    pub fn status(&self) -> Option<u16> {
-        match self {
-            PveError::Api { status, .. } => Some(*status),
-            _ => None,
-        }
-    }
-
     /// The server- or task-provided message this error carries, if any.
     fn server_text(&self) -> Option<&str> {
         match self {
@@ -330,43 +258,10 @@ pub(crate) fn is_lock_timeout_text(m: &str) -> bool {
         || (m.contains("cfs-lock") && m.contains("timeout"))
 }
 
-/// Walks an error's source chain for a rustls error. `io::Error::source()` skips
-/// the wrapped error itself, so wrapped payloads are followed via `get_ref()`.
-pub(crate) fn find_rustls_error<'a>(
-    e: &'a (dyn std::error::Error + 'static),
-) -> Option<&'a rustls::Error> {
-    let mut cur: Option<&(dyn std::error::Error + 'static)> = Some(e);
-    while let Some(err) = cur {
-        if let Some(r) = err.downcast_ref::<rustls::Error>() {
-            return Some(r);
-        }
-        cur = match err.downcast_ref::<std::io::Error>() {
-            Some(io) => io
-                .get_ref()
-                .map(|inner| inner as &(dyn std::error::Error + 'static)),
-            None => err.source(),
-        };
-    }
-    None
-}
-
-/// Renders an error and its sources on one line.
-pub(crate) fn chain_message(e: &(dyn std::error::Error + 'static)) -> String {
-    let mut out = e.to_string();
-    let mut cur = e.source();
-    while let Some(s) = cur {
-        let text = s.to_string();
-        if !out.contains(&text) {
-            out.push_str(": ");
-            out.push_str(&text);
-        }
-        cur = s.source();
-    }
-    out
-}
-
 #[cfg(test)]
 mod tests {
+    use std::collections::BTreeMap;
+
     use super::*;
 
     fn api(status: u16, msg: &str) -> PveError {
@@ -523,20 +418,5 @@ mod tests {
             param_errors: p,
         };
         assert!(!other.is_already_exists());
-    }
-
-    #[test]
-    fn display_includes_param_errors() {
-        let mut p = BTreeMap::new();
-        p.insert("newid".to_string(), "invalid format".to_string());
-        let e = PveError::Api {
-            status: 400,
-            message: "Parameter verification failed.".into(),
-            param_errors: p,
-        };
-        assert_eq!(
-            e.to_string(),
-            "PVE API error 400: Parameter verification failed. (newid: invalid format)"
-        );
     }
 }
