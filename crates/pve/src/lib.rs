@@ -9,7 +9,8 @@
 //! * [`tls`] — CA-chain and/or SHA-256 leaf-pin verification; there is no
 //!   way to turn verification off.
 //! * [`PveError`] — API/transport/task errors with classifiers
-//!   (`is_lock_timeout`, `is_already_exists`, `is_node_unreachable`, ...).
+//!   (`is_lock_timeout`, `is_already_exists`, `is_node_unreachable`, ...);
+//!   transport, TLS and decode failures keep their cause as `source()`.
 //! * [`Upid`], [`normalize_tags`], [`sanitize_tag`], [`form::Params`],
 //!   [`types::lenient`] — the wire formats' helpers.
 

@@ -6,7 +6,7 @@ use std::time::Duration;
 use http::Method;
 
 use crate::client::PveClient;
-use crate::error::PveError;
+use crate::error::{Cause, PveError};
 use crate::form::{encode_segment, Params};
 use crate::types::{exit_ok, TaskLogLine, TaskState, TaskStatus};
 use crate::upid::Upid;
@@ -76,7 +76,7 @@ impl PveClient {
                 }
                 Ok(_) => None,
                 Err(e) if e.is_node_unreachable() || e.is_transport() || e.is_timeout() => {
-                    Some(e.to_string())
+                    Some(Cause::new(e))
                 }
                 Err(e) => return Err(e),
             };

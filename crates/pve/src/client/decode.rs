@@ -8,7 +8,7 @@ use http::StatusCode;
 use serde::de::DeserializeOwned;
 use serde_json::Value;
 
-use crate::error::PveError;
+use crate::error::{Cause, PveError};
 
 /// The `data` field of a 2xx body, as `T`.
 pub(super) fn decode_data<T: DeserializeOwned>(
@@ -18,6 +18,7 @@ pub(super) fn decode_data<T: DeserializeOwned>(
     let mut v: Value = serde_json::from_slice(bytes).map_err(|e| PveError::Decode {
         op,
         message: format!("body is not JSON: {e}"),
+        source: Some(Cause::new(e)),
     })?;
     let data = match v.get_mut("data") {
         Some(d) => d.take(),
@@ -25,12 +26,14 @@ pub(super) fn decode_data<T: DeserializeOwned>(
             return Err(PveError::Decode {
                 op,
                 message: "body has no \"data\" field".into(),
+                source: None,
             })
         }
     };
     serde_json::from_value(data).map_err(|e| PveError::Decode {
         op,
         message: e.to_string(),
+        source: Some(Cause::new(e)),
     })
 }
 
@@ -72,6 +75,8 @@ pub(super) fn api_error(status: StatusCode, ext: &http::Extensions, bytes: &[u8]
 
 #[cfg(test)]
 mod tests {
+    use std::error::Error as _;
+
     use super::*;
 
     #[test]
@@ -90,5 +95,29 @@ mod tests {
         assert_eq!(e.to_string(), "PVE API error 500: full text");
         let e = api_error(StatusCode::NOT_FOUND, &http::Extensions::new(), b"");
         assert_eq!(e.to_string(), "PVE API error 404: Not Found");
+    }
+
+    #[test]
+    fn decode_failures_keep_the_parser_error() {
+        let e = decode_data::<u32>("nodes", b"<html>").unwrap_err();
+        assert!(e.to_string().contains("body is not JSON"), "{e}");
+        let source = e.source().expect("a decode failure has a cause");
+        assert!(
+            source.downcast_ref::<serde_json::Error>().is_some(),
+            "{e:?}"
+        );
+
+        let e = decode_data::<u32>("nextid", br#"{"data":"x"}"#).unwrap_err();
+        assert!(e
+            .source()
+            .is_some_and(|s| s.downcast_ref::<serde_json::Error>().is_some()));
+
+        // No parser complained: the envelope is missing.
+        let e = decode_data::<u32>("nodes", br#"{"other":1}"#).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "unexpected PVE response for nodes: body has no \"data\" field"
+        );
+        assert!(e.source().is_none());
     }
 }

@@ -1,6 +1,7 @@
 //! One API call: the retry loop around it (with its log lines and the
 //! observer report), and a single attempt (build the request, send it under
-//! the per-request timeout, read the body, decode).
+//! the per-request timeout, read the body, decode). Failures keep their
+//! cause: the HTTP client's error, or the rustls error of a refused handshake.
 
 use std::error::Error;
 use std::time::Instant;
@@ -15,7 +16,7 @@ use super::config::ApiCall;
 use super::decode::{api_error, decode_data};
 use super::retry::retryable;
 use super::PveClient;
-use crate::error::PveError;
+use crate::error::{Cause, PveError};
 use crate::form::Params;
 use crate::upid::Upid;
 
@@ -78,6 +79,7 @@ impl PveClient {
         Upid::parse(raw.trim()).map_err(|e| PveError::Decode {
             op,
             message: e.to_string(),
+            source: Some(Cause::new(e)),
         })
     }
 
@@ -116,7 +118,7 @@ impl PveClient {
                 .http
                 .request(req)
                 .await
-                .map_err(|e| transport_error(op, &e, e.is_connect()))?;
+                .map_err(|e| transport_error(op, e))?;
             let (parts, body) = resp.into_parts();
             let bytes = Limited::new(body, MAX_RESPONSE_BYTES)
                 .collect()
@@ -125,6 +127,7 @@ impl PveClient {
                     op,
                     message: format!("reading response body: {e}"),
                     connect: false,
+                    source: Cause::from(e),
                 })?
                 .to_bytes();
             Ok::<_, PveError>((parts, bytes))
@@ -141,19 +144,22 @@ impl PveClient {
     }
 }
 
-/// A failed exchange: [`PveError::Tls`] when rustls refused the handshake,
-/// else [`PveError::Transport`].
-fn transport_error(op: &'static str, e: &(dyn Error + 'static), connect: bool) -> PveError {
-    if let Some(tls) = find_rustls_error(e) {
+/// A failed exchange: [`PveError::Tls`] when rustls refused the handshake
+/// (its error is the cause), else [`PveError::Transport`] with the HTTP
+/// client's error as the cause.
+fn transport_error(op: &'static str, e: hyper_util::client::legacy::Error) -> PveError {
+    if let Some(tls) = find_rustls_error(&e) {
         return PveError::Tls {
             op,
             message: tls.to_string(),
+            source: Cause::new(tls.clone()),
         };
     }
     PveError::Transport {
         op,
-        message: chain_message(e),
-        connect,
+        message: chain_message(&e),
+        connect: e.is_connect(),
+        source: Cause::new(e),
     }
 }
 

@@ -89,6 +89,7 @@ mod tests {
     use std::collections::BTreeMap;
 
     use super::*;
+    use crate::error::Cause;
 
     #[test]
     fn backoff_is_bounded_and_jittered() {
@@ -110,6 +111,7 @@ mod tests {
 
     #[test]
     fn retry_rules() {
+        let cause = |m: &str| Cause::new(std::io::Error::other(m.to_string()));
         let lock = PveError::Api {
             status: 500,
             message: "can't lock file '/var/lock/qemu-server/lock-1.conf' - got timeout".into(),
@@ -124,15 +126,18 @@ mod tests {
             op: "x",
             message: "reset".into(),
             connect: false,
+            source: cause("reset"),
         };
         let not_sent = PveError::Transport {
             op: "x",
             message: "refused".into(),
             connect: true,
+            source: cause("refused"),
         };
         let tls = PveError::Tls {
             op: "x",
             message: "bad".into(),
+            source: cause("bad"),
         };
         assert!(retryable(&Method::POST, &lock));
         assert!(retryable(&Method::GET, &unreachable));

@@ -263,6 +263,11 @@ mod tests {
     use std::collections::BTreeMap;
 
     use super::*;
+    use crate::error::Cause;
+
+    fn cause(text: &str) -> Cause {
+        Cause::new(std::io::Error::other(text.to_string()))
+    }
 
     fn api(status: u16, msg: &str) -> PveError {
         PveError::Api {
@@ -324,6 +329,7 @@ mod tests {
         let decode = PveError::Decode {
             op: "nodes",
             message: "body is not JSON: expected value".into(),
+            source: None,
         };
         assert_eq!(decode.access_failure(), Some(WrongPath));
         let refused = PveError::Transport {
@@ -331,22 +337,26 @@ mod tests {
             message: "client error (Connect): tcp connect error: Connection refused (os error 111)"
                 .into(),
             connect: true,
+            source: cause("Connection refused (os error 111)"),
         };
         assert_eq!(refused.access_failure(), Some(ConnectionRefused));
         let dns = PveError::Transport {
             op: "nodes",
             message: "client error (Connect): dns error: failed to lookup address".into(),
             connect: true,
+            source: cause("failed to lookup address"),
         };
         assert_eq!(dns.access_failure(), Some(Unreachable));
         let tls = PveError::Tls {
             op: "nodes",
             message: "invalid peer certificate: UnknownIssuer".into(),
+            source: cause("invalid peer certificate: UnknownIssuer"),
         };
         assert_eq!(tls.access_failure(), Some(Tls));
         let plain = PveError::Tls {
             op: "nodes",
             message: "received corrupt message of type InvalidContentType".into(),
+            source: cause("received corrupt message of type InvalidContentType"),
         };
         assert_eq!(plain.access_failure(), Some(NotTls));
         assert_eq!(api(500, "VM 1 is locked").access_failure(), None);
