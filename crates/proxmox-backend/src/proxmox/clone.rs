@@ -12,7 +12,7 @@ use tokio::time::Instant;
 use super::inventory::Known;
 use super::marker::{looks_managed, marker_description, owned_by, vm_name, MANAGED_TAG};
 use super::vmid::LateClone;
-use super::{err, err_at, node_offline, PveSubstrate};
+use super::{err, err_at, PveSubstrate};
 use crate::substrate::{CloneRequest, SubstrateError, VmRef};
 
 /// Clone-slot key for a template's disk storages (sorted, deduplicated): one
@@ -144,7 +144,7 @@ impl PveSubstrate {
                     last = Some(e.to_string());
                     continue;
                 }
-                Err(e) if e.to_string().contains("uses local storage") => {
+                Err(e) if e.is_local_storage_clone() => {
                     self.pending.lock().remove(&req.machine_id);
                     return Err(SubstrateError::new(format!(
                         "cannot clone template {} from node {template_node} to node {}: its disks are on local storage. \
@@ -203,7 +203,7 @@ impl PveSubstrate {
                     attempt += 1;
                     continue;
                 }
-                Err(e) if e.is_transient() || node_offline(&e) => {
+                Err(e) if e.is_transient() || e.is_offline() => {
                     // Not applied (595: pveproxy could not connect; a target
                     // node that is not online is refused before anything).
                     tracing::info!(node = %req.node, template_node, error = %e, "node unreachable; waiting");

@@ -106,17 +106,12 @@ struct Probes {
 /// node that did not answer, so `last_error` says where to look.
 fn err_at(context: impl std::fmt::Display, node: Option<&str>, e: &PveError) -> SubstrateError {
     match node {
-        Some(node) if e.is_node_unreachable() || node_offline(e) => err(
+        Some(node) if e.is_node_unreachable() || e.is_offline() => err(
             format!("{context}: node {node} is offline or unreachable"),
             e,
         ),
         _ => err(context, e),
     }
-}
-
-/// A clone `target` that is not online (`target node 'pve2' is not online`).
-fn node_offline(e: &PveError) -> bool {
-    e.to_string().contains("is not online")
 }
 
 /// How a PVE failure is classified for callers and metrics.

@@ -281,12 +281,12 @@ impl PveSubstrate {
             let out = self
                 .clone_new(&source, &plan.source_node, name, deadline)
                 .await;
-            let gone = format!("/qemu-server/{}.conf' does not exist", plan.source_vmid);
             match out {
                 Err(e)
                     if again
                         && plan.source_vmid != req.template_vmid
-                        && e.to_string().contains(&gone) =>
+                        && PveError::find_in(&e)
+                            .is_some_and(|p| p.is_vm_config_missing(plan.source_vmid)) =>
                 {
                     tracing::warn!(replica = plan.source_vmid, node = %req.node, "the template replica is gone; staging it again");
                     self.forget_replica(plan.source_vmid);

@@ -1,9 +1,9 @@
 //! What kind of failure a [`PveError`] is, for callers that react to it:
-//! lock timeouts, VMID collisions, unreachable nodes, the guest agent not
-//! answering yet, whether a failed request may have been applied, and why
-//! the API could not be used at all ([`AccessFailure`]). PVE reports most of
-//! these only in its message texts, so the classifiers match the texts PVE
-//! really sends; the tests quote them.
+//! lock timeouts, VMID collisions, unreachable or offline nodes, the guest
+//! agent not answering yet, whether a failed request may have been applied,
+//! and why the API could not be used at all ([`AccessFailure`]). PVE reports
+//! most of these only in its message texts, so the classifiers match the
+//! texts PVE really sends; the tests quote them.
 
 use super::PveError;
 
@@ -85,6 +85,37 @@ impl PveError {
             let m = m.to_ascii_lowercase();
             m.starts_with("vm ") && m.contains(" is not running") && !m.contains("agent")
         })
+    }
+
+    /// The VM's config file does not exist on the node asked
+    /// (`Configuration file 'nodes/pve1/qemu-server/104.conf' does not exist`,
+    /// from the API or a task): VM `vmid` is gone, or lives on another node.
+    /// Unlike [`PveError::is_not_found`] this names the VM, so a call that
+    /// involves two (a clone's source and its new id) can tell which is missing.
+    pub fn is_vm_config_missing(&self, vmid: u32) -> bool {
+        let conf = format!("/qemu-server/{vmid}.conf' does not exist");
+        self.server_text()
+            .is_some_and(|m| m.to_ascii_lowercase().contains(&conf))
+    }
+
+    /// A node or storage the call needs is not online: a clone or migration
+    /// `target node 'pve2' is not online`, or `storage 'nas' is not online`
+    /// (the storage's server cannot be reached). Nothing was applied, and it
+    /// heals once the node or storage is back.
+    pub fn is_offline(&self) -> bool {
+        let says = |m: &str| m.to_ascii_lowercase().contains("is not online");
+        self.server_text().is_some_and(says)
+            || matches!(self, PveError::Api { param_errors, .. }
+                if param_errors.values().any(|v| says(v)))
+    }
+
+    /// A clone to another node was refused because the source VM's disks
+    /// are on local storage (`can't clone VM to node 'pve2' (VM uses local
+    /// storage)`): only shared storage can be cloned across nodes. Retrying
+    /// does not help.
+    pub fn is_local_storage_clone(&self) -> bool {
+        self.server_text()
+            .is_some_and(|m| m.to_ascii_lowercase().contains("uses local storage"))
     }
 
     /// Transport-level failure (no usable HTTP answer).
@@ -428,5 +459,63 @@ mod tests {
             param_errors: p,
         };
         assert!(!other.is_already_exists());
+    }
+
+    #[test]
+    fn vm_config_missing_names_the_vm() {
+        let gone = api(
+            500,
+            "Configuration file 'nodes/pve2/qemu-server/9001.conf' does not exist",
+        );
+        assert!(gone.is_vm_config_missing(9001));
+        assert!(!gone.is_vm_config_missing(900), "another VM's config");
+        assert!(!gone.is_vm_config_missing(19001), "another VM's config");
+        let in_task = PveError::TaskFailed {
+            upid: "u".into(),
+            exitstatus:
+                "clone failed: Configuration file 'nodes/pve2/qemu-server/9001.conf' does not exist"
+                    .into(),
+        };
+        assert!(in_task.is_vm_config_missing(9001));
+        assert!(!api(500, "storage 'local' does not exist").is_vm_config_missing(9001));
+        assert!(!api(404, "Not Found").is_vm_config_missing(9001));
+    }
+
+    #[test]
+    fn offline_node_or_storage() {
+        assert!(api(500, "target node 'pve2' is not online").is_offline());
+        assert!(api(500, "storage 'nas' is not online").is_offline());
+        let in_task = PveError::TaskFailed {
+            upid: "u".into(),
+            exitstatus: "migration aborted: target node 'pve2' is not online".into(),
+        };
+        assert!(in_task.is_offline());
+        let mut p = BTreeMap::new();
+        p.insert(
+            "target".to_string(),
+            "node 'pve2' is not online".to_string(),
+        );
+        let param = PveError::Api {
+            status: 400,
+            message: "Parameter verification failed.".into(),
+            param_errors: p,
+        };
+        assert!(param.is_offline());
+        assert!(!api(500, "no such cluster node 'pve9'").is_offline());
+        assert!(!api(595, "No route to host").is_offline());
+    }
+
+    #[test]
+    fn local_storage_clone() {
+        assert!(
+            api(500, "can't clone VM to node 'pve2' (VM uses local storage)")
+                .is_local_storage_clone()
+        );
+        let in_task = PveError::TaskFailed {
+            upid: "u".into(),
+            exitstatus: "can't clone VM to node 'pve2' (VM uses local storage)".into(),
+        };
+        assert!(in_task.is_local_storage_clone());
+        assert!(!api(500, "can't clone to non-shared storage 'local'").is_local_storage_clone());
     }
 }

@@ -159,6 +159,27 @@ impl PveError {
             _ => None,
         }
     }
+    /// The first `PveError` in an error's source chain, starting with `err`
+    /// itself: for a caller holding its own error type that kept a
+    /// `PveError` as its cause. Also looks inside a shared
+    /// `Arc<dyn Error + Send + Sync>` level, whose `Error` impl hides the
+    /// type it holds from `downcast_ref`.
+    pub fn find_in<'a>(err: &'a (dyn Error + 'static)) -> Option<&'a PveError> {
+        let mut cur = Some(err);
+        while let Some(e) = cur {
+            if let Some(pve) = e.downcast_ref::<PveError>() {
+                return Some(pve);
+            }
+            if let Some(pve) = e
+                .downcast_ref::<Arc<dyn Error + Send + Sync + 'static>>()
+                .and_then(|shared| shared.downcast_ref::<PveError>())
+            {
+                return Some(pve);
+            }
+            cur = e.source();
+        }
+        None
+    }
 }
 
 #[cfg(test)]
@@ -252,5 +273,24 @@ mod tests {
             "PVE task UPID:pve1:x did not finish before the deadline"
         );
         assert!(quiet.source().is_none());
+    }
+
+    #[test]
+    fn find_in_looks_through_wrappers() {
+        #[derive(Debug, thiserror::Error)]
+        #[error("creating the VM: {0}")]
+        struct Direct(#[source] PveError);
+        #[derive(Debug, thiserror::Error)]
+        #[error("creating the VM")]
+        struct Shared(#[source] Arc<dyn Error + Send + Sync + 'static>);
+
+        let gone = api(500, "VM 104 does not exist");
+        let direct = Direct(gone.clone());
+        assert!(PveError::find_in(&direct).is_some_and(PveError::is_not_found));
+        let shared = Shared(Arc::new(gone.clone()));
+        assert!(PveError::find_in(&shared).is_some_and(PveError::is_not_found));
+        assert!(PveError::find_in(&gone).is_some());
+        let io = std::io::Error::other("unrelated");
+        assert!(PveError::find_in(&io).is_none());
     }
 }
