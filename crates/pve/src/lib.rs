@@ -26,7 +26,7 @@ pub mod upid;
 pub use api::{MAX_EXEC_INPUT, MAX_FILE_WRITE_CONTENT};
 pub use client::{ApiCall, ApiObserver, PveClient, PveConfig, RetryPolicy};
 pub use error::{AccessFailure, PveError};
-pub use tags::{is_valid_tag, join_tags, machine_tag, normalize_tags, sanitize_tag};
+pub use tags::{is_valid_tag, join_tags, normalize_tags, sanitize_tag};
 pub use tls::{cert_fingerprint, format_fingerprint, parse_fingerprint, parse_fingerprints};
 pub use types::{
     exit_ok, CloneParams, ClusterOptions, ClusterVm, ConfigParams, ExecStatus, FileEncoding,

@@ -161,7 +161,7 @@ async fn destroy_uses_query_string_and_config_put() {
             memory: Some(8192),
             tags: Some(vec![
                 "bigfleet".into(),
-                pve::machine_tag("dc1/OnDemand/t/pve1/007"),
+                pve::sanitize_tag("bigfleet-dc1/OnDemand/t/pve1/007"),
             ]),
             ..Default::default()
         },

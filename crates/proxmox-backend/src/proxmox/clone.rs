@@ -5,12 +5,14 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use providerkit::ErrorKind;
-use pve::{machine_tag, CloneParams, ConfigParams, PveError};
+use pve::{CloneParams, ConfigParams, PveError};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
 
 use super::inventory::Known;
-use super::marker::{looks_managed, marker_description, owned_by, vm_name, MANAGED_TAG};
+use super::marker::{
+    looks_managed, machine_tag, marker_description, owned_by, vm_name, MANAGED_TAG,
+};
 use super::vmid::LateClone;
 use super::{err, err_at, PveSubstrate};
 use crate::substrate::{CloneRequest, SubstrateError, VmRef};

@@ -5,12 +5,12 @@ use std::collections::HashSet;
 
 use futures::stream;
 use futures::stream::{StreamExt, TryStreamExt};
-use pve::{machine_tag, ClusterVm, VmStatus};
+use pve::{ClusterVm, VmStatus};
 
 use providerkit::ErrorKind;
 
 use super::clone::Probe;
-use super::marker::{looks_managed, parse_marker, MANAGED_TAG};
+use super::marker::{looks_managed, machine_tag, parse_marker, MANAGED_TAG};
 use super::{err, err_at, PveSubstrate};
 use crate::substrate::{CloneRequest, SubstrateError, VmRef};
 

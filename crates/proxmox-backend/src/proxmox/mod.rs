@@ -33,7 +33,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use parking_lot::Mutex;
 use providerkit::ErrorKind;
-use pve::{machine_tag, PveClient, PveError, Upid, VmStatus};
+use pve::{PveClient, PveError, Upid, VmStatus};
 use rand::Rng;
 use tokio::sync::{Mutex as AsyncMutex, OnceCell, Semaphore};
 use tokio::time::Instant;
@@ -42,6 +42,7 @@ use crate::redact::Redactor;
 use crate::substrate::{CloneRequest, ManagedVm, Substrate, SubstrateError, VmRef};
 use guest::{exec_err, exec_outcome, exec_outcome_redacted, exec_outcome_with, ExecError};
 use inventory::Known;
+use marker::machine_tag;
 
 use vmid::VmidState;
 
