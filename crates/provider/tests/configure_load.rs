@@ -96,9 +96,7 @@ async fn idle_machines(
 async fn get(c: &mut CapacityProviderClient<Channel>, id: &str) -> (Machine, Duration) {
     let t = Instant::now();
     let m = c
-        .get(MachineRef {
-            id: id.to_string(),
-        })
+        .get(MachineRef { id: id.to_string() })
         .await
         .expect("Get")
         .into_inner();

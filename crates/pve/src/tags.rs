@@ -1,5 +1,5 @@
-//! PVE tag lists: how the server normalises them, and how to derive a valid tag
-//! from arbitrary text (machine ids).
+//! PVE tag lists: how the server normalises them, PVE's tag syntax, and how
+//! to derive a valid tag from arbitrary text.
 
 /// Normalises a tag list exactly as PVE stores it: split on `;`, `,` or
 /// whitespace, drop empties, lowercase, sort, de-duplicate.
@@ -55,11 +55,6 @@ pub fn sanitize_tag(s: &str) -> String {
     out
 }
 
-/// The per-machine tag `bigfleet-<sanitised machine id>`.
-pub fn machine_tag(machine_id: &str) -> String {
-    sanitize_tag(&format!("bigfleet-{machine_id}"))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -76,8 +71,8 @@ mod tests {
 
     #[test]
     fn sanitize() {
-        let t = machine_tag("proxmox-dc1/OnDemand/pve.medium/pve1/007");
-        assert_eq!(t, "bigfleet-proxmox-dc1-ondemand-pve.medium-pve1-007");
+        let t = sanitize_tag("dc1/OnDemand/pve.medium/pve1/007");
+        assert_eq!(t, "dc1-ondemand-pve.medium-pve1-007");
         assert!(is_valid_tag(&t));
         assert_eq!(sanitize_tag("-x"), "_-x");
         assert_eq!(sanitize_tag(""), "_");
@@ -92,10 +87,10 @@ mod tests {
 
     #[test]
     fn sanitized_tag_survives_normalisation() {
-        let t = machine_tag("Cap/X/Y/007");
+        let t = sanitize_tag("Owner-Cap/X/Y/007");
         assert_eq!(
-            normalize_tags(&format!("bigfleet;{t}")),
-            vec!["bigfleet".to_string(), t]
+            normalize_tags(&format!("managed;{t}")),
+            vec!["managed".to_string(), t]
         );
     }
 }

@@ -2,6 +2,7 @@
 
 mod common;
 
+use std::error::Error as _;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
@@ -160,7 +161,7 @@ async fn destroy_uses_query_string_and_config_put() {
             memory: Some(8192),
             tags: Some(vec![
                 "bigfleet".into(),
-                pve::machine_tag("dc1/OnDemand/t/pve1/007"),
+                pve::sanitize_tag("bigfleet-dc1/OnDemand/t/pve1/007"),
             ]),
             ..Default::default()
         },
@@ -418,6 +419,13 @@ async fn post_transport_error_is_not_retried_but_get_is() {
 
     let e = c.start("pve1", 101).await.unwrap_err();
     assert!(e.is_transport(), "{e:?}");
+    // The HTTP client's own error stays reachable as the cause.
+    assert!(
+        e.source()
+            .and_then(|s| s.downcast_ref::<hyper_util::client::legacy::Error>())
+            .is_some(),
+        "{e:?}"
+    );
     assert_eq!(last_call(&calls), ("start".into(), false, 1));
     assert_eq!(
         seen.load(Ordering::SeqCst),
@@ -454,6 +462,11 @@ async fn connection_refused_is_retried_for_posts() {
         matches!(e, PveError::Transport { connect: true, .. }),
         "{e:?}"
     );
+    let source = e
+        .source()
+        .and_then(|s| s.downcast_ref::<hyper_util::client::legacy::Error>())
+        .expect("the HTTP client's error is the cause");
+    assert!(source.is_connect(), "{source:?}");
     assert_eq!(last_call(&calls), ("start".into(), false, 4));
 }
 
@@ -667,11 +680,30 @@ async fn malformed_success_bodies_are_decode_errors() {
             && e.to_string().contains("malformed UPID"),
         "{e}"
     );
+    // The UPID parser's complaint is the cause.
+    assert!(
+        e.source()
+            .and_then(|s| s.downcast_ref::<PveError>())
+            .is_some_and(|p| matches!(p, PveError::InvalidArgument(_))),
+        "{e:?}"
+    );
     let e = c.next_id(None).await.unwrap_err();
     assert!(e.to_string().contains("not JSON"), "{e}");
+    assert!(
+        e.source()
+            .and_then(|s| s.downcast_ref::<serde_json::Error>())
+            .is_some_and(serde_json::Error::is_syntax),
+        "{e:?}"
+    );
     // exec-status without `exited` is not silently "still running".
     let e = c.agent_exec_status("pve1", 1, 1).await.unwrap_err();
     assert!(matches!(e, PveError::Decode { .. }), "{e:?}");
+    assert!(
+        e.source()
+            .and_then(|s| s.downcast_ref::<serde_json::Error>())
+            .is_some_and(serde_json::Error::is_data),
+        "{e:?}"
+    );
 }
 
 #[tokio::test]

@@ -2,6 +2,8 @@
 
 mod common;
 
+use std::error::Error as _;
+
 use common::*;
 use pve::{format_fingerprint, parse_fingerprints, PveClient, PveError};
 use serde_json::json;
@@ -16,7 +18,13 @@ fn assert_tls_err(e: &PveError, needle: &str) {
             assert!(
                 message.contains(needle),
                 "TLS error {message:?} lacks {needle:?}"
-            )
+            );
+            // The rustls error itself is the cause, with the same text.
+            let cause = e
+                .source()
+                .and_then(|s| s.downcast_ref::<rustls::Error>())
+                .unwrap_or_else(|| panic!("TLS error without a rustls cause: {e:?}"));
+            assert_eq!(&cause.to_string(), message);
         }
         other => panic!("expected a TLS error, got {other:?}"),
     }

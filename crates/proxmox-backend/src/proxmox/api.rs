@@ -48,17 +48,12 @@ pub(super) fn err_at(
     e: &PveError,
 ) -> SubstrateError {
     match node {
-        Some(node) if e.is_node_unreachable() || node_offline(e) => err(
+        Some(node) if e.is_node_unreachable() || e.is_offline() => err(
             format!("{context}: node {node} is offline or unreachable"),
             e,
         ),
         _ => err(context, e),
     }
-}
-
-/// A clone `target` that is not online (`target node 'pve2' is not online`).
-pub(super) fn node_offline(e: &PveError) -> bool {
-    e.to_string().contains("is not online")
 }
 
 /// What [`Api::probe`] found at a VMID a clone of ours was started on.

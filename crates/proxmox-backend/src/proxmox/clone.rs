@@ -5,13 +5,15 @@
 use std::sync::Arc;
 
 use providerkit::ErrorKind;
-use pve::{machine_tag, CloneParams, ConfigParams, PveError};
+use pve::{CloneParams, ConfigParams, PveError};
 use tokio::time::Instant;
 
-use super::api::{err, err_at, node_offline, Api, Probe};
+use super::api::{err, err_at, Api, Probe};
 use super::inventory::{Inventory, Known};
 use super::late::LateClones;
-use super::marker::{looks_managed, marker_description, owned_by, vm_name, TagPolicy, MANAGED_TAG};
+use super::marker::{
+    looks_managed, machine_tag, marker_description, owned_by, vm_name, TagPolicy, MANAGED_TAG,
+};
 use super::placement::Placement;
 use super::slots::CloneSlots;
 use super::vmid::{LateClone, Vmids};
@@ -123,7 +125,7 @@ impl Cloner {
                     last = Some(e.to_string());
                     continue;
                 }
-                Err(e) if e.to_string().contains("uses local storage") => {
+                Err(e) if e.is_local_storage_clone() => {
                     self.inventory.clear_pending(&req.machine_id);
                     return Err(SubstrateError::new(format!(
                         "cannot clone template {} from node {template_node} to node {}: its disks are on local storage. \
@@ -184,7 +186,7 @@ impl Cloner {
                     attempt += 1;
                     continue;
                 }
-                Err(e) if e.is_transient() || node_offline(&e) => {
+                Err(e) if e.is_transient() || e.is_offline() => {
                     // Not applied (595: pveproxy could not connect; a target
                     // node that is not online is refused before anything).
                     tracing::info!(node = %req.node, template_node, error = %e, "node unreachable; waiting");

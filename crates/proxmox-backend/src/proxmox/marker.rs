@@ -1,5 +1,5 @@
-//! How a VM is recognised as ours: the managed tag, the description marker
-//! naming the machine, and the clone's DNS-label name.
+//! How a VM is recognised as ours: the managed tag, the per-machine tag,
+//! the description marker naming the machine, and the clone's DNS-label name.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -27,6 +27,13 @@ impl TagPolicy {
 
 /// Tag every VM we create carries.
 pub const MANAGED_TAG: &str = "bigfleet";
+
+/// The per-machine tag `bigfleet-<machine id>`, made a valid PVE tag (see
+/// [`pve::sanitize_tag`]): it finds a machine's VM in the inventory without
+/// reading configs.
+pub(super) fn machine_tag(machine_id: &str) -> String {
+    pve::sanitize_tag(&format!("bigfleet-{machine_id}"))
+}
 
 /// The VM is recognisable as ours without reading its config.
 pub(super) fn looks_managed(tags: &[String], name: Option<&str>) -> bool {
@@ -96,6 +103,22 @@ pub fn vm_name(instance_type: &str, machine_id: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn machine_tags_are_valid_pve_tags() {
+        let t = machine_tag("proxmox-dc1/OnDemand/pve.medium/pve1/007");
+        assert_eq!(t, "bigfleet-proxmox-dc1-ondemand-pve.medium-pve1-007");
+        assert!(pve::is_valid_tag(&t));
+    }
+
+    #[test]
+    fn machine_tag_survives_normalisation() {
+        let t = machine_tag("Cap/X/Y/007");
+        assert_eq!(
+            pve::normalize_tags(&format!("{MANAGED_TAG};{t}")),
+            vec![MANAGED_TAG.to_string(), t]
+        );
+    }
 
     #[test]
     fn names_are_dns_labels() {

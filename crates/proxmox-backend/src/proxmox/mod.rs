@@ -62,7 +62,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use parking_lot::Mutex;
 use providerkit::ErrorKind;
-use pve::{ClusterVm, PveClient, VmStatus};
+use pve::{ClusterVm, PveClient, PveError, VmStatus};
 use tokio::sync::Mutex as AsyncMutex;
 use tokio::time::Instant;
 
@@ -72,10 +72,9 @@ use clone::{Cloner, ClonerParts};
 use guest::Guest;
 use inventory::Inventory;
 use late::LateClones;
-use marker::TagPolicy;
+use marker::{machine_tag, TagPolicy};
 use placement::{Placement, RoomGuard};
 use preflight::Preflight;
-use pve::machine_tag;
 use replica::Replicas;
 use slots::CloneSlots;
 use vmid::Vmids;
@@ -428,12 +427,12 @@ impl PveSubstrate {
                 .cloner
                 .clone_new(&source, &plan.source_node, name, deadline)
                 .await;
-            let gone = format!("/qemu-server/{}.conf' does not exist", plan.source_vmid);
             match out {
                 Err(e)
                     if again
                         && plan.source_vmid != req.template_vmid
-                        && e.to_string().contains(&gone) =>
+                        && PveError::find_in(&e)
+                            .is_some_and(|p| p.is_vm_config_missing(plan.source_vmid)) =>
                 {
                     tracing::warn!(replica = plan.source_vmid, node = %req.node, "the template replica is gone; staging it again");
                     self.replicas.forget(plan.source_vmid);

@@ -271,7 +271,7 @@ impl Placement {
                 }
                 return Ok(None);
             }
-            Err(e) if storage_missing(&e) => {
+            Err(e) if e.is_storage_missing() => {
                 return Err(SubstrateError::caused_by(
                     ErrorKind::Permanent,
                     format!(
@@ -429,10 +429,4 @@ impl Placement {
         }
         Ok(warnings)
     }
-}
-
-/// `storage 'X' does not exist` (or not available on the node).
-fn storage_missing(e: &PveError) -> bool {
-    let t = e.to_string();
-    t.contains("does not exist") || t.contains("not available on node")
 }

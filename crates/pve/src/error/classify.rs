@@ -1,85 +1,13 @@
-//! Error type for every client operation, with classifiers for the PVE
-//! failure modes callers must react to (lock timeouts, VMID collisions,
-//! unreachable nodes, agent not ready, ...).
+//! What kind of failure a [`PveError`] is, for callers that react to it:
+//! lock timeouts, VMID collisions, unreachable or offline nodes, the guest
+//! agent not answering yet, whether a failed request may have been applied,
+//! and why the API could not be used at all ([`AccessFailure`]). PVE reports
+//! most of these only in its message texts, so the classifiers match the
+//! texts PVE really sends; the tests quote them.
 
-use std::collections::BTreeMap;
-use std::time::Duration;
-
-/// Everything a [`crate::PveClient`] call can fail with.
-#[derive(Clone, Debug, thiserror::Error)]
-pub enum PveError {
-    /// The client configuration is unusable (bad URL, missing trust material, ...).
-    #[error("invalid PVE client configuration: {0}")]
-    Config(String),
-
-    /// An argument the caller passed cannot be sent (too large, not UTF-8, malformed UPID, ...).
-    #[error("invalid argument: {0}")]
-    InvalidArgument(String),
-
-    /// The TLS handshake failed: wrong CA, wrong hostname, pin mismatch, bad signature.
-    /// Never retried: it does not heal by itself.
-    #[error("TLS verification of the PVE API failed for {op}: {message}")]
-    Tls { op: &'static str, message: String },
-
-    /// The request could not be completed at the transport level. `connect` is true
-    /// when no connection was established, so the request cannot have been applied.
-    #[error("transport error calling PVE {op}: {message}")]
-    Transport {
-        op: &'static str,
-        message: String,
-        connect: bool,
-    },
-
-    /// No complete response within the per-request timeout.
-    #[error("PVE {op} timed out after {timeout:?}")]
-    Timeout { op: &'static str, timeout: Duration },
-
-    /// The API answered with a non-2xx status.
-    #[error("PVE API error {status}: {message}{}", fmt_params(param_errors))]
-    Api {
-        status: u16,
-        message: String,
-        /// Per-parameter reasons from a 400 `{"errors":{...}}` body.
-        param_errors: BTreeMap<String, String>,
-    },
-
-    /// A 2xx response whose body does not have the documented shape.
-    #[error("unexpected PVE response for {op}: {message}")]
-    Decode { op: &'static str, message: String },
-
-    /// A worker task ended with an exit status other than `OK` / `WARNINGS: N`.
-    #[error("PVE task {upid} failed: {exitstatus}")]
-    TaskFailed { upid: String, exitstatus: String },
-
-    /// A task was still running (or could not be read) when the caller's deadline passed.
-    #[error("PVE task {upid} did not finish before the deadline{}", last_error.as_ref().map(|e| format!(" (last poll error: {e})")).unwrap_or_default())]
-    TaskDeadline {
-        upid: String,
-        last_error: Option<String>,
-    },
-
-    /// A looked-up object (e.g. a pool) is absent from an otherwise successful answer.
-    #[error("{0} does not exist")]
-    NotFound(String),
-}
-
-fn fmt_params(p: &BTreeMap<String, String>) -> String {
-    if p.is_empty() {
-        return String::new();
-    }
-    let parts: Vec<String> = p.iter().map(|(k, v)| format!("{k}: {v}")).collect();
-    format!(" ({})", parts.join("; "))
-}
+use super::PveError;
 
 impl PveError {
-    /// The API status code, if the server answered.
-    pub fn status(&self) -> Option<u16> {
-        match self {
-            PveError::Api { status, .. } => Some(*status),
-            _ => None,
-        }
-    }
-
     /// The server- or task-provided message this error carries, if any.
     fn server_text(&self) -> Option<&str> {
         match self {
@@ -157,6 +85,49 @@ impl PveError {
             let m = m.to_ascii_lowercase();
             m.starts_with("vm ") && m.contains(" is not running") && !m.contains("agent")
         })
+    }
+
+    /// The VM's config file does not exist on the node asked
+    /// (`Configuration file 'nodes/pve1/qemu-server/104.conf' does not exist`,
+    /// from the API or a task): VM `vmid` is gone, or lives on another node.
+    /// Unlike [`PveError::is_not_found`] this names the VM, so a call that
+    /// involves two (a clone's source and its new id) can tell which is missing.
+    pub fn is_vm_config_missing(&self, vmid: u32) -> bool {
+        let conf = format!("/qemu-server/{vmid}.conf' does not exist");
+        self.server_text()
+            .is_some_and(|m| m.to_ascii_lowercase().contains(&conf))
+    }
+
+    /// A node or storage the call needs is not online: a clone or migration
+    /// `target node 'pve2' is not online`, or `storage 'nas' is not online`
+    /// (the storage's server cannot be reached). Nothing was applied, and it
+    /// heals once the node or storage is back.
+    pub fn is_offline(&self) -> bool {
+        let says = |m: &str| m.to_ascii_lowercase().contains("is not online");
+        self.server_text().is_some_and(says)
+            || matches!(self, PveError::Api { param_errors, .. }
+                if param_errors.values().any(|v| says(v)))
+    }
+
+    /// A clone to another node was refused because the source VM's disks
+    /// are on local storage (`can't clone VM to node 'pve2' (VM uses local
+    /// storage)`): only shared storage can be cloned across nodes. Retrying
+    /// does not help.
+    pub fn is_local_storage_clone(&self) -> bool {
+        self.server_text()
+            .is_some_and(|m| m.to_ascii_lowercase().contains("uses local storage"))
+    }
+
+    /// What a storage call answers for a storage that is not there for
+    /// this node or token: `storage 'X' does not exist`, or `storage 'X' is
+    /// not available on node 'N'` (in the message or a parameter's reason).
+    /// Fixing the configuration is the only cure.
+    pub fn is_storage_missing(&self) -> bool {
+        let says = |m: &str| m.contains("does not exist") || m.contains("not available on node");
+        matches!(self, PveError::NotFound(_))
+            || self.server_text().is_some_and(says)
+            || matches!(self, PveError::Api { param_errors, .. }
+                if param_errors.values().any(|v| says(v)))
     }
 
     /// Transport-level failure (no usable HTTP answer).
@@ -330,44 +301,44 @@ pub(crate) fn is_lock_timeout_text(m: &str) -> bool {
         || (m.contains("cfs-lock") && m.contains("timeout"))
 }
 
-/// Walks an error's source chain for a rustls error. `io::Error::source()` skips
-/// the wrapped error itself, so wrapped payloads are followed via `get_ref()`.
-pub(crate) fn find_rustls_error<'a>(
-    e: &'a (dyn std::error::Error + 'static),
-) -> Option<&'a rustls::Error> {
-    let mut cur: Option<&(dyn std::error::Error + 'static)> = Some(e);
-    while let Some(err) = cur {
-        if let Some(r) = err.downcast_ref::<rustls::Error>() {
-            return Some(r);
-        }
-        cur = match err.downcast_ref::<std::io::Error>() {
-            Some(io) => io
-                .get_ref()
-                .map(|inner| inner as &(dyn std::error::Error + 'static)),
-            None => err.source(),
-        };
-    }
-    None
-}
-
-/// Renders an error and its sources on one line.
-pub(crate) fn chain_message(e: &(dyn std::error::Error + 'static)) -> String {
-    let mut out = e.to_string();
-    let mut cur = e.source();
-    while let Some(s) = cur {
-        let text = s.to_string();
-        if !out.contains(&text) {
-            out.push_str(": ");
-            out.push_str(&text);
-        }
-        cur = s.source();
-    }
-    out
-}
-
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn storage_missing_texts() {
+        let api = |status: u16, message: &str, param: Option<(&str, &str)>| PveError::Api {
+            status,
+            message: message.into(),
+            param_errors: param
+                .map(|(k, v)| [(k.to_string(), v.to_string())].into())
+                .unwrap_or_default(),
+        };
+        assert!(api(500, "storage 'nas' does not exist\n", None).is_storage_missing());
+        assert!(
+            api(500, "storage 'nas' is not available on node 'pve2'", None).is_storage_missing()
+        );
+        assert!(api(
+            400,
+            "Parameter verification failed.",
+            Some(("storage", "storage 'x' does not exist"))
+        )
+        .is_storage_missing());
+        assert!(!api(500, "storage 'nas' is not online", None).is_storage_missing());
+        assert!(!api(
+            403,
+            "Permission check failed (/storage/nas, Datastore.Audit)",
+            None
+        )
+        .is_storage_missing());
+    }
+
+    use std::collections::BTreeMap;
+
     use super::*;
+    use crate::error::Cause;
+
+    fn cause(text: &str) -> Cause {
+        Cause::new(std::io::Error::other(text.to_string()))
+    }
 
     fn api(status: u16, msg: &str) -> PveError {
         PveError::Api {
@@ -429,6 +400,7 @@ mod tests {
         let decode = PveError::Decode {
             op: "nodes",
             message: "body is not JSON: expected value".into(),
+            source: None,
         };
         assert_eq!(decode.access_failure(), Some(WrongPath));
         let refused = PveError::Transport {
@@ -436,22 +408,26 @@ mod tests {
             message: "client error (Connect): tcp connect error: Connection refused (os error 111)"
                 .into(),
             connect: true,
+            source: cause("Connection refused (os error 111)"),
         };
         assert_eq!(refused.access_failure(), Some(ConnectionRefused));
         let dns = PveError::Transport {
             op: "nodes",
             message: "client error (Connect): dns error: failed to lookup address".into(),
             connect: true,
+            source: cause("failed to lookup address"),
         };
         assert_eq!(dns.access_failure(), Some(Unreachable));
         let tls = PveError::Tls {
             op: "nodes",
             message: "invalid peer certificate: UnknownIssuer".into(),
+            source: cause("invalid peer certificate: UnknownIssuer"),
         };
         assert_eq!(tls.access_failure(), Some(Tls));
         let plain = PveError::Tls {
             op: "nodes",
             message: "received corrupt message of type InvalidContentType".into(),
+            source: cause("received corrupt message of type InvalidContentType"),
         };
         assert_eq!(plain.access_failure(), Some(NotTls));
         assert_eq!(api(500, "VM 1 is locked").access_failure(), None);
@@ -526,17 +502,60 @@ mod tests {
     }
 
     #[test]
-    fn display_includes_param_errors() {
+    fn vm_config_missing_names_the_vm() {
+        let gone = api(
+            500,
+            "Configuration file 'nodes/pve2/qemu-server/9001.conf' does not exist",
+        );
+        assert!(gone.is_vm_config_missing(9001));
+        assert!(!gone.is_vm_config_missing(900), "another VM's config");
+        assert!(!gone.is_vm_config_missing(19001), "another VM's config");
+        let in_task = PveError::TaskFailed {
+            upid: "u".into(),
+            exitstatus:
+                "clone failed: Configuration file 'nodes/pve2/qemu-server/9001.conf' does not exist"
+                    .into(),
+        };
+        assert!(in_task.is_vm_config_missing(9001));
+        assert!(!api(500, "storage 'local' does not exist").is_vm_config_missing(9001));
+        assert!(!api(404, "Not Found").is_vm_config_missing(9001));
+    }
+
+    #[test]
+    fn offline_node_or_storage() {
+        assert!(api(500, "target node 'pve2' is not online").is_offline());
+        assert!(api(500, "storage 'nas' is not online").is_offline());
+        let in_task = PveError::TaskFailed {
+            upid: "u".into(),
+            exitstatus: "migration aborted: target node 'pve2' is not online".into(),
+        };
+        assert!(in_task.is_offline());
         let mut p = BTreeMap::new();
-        p.insert("newid".to_string(), "invalid format".to_string());
-        let e = PveError::Api {
+        p.insert(
+            "target".to_string(),
+            "node 'pve2' is not online".to_string(),
+        );
+        let param = PveError::Api {
             status: 400,
             message: "Parameter verification failed.".into(),
             param_errors: p,
         };
-        assert_eq!(
-            e.to_string(),
-            "PVE API error 400: Parameter verification failed. (newid: invalid format)"
+        assert!(param.is_offline());
+        assert!(!api(500, "no such cluster node 'pve9'").is_offline());
+        assert!(!api(595, "No route to host").is_offline());
+    }
+
+    #[test]
+    fn local_storage_clone() {
+        assert!(
+            api(500, "can't clone VM to node 'pve2' (VM uses local storage)")
+                .is_local_storage_clone()
         );
+        let in_task = PveError::TaskFailed {
+            upid: "u".into(),
+            exitstatus: "can't clone VM to node 'pve2' (VM uses local storage)".into(),
+        };
+        assert!(in_task.is_local_storage_clone());
+        assert!(!api(500, "can't clone to non-shared storage 'local'").is_local_storage_clone());
     }
 }

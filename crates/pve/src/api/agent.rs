@@ -1,0 +1,142 @@
+//! The QEMU guest agent inside a VM: ping, write a file, run a command and
+//! read its exit status. Payloads reach the agent through PVE's Perl
+//! `encode_base64`, hence [`latin1_text`].
+
+use base64::Engine as _;
+use http::Method;
+use serde::Deserialize;
+use serde_json::Value;
+
+use super::vm_path;
+use crate::client::PveClient;
+use crate::error::PveError;
+use crate::form::Params;
+use crate::types::{lenient, ExecStatus, FileEncoding};
+
+/// `agent/file-write` `content` limit.
+pub const MAX_FILE_WRITE_CONTENT: usize = 61440;
+/// `agent/exec` `input-data` limit.
+pub const MAX_EXEC_INPUT: usize = 65536;
+
+#[derive(Deserialize)]
+struct ExecPid {
+    #[serde(deserialize_with = "lenient::u32")]
+    pid: u32,
+}
+
+impl PveClient {
+    /// `POST .../agent/ping`: Ok once the guest agent answers.
+    pub async fn agent_ping(&self, node: &str, vmid: u32) -> Result<(), PveError> {
+        let path = vm_path(node, vmid, "/agent/ping");
+        let _: Value = self
+            .call("agent_ping", Method::POST, &path, &Params::new())
+            .await?;
+        Ok(())
+    }
+
+    /// `POST .../agent/file-write`: writes (truncates) `path` in the guest.
+    /// Content after encoding must fit in 60 KiB.
+    pub async fn agent_file_write(
+        &self,
+        node: &str,
+        vmid: u32,
+        path: &str,
+        content: &[u8],
+        encoding: FileEncoding,
+    ) -> Result<(), PveError> {
+        if path.is_empty() {
+            return Err(PveError::InvalidArgument("file-write path is empty".into()));
+        }
+        let (payload, encode) = match encoding {
+            FileEncoding::PveEncodes => (latin1_text(content), true),
+            FileEncoding::Base64 => (
+                base64::engine::general_purpose::STANDARD.encode(content),
+                false,
+            ),
+        };
+        // PVE's limit counts characters; both encodings use one per byte sent.
+        let sent = payload.chars().count();
+        if sent > MAX_FILE_WRITE_CONTENT {
+            return Err(PveError::InvalidArgument(format!(
+                "file-write content for {path} is {sent} bytes after encoding; the limit is {MAX_FILE_WRITE_CONTENT}"
+            )));
+        }
+        let mut p = Params::new();
+        p.push("file", path);
+        p.push("content", payload);
+        p.push_bool("encode", encode);
+        let _: Value = self
+            .call(
+                "agent_file_write",
+                Method::POST,
+                &vm_path(node, vmid, "/agent/file-write"),
+                &p,
+            )
+            .await?;
+        Ok(())
+    }
+
+    /// `POST .../agent/exec`: starts `argv` (no shell) with optional stdin and
+    /// returns the guest pid. `input_data` (any bytes, at most 64 KiB) reaches
+    /// the command's stdin unchanged.
+    pub async fn agent_exec<S: AsRef<str>>(
+        &self,
+        node: &str,
+        vmid: u32,
+        argv: &[S],
+        input_data: Option<&[u8]>,
+    ) -> Result<u32, PveError> {
+        if argv.is_empty() || argv[0].as_ref().is_empty() {
+            return Err(PveError::InvalidArgument("exec command is empty".into()));
+        }
+        let mut p = Params::new();
+        p.push_array("command", argv.iter().map(|a| a.as_ref()));
+        if let Some(data) = input_data {
+            if data.len() > MAX_EXEC_INPUT {
+                return Err(PveError::InvalidArgument(format!(
+                    "exec input-data is {} bytes; the limit is {MAX_EXEC_INPUT}",
+                    data.len()
+                )));
+            }
+            p.push("input-data", latin1_text(data));
+        }
+        let r: ExecPid = self
+            .call(
+                "agent_exec",
+                Method::POST,
+                &vm_path(node, vmid, "/agent/exec"),
+                &p,
+            )
+            .await?;
+        Ok(r.pid)
+    }
+
+    /// `GET .../agent/exec-status?pid=N`. The agent forgets the pid after the
+    /// first `exited` answer, so a lost answer loses the exit code.
+    pub async fn agent_exec_status(
+        &self,
+        node: &str,
+        vmid: u32,
+        pid: u32,
+    ) -> Result<ExecStatus, PveError> {
+        let mut p = Params::new();
+        p.push("pid", pid.to_string());
+        self.call(
+            "agent_exec_status",
+            Method::GET,
+            &vm_path(node, vmid, "/agent/exec-status"),
+            &p,
+        )
+        .await
+    }
+}
+
+/// Text for a parameter PVE hands to the guest agent through Perl's
+/// `encode_base64` (`file-write` content with `encode=1`, exec `input-data`).
+/// PVE decodes the request as UTF-8 and `encode_base64` takes every character
+/// up to U+00FF as one byte (and dies with "Wide character" above), so sending
+/// each byte as the character with that code point delivers the bytes exactly,
+/// whatever they are; UTF-8 text sent as-is would arrive re-encoded or fail.
+fn latin1_text(bytes: &[u8]) -> String {
+    bytes.iter().map(|&b| char::from(b)).collect()
+}
