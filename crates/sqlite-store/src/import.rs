@@ -122,14 +122,6 @@ struct RefOp {
     operation_id: String,
 }
 
-/// Whether the start of a file looks like a JSON object (the reference
-/// implementation's state) rather than anything else.
-pub(crate) fn looks_like_json(head: &[u8]) -> bool {
-    head.iter()
-        .find(|b| !b.is_ascii_whitespace())
-        .is_some_and(|b| *b == b'{')
-}
-
 fn unreadable(path: &Path, detail: impl std::fmt::Display) -> StoreError {
     StoreError::corrupt(format!(
         "state file {} looks like the reference implementation's JSON state but cannot be \
