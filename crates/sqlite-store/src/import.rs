@@ -347,9 +347,10 @@ fn keep_backup(path: &Path, backup: &Path, original: &[u8]) -> Result<(), StoreE
 pub(crate) fn import(path: &Path, lock: &mut StateLock) -> Result<Imported, StoreError> {
     let original = read_all(path, lock.file())?;
     let value: serde_json::Value =
-        serde_json::from_slice(&original).map_err(|e| unreadable(path, e))?;
+        serde_json::from_slice(&original).map_err(|e| unreadable(path, &e).with_source(e))?;
     check_shape(path, &value)?;
-    let doc: Document = serde_json::from_value(value).map_err(|e| unreadable(path, e))?;
+    let doc: Document =
+        serde_json::from_value(value).map_err(|e| unreadable(path, &e).with_source(e))?;
     let (changes, operation_ids) = convert(path, doc)?;
 
     let temp = sibling(path, &format!(".importing-{}", std::process::id()));

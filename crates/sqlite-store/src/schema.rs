@@ -259,7 +259,9 @@ pub(crate) fn existing_version(path: &Path, conn: &Connection) -> Result<i64, St
         .query_row("SELECT schema_version FROM meta WHERE id = 1", [], |r| {
             r.get(0)
         })
-        .map_err(|e| invalid(path, format!("cannot read the schema version: {e}")))?;
+        .map_err(|e| {
+            invalid(path, format!("cannot read the schema version: {e}")).with_source(e)
+        })?;
     if version > SCHEMA_VERSION {
         return Err(StoreError::incompatible(format!(
             "state file {} was written by a newer version (schema {version}, this build knows \
