@@ -230,7 +230,7 @@ pub struct Args {
     pub log_format: LogFormat,
 
     /// Minimum log level (error, warn, info, debug, trace).
-    #[arg(long, default_value = crate::logging::DEFAULT_LEVEL)]
+    #[arg(long, default_value = DEFAULT_LOG_LEVEL)]
     pub log_level: String,
 }
 
@@ -271,6 +271,10 @@ pub fn parse_duration(text: &str) -> Result<Duration, String> {
     }
     humantime::parse_duration(text).map_err(|e| format!("invalid duration {text:?}: {e}"))
 }
+
+/// `--log-level` when not given, and the level a refused `--log-level`
+/// falls back to, so the refusal itself is still a line in the chosen format.
+pub const DEFAULT_LOG_LEVEL: &str = "info";
 
 /// The metrics listener's address when `--metrics-addr` is not given.
 pub const DEFAULT_METRICS_ADDR: &str = ":9090";

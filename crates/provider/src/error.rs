@@ -1,10 +1,13 @@
-//! The typed error of start-up validation. Its `Display` is the whole
-//! operator-facing message (the `error` field of the `invalid
-//! configuration` line), naming the flag and the fix; `source()` carries
-//! the cause (an I/O error, a parse error, a TLS error) for callers that
-//! classify.
+//! The typed errors of start-up: [`ConfigError`] for validation (the
+//! `error` field of the `invalid configuration` line) and [`StartupError`]
+//! for what a valid configuration can still meet before the provider serves
+//! (the `error` field of the `startup failed` line). Each one's `Display`
+//! is the whole operator-facing message, naming the flag and the fix;
+//! `source()` carries the cause (an I/O error, a parse error, a TLS error,
+//! the store's or the substrate's error) for callers that classify.
 
 use std::error::Error as StdError;
+use std::net::SocketAddr;
 use std::path::PathBuf;
 
 type Cause = Box<dyn StdError + Send + Sync + 'static>;
@@ -90,6 +93,56 @@ impl ConfigError {
     }
 }
 
+/// Why a valid configuration could not start serving. Wrapped errors that
+/// already say everything (a bind, the store, the engine) print as they
+/// are; the others say what was being done, then the cause.
+#[derive(Debug, thiserror::Error)]
+pub enum StartupError {
+    /// A SIGINT/SIGTERM handler could not be installed.
+    #[error("cannot install the {signal} handler: {source}")]
+    Signal {
+        signal: &'static str,
+        #[source]
+        source: std::io::Error,
+    },
+    /// A listen address could not be bound (a port in use, say).
+    #[error(transparent)]
+    Bind(#[from] providerkit::BindError),
+    /// A bound listener could not say its own address.
+    #[error("{flag}: {source}")]
+    LocalAddr {
+        flag: &'static str,
+        #[source]
+        source: std::io::Error,
+    },
+    /// The `--state` store could not be opened.
+    #[error(transparent)]
+    Store(#[from] providerkit::StoreError),
+    /// The Proxmox API client refused its settings.
+    #[error("cannot set up the Proxmox API client: {0}")]
+    ProxmoxClient(#[source] pve::PveError),
+    /// The cluster failed the start-up check (token, nodes, templates).
+    #[error("Proxmox preflight failed: {0}")]
+    Preflight(#[source] proxmox_backend::substrate::SubstrateError),
+    /// The engine could not load the state or describe the inventory.
+    #[error(transparent)]
+    Engine(#[from] providerkit::StartError),
+    /// gRPC reflection could not be built from the embedded descriptors.
+    #[error("reflection setup failed: {0}")]
+    Reflection(#[source] tonic_reflection::server::Error),
+}
+
+impl StartupError {
+    /// A bind of `flag` at `addr` that failed.
+    pub fn bind(flag: &str, addr: SocketAddr, source: std::io::Error) -> StartupError {
+        StartupError::Bind(providerkit::BindError {
+            flag: flag.to_string(),
+            addr,
+            source,
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -112,5 +165,47 @@ mod tests {
         let e: ConfigError = proxmox_backend::ConfigError::Invalid("no offerings".into()).into();
         assert_eq!(e.to_string(), "no offerings");
         assert_eq!(e.kind(), ConfigErrorKind::Invalid);
+    }
+
+    #[test]
+    fn startup_errors_read_as_the_startup_line_and_keep_the_cause() {
+        let in_use = || std::io::Error::new(std::io::ErrorKind::AddrInUse, "address in use");
+        let addr: SocketAddr = "127.0.0.1:9000".parse().unwrap();
+        let e = StartupError::bind("--addr", addr, in_use());
+        assert_eq!(
+            e.to_string(),
+            "cannot listen on --addr 127.0.0.1:9000: address in use"
+        );
+        assert!(
+            matches!(&e, StartupError::Bind(b) if b.source.kind() == std::io::ErrorKind::AddrInUse)
+        );
+
+        let e = StartupError::Signal {
+            signal: "SIGTERM",
+            source: in_use(),
+        };
+        assert_eq!(
+            e.to_string(),
+            "cannot install the SIGTERM handler: address in use"
+        );
+        assert!(e.source().is_some());
+
+        let store = providerkit::StoreError::locked("state file /s is in use");
+        let e = StartupError::from(store);
+        assert_eq!(e.to_string(), "state file /s is in use");
+        assert!(
+            matches!(&e, StartupError::Store(s) if s.kind() == providerkit::StoreErrorKind::Locked)
+        );
+
+        let e = StartupError::Preflight(proxmox_backend::substrate::SubstrateError::new(
+            "the API token was refused (401)",
+        ));
+        assert_eq!(
+            e.to_string(),
+            "Proxmox preflight failed: the API token was refused (401)"
+        );
+        assert!(e
+            .source()
+            .is_some_and(|s| s.is::<proxmox_backend::substrate::SubstrateError>()));
     }
 }

@@ -16,7 +16,7 @@ pub mod plan;
 pub mod serve;
 pub mod tls;
 
-pub use error::{ConfigError, ConfigErrorKind};
+pub use error::{ConfigError, ConfigErrorKind, StartupError};
 pub use plan::{
     plan, BackendConfig, BackendKind, Catalog, Plan, ProxmoxAccess, ProxmoxConfig, ReconcileConfig,
     ServingConfig,

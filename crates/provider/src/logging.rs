@@ -60,10 +60,6 @@ pub fn init(format: LogFormat, level: &str) -> Result<WorkerGuard, LogError> {
     Ok(guard)
 }
 
-/// The level a refused `--log-level` falls back to, so the refusal itself
-/// is still a line in the chosen format.
-pub const DEFAULT_LEVEL: &str = "info";
-
 #[derive(Debug, thiserror::Error)]
 pub enum LogError {
     /// `--log-level` is not a level or filter: a configuration error.

@@ -2,7 +2,7 @@ use std::process::ExitCode;
 
 use clap::Parser;
 
-use bigfleet_proxmox::config::{Args, Command};
+use bigfleet_proxmox::config::{Args, Command, DEFAULT_LOG_LEVEL};
 use bigfleet_proxmox::logging::{self, LogError};
 use bigfleet_proxmox::serve::RunError;
 
@@ -45,7 +45,7 @@ fn main() -> ExitCode {
         Ok(guard) => guard,
         Err(LogError::Level(e)) => {
             // The level is what is wrong: refuse at the default one.
-            match logging::init(args.log_format, logging::DEFAULT_LEVEL) {
+            match logging::init(args.log_format, DEFAULT_LOG_LEVEL) {
                 Ok(guard) => {
                     tracing::error!(error = %e, "invalid configuration");
                     drop(guard);

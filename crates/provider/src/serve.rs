@@ -19,6 +19,7 @@ use tokio_stream::StreamExt;
 use tonic_health::ServingStatus;
 
 use crate::budget::{BudgetLayer, FirstBytes, PREFACE_TIMEOUT};
+use crate::error::StartupError;
 use crate::layers::{CatchPanicLayer, ObserveLayer};
 use crate::metrics::Metrics;
 use crate::plan::{BackendConfig, Plan, ProxmoxAccess, ProxmoxConfig};
@@ -104,10 +105,10 @@ pub async fn follow_store_health(
 /// queues. Bounds what one connection can make the server hold.
 pub const MAX_CONCURRENT_STREAMS: u32 = 64;
 
-async fn bind(flag: &str, addr: std::net::SocketAddr) -> Result<TcpListener, String> {
+async fn bind(flag: &str, addr: std::net::SocketAddr) -> Result<TcpListener, StartupError> {
     TcpListener::bind(addr)
         .await
-        .map_err(|e| format!("cannot listen on {flag} {addr}: {e}"))
+        .map_err(|e| StartupError::bind(flag, addr, e))
 }
 
 pub fn http_router(metrics: Arc<Metrics>, ready: Readiness) -> Router {
@@ -149,11 +150,11 @@ pub fn http_router(metrics: Arc<Metrics>, ready: Readiness) -> Router {
         .with_state((metrics, ready))
 }
 
-fn open_store(plan: &Plan) -> Result<Arc<dyn Store>, String> {
+fn open_store(plan: &Plan) -> Result<Arc<dyn Store>, StartupError> {
     let Some(path) = &plan.state else {
         return Ok(Arc::new(MemoryStore::new()));
     };
-    let store = sqlite_store::SqliteStore::open(path).map_err(|e| e.to_string())?;
+    let store = sqlite_store::SqliteStore::open(path)?;
     // Says which of the two happened, so a state that was expected but
     // silently replaced by a fresh one shows in the first lines of the log.
     let report = store.report();
@@ -184,7 +185,7 @@ fn open_store(plan: &Plan) -> Result<Arc<dyn Store>, String> {
 async fn proxmox_substrate(
     plan: &Plan,
     proxmox: &ProxmoxConfig,
-) -> Result<Arc<dyn Substrate>, String> {
+) -> Result<Arc<dyn Substrate>, StartupError> {
     let substrate = Arc::new(pve_substrate(&proxmox.access, &proxmox.options)?);
     let catalog = &plan.catalog;
     let mut templates: Vec<u32> = catalog
@@ -202,7 +203,7 @@ async fn proxmox_substrate(
     let warnings = substrate
         .preflight(&catalog.zones, &templates)
         .await
-        .map_err(|e| format!("Proxmox preflight failed: {e}"))?;
+        .map_err(StartupError::Preflight)?;
     for warning in warnings {
         tracing::warn!(warning = %warning, "Proxmox preflight");
     }
@@ -210,7 +211,10 @@ async fn proxmox_substrate(
 }
 
 /// The client and the substrate; the options were validated by the plan.
-fn pve_substrate(access: &ProxmoxAccess, options: &PveOptions) -> Result<PveSubstrate, String> {
+fn pve_substrate(
+    access: &ProxmoxAccess,
+    options: &PveOptions,
+) -> Result<PveSubstrate, StartupError> {
     let mut config = pve::PveConfig::new(
         access.api_url.clone(),
         access.token_id.clone(),
@@ -218,8 +222,7 @@ fn pve_substrate(access: &ProxmoxAccess, options: &PveOptions) -> Result<PveSubs
     );
     config.ca_pem = access.ca_pem.clone();
     config.fingerprints = access.fingerprints.clone();
-    let client = pve::PveClient::new(config)
-        .map_err(|e| format!("cannot set up the Proxmox API client: {e}"))?;
+    let client = pve::PveClient::new(config).map_err(StartupError::ProxmoxClient)?;
     if options.readiness_command.is_empty() {
         tracing::warn!(
             "--readiness-command is empty: the node-readiness gate is off and a \
@@ -238,10 +241,13 @@ struct ShutdownSignals {
 }
 
 impl ShutdownSignals {
-    fn install() -> Result<ShutdownSignals, String> {
+    fn install() -> Result<ShutdownSignals, StartupError> {
         use tokio::signal::unix::{signal, SignalKind};
-        let install = |kind: SignalKind, name: &str| {
-            signal(kind).map_err(|e| format!("cannot install the {name} handler: {e}"))
+        let install = |kind: SignalKind, name: &'static str| {
+            signal(kind).map_err(|source| StartupError::Signal {
+                signal: name,
+                source,
+            })
         };
         Ok(ShutdownSignals {
             interrupt: install(SignalKind::interrupt(), "SIGINT")?,
@@ -271,17 +277,11 @@ fn reflection_builder() -> tonic_reflection::server::Builder<'static> {
 pub enum RunError {
     /// Something the configuration could not check: a port in use, the
     /// state store, the Proxmox preflight. The message names the cause.
-    #[error("{0}")]
-    Startup(String),
+    #[error(transparent)]
+    Startup(#[from] StartupError),
     /// The gRPC server stopped with an error after start-up.
     #[error("gRPC server failed: {0}")]
     Serve(#[source] tonic::transport::Error),
-}
-
-impl From<String> for RunError {
-    fn from(message: String) -> RunError {
-        RunError::Startup(message)
-    }
 }
 
 /// Run until SIGINT/SIGTERM. Every error before the start-up line is a
@@ -292,17 +292,23 @@ pub async fn run(plan: Plan) -> Result<(), RunError> {
     let grpc_listener = bind("--addr", serving.addr).await?;
     let local_addr = grpc_listener
         .local_addr()
-        .map_err(|e| format!("--addr: {e}"))?;
+        .map_err(|source| StartupError::LocalAddr {
+            flag: "--addr",
+            source,
+        })?;
     let metrics = Metrics::new();
     let ready = Readiness::default();
     let metrics_local = match bind_aux("--metrics-addr", serving.metrics_addr)
         .await
-        .map_err(|e| e.to_string())?
+        .map_err(StartupError::Bind)?
     {
         AuxListener::Bound(listener) => {
             let local = listener
                 .local_addr()
-                .map_err(|e| format!("--metrics-addr: {e}"))?;
+                .map_err(|source| StartupError::LocalAddr {
+                    flag: "--metrics-addr",
+                    source,
+                })?;
             let router = http_router(metrics.clone(), ready.clone());
             tokio::spawn(async move {
                 if let Err(e) = axum::serve(listener, router).await {
@@ -342,7 +348,7 @@ pub async fn run(plan: Plan) -> Result<(), RunError> {
     ));
     let engine = Engine::start(backend, store, plan.engine.clone())
         .await
-        .map_err(|e| e.to_string())?;
+        .map_err(StartupError::Engine)?;
     if let Some(fake) = &fake {
         for machine in engine.list(&[], 0, &[]).machines {
             if let Some(vm) = machine
@@ -360,7 +366,7 @@ pub async fn run(plan: Plan) -> Result<(), RunError> {
         Some(
             reflection_builder()
                 .build_v1()
-                .map_err(|e| format!("reflection setup failed: {e}"))?,
+                .map_err(StartupError::Reflection)?,
         )
     } else {
         None
@@ -369,7 +375,7 @@ pub async fn run(plan: Plan) -> Result<(), RunError> {
         Some(
             reflection_builder()
                 .build_v1alpha()
-                .map_err(|e| format!("reflection setup failed: {e}"))?,
+                .map_err(StartupError::Reflection)?,
         )
     } else {
         None

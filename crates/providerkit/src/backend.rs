@@ -54,13 +54,28 @@ pub type Cause = Arc<dyn std::error::Error + Send + Sync + 'static>;
 /// A substrate failure: a kind, the whole operator-facing message (it becomes
 /// the machine's `last_error` verbatim, so it already includes the cause's
 /// text) and the typed cause, if any.
-#[derive(Debug, Clone, thiserror::Error)]
-#[error("{message}")]
+#[derive(Debug, Clone)]
 pub struct BackendError {
     kind: ErrorKind,
     message: String,
-    #[source]
     cause: Option<Cause>,
+}
+
+impl std::fmt::Display for BackendError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+/// Written out rather than derived: a derived `source()` would hand out the
+/// `Arc` that shares the cause, which no caller can downcast to the cause's
+/// type (a `SubstrateError`, a `PveError`); this hands out the cause.
+impl std::error::Error for BackendError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.cause
+            .as_deref()
+            .map(|cause| cause as &(dyn std::error::Error + 'static))
+    }
 }
 
 impl BackendError {
@@ -250,5 +265,25 @@ pub trait Backend: Send + Sync + 'static {
     /// `last_error`. `None` when no probe ran since the Configure started.
     fn readiness_detail(&self, _host_ref: &str) -> Option<String> {
         None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::error::Error as _;
+
+    use super::*;
+
+    #[test]
+    fn the_cause_is_the_source_itself() {
+        let io = std::io::Error::new(std::io::ErrorKind::TimedOut, "no answer");
+        let e = BackendError::caused_by(ErrorKind::Transient, "node a: no answer", Arc::new(io));
+        assert_eq!(e.to_string(), "node a: no answer");
+        let cause = e.source().and_then(|s| s.downcast_ref::<std::io::Error>());
+        assert_eq!(
+            cause.map(std::io::Error::kind),
+            Some(std::io::ErrorKind::TimedOut)
+        );
+        assert!(BackendError::new("refused").source().is_none());
     }
 }

@@ -2,8 +2,16 @@
 
 use tonic::{Code, Status};
 
+use crate::model::TransitionError;
+use crate::store::StoreError;
+
 /// Why the engine refused or failed a request. Each variant maps to exactly
 /// one gRPC code; `Fenced` is the only one that becomes FAILED_PRECONDITION.
+///
+/// A refusal the engine words itself carries its message; one caused by
+/// another part (the record's transition rules, the store) carries that
+/// part's typed error as its source, and prints its text unchanged so the
+/// RPC status message stays the operator-facing one.
 #[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
 pub enum KitError {
     #[error("{0}")]
@@ -16,9 +24,9 @@ pub enum KitError {
     Unimplemented(String),
     /// Out-of-position transition or a mutation on a FAILED machine.
     #[error("{0}")]
-    Conflict(String),
+    Conflict(#[source] TransitionError),
     #[error("state store: {0}")]
-    Store(String),
+    Store(#[source] StoreError),
 }
 
 impl KitError {
@@ -37,5 +45,36 @@ impl KitError {
 impl From<KitError> for Status {
     fn from(err: KitError) -> Status {
         Status::new(err.code(), err.to_string())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::error::Error as _;
+
+    use super::*;
+    use crate::model::{State, TransitionKind};
+
+    #[test]
+    fn causes_are_kept_and_the_text_is_theirs() {
+        let store = StoreError::unavailable("disk full");
+        let err = KitError::Store(store.clone());
+        assert_eq!(err.to_string(), "state store: disk full");
+        let source = err.source().and_then(|s| s.downcast_ref::<StoreError>());
+        assert_eq!(source, Some(&store));
+        assert_eq!(Status::from(err).code(), Code::Unavailable);
+
+        let refusal = TransitionError::OutOfPosition {
+            id: "m".into(),
+            state: State::Idle,
+            kind: TransitionKind::Drain,
+        };
+        let err = KitError::Conflict(refusal.clone());
+        assert_eq!(err.to_string(), refusal.to_string());
+        let source = err
+            .source()
+            .and_then(|s| s.downcast_ref::<TransitionError>());
+        assert_eq!(source, Some(&refusal));
+        assert_eq!(Status::from(err).code(), Code::Aborted);
     }
 }

@@ -33,7 +33,7 @@ pub use fence::Token;
 pub use listen::{bind_aux, AuxAddr, AuxListener, BindError};
 pub use model::{
     CatalogFacts, Facts, FactsInterner, MachineRecord, RecordError, SharedFacts, State,
-    TransitionKind,
+    TransitionError, TransitionKind,
 };
 pub use store::{
     Change, FenceMark, Loaded, MemoryStore, Store, StoreError, StoreErrorKind, StoreErrorSource,

@@ -91,13 +91,28 @@ pub type StoreErrorSource = Arc<dyn std::error::Error + Send + Sync + 'static>;
 
 /// A store failure: its kind, a message that names the problem and the fix
 /// (this is what Display prints), and the underlying cause if any.
-#[derive(Debug, Clone, thiserror::Error)]
-#[error("{message}")]
+#[derive(Debug, Clone)]
 pub struct StoreError {
     kind: StoreErrorKind,
     message: String,
-    #[source]
     source: Option<StoreErrorSource>,
+}
+
+impl std::fmt::Display for StoreError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+/// Written out rather than derived: a derived `source()` would hand out the
+/// `Arc` that shares the cause, which no caller can downcast to the cause's
+/// type (an `io::Error`, a `rusqlite::Error`); this hands out the cause.
+impl std::error::Error for StoreError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.source
+            .as_deref()
+            .map(|cause| cause as &(dyn std::error::Error + 'static))
+    }
 }
 
 impl StoreError {
@@ -266,5 +281,25 @@ impl Store for MemoryStore {
 
     fn describe(&self) -> String {
         "memory".to_string()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::error::Error as _;
+
+    use super::*;
+
+    #[test]
+    fn the_cause_is_the_source_itself() {
+        let io = std::io::Error::new(std::io::ErrorKind::StorageFull, "no space");
+        let e = StoreError::unavailable("state file /s: cannot commit: no space").with_source(io);
+        assert_eq!(e.to_string(), "state file /s: cannot commit: no space");
+        let cause = e.source().and_then(|s| s.downcast_ref::<std::io::Error>());
+        assert_eq!(
+            cause.map(std::io::Error::kind),
+            Some(std::io::ErrorKind::StorageFull)
+        );
+        assert!(StoreError::closed("stopped").source().is_none());
     }
 }

@@ -14,22 +14,8 @@ use serde_json::{json, Value};
 use tokio::io::AsyncWriteExt;
 use tokio::task::AbortHandle;
 
+use crate::guest_root::GUEST_ROOT_ENV;
 use crate::qga::QgaProcess;
-
-/// Env var pointing exec'd processes at their VM's scratch root.
-pub const GUEST_ROOT_ENV: &str = "BIGFLEET_GUEST_ROOT";
-
-/// Directories every fresh guest root has, so writes to e.g. `/run/x` work.
-pub const GUEST_DIRS: &[&str] = &[
-    "run",
-    "tmp",
-    "etc",
-    "root",
-    "home",
-    "opt",
-    "var/lib",
-    "usr/local/bin",
-];
 
 /// An exec request as a guest handler sees it.
 #[derive(Clone, Debug)]

@@ -25,6 +25,7 @@ pub mod agent;
 pub mod config;
 pub mod faults;
 mod guest_api;
+pub mod guest_root;
 mod inventory;
 mod lifecycle;
 pub mod params;
@@ -45,12 +46,13 @@ use std::sync::Arc;
 use anyhow::{Context, Result};
 use tokio::task::JoinHandle;
 
-pub use agent::{GuestExec, GuestHandler, GuestOutput, GUEST_ROOT_ENV};
+pub use agent::{GuestExec, GuestHandler, GuestOutput};
 pub use config::{
     find_qemu_ga, GuestAgentMode, HttpServerVersion, SimConfig, StorageKind, StorageSpec,
     TagAccess, TagStyle, TemplateSpec, GUEST_AGENT_ENV,
 };
 pub use faults::Faults;
+pub use guest_root::GUEST_ROOT_ENV;
 pub use params::Params;
 pub use sim::RecordedRequest;
 pub use state::Vm;

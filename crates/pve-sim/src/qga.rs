@@ -12,7 +12,7 @@ use serde_json::{json, Value};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::net::UnixStream;
 
-use crate::agent::GUEST_ROOT_ENV;
+use crate::guest_root::GUEST_ROOT_ENV;
 
 /// How long qemu-ga may take to answer one command (PVE gives up with "got timeout").
 pub const REPLY_TIMEOUT: Duration = Duration::from_secs(10);

@@ -42,23 +42,23 @@ impl RawChunk {
             .flatten()
             .ok_or_else(|| invalid(path, "a machine row has no valid id".to_string()))?;
         let id = self.push_bytes(id_bytes);
-        let bad = |chunk: &RawChunk, what: &str, e: &dyn std::fmt::Display| {
+        let bad = |chunk: &RawChunk, what: &str, e: rusqlite::Error| {
             let id = String::from_utf8_lossy(&chunk.bytes[id.clone()]).into_owned();
-            invalid(path, format!("machine {id:?} has an invalid {what}: {e}"))
+            invalid(path, format!("machine {id:?} has an invalid {what}: {e}")).with_source(e)
         };
         let rev: u64 = match row.get(1) {
             Ok(rev) => rev,
-            Err(e) => return Err(bad(self, "revision", &e)),
+            Err(e) => return Err(bad(self, "revision", e)),
         };
         let record = match row.get_ref(2).and_then(|v| Ok(v.as_blob()?)) {
             Ok(blob) => self.push_bytes(blob),
-            Err(e) => return Err(bad(self, "record", &e)),
+            Err(e) => return Err(bad(self, "record", e)),
         };
         let mut ops: [Option<std::ops::Range<usize>>; 4] = Default::default();
         for (i, op) in ops.iter_mut().enumerate() {
             match text(3 + i) {
                 Ok(value) => *op = value.map(|v| self.push_bytes(v)),
-                Err(e) => return Err(bad(self, "operation id", &e)),
+                Err(e) => return Err(bad(self, "operation id", e)),
             }
         }
         self.rows.push(RawRow {
@@ -95,6 +95,7 @@ impl RawChunk {
                             path,
                             format!("machine {:?} has an invalid record: {e}", text(&row.id)),
                         )
+                        .with_source(e)
                     })?;
             if record.id.as_bytes() != id {
                 return Err(invalid(
@@ -218,7 +219,9 @@ pub(crate) fn load_fences(
                 sequence: row.get(3)?,
             })
         })()
-        .map_err(|e| invalid(path, format!("a fencing mark row is malformed: {e}")))?;
+        .map_err(|e| {
+            invalid(path, format!("a fencing mark row is malformed: {e}")).with_source(e)
+        })?;
         fences.push(mark);
     }
     Ok(fences)

@@ -122,14 +122,6 @@ struct RefOp {
     operation_id: String,
 }
 
-/// Whether the start of a file looks like a JSON object (the reference
-/// implementation's state) rather than anything else.
-pub(crate) fn looks_like_json(head: &[u8]) -> bool {
-    head.iter()
-        .find(|b| !b.is_ascii_whitespace())
-        .is_some_and(|b| *b == b'{')
-}
-
 fn unreadable(path: &Path, detail: impl std::fmt::Display) -> StoreError {
     StoreError::corrupt(format!(
         "state file {} looks like the reference implementation's JSON state but cannot be \
@@ -355,9 +347,10 @@ fn keep_backup(path: &Path, backup: &Path, original: &[u8]) -> Result<(), StoreE
 pub(crate) fn import(path: &Path, lock: &mut StateLock) -> Result<Imported, StoreError> {
     let original = read_all(path, lock.file())?;
     let value: serde_json::Value =
-        serde_json::from_slice(&original).map_err(|e| unreadable(path, e))?;
+        serde_json::from_slice(&original).map_err(|e| unreadable(path, &e).with_source(e))?;
     check_shape(path, &value)?;
-    let doc: Document = serde_json::from_value(value).map_err(|e| unreadable(path, e))?;
+    let doc: Document =
+        serde_json::from_value(value).map_err(|e| unreadable(path, &e).with_source(e))?;
     let (changes, operation_ids) = convert(path, doc)?;
 
     let temp = sibling(path, &format!(".importing-{}", std::process::id()));

@@ -172,13 +172,22 @@ pub(crate) fn inspect(path: &Path, file: &File) -> Result<Content, StoreError> {
     if &head[..read] == SQLITE_HEADER {
         return Ok(Content::Sqlite);
     }
-    if crate::import::looks_like_json(&head[..read]) {
+    if looks_like_json(&head[..read]) {
         return Ok(Content::ReferenceJson);
     }
     Err(invalid(
         path,
         "it is not an SQLite database (it lacks the SQLite file header)",
     ))
+}
+
+/// Whether the start of a file looks like a JSON object (the reference
+/// implementation's state) rather than anything else. Recognising what is
+/// on disk is this module's job; `import` only runs once it has said so.
+fn looks_like_json(head: &[u8]) -> bool {
+    head.iter()
+        .find(|b| !b.is_ascii_whitespace())
+        .is_some_and(|b| *b == b'{')
 }
 
 /// Fill as much of `buf` as the file has, from offset 0.
@@ -250,7 +259,9 @@ pub(crate) fn existing_version(path: &Path, conn: &Connection) -> Result<i64, St
         .query_row("SELECT schema_version FROM meta WHERE id = 1", [], |r| {
             r.get(0)
         })
-        .map_err(|e| invalid(path, format!("cannot read the schema version: {e}")))?;
+        .map_err(|e| {
+            invalid(path, format!("cannot read the schema version: {e}")).with_source(e)
+        })?;
     if version > SCHEMA_VERSION {
         return Err(StoreError::incompatible(format!(
             "state file {} was written by a newer version (schema {version}, this build knows \

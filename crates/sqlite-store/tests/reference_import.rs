@@ -187,6 +187,17 @@ fn unreadable_json_is_refused_and_left_alone() {
     }
 }
 
+#[test]
+fn a_json_parse_failure_keeps_the_parser_error_as_its_source() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("state.json");
+    std::fs::write(&path, r#"{"machines": [ {"ID": "m-1"#).unwrap();
+    let err = SqliteStore::open(&path).err().expect("must be refused");
+    let source = std::error::Error::source(&err).expect("the parser's error is kept");
+    assert!(source.is::<serde_json::Error>(), "{source:?}");
+    assert!(err.to_string().contains(&source.to_string()), "{err}");
+}
+
 /// Opening `doc` as a state file is refused as corrupt with both texts in
 /// the message, and neither the file nor a backup is touched.
 fn assert_refused_untouched(doc: &str, reason: &str, detail: &str) {

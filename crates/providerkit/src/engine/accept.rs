@@ -107,10 +107,7 @@ impl Engine {
             let deadline = Instant::now() + self.opts.timeouts.for_kind(kind);
             tokio::spawn(async move { engine.run(kind, work, ticket, deadline).await });
         }
-        self.store
-            .durable(ticket)
-            .await
-            .map_err(|e| KitError::Store(e.to_string()))?;
+        self.store.durable(ticket).await.map_err(KitError::Store)?;
         result
     }
 
@@ -205,7 +202,7 @@ impl Engine {
                 let op = self.mint_operation_id();
                 let adopted = record
                     .adopt_create(op.clone())
-                    .map_err(|e| self.out_of_position(e.to_string()))?;
+                    .map_err(|e| self.out_of_position(e))?;
                 let change = inner.replace(slot, adopted);
                 changes.push(change);
                 return Ok(Ack {
@@ -229,7 +226,7 @@ impl Engine {
         };
         let record = record
             .begin(begin, || self.mint_operation_id(), inner.next_rev())
-            .map_err(|e| self.out_of_position(e.to_string()))?;
+            .map_err(|e| self.out_of_position(e))?;
         let op = record.op(kind).unwrap_or_default().to_string();
         let host_ref = record
             .host

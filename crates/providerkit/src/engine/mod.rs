@@ -406,10 +406,7 @@ impl Engine {
     /// shows state a crash could take back.
     pub async fn read_barrier(&self) -> Result<(), KitError> {
         let ticket = self.store.submit(Vec::new());
-        self.store
-            .durable(ticket)
-            .await
-            .map_err(|e| KitError::Store(e.to_string()))
+        self.store.durable(ticket).await.map_err(KitError::Store)
     }
 
     /// The current record of one machine.
@@ -480,18 +477,21 @@ impl Engine {
     }
 }
 
+/// Why [`Engine::start`] failed; the store's or the substrate's error is
+/// the source, and its text is part of the message.
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
     #[error("state store: {0}")]
-    Store(StoreError),
+    Store(#[source] StoreError),
     #[error("describing the substrate's inventory failed: {0}")]
-    Backend(BackendError),
+    Backend(#[source] BackendError),
 }
 
+/// Why a reconcile pass failed; as [`StartError`], the cause is the source.
 #[derive(Debug, thiserror::Error)]
 pub enum ReconcileError {
     #[error("describing the substrate's inventory failed: {0}")]
-    Backend(BackendError),
+    Backend(#[source] BackendError),
     #[error("state store: {0}")]
-    Store(StoreError),
+    Store(#[source] StoreError),
 }

@@ -7,6 +7,7 @@ use std::collections::HashMap;
 use super::Engine;
 use crate::error::KitError;
 use crate::fence::Token;
+use crate::model::TransitionError;
 
 impl Engine {
     #[cfg(feature = "mutants")]
@@ -33,12 +34,12 @@ impl Engine {
         id
     }
 
-    pub(super) fn out_of_position(&self, message: String) -> KitError {
+    pub(super) fn out_of_position(&self, refusal: TransitionError) -> KitError {
         #[cfg(feature = "mutants")]
         if self.opts.mutants.out_of_position_failed_precondition {
-            return KitError::Fenced(message);
+            return KitError::Fenced(refusal.to_string());
         }
-        KitError::Conflict(message)
+        KitError::Conflict(refusal)
     }
 
     #[cfg(feature = "mutants")]

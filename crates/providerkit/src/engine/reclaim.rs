@@ -11,13 +11,14 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::task::JoinHandle;
+use tokio::task::{JoinError, JoinHandle};
 use tokio::time::Instant;
 
 use super::worker::humanize;
 use super::Engine;
 use crate::backend::{BackendError, ReclaimCtx};
 use crate::model::{MachineRecord, State};
+use crate::store::StoreError;
 
 /// How a reclaim ended.
 #[derive(Clone, Debug)]
@@ -64,10 +65,20 @@ pub enum ReclaimError {
          Delete timeout); the machine stays FAILED: reclaim again"
     )]
     TimedOut { id: String, after: String },
-    #[error("reclaiming machine {id:?}: state store: {message}; reclaim again once the store is writable")]
-    Store { id: String, message: String },
-    #[error("reclaiming machine {id:?}: the reclaim task ended unexpectedly: {message}")]
-    Aborted { id: String, message: String },
+    #[error("reclaiming machine {id:?}: state store: {source}; reclaim again once the store is writable")]
+    Store {
+        id: String,
+        #[source]
+        source: StoreError,
+    },
+    /// The reclaim task panicked or was cancelled. The join error is shared
+    /// so the error stays `Clone`.
+    #[error("reclaiming machine {id:?}: the reclaim task ended unexpectedly: {source}")]
+    Aborted {
+        id: String,
+        #[source]
+        source: Arc<JoinError>,
+    },
 }
 
 impl ReclaimError {
@@ -112,7 +123,7 @@ impl ReclaimHandle {
             Some(task) => task.await.unwrap_or_else(|e| {
                 Err(ReclaimError::Aborted {
                     id: self.id,
-                    message: e.to_string(),
+                    source: Arc::new(e),
                 })
             }),
         }
@@ -237,9 +248,9 @@ impl Engine {
         self.store
             .durable(ticket)
             .await
-            .map_err(|e| ReclaimError::Store {
+            .map_err(|source| ReclaimError::Store {
                 id: id.to_string(),
-                message: e.to_string(),
+                source,
             })?;
         tracing::info!(machine_id = %id, rev = record.rev, "reclaimed: the machine is SPECULATIVE again");
         Ok(ReclaimOutcome::Reclaimed(record))

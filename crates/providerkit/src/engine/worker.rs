@@ -10,7 +10,42 @@ use tokio::time::Instant;
 use super::{Engine, Outcome, Work};
 use crate::backend::BackendError;
 use crate::model::{State, TransitionKind};
-use crate::store::Ticket;
+use crate::store::{StoreError, Ticket};
+
+/// Why a transition failed. Its `Display` is the machine's `last_error`
+/// word for word; the store's or the substrate's error stays the source.
+#[derive(Debug, thiserror::Error)]
+pub(super) enum TransitionFailure {
+    /// The acceptance never became durable, so the substrate was not touched.
+    #[error("state store write failed before {}: {source}", kind.name())]
+    Store {
+        kind: TransitionKind,
+        #[source]
+        source: StoreError,
+    },
+    /// The substrate's own message is the whole operator-facing story.
+    #[error("{0}")]
+    Backend(#[source] BackendError),
+    /// The deadline passed first; `readiness` is what the last readiness
+    /// probe said when the Configure was waiting in the readiness gate.
+    #[error(
+        "{} timed out after {} (deadline exceeded){}",
+        kind.name(),
+        humanize(*limit),
+        readiness_suffix(readiness.as_deref())
+    )]
+    TimedOut {
+        kind: TransitionKind,
+        limit: Duration,
+        readiness: Option<String>,
+    },
+}
+
+fn readiness_suffix(detail: Option<&str>) -> String {
+    detail.map_or_else(String::new, |detail| {
+        format!(" waiting for the node to become ready; {detail}")
+    })
+}
 
 impl Engine {
     /// The background half of a transition.
@@ -33,34 +68,19 @@ impl Engine {
         };
         // Never touch the substrate for a transition that is not durable.
         let outcome = match self.store.durable(ticket).await {
-            Err(e) => Err(format!(
-                "state store write failed before {}: {e}",
-                kind.name()
-            )),
-            Ok(()) => {
-                let limit = self.opts.timeouts.for_kind(kind);
-                match tokio::time::timeout_at(deadline, self.execute(work)).await {
-                    Ok(Ok(outcome)) => Ok(outcome),
-                    Ok(Err(e)) => Err(e.to_string()),
-                    Err(_) => {
-                        let mut msg = format!(
-                            "{} timed out after {} (deadline exceeded)",
-                            kind.name(),
-                            humanize(limit)
-                        );
-                        // Timed out in the readiness gate: say what the probe said.
-                        if let Some(detail) = configuring
-                            .as_deref()
-                            .and_then(|h| self.backend.readiness_detail(h))
-                        {
-                            msg.push_str(&format!(
-                                " waiting for the node to become ready; {detail}"
-                            ));
-                        }
-                        Err(msg)
-                    }
-                }
-            }
+            Err(source) => Err(TransitionFailure::Store { kind, source }),
+            Ok(()) => match tokio::time::timeout_at(deadline, self.execute(work)).await {
+                Ok(Ok(outcome)) => Ok(outcome),
+                Ok(Err(source)) => Err(TransitionFailure::Backend(source)),
+                Err(_) => Err(TransitionFailure::TimedOut {
+                    kind,
+                    limit: self.opts.timeouts.for_kind(kind),
+                    // Timed out in the readiness gate: say what the probe said.
+                    readiness: configuring
+                        .as_deref()
+                        .and_then(|h| self.backend.readiness_detail(h)),
+                }),
+            },
         };
         self.land(kind, &machine_id, &operation_id, outcome).await;
     }
@@ -89,7 +109,7 @@ impl Engine {
         kind: TransitionKind,
         id: &str,
         operation_id: &str,
-        outcome: Result<Outcome, String>,
+        outcome: Result<Outcome, TransitionFailure>,
     ) {
         let ticket = {
             let mut inner = self.inner.write();
@@ -106,7 +126,7 @@ impl Engine {
                     };
                     record.land_success(kind, operation_id, host, rev)
                 }
-                Err(message) => record.land_failure(kind, operation_id, message, rev),
+                Err(failure) => record.land_failure(kind, operation_id, failure.to_string(), rev),
             };
             let next = match landed {
                 Ok(next) => next,
@@ -137,5 +157,58 @@ pub(super) fn humanize(d: Duration) -> String {
         format!("{}m", secs / 60)
     } else {
         format!("{secs}s")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::error::Error as _;
+
+    use super::*;
+    use crate::backend::ErrorKind;
+
+    #[test]
+    fn failures_read_as_last_error_and_keep_their_cause() {
+        let store = TransitionFailure::Store {
+            kind: TransitionKind::Configure,
+            source: StoreError::unavailable("disk full"),
+        };
+        assert_eq!(
+            store.to_string(),
+            "state store write failed before Configure: disk full"
+        );
+        assert!(store
+            .source()
+            .is_some_and(|s| s.downcast_ref::<StoreError>().is_some()));
+
+        let backend = TransitionFailure::Backend(BackendError::with_kind(
+            ErrorKind::Transient,
+            "node pve-a is offline",
+        ));
+        assert_eq!(backend.to_string(), "node pve-a is offline");
+        let cause = backend
+            .source()
+            .and_then(|s| s.downcast_ref::<BackendError>());
+        assert_eq!(cause.map(BackendError::kind), Some(ErrorKind::Transient));
+
+        let timed_out = TransitionFailure::TimedOut {
+            kind: TransitionKind::Create,
+            limit: Duration::from_secs(480),
+            readiness: None,
+        };
+        assert_eq!(
+            timed_out.to_string(),
+            "Create timed out after 8m (deadline exceeded)"
+        );
+        let gated = TransitionFailure::TimedOut {
+            kind: TransitionKind::Configure,
+            limit: Duration::from_millis(1500),
+            readiness: Some("the probe exited 1".into()),
+        };
+        assert_eq!(
+            gated.to_string(),
+            "Configure timed out after 1500ms (deadline exceeded) waiting for the node to \
+             become ready; the probe exited 1"
+        );
     }
 }
