@@ -61,13 +61,27 @@ pub struct ManagedVm {
 /// A substrate failure: a kind, the whole operator-facing message (it
 /// becomes `last_error` verbatim, so it includes the cause's text) and the
 /// typed cause (a [`pve::PveError`], say), if any.
-#[derive(Clone, Debug, thiserror::Error)]
-#[error("{message}")]
+#[derive(Clone, Debug)]
 pub struct SubstrateError {
     kind: ErrorKind,
     message: String,
-    #[source]
     cause: Option<Cause>,
+}
+
+impl std::fmt::Display for SubstrateError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+/// `source()` is the cause itself, not the `Arc` it is kept in, so a caller
+/// can downcast it (to a [`pve::PveError`], say).
+impl std::error::Error for SubstrateError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.cause
+            .as_deref()
+            .map(|c| c as &(dyn std::error::Error + 'static))
+    }
 }
 
 impl SubstrateError {
@@ -233,6 +247,22 @@ impl Substrate for Metered {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_cause_is_the_source_itself() {
+        let pve = pve::PveError::NotFound("pool bigfleet".into());
+        let e = SubstrateError::caused_by(ErrorKind::NotFound, "reading the pool", pve);
+        assert_eq!(
+            e.to_string(),
+            "reading the pool: pool bigfleet does not exist"
+        );
+        let source = std::error::Error::source(&e).expect("a source");
+        assert!(
+            source.downcast_ref::<pve::PveError>().is_some(),
+            "the PveError, not its Arc: {source:?}"
+        );
+        assert!(std::error::Error::source(&SubstrateError::new("plain")).is_none());
+    }
 
     #[test]
     fn host_ref_round_trip() {
