@@ -203,7 +203,7 @@ async fn gets_stay_prompt_while_four_large_blobs_are_configured_and_nothing_leak
     // A 64 KiB blob and a 1-byte one through the same path.
     let (small, _, landed) = configure_all(
         &mut c,
-        &[probe.clone()],
+        std::slice::from_ref(probe),
         busy[0].as_str(),
         &blob(64 << 10, true),
     )

@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 use providerkit::ErrorKind;
-use pve::{ClusterVm, PveError, StorageStatus};
+use pve::{ClusterVm, StorageStatus};
 use tokio::sync::OnceCell;
 use tokio::time::Instant;
 
