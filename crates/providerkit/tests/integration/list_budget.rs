@@ -1,5 +1,9 @@
 //! The List budget: responses hold their share until their body is gone,
 //! and a List beyond the budget waits (queued, not failed).
+//!
+//! On tokio's paused clock: the budget is tokio semaphores, so "still
+//! waiting" is shown by letting every task run until all are blocked
+//! (`settle`) rather than by sleeping a while.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -9,6 +13,7 @@ use async_trait::async_trait;
 use bigfleet_proto::serving as pb;
 use bigfleet_proto::serving::capacity_provider_server::CapacityProvider;
 use bigfleet_proto::v1alpha1 as v1;
+use provider_testkit::wait::{settle, until_some};
 use providerkit::service::{CapacityService, HeldBudget, ListBudget};
 use providerkit::{
     Backend, BackendError, CatalogFacts, ConfigureCtx, CreateCtx, DrainCtx, Engine, EngineOptions,
@@ -46,7 +51,7 @@ impl Backend for Slots {
     }
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn lists_beyond_the_budget_queue_until_earlier_bodies_are_gone() {
     let engine = Engine::start(
         Arc::new(Slots(2000)),
@@ -66,7 +71,7 @@ async fn lists_beyond_the_budget_queue_until_earlier_bodies_are_gone() {
     // The first response still holds its share: a second full List waits.
     let svc = service.clone();
     let second = tokio::spawn(async move { svc.list(full()).await });
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    settle().await;
     assert!(
         !second.is_finished(),
         "the second List did not wait for the budget"
@@ -102,7 +107,7 @@ fn full_from(peer: &str) -> tonic::Request<pb::ListFilter> {
     request
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_connection_that_never_reads_cannot_starve_another() {
     let engine = Engine::start(
         Arc::new(Slots(2000)),
@@ -128,7 +133,7 @@ async fn a_connection_that_never_reads_cannot_starve_another() {
             tokio::spawn(async move { svc.list(full_from(slow)).await })
         })
         .collect();
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    settle().await;
     assert!(
         queued.iter().all(|t| !t.is_finished()),
         "the slow connection took more than its share"
@@ -151,17 +156,14 @@ async fn a_connection_that_never_reads_cannot_starve_another() {
     drop(held.take());
     drop(first);
     let mut queued = queued;
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     while !queued.is_empty() {
         // One at a time gets the share; drop each as soon as it is done.
-        let Some(done) = queued.iter().position(|t| t.is_finished()) else {
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "queued List runs once its connection's share is free"
-            );
-            tokio::time::sleep(Duration::from_millis(5)).await;
-            continue;
-        };
+        let done = until_some(
+            "queued List runs once its connection's share is free",
+            Duration::from_secs(10),
+            || queued.iter().position(|t| t.is_finished()),
+        )
+        .await;
         let response = queued.swap_remove(done).await.unwrap().expect("listed");
         drop(response);
     }

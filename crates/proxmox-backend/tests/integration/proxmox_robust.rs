@@ -25,7 +25,7 @@ fn fast() -> SimConfig {
 
 /// Waits (bounded) until `cond` holds on the simulator.
 async fn until(what: &str, cond: impl FnMut() -> bool) {
-    common::until(what, Duration::from_secs(10), cond).await
+    provider_testkit::wait::until(what, Duration::from_secs(10), cond).await
 }
 
 // ---- item 2: never destroy what isn't ours ----
@@ -371,9 +371,20 @@ async fn connections_closed_by_pveproxy_are_not_reused() {
     let c = client(&sim);
     let sub = PveSubstrate::new(c.clone(), opts());
     let id = "p/OnDemand/pve.small/pve1/042";
+    let sim_logs = provider_testkit::logs::capture();
     let vm = sub.clone_vm(&req(id, "pve1")).await.expect("create");
-    // Idle longer than pveproxy keeps the connection, then state-changing calls.
-    tokio::time::sleep(Duration::from_millis(400)).await;
+    // Idle until the simulator has closed the pooled connection, as
+    // pveproxy does, then state-changing calls.
+    let (server, idle_close) = ("pve_sim::server", "closing an idle keep-alive connection");
+    let closed_before = sim_logs.count(server, idle_close);
+    sim_logs
+        .wait_for(
+            server,
+            idle_close,
+            closed_before + 1,
+            Duration::from_secs(10),
+        )
+        .await;
     sub.ensure_running(&vm).await.expect("after an idle close");
     // An error response closes its connection; the next POST still goes through.
     let _ = c

@@ -560,13 +560,26 @@ async fn lost_clone_answer_then_retry_gives_one_vm() {
     // The clone POST outlives the client's request timeout: its answer is lost.
     sim.faults()
         .set_latency(endpoints::CLONE, Duration::from_millis(1200));
+    let sim_logs = provider_testkit::logs::capture();
     let e = sub
         .clone_vm(&req(id, "pve1"))
         .await
         .expect_err("answer lost");
     assert!(e.to_string().contains("timed out"), "{e}");
     sim.faults().set_latency(endpoints::CLONE, Duration::ZERO);
-    tokio::time::sleep(Duration::from_millis(1500)).await;
+    // The client gave up on each of those POSTs by dropping its connection
+    // mid-request, which the simulator logs once it sees it; after that the
+    // POST has been carried out or never will be. Retry only then, so that
+    // a lost clone cannot land behind the retry.
+    let lost = sim.call_count(endpoints::CLONE) as usize;
+    sim_logs
+        .wait_for(
+            "pve_sim::server",
+            "connection ended with error",
+            lost,
+            Duration::from_secs(10),
+        )
+        .await;
     let vm = sub.clone_vm(&req(id, "pve1")).await.expect("retry");
     let ours: Vec<_> = sim.vms().into_values().filter(|v| !v.template).collect();
     assert_eq!(ours.len(), 1, "exactly one VM: {ours:?}");

@@ -3,12 +3,19 @@
 //! timeline, worker-side and post-apply faults, tag policy, pveproxy's
 //! connection closing.
 
+use std::sync::Arc;
 use std::time::Duration;
 
+use axum::body::Body;
+use hyper::client::conn::http1::SendRequest;
+use hyper_util::rt::TokioIo;
+use provider_testkit::wait::until;
 use pve_sim::{marker_description, PveSim, SimConfig, TagAccess};
+use rustls_pki_types::pem::PemObject;
+use rustls_pki_types::{CertificateDer, ServerName};
 use serde_json::Value;
 
-use crate::common::Api;
+use crate::common::start_sim;
 
 const CLONE: &str = "/nodes/pve1/qemu/9000/clone";
 
@@ -20,12 +27,6 @@ fn fast() -> SimConfig {
     }
 }
 
-async fn sim(cfg: SimConfig) -> (PveSim, Api) {
-    let sim = PveSim::start(cfg).await.expect("simulator");
-    let api = Api::new(&sim);
-    (sim, api)
-}
-
 fn resource_vmids(r: &Value) -> Vec<u64> {
     r.as_array()
         .map(|a| a.iter().filter_map(|v| v["vmid"].as_u64()).collect())
@@ -34,7 +35,7 @@ fn resource_vmids(r: &Value) -> Vec<u64> {
 
 #[tokio::test]
 async fn pool_scoped_token_sees_403_outside_its_pool() {
-    let (sim, api) = sim(SimConfig {
+    let (sim, api) = start_sim(SimConfig {
         pool_acl: true,
         ..fast()
     })
@@ -85,7 +86,7 @@ async fn pool_scoped_token_sees_403_outside_its_pool() {
 
 #[tokio::test]
 async fn clone_worker_timeline_and_pool_membership_at_the_end() {
-    let (sim, api) = sim(SimConfig {
+    let (sim, api) = start_sim(SimConfig {
         pool_acl: true,
         clone_timeline: true,
         templates: vec![pve_sim::TemplateSpec::shared(9000, "pve1")],
@@ -134,7 +135,7 @@ async fn clone_worker_timeline_and_pool_membership_at_the_end() {
 
 #[tokio::test]
 async fn worker_side_collision_and_post_apply_failures() {
-    let (sim, api) = sim(SimConfig {
+    let (sim, api) = start_sim(SimConfig {
         clone_timeline: true,
         ..fast()
     })
@@ -162,20 +163,16 @@ async fn worker_side_collision_and_post_apply_failures() {
     let r = api.post(CLONE, &[("newid", "131"), ("full", "1")]).await;
     assert_eq!(r.status, 596);
     // Applied all the same: the worker runs and creates the VM.
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
-    while sim.vm(131).is_none_or(|v| v.lock.is_some()) {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "the clone never finished"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    until("the clone to finish", Duration::from_secs(5), || {
+        sim.vm(131).is_some_and(|v| v.lock.is_none())
+    })
+    .await;
     sim.shutdown().await;
 }
 
 #[tokio::test]
 async fn restricted_user_tag_access_refuses_new_tags() {
-    let (sim, api) = sim(SimConfig {
+    let (sim, api) = start_sim(SimConfig {
         tag_access: TagAccess::Existing(vec!["allowed".into()]),
         ..fast()
     })
@@ -202,7 +199,7 @@ async fn restricted_user_tag_access_refuses_new_tags() {
 
 #[tokio::test]
 async fn restricted_tag_access_yields_to_sys_modify_and_shows_in_cluster_options() {
-    let (sim, api) = sim(SimConfig {
+    let (sim, api) = start_sim(SimConfig {
         tag_access: TagAccess::List(vec!["bigfleet".into()]),
         granted_privileges: vec![("/".into(), "Sys.Modify".into())],
         ..fast()
@@ -222,7 +219,7 @@ async fn restricted_tag_access_yields_to_sys_modify_and_shows_in_cluster_options
     assert_eq!(r.status, 200, "Sys.Modify on / sets any tag");
     sim.shutdown().await;
     // The default (free) is absent from the options, as in PVE.
-    let (free, api) = self::sim(fast()).await;
+    let (free, api) = start_sim(fast()).await;
     let o = api.get("/cluster/options", &[]).await;
     assert!(o.data().get("user-tag-access").is_none(), "{:?}", o.data());
     free.shutdown().await;
@@ -230,7 +227,7 @@ async fn restricted_tag_access_yields_to_sys_modify_and_shows_in_cluster_options
 
 #[tokio::test]
 async fn dropped_privileges_show_in_permissions_and_pool_reads() {
-    let (sim, api) = sim(SimConfig {
+    let (sim, api) = start_sim(SimConfig {
         dropped_privileges: vec![
             ("/pool/bigfleet".into(), "VM.PowerMgmt".into()),
             ("/pool/bigfleet".into(), "Pool.Audit".into()),
@@ -276,7 +273,7 @@ async fn dropped_privileges_show_in_permissions_and_pool_reads() {
     assert_eq!(r.data().as_array().map(Vec::len), Some(0), "filtered");
     sim.shutdown().await;
     // PVE 9 names the guest-agent privileges.
-    let (sim9, api) = self::sim(SimConfig {
+    let (sim9, api) = start_sim(SimConfig {
         pve9: true,
         ..fast()
     })
@@ -288,22 +285,96 @@ async fn dropped_privileges_show_in_permissions_and_pool_reads() {
     sim9.shutdown().await;
 }
 
+/// One HTTPS connection to the simulator, with no client pool in between:
+/// requests go over it in turn, and `ended` finishes when the connection
+/// does.
+struct OneConnection {
+    send: SendRequest<Body>,
+    ended: tokio::task::JoinHandle<()>,
+    auth: String,
+}
+
+impl OneConnection {
+    async fn open(sim: &PveSim) -> OneConnection {
+        let mut roots = rustls::RootCertStore::empty();
+        roots
+            .add(CertificateDer::from_pem_slice(sim.ca_pem().as_bytes()).expect("CA PEM"))
+            .expect("CA certificate");
+        let tls = rustls::ClientConfig::builder_with_provider(Arc::new(
+            rustls::crypto::ring::default_provider(),
+        ))
+        .with_safe_default_protocol_versions()
+        .expect("TLS versions")
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+        let tcp = tokio::net::TcpStream::connect(sim.addr())
+            .await
+            .expect("connect");
+        let stream = tokio_rustls::TlsConnector::from(Arc::new(tls))
+            .connect(ServerName::from(sim.addr().ip()), tcp)
+            .await
+            .expect("TLS handshake");
+        let (send, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+            .await
+            .expect("HTTP/1.1 handshake");
+        // How it ended does not matter, only that it did (the simulator
+        // drops the connection without a TLS close_notify).
+        let ended = tokio::spawn(async move {
+            let _ = connection.await;
+        });
+        OneConnection {
+            send,
+            ended,
+            auth: sim.auth_header(),
+        }
+    }
+
+    /// `GET /api2/json{path}` over this connection; its status, once the
+    /// body is read and the connection idle again.
+    async fn get(&mut self, path: &str) -> u16 {
+        let request = http::Request::get(format!("/api2/json{path}"))
+            .header(http::header::HOST, "localhost")
+            .header(http::header::AUTHORIZATION, &self.auth)
+            .body(Body::empty())
+            .expect("request");
+        let response = self.send.send_request(request).await.expect("response");
+        let status = response.status().as_u16();
+        axum::body::to_bytes(Body::new(response.into_body()), usize::MAX)
+            .await
+            .expect("body");
+        status
+    }
+
+    /// Waits until the simulator closes the connection; this end keeps it
+    /// open meanwhile (dropping `send` would close it from here).
+    async fn wait_closed_by_server(self, within: Duration) {
+        let OneConnection { send, ended, .. } = self;
+        tokio::time::timeout(within, ended)
+            .await
+            .expect("the simulator closed the idle connection")
+            .expect("connection task");
+        drop(send);
+    }
+}
+
 #[tokio::test]
 async fn pveproxy_closes_idle_connections_and_after_errors() {
-    let (sim, api) = sim(SimConfig {
+    let (sim, api) = start_sim(SimConfig {
         keepalive_idle: Some(Duration::from_millis(200)),
         ..fast()
     })
     .await;
-    assert_eq!(api.get("/version", &[]).await.status, 200);
-    assert_eq!(api.get("/version", &[]).await.status, 200);
+    let mut conn = OneConnection::open(&sim).await;
+    assert_eq!(conn.get("/version").await, 200);
+    assert_eq!(conn.get("/version").await, 200);
     assert_eq!(sim.connections_accepted(), 1, "kept alive between calls");
-    tokio::time::sleep(Duration::from_millis(400)).await;
+    // Left idle, the connection is closed by the simulator.
+    conn.wait_closed_by_server(Duration::from_secs(10)).await;
     assert_eq!(api.get("/version", &[]).await.status, 200);
     assert_eq!(
         sim.connections_accepted(),
         2,
-        "the idle connection was closed"
+        "the next call takes a new connection"
     );
     let r = api.get("/nodes/pve1/qemu/4242/config", &[]).await;
     assert_eq!(r.status, 500);
