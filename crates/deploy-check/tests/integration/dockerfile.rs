@@ -11,6 +11,8 @@ use std::process::Command;
 use deploy_check::tools::{find, HADOLINT_INSTALL};
 use deploy_check::workspace_root;
 
+use crate::common::workspace_package_field;
+
 /// Instructions per stage, keyed by the stage's `AS` name (the last one
 /// is unnamed: "final").
 fn stages(ins: &[String]) -> Vec<(String, Vec<String>)> {
@@ -34,18 +36,6 @@ fn stage<'a>(all: &'a [(String, Vec<String>)], name: &str) -> &'a [String] {
         .find(|(n, _)| n == name)
         .unwrap_or_else(|| panic!("no stage {name}"))
         .1
-}
-
-fn workspace_version_and_license() -> (String, String) {
-    let cargo = std::fs::read_to_string(workspace_root().join("Cargo.toml")).unwrap();
-    let field = |k: &str| {
-        cargo
-            .lines()
-            .find_map(|l| l.strip_prefix(&format!("{k} = ")))
-            .map(|v| v.trim_matches('"').to_owned())
-            .unwrap()
-    };
-    (field("version"), field("license"))
 }
 
 fn dockerfile() -> String {
@@ -384,7 +374,10 @@ fn planner_stub_workspace_keeps_the_lock_and_every_target() {
 fn image_carries_oci_labels() {
     let all = stages(&instructions(&dockerfile()));
     let fin = stage(&all, "final");
-    let (version, license) = workspace_version_and_license();
+    let (version, license) = (
+        workspace_package_field("version"),
+        workspace_package_field("license"),
+    );
     let args: Vec<&str> = fin.iter().filter_map(|i| i.strip_prefix("ARG ")).collect();
     assert!(
         args.contains(&format!("VERSION={version}").as_str()),

@@ -21,6 +21,8 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use serde_json::Value as Json;
 
+use crate::common::workspace_package_field;
+
 /// monitoring.coreos.com/v1 ServiceMonitor, the fields the chart sets.
 #[derive(Debug, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
@@ -1447,14 +1449,7 @@ fn chart_metadata_is_complete() {
     assert_eq!(get("type").as_str(), Some("application"));
     assert!(get("description").as_str().unwrap().len() > 40);
     assert!(get("kubeVersion").as_str().unwrap().starts_with(">="));
-    let cargo = std::fs::read_to_string(workspace_root().join("Cargo.toml")).unwrap();
-    let field = |k: &str| {
-        cargo
-            .lines()
-            .find_map(|l| l.strip_prefix(&format!("{k} = ")))
-            .map(|v| v.trim_matches('"').to_owned())
-            .unwrap()
-    };
+    let field = workspace_package_field;
     assert_eq!(
         get("appVersion").as_str(),
         Some(field("version").as_str()),

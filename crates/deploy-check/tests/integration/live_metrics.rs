@@ -7,19 +7,20 @@
 //! through `bigfleet-proxmox ctl` so the gRPC series exist, and GETs /metrics.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::TcpStream;
+use std::io::{BufRead, BufReader, Write};
+use std::net::SocketAddr;
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use deploy_check::monitoring::{catalogue, openmetrics_to_text, read, MACHINE_STATES};
 use deploy_check::tools::{find_or_skip, provider_binary, PROMTOOL_INSTALL};
+use provider_testkit::http::{get, Response};
 
 struct Provider {
     child: Child,
     grpc_addr: String,
-    metrics_addr: String,
+    metrics_addr: SocketAddr,
 }
 
 impl Drop for Provider {
@@ -56,18 +57,16 @@ fn start() -> Provider {
     });
     let mut seen = Vec::new();
     let deadline = Instant::now() + Duration::from_secs(30);
-    let field = |line: &str, key: &str| {
-        line.split_whitespace()
-            .find_map(|kv| kv.strip_prefix(key))
-            .map(str::to_owned)
-    };
     let (grpc_addr, metrics_addr) = loop {
         let left = deadline.saturating_duration_since(Instant::now());
         match rx.recv_timeout(left) {
             Ok(line) => {
-                let addrs = line
-                    .contains(provider_testkit::STARTUP_LINE)
-                    .then(|| Some((field(&line, "addr=")?, field(&line, "metrics_addr=")?)))
+                let addrs = provider_testkit::is_startup_line(&line)
+                    .then(|| {
+                        let grpc = provider_testkit::addr_field(&line, "addr").ok()?;
+                        let metrics = provider_testkit::addr_field(&line, "metrics_addr").ok()?;
+                        Some((grpc.to_string(), metrics))
+                    })
                     .flatten();
                 seen.push(line);
                 if let Some(a) = addrs {
@@ -90,46 +89,11 @@ fn start() -> Provider {
     }
 }
 
-struct Response {
-    status: u16,
-    headers: BTreeMap<String, String>,
-    body: String,
-}
-
-/// A plain HTTP/1.1 GET (the metrics listener speaks HTTP/1.1).
-fn get(addr: &str, path: &str) -> std::io::Result<Response> {
-    let mut s = TcpStream::connect(addr)?;
-    s.set_read_timeout(Some(Duration::from_secs(10)))?;
-    write!(
-        s,
-        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
-    )?;
-    let mut raw = Vec::new();
-    s.read_to_end(&mut raw)?;
-    let text = String::from_utf8_lossy(&raw).into_owned();
-    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
-    let mut lines = head.lines();
-    let status = lines
-        .next()
-        .and_then(|l| l.split_whitespace().nth(1))
-        .and_then(|c| c.parse().ok())
-        .unwrap_or(0);
-    let headers = lines
-        .filter_map(|l| l.split_once(':'))
-        .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_owned()))
-        .collect();
-    Ok(Response {
-        status,
-        headers,
-        body: body.to_owned(),
-    })
-}
-
 /// Polls /readyz until it answers 200 (the provider flips it once serving).
 fn wait_ready(p: &mut Provider) {
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
-        if let Ok(r) = get(&p.metrics_addr, "/readyz") {
+        if let Ok(r) = get(p.metrics_addr, "/readyz") {
             if r.status == 200 {
                 return;
             }
@@ -169,7 +133,7 @@ fn scrape() -> Response {
     assert!(ok, "ctl list failed: {out}");
     let (ok, out) = ctl(&p, &["get", "no-such-machine"]);
     assert!(!ok, "ctl get of an unknown machine succeeded: {out}");
-    let r = get(&p.metrics_addr, "/metrics").expect("GET /metrics");
+    let r = get(p.metrics_addr, "/metrics").expect("GET /metrics");
     assert_eq!(r.status, 200, "{}", r.body);
     for want in [
         r#"method="List",code="OK""#,

@@ -3,6 +3,8 @@
 //! monitoring files, the host setup script, the live metrics, and the
 //! operator docs (their examples and every flag they name).
 
+mod common;
+
 mod chart_boots_binary;
 mod doc_flags;
 mod dockerfile;

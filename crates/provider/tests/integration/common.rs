@@ -3,8 +3,8 @@
 //! a deadline, capture stderr, talk HTTP/1.1 to the probes, and kill it on
 //! drop.
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::io::{BufRead, BufReader, Read};
+use std::net::{SocketAddr, TcpListener};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::{Arc, Condvar, Mutex};
@@ -345,47 +345,9 @@ pub fn sim_backend_args(sim: &PveSim, ca: &Path, nodes: &str, more: &[&str]) -> 
     args
 }
 
-/// A minimal HTTP/1.1 GET: status code and body (chunked bodies decoded).
+/// A GET to the probes or `/metrics`: status code and body.
 pub fn http_get(addr: SocketAddr, path: &str) -> std::io::Result<(u16, String)> {
-    let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(5))?;
-    s.set_read_timeout(Some(Duration::from_secs(10)))?;
-    write!(
-        s,
-        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
-    )?;
-    let mut raw = Vec::new();
-    s.read_to_end(&mut raw)?;
-    let text = String::from_utf8(raw)
-        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))?;
-    let bad = |what: &str| std::io::Error::new(std::io::ErrorKind::InvalidData, what.to_string());
-    let (head, body) = text
-        .split_once("\r\n\r\n")
-        .ok_or_else(|| bad("no header end"))?;
-    let status: u16 = head
-        .split_whitespace()
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .ok_or_else(|| bad("no status code"))?;
-    let chunked = head
-        .lines()
-        .any(|l| l.to_ascii_lowercase().starts_with("transfer-encoding:") && l.contains("chunked"));
-    let body = if chunked {
-        let mut out = String::new();
-        let mut rest = body;
-        loop {
-            let (size, after) = rest.split_once("\r\n").ok_or_else(|| bad("bad chunk"))?;
-            let size = usize::from_str_radix(size.trim(), 16).map_err(|_| bad("bad chunk size"))?;
-            if size == 0 {
-                break;
-            }
-            out.push_str(after.get(..size).ok_or_else(|| bad("short chunk"))?);
-            rest = after.get(size + 2..).ok_or_else(|| bad("short chunk"))?;
-        }
-        out
-    } else {
-        body.to_string()
-    };
-    Ok((status, body))
+    provider_testkit::http::get(addr, path).map(|r| (r.status, r.body))
 }
 
 /// The id of a SPECULATIVE slot (the first one List returns).

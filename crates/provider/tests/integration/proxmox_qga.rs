@@ -9,34 +9,21 @@ use std::time::Duration;
 use bigfleet_proto::v1alpha1::{
     ConfigureRequest, CreateRequest, DeleteRequest, DrainRequest, MachineState,
 };
+use provider_testkit::host::{alive, or_skip};
+use provider_testkit::wait::until;
 use proxmox_backend::substrate::VmRef;
 use pve_sim::{GuestAgentMode, PveSim, SimConfig};
 
-use crate::common::{self, path_str, wait_state, Provider};
+use crate::common::{self, sim_backend_args, sim_ca_file, wait_state, Provider};
 
 const DEADLINE: Duration = Duration::from_secs(60);
 const JOIN_SECRET: &str = "join-secret-5b7e0c";
 
 /// The qemu-ga to use, or `None` (after saying so) to skip.
 fn qemu_ga_or_skip() -> Option<PathBuf> {
-    match pve_sim::find_qemu_ga() {
-        Some(p) => Some(p),
-        None if std::env::var("CI").as_deref() == Ok("true") => {
-            panic!("qemu-guest-agent must be installed for this test in CI (qemu-ga not found on PATH or in /usr/sbin)")
-        }
-        None => {
-            println!("skipped: qemu-ga not installed (install the qemu-guest-agent package)");
-            None
-        }
-    }
-}
-
-/// A live process (not a zombie) with this pid.
-fn alive(pid: u32) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
-        stat.rsplit_once(')')
-            .is_some_and(|(_, rest)| !rest.trim_start().starts_with('Z'))
-    })
+    or_skip(pve_sim::find_qemu_ga().ok_or_else(|| {
+        "qemu-ga is not installed (not on PATH or in /usr/sbin; install the qemu-guest-agent package)".to_string()
+    }))
 }
 
 // The provider blocks this thread while it starts and preflights against the
@@ -51,35 +38,25 @@ async fn full_lifecycle_with_real_qemu_ga() {
     .await
     .expect("simulator");
     assert!(sim.qemu_ga().is_some());
-    let dir = tempfile::tempdir().unwrap();
-    let ca = dir.path().join("pve-ca.pem");
-    sim.write_ca(&ca).unwrap();
-    let url = sim.base_url();
-    let provider = Provider::start(&[
-        "--proxmox-backend",
-        "proxmox",
-        "--proxmox-api-url",
-        &url,
-        "--proxmox-token-id",
-        sim.token_id(),
-        "--proxmox-token-secret",
-        sim.token_secret(),
-        "--proxmox-ca-file",
-        path_str(&ca),
-        "--proxmox-pool",
-        "bigfleet",
-        "--nodes",
+    let (_dir, ca) = sim_ca_file(&sim);
+    let args = sim_backend_args(
+        &sim,
+        &ca,
         "pve1",
-        "--seed-count",
-        "1",
-        "--proxmox-poll-interval",
-        "50ms",
-        // Both hooks run in the guest through qemu-ga and leave evidence there.
-        "--readiness-command",
-        "test -s \"$BIGFLEET_GUEST_ROOT/etc/bigfleet/join-secret\"",
-        "--drain-command",
-        "echo drained >\"$BIGFLEET_GUEST_ROOT/run/drained\"",
-    ]);
+        &[
+            "--seed-count",
+            "1",
+            "--proxmox-poll-interval",
+            "50ms",
+            // Both hooks run in the guest through qemu-ga and leave evidence there.
+            "--readiness-command",
+            "test -s \"$BIGFLEET_GUEST_ROOT/etc/bigfleet/join-secret\"",
+            "--drain-command",
+            "echo drained >\"$BIGFLEET_GUEST_ROOT/run/drained\"",
+        ],
+    );
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let provider = Provider::start(&args);
     let mut c = provider.client().await;
 
     let id = common::speculative_id(&mut c).await;
@@ -156,13 +133,12 @@ async fn full_lifecycle_with_real_qemu_ga() {
     wait_state(&mut c, &id, MachineState::Speculative, DEADLINE).await;
     assert!(sim.vm(vm.vmid).is_none(), "VM destroyed");
     assert_eq!(sim.qemu_ga_pid(vm.vmid), None);
-    tokio::time::timeout(Duration::from_secs(10), async {
-        while alive(qga_pid) {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    })
-    .await
-    .expect("qemu-ga stopped with its VM");
+    until(
+        "qemu-ga to stop with its VM",
+        Duration::from_secs(10),
+        || !alive(qga_pid),
+    )
+    .await;
     let v = sim.schema_violations();
     assert!(v.is_empty(), "schema violations: {v:?}");
     drop(provider);

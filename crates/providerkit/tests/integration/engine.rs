@@ -8,10 +8,10 @@ use std::time::Duration;
 use async_trait::async_trait;
 use bigfleet_proto::v1alpha1 as pb;
 use parking_lot::Mutex;
+use provider_testkit::engine::{start, start_on, wait_for_state};
 use providerkit::{
     Backend, BackendError, CatalogFacts, ConfigureCtx, CreateCtx, DeleteCtx, DrainCtx, Engine,
-    EngineOptions, KitError, MemoryStore, SlotSpec, State, Store, SubstrateHost, Timeouts, Token,
-    TransitionKind,
+    KitError, MemoryStore, SlotSpec, State, SubstrateHost, Token, TransitionKind,
 };
 use tokio::sync::Notify;
 
@@ -139,38 +139,8 @@ impl Backend for ScriptedBackend {
     }
 }
 
-fn opts() -> EngineOptions {
-    EngineOptions {
-        timeouts: Timeouts {
-            create: Duration::from_secs(5),
-            configure: Duration::from_secs(5),
-            drain: Duration::from_secs(5),
-            delete: Duration::from_secs(5),
-            readiness_poll: Duration::from_millis(100),
-        },
-        ..EngineOptions::default()
-    }
-}
-
-async fn start(backend: Arc<ScriptedBackend>) -> Arc<Engine> {
-    Engine::start(backend, Arc::new(MemoryStore::new()), opts())
-        .await
-        .unwrap()
-}
-
 fn state_of(engine: &Engine, id: &str) -> State {
     State::from_wire(engine.get(id).unwrap().state).unwrap()
-}
-
-async fn wait_for(engine: &Engine, id: &str, want: State) -> pb::Machine {
-    for _ in 0..20_000 {
-        let m = engine.get(id).unwrap();
-        if m.state == want.to_wire() as i32 {
-            return m;
-        }
-        tokio::time::sleep(Duration::from_millis(1)).await;
-    }
-    panic!("{id} never reached {want}; is {}", state_of(engine, id));
 }
 
 fn none() -> Token {
@@ -199,13 +169,13 @@ async fn configure(
 
 async fn to_idle(engine: &Arc<Engine>, id: &str) {
     engine.create(id, none()).await.unwrap();
-    wait_for(engine, id, State::Idle).await;
+    wait_for_state(engine, id, State::Idle).await;
 }
 
 async fn to_configured(engine: &Arc<Engine>, id: &str) {
     to_idle(engine, id).await;
     configure(engine, id, none()).await.unwrap();
-    wait_for(engine, id, State::Configured).await;
+    wait_for_state(engine, id, State::Configured).await;
 }
 
 #[tokio::test]
@@ -217,21 +187,21 @@ async fn full_lifecycle_sets_and_clears_host_binding_metadata() {
     assert!(m.host.is_none());
     let create = engine.create(id, none()).await.unwrap();
     assert!(!create.operation_id.is_empty());
-    let idle = wait_for(&engine, id, State::Idle).await;
+    let idle = wait_for_state(&engine, id, State::Idle).await;
     assert_eq!(idle.host.as_ref().unwrap().provider, "proxmox");
     assert!(idle.cluster.is_empty());
     let ack = configure(&engine, id, none()).await.unwrap();
     // Binding visible from acceptance.
     assert_eq!(ack.machine.cluster, "cluster-1");
     assert_eq!(ack.machine.shard_metadata["k"], "v");
-    let configured = wait_for(&engine, id, State::Configured).await;
+    let configured = wait_for_state(&engine, id, State::Configured).await;
     assert_eq!(configured.cluster, "cluster-1");
     engine.drain(id, none(), 30).await.unwrap();
-    let drained = wait_for(&engine, id, State::Idle).await;
+    let drained = wait_for_state(&engine, id, State::Idle).await;
     assert!(drained.cluster.is_empty() && drained.shard_metadata.is_empty());
     assert!(drained.host.is_some());
     let del = engine.delete(id, none()).await.unwrap();
-    let gone = wait_for(&engine, id, State::Speculative).await;
+    let gone = wait_for_state(&engine, id, State::Speculative).await;
     assert!(gone.host.is_none() && gone.cluster.is_empty() && gone.last_error.is_empty());
     // A new cycle mints a fresh id.
     let again = engine.create(id, none()).await.unwrap();
@@ -439,7 +409,7 @@ async fn token_shape_and_input_validation() {
     // Two zero tokens are both accepted (absent token bypasses fencing).
     engine.create("m-0000", none()).await.unwrap();
     engine.create("m-0000", none()).await.unwrap();
-    wait_for(&engine, "m-0000", State::Idle).await;
+    wait_for_state(&engine, "m-0000", State::Idle).await;
     assert_eq!(
         engine.drain("m-0000", none(), -1).await.unwrap_err().code(),
         tonic::Code::InvalidArgument
@@ -580,7 +550,7 @@ async fn parallel_identical_creates_collapse_to_one_operation() {
     assert_eq!(ops.len(), 1, "{ops:?}");
     assert!(fenced < 32);
     gate.notify_one();
-    wait_for(&engine, "m-0000", State::Idle).await;
+    wait_for_state(&engine, "m-0000", State::Idle).await;
     assert_eq!(backend.calls(TransitionKind::Create), 1);
     // A retry at the target returns the same id, no new work.
     let again = engine.create("m-0000", none()).await.unwrap();
@@ -622,7 +592,7 @@ async fn machine_in(state: State) -> (Arc<Engine>, Arc<ScriptedBackend>, Arc<Not
         State::Failed => {
             backend.script(TransitionKind::Create, Script::Fail("clone exploded"));
             engine.create(id, none()).await.unwrap();
-            wait_for(&engine, id, State::Failed).await;
+            wait_for_state(&engine, id, State::Failed).await;
         }
     }
     assert_eq!(state_of(&engine, id), state);
@@ -720,7 +690,7 @@ async fn timeout_lands_failed_and_late_completion_is_discarded() {
     configure(&engine, "m-0000", none()).await.unwrap();
     tokio::time::sleep(Duration::from_millis(4900)).await;
     assert_eq!(state_of(&engine, "m-0000"), State::Configuring);
-    let failed = wait_for(&engine, "m-0000", State::Failed).await;
+    let failed = wait_for_state(&engine, "m-0000", State::Failed).await;
     assert!(
         failed.last_error.contains("timed out"),
         "{}",
@@ -742,7 +712,7 @@ async fn readiness_gate_holds_configuring_until_ready_or_timeout() {
     configure(&engine, "m-0000", none()).await.unwrap();
     tokio::time::sleep(Duration::from_millis(250)).await;
     assert_eq!(state_of(&engine, "m-0000"), State::Configuring);
-    wait_for(&engine, "m-0000", State::Configured).await;
+    wait_for_state(&engine, "m-0000", State::Configured).await;
 
     let mut never = ScriptedBackend::new(1);
     never.readiness = Some(Arc::new(AtomicUsize::new(0)));
@@ -750,7 +720,7 @@ async fn readiness_gate_holds_configuring_until_ready_or_timeout() {
     let engine = start(Arc::new(never)).await;
     to_idle(&engine, "m-0000").await;
     configure(&engine, "m-0000", none()).await.unwrap();
-    let failed = wait_for(&engine, "m-0000", State::Failed).await;
+    let failed = wait_for_state(&engine, "m-0000", State::Failed).await;
     assert!(
         failed.last_error.contains("timed out")
             && failed
@@ -780,18 +750,18 @@ async fn metadata_is_stored_byte_for_byte_as_a_copy() {
         .await
         .unwrap();
     caller.insert("later".into(), "change".into());
-    let m = wait_for(&engine, "m-0000", State::Configured).await;
+    let m = wait_for_state(&engine, "m-0000", State::Configured).await;
     assert_eq!(m.shard_metadata, meta);
     let page = engine.list(&[pb::MachineState::Configured as i32], 0, &[]);
     assert_eq!(page.machines[0].shard_metadata, meta);
     engine.drain("m-0000", none(), 0).await.unwrap();
-    wait_for(&engine, "m-0000", State::Idle).await;
+    wait_for_state(&engine, "m-0000", State::Idle).await;
     let disjoint = HashMap::from([("only".to_string(), "this".to_string())]);
     engine
         .configure("m-0000", none(), "c2".into(), vec![], disjoint.clone())
         .await
         .unwrap();
-    let m = wait_for(&engine, "m-0000", State::Configured).await;
+    let m = wait_for_state(&engine, "m-0000", State::Configured).await;
     assert_eq!(m.shard_metadata, disjoint);
     assert_eq!(m.cluster, "c2");
 }
@@ -833,7 +803,7 @@ async fn cursor_deltas_and_set_complete_paging() {
     assert!(!delta.machines.is_empty());
     assert_ne!(delta.revision, before);
     // State filter: exact union.
-    wait_for(&engine, "m-0042", State::Idle).await;
+    wait_for_state(&engine, "m-0042", State::Idle).await;
     let both = engine.list(
         &[
             pb::MachineState::Idle as i32,
@@ -889,15 +859,13 @@ async fn restart_recovers_interrupted_transitions_and_keeps_everything() {
     let store = Arc::new(MemoryStore::retaining());
     let backend = Arc::new(ScriptedBackend::new(3));
     let gate = Arc::new(Notify::new());
-    let first = Engine::start(backend.clone(), store.clone() as Arc<dyn Store>, opts())
-        .await
-        .unwrap();
+    let first = start_on(backend.clone(), store.clone()).await;
     let create_op = first
         .create("m-0000", tok("s", 1, 1))
         .await
         .unwrap()
         .operation_id;
-    wait_for(&first, "m-0000", State::Idle).await;
+    wait_for_state(&first, "m-0000", State::Idle).await;
     let cfg_op = first
         .configure(
             "m-0000",
@@ -909,14 +877,12 @@ async fn restart_recovers_interrupted_transitions_and_keeps_everything() {
         .await
         .unwrap()
         .operation_id;
-    wait_for(&first, "m-0000", State::Configured).await;
+    wait_for_state(&first, "m-0000", State::Configured).await;
     backend.script(TransitionKind::Create, Script::Gate(gate));
     first.create("m-0001", none()).await.unwrap();
     let old_rev = first.list(&[], 0, &[]).revision;
 
-    let second = Engine::start(backend.clone(), store as Arc<dyn Store>, opts())
-        .await
-        .unwrap();
+    let second = start_on(backend.clone(), store).await;
     let m0 = second.get("m-0000").unwrap();
     assert_eq!(m0.state, pb::MachineState::Configured as i32);
     assert_eq!(m0.cluster, "c");
@@ -958,12 +924,12 @@ async fn unimplemented_delete_and_distinct_operation_ids() {
         tonic::Code::Unimplemented
     );
     let a = engine.create("m-0000", none()).await.unwrap().operation_id;
-    wait_for(&engine, "m-0000", State::Idle).await;
+    wait_for_state(&engine, "m-0000", State::Idle).await;
     let b = configure(&engine, "m-0000", none())
         .await
         .unwrap()
         .operation_id;
-    wait_for(&engine, "m-0000", State::Configured).await;
+    wait_for_state(&engine, "m-0000", State::Configured).await;
     let c = engine
         .drain("m-0000", none(), 0)
         .await
@@ -1008,7 +974,7 @@ async fn list_snapshot_is_unchanged_by_later_mutations() {
     let snapshot = engine.list(&[], 0, &[]);
     let before = snapshot.to_wire();
     engine.drain("m-0000", none(), 0).await.unwrap();
-    wait_for(&engine, "m-0000", State::Idle).await;
+    wait_for_state(&engine, "m-0000", State::Idle).await;
     assert_eq!(snapshot.to_wire(), before);
     let now = engine.get("m-0000").unwrap();
     assert_eq!(now.state, pb::MachineState::Idle as i32);

@@ -9,10 +9,11 @@ use std::time::Duration;
 use async_trait::async_trait;
 use bigfleet_proto::v1alpha1 as pb;
 use parking_lot::Mutex;
+use provider_testkit::engine::{start, start_on, wait_for_state};
 use providerkit::{
     Backend, BackendError, CatalogFacts, ConfigureCtx, CreateCtx, DeleteCtx, DrainCtx, Engine,
-    EngineOptions, KitError, MemoryStore, ReclaimCtx, ReclaimError, ReclaimOutcome, ReclaimSweeper,
-    SlotSpec, State, Store, SubstrateHost, Timeouts, Token,
+    KitError, MemoryStore, ReclaimCtx, ReclaimError, ReclaimOutcome, ReclaimSweeper, SlotSpec,
+    State, SubstrateHost, Token,
 };
 
 /// A substrate of marked VMs: machine id -> host refs, in creation order.
@@ -133,30 +134,6 @@ impl Backend for TestBackend {
     }
 }
 
-fn opts() -> EngineOptions {
-    EngineOptions {
-        timeouts: Timeouts {
-            create: Duration::from_secs(5),
-            configure: Duration::from_secs(5),
-            drain: Duration::from_secs(5),
-            delete: Duration::from_secs(5),
-            readiness_poll: Duration::from_millis(100),
-        },
-        ..EngineOptions::default()
-    }
-}
-
-async fn wait_for(engine: &Engine, id: &str, want: State) -> pb::Machine {
-    for _ in 0..20_000 {
-        let m = engine.get(id).unwrap();
-        if m.state == want.to_wire() as i32 {
-            return m;
-        }
-        tokio::time::sleep(Duration::from_millis(1)).await;
-    }
-    panic!("{id} never reached {want}");
-}
-
 fn host(m: &pb::Machine) -> Option<&str> {
     m.host.as_ref().map(|h| h.r#ref.as_str())
 }
@@ -175,7 +152,7 @@ fn revision(engine: &Engine) -> u64 {
 async fn failed_with_marked_vm(engine: &Arc<Engine>, backend: &TestBackend, id: &str) {
     *backend.marked.fail_create_after_clone.lock() = true;
     engine.create(id, Token::new("s", 1, 1)).await.unwrap();
-    let m = wait_for(engine, id, State::Failed).await;
+    let m = wait_for_state(engine, id, State::Failed).await;
     *backend.marked.fail_create_after_clone.lock() = false;
     assert_eq!(host(&m), None, "a failed Create records no host");
     assert_eq!(backend.vms_of(id).len(), 1);
@@ -184,14 +161,12 @@ async fn failed_with_marked_vm(engine: &Arc<Engine>, backend: &TestBackend, id: 
 #[tokio::test]
 async fn reconcile_reattaches_failed_machines_only_and_is_then_quiet() {
     let backend = TestBackend::new(3);
-    let engine = Engine::start(backend.clone(), Arc::new(MemoryStore::new()), opts())
-        .await
-        .unwrap();
+    let engine = start(backend.clone()).await;
     failed_with_marked_vm(&engine, &backend, "m-0").await;
 
     // An IDLE machine whose substrate host differs keeps the engine's.
     engine.create("m-1", Token::absent()).await.unwrap();
-    let idle = wait_for(&engine, "m-1", State::Idle).await;
+    let idle = wait_for_state(&engine, "m-1", State::Idle).await;
     backend.destroy_all("m-1");
     backend.clone_vm("m-1");
 
@@ -234,11 +209,9 @@ async fn reconcile_reattaches_failed_machines_only_and_is_then_quiet() {
 async fn startup_reattaches_a_machine_failed_by_a_restart() {
     let store = Arc::new(MemoryStore::retaining());
     let backend = TestBackend::new(1);
-    let first = Engine::start(backend.clone(), store.clone() as Arc<dyn Store>, opts())
-        .await
-        .unwrap();
+    let first = start_on(backend.clone(), store.clone()).await;
     first.create("m-0", Token::absent()).await.unwrap();
-    wait_for(&first, "m-0", State::Idle).await;
+    wait_for_state(&first, "m-0", State::Idle).await;
     *backend.marked.fail_configure.lock() = true;
     // Configure fails: FAILED with its host; then the VM vanishes and a
     // second VM is marked for the machine (a clone nobody recorded).
@@ -246,13 +219,11 @@ async fn startup_reattaches_a_machine_failed_by_a_restart() {
         .configure("m-0", Token::absent(), "c".into(), vec![], HashMap::new())
         .await
         .unwrap();
-    wait_for(&first, "m-0", State::Failed).await;
+    wait_for_state(&first, "m-0", State::Failed).await;
     backend.destroy_all("m-0");
     let stray = backend.clone_vm("m-0");
     drop(first);
-    let second = Engine::start(backend.clone(), store as Arc<dyn Store>, opts())
-        .await
-        .unwrap();
+    let second = start_on(backend.clone(), store).await;
     let m = second.get("m-0").unwrap();
     assert_eq!(m.state, pb::MachineState::Failed as i32);
     assert_eq!(host(&m), Some(stray.as_str()));
@@ -262,9 +233,7 @@ async fn startup_reattaches_a_machine_failed_by_a_restart() {
 async fn reclaim_returns_failed_to_speculative_and_keeps_fences() {
     let store = Arc::new(MemoryStore::retaining());
     let backend = TestBackend::new(2);
-    let engine = Engine::start(backend.clone(), store.clone() as Arc<dyn Store>, opts())
-        .await
-        .unwrap();
+    let engine = start_on(backend.clone(), store.clone()).await;
     failed_with_marked_vm(&engine, &backend, "m-0").await;
     engine.reconcile().await.unwrap();
     let failed = engine.get_record("m-0").unwrap();
@@ -301,13 +270,11 @@ async fn reclaim_returns_failed_to_speculative_and_keeps_fences() {
         .unwrap_err();
     assert!(matches!(err, KitError::Fenced(_)), "{err:?}");
     engine.create("m-0", Token::new("s", 1, 3)).await.unwrap();
-    wait_for(&engine, "m-0", State::Idle).await;
+    wait_for_state(&engine, "m-0", State::Idle).await;
 
     // Durable: a restart sees what the reclaim wrote.
     drop(engine);
-    let second = Engine::start(backend.clone(), store as Arc<dyn Store>, opts())
-        .await
-        .unwrap();
+    let second = start_on(backend.clone(), store).await;
     assert_eq!(
         second.get("m-0").unwrap().state,
         pb::MachineState::Idle as i32
@@ -317,11 +284,9 @@ async fn reclaim_returns_failed_to_speculative_and_keeps_fences() {
 #[tokio::test]
 async fn reclaim_refuses_what_is_not_failed_and_survives_substrate_errors() {
     let backend = TestBackend::new(2);
-    let engine = Engine::start(backend.clone(), Arc::new(MemoryStore::new()), opts())
-        .await
-        .unwrap();
+    let engine = start(backend.clone()).await;
     engine.create("m-1", Token::absent()).await.unwrap();
-    wait_for(&engine, "m-1", State::Idle).await;
+    wait_for_state(&engine, "m-1", State::Idle).await;
     let err = engine.reclaim("m-1").await.unwrap_err();
     assert!(
         matches!(
@@ -367,9 +332,7 @@ async fn reclaim_refuses_what_is_not_failed_and_survives_substrate_errors() {
 #[tokio::test]
 async fn concurrent_reclaims_of_one_machine_destroy_once() {
     let backend = TestBackend::new(1);
-    let engine = Engine::start(backend.clone(), Arc::new(MemoryStore::new()), opts())
-        .await
-        .unwrap();
+    let engine = start(backend.clone()).await;
     failed_with_marked_vm(&engine, &backend, "m-0").await;
     let a = engine.start_reclaim("m-0").unwrap();
     let b = engine.start_reclaim("m-0").unwrap();
@@ -386,9 +349,7 @@ async fn concurrent_reclaims_of_one_machine_destroy_once() {
 #[tokio::test(start_paused = true)]
 async fn sweeper_reclaims_after_the_hold_period_only() {
     let backend = TestBackend::new(2);
-    let engine = Engine::start(backend.clone(), Arc::new(MemoryStore::new()), opts())
-        .await
-        .unwrap();
+    let engine = start(backend.clone()).await;
     failed_with_marked_vm(&engine, &backend, "m-0").await;
     let hold = Duration::from_secs(60);
     let mut sweeper = ReclaimSweeper::new(hold);
@@ -422,9 +383,7 @@ async fn sweeper_reclaims_after_the_hold_period_only() {
 #[tokio::test]
 async fn census_counts_every_state_of_every_zone() {
     let backend = TestBackend::new(3);
-    let engine = Engine::start(backend.clone(), Arc::new(MemoryStore::new()), opts())
-        .await
-        .unwrap();
+    let engine = start(backend.clone()).await;
     failed_with_marked_vm(&engine, &backend, "m-0").await;
     let census = engine.census(&["pve-a".to_string(), "pve-b".to_string()]);
     assert_eq!(census.counts.len(), 16, "8 states x 2 zones");

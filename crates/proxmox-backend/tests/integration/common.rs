@@ -152,18 +152,6 @@ pub fn record_commands(sim: &PveSim, needle: &'static str) -> Arc<parking_lot::M
     seen
 }
 
-/// Waits until `cond` holds, failing the test after `within`.
-pub async fn until(what: &str, within: Duration, mut cond: impl FnMut() -> bool) {
-    let deadline = tokio::time::Instant::now() + within;
-    while !cond() {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "timed out waiting for {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-}
-
 /// A backend over `sub` offering `count` `pve.small` slots (2 vCPU, 2 GiB,
 /// template 9000) on `zone`, of the nodes `zones`, priced per vCPU and GiB;
 /// returned with the slots' ids.

@@ -5,12 +5,13 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use provider_testkit::wait::until as wait_for;
 use proxmox_backend::proxmox::{PveOptions, PveSubstrate};
 use proxmox_backend::substrate::{CloneRequest, Substrate, VmRef};
 use pve_sim::{endpoints, PveSim, SimConfig, TemplateSpec};
 use tokio::task::JoinHandle;
 
-use crate::common::{self, client, until as wait_for};
+use crate::common::{self, client};
 
 /// One clone slot per (node, storage), outside any pool.
 fn opts() -> PveOptions {

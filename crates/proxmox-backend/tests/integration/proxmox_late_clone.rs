@@ -35,7 +35,7 @@ fn sim_config() -> SimConfig {
 }
 
 async fn until(what: &str, cond: impl FnMut() -> bool) {
-    common::until(what, Duration::from_secs(15), cond).await
+    provider_testkit::wait::until(what, Duration::from_secs(15), cond).await
 }
 
 /// Starts a Create whose first clone POST answers 596 and lands `delay`

@@ -104,6 +104,7 @@ async fn a_drain_without_grace_leaves_the_pods_own_grace() {
 /// join token cut out.
 #[tokio::test]
 async fn the_engine_quotes_the_last_probe_in_last_error() {
+    use provider_testkit::engine::wait_for_state;
     use providerkit::{Engine, EngineOptions, MemoryStore, State, Timeouts, Token};
 
     let sim = PveSim::start(fast()).await.expect("simulator");
@@ -136,26 +137,8 @@ async fn the_engine_quotes_the_last_probe_in_last_error() {
     )
     .await
     .expect("engine");
-    let until = |want: State| {
-        let engine = engine.clone();
-        let id = id.clone();
-        async move {
-            let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-            loop {
-                let m = engine.get(&id).expect("machine");
-                if m.state == want.to_wire() as i32 {
-                    return m;
-                }
-                assert!(
-                    tokio::time::Instant::now() < deadline,
-                    "never {want}: {m:?}"
-                );
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-        }
-    };
     engine.create(&id, Token::absent()).await.expect("create");
-    until(State::Idle).await;
+    wait_for_state(&engine, &id, State::Idle).await;
     engine
         .configure(
             &id,
@@ -166,7 +149,7 @@ async fn the_engine_quotes_the_last_probe_in_last_error() {
         )
         .await
         .expect("configure accepted");
-    let failed = until(State::Failed).await;
+    let failed = wait_for_state(&engine, &id, State::Failed).await;
     let e = failed.last_error;
     assert!(
         e.starts_with("Configure timed out after 3s (deadline exceeded) waiting for the node to become ready; last readiness probe (attempt ")

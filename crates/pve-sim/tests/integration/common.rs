@@ -65,7 +65,7 @@ impl Api {
 
     pub async fn call(&self, method: reqwest::Method, path: &str, form: &[(&str, &str)]) -> Resp {
         let url = format!("{}{}", self.base, path);
-        let mut rb = if method == reqwest::Method::GET || method == reqwest::Method::DELETE {
+        let rb = if method == reqwest::Method::GET || method == reqwest::Method::DELETE {
             let q: Vec<(&str, &str)> = form.to_vec();
             self.c.request(method, &url).query(&q)
         } else {
@@ -77,22 +77,22 @@ impl Api {
                 .header("content-type", "application/x-www-form-urlencoded")
                 .body(body)
         };
-        if let Some(a) = &self.auth {
-            rb = rb.header("authorization", a);
-        }
-        let r = rb.send().await.expect("request");
-        let status = r.status().as_u16();
-        let body: Value = r.json().await.unwrap_or(Value::Null);
-        Resp { status, body }
+        self.send(rb).await
     }
 
     /// POST `body` exactly as given, as a form.
     pub async fn post_raw(&self, path: &str, body: &str) -> Resp {
-        let mut rb = self
+        let rb = self
             .c
             .post(format!("{}{}", self.base, path))
             .header("content-type", "application/x-www-form-urlencoded")
             .body(body.to_string());
+        self.send(rb).await
+    }
+
+    /// Sends `rb` with the token (when there is one); the status and the
+    /// JSON body (null when it is not JSON).
+    async fn send(&self, mut rb: reqwest::RequestBuilder) -> Resp {
         if let Some(a) = &self.auth {
             rb = rb.header("authorization", a);
         }

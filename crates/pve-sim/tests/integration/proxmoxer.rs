@@ -6,6 +6,7 @@
 use std::path::Path;
 use std::time::Duration;
 
+use provider_testkit::host::or_skip;
 use pve_sim::{HttpServerVersion, PveSim, SimConfig, TemplateSpec};
 
 const SCRIPT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/proxmoxer_lifecycle.py");
@@ -33,16 +34,7 @@ fn proxmoxer_available() -> Result<(), String> {
 }
 
 fn skip_or_fail() -> bool {
-    match proxmoxer_available() {
-        Ok(()) => false,
-        Err(why) if std::env::var("CI").is_ok_and(|v| v == "true") => {
-            panic!("CI=true and proxmoxer is required: {why}")
-        }
-        Err(why) => {
-            eprintln!("SKIPPED: {why}");
-            true
-        }
-    }
+    or_skip(proxmoxer_available()).is_none()
 }
 
 async fn run_script(cfg: SimConfig, reason_only: bool) {

@@ -5,6 +5,8 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use provider_testkit::host::{alive, or_skip};
+use provider_testkit::wait::{until, until_some};
 use pve_sim::{GuestAgentMode, PveSim, SimConfig};
 use serde_json::Value;
 
@@ -12,16 +14,9 @@ use crate::common::{shutdown_clean, start_sim, Api, Resp};
 
 /// The qemu-ga to use, or `None` (after saying so) to skip.
 fn qemu_ga_or_skip() -> Option<PathBuf> {
-    match pve_sim::find_qemu_ga() {
-        Some(p) => Some(p),
-        None if std::env::var("CI").as_deref() == Ok("true") => {
-            panic!("qemu-guest-agent must be installed for these tests in CI (qemu-ga not found on PATH or in /usr/sbin)")
-        }
-        None => {
-            println!("skipped: qemu-ga not installed (install the qemu-guest-agent package)");
-            None
-        }
-    }
+    or_skip(pve_sim::find_qemu_ga().ok_or_else(|| {
+        "qemu-ga is not installed (not on PATH or in /usr/sbin; install the qemu-guest-agent package)".to_string()
+    }))
 }
 
 fn cfg(bin: PathBuf) -> SimConfig {
@@ -70,25 +65,13 @@ async fn shut_down_clean(sim: PveSim) {
     shutdown_clean(sim).await;
 }
 
-/// A live process (not a zombie) with this pid.
-fn alive(pid: u32) -> bool {
-    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-        // Field 3 (after the parenthesised name) is the state; Z = zombie.
-        Ok(stat) => stat
-            .rsplit_once(')')
-            .is_some_and(|(_, rest)| !rest.trim_start().starts_with('Z')),
-        Err(_) => false,
-    }
-}
-
 async fn wait_gone(pid: u32) {
-    tokio::time::timeout(Duration::from_secs(10), async {
-        while alive(pid) {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-    })
-    .await
-    .unwrap_or_else(|_| panic!("process {pid} still alive"));
+    until(
+        &format!("process {pid} to exit"),
+        Duration::from_secs(10),
+        || !alive(pid),
+    )
+    .await;
 }
 
 fn canon(p: &Path) -> PathBuf {
@@ -351,19 +334,16 @@ async fn stopping_or_destroying_a_vm_kills_its_qemu_ga() {
         .await;
     assert_eq!(r.status, 200, "{:?}", r.body);
     let pidfile = sim.guest_root(103).join("run/sleeper");
-    let sleeper: u32 = tokio::time::timeout(Duration::from_secs(10), async {
-        loop {
-            if let Some(p) = std::fs::read_to_string(&pidfile)
+    let sleeper: u32 = until_some(
+        "the guest command to start",
+        Duration::from_secs(10),
+        || {
+            std::fs::read_to_string(&pidfile)
                 .ok()
                 .and_then(|s| s.trim().parse().ok())
-            {
-                return p;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-    })
-    .await
-    .expect("guest command started");
+        },
+    )
+    .await;
     assert!(alive(sleeper));
 
     let r = api.post("/nodes/pve1/qemu/103/status/stop", &[]).await;

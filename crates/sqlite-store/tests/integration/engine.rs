@@ -4,10 +4,10 @@
 use std::collections::HashMap;
 use std::path::Path;
 use std::sync::Arc;
-use std::time::Duration;
 
 use async_trait::async_trait;
 use bigfleet_proto::v1alpha1 as pb;
+use provider_testkit::engine::wait_for_state;
 use providerkit::{
     Backend, BackendError, CatalogFacts, ConfigureCtx, CreateCtx, DrainCtx, Engine, EngineOptions,
     KitError, SlotSpec, State, SubstrateHost, Token,
@@ -63,22 +63,6 @@ async fn start(path: &Path) -> Arc<Engine> {
         .unwrap()
 }
 
-/// Poll the engine until the machine reaches `state` (transitions land in
-/// background tasks; the engine has no change notification to await).
-async fn wait_for(engine: &Engine, id: &str, state: State) -> pb::Machine {
-    tokio::time::timeout(Duration::from_secs(10), async {
-        loop {
-            let m = engine.get(id).unwrap();
-            if m.state == state.to_wire() as i32 {
-                return m;
-            }
-            tokio::time::sleep(Duration::from_millis(2)).await;
-        }
-    })
-    .await
-    .unwrap_or_else(|_| panic!("{id} never reached {state}"))
-}
-
 fn runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -105,7 +89,7 @@ fn engine_state_survives_restart() {
         let engine = start(&path).await;
         assert_eq!(engine.machine_count(), 3);
         let create = engine.create("m-1", Token::new("s1", 1, 1)).await.unwrap();
-        wait_for(&engine, "m-1", State::Idle).await;
+        wait_for_state(&engine, "m-1", State::Idle).await;
         let configure = engine
             .configure(
                 "m-1",
@@ -116,13 +100,13 @@ fn engine_state_survives_restart() {
             )
             .await
             .unwrap();
-        let before = wait_for(&engine, "m-1", State::Configured).await;
+        let before = wait_for_state(&engine, "m-1", State::Configured).await;
 
         engine
             .create("m-hang", Token::new("s1", 2, 1))
             .await
             .unwrap();
-        wait_for(&engine, "m-hang", State::Idle).await;
+        wait_for_state(&engine, "m-hang", State::Idle).await;
         let ack = engine
             .configure(
                 "m-hang",
