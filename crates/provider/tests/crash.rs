@@ -16,6 +16,10 @@
 //! `BIGFLEET_CRASH_SEED` replays a run's decisions and kill delays (the seed
 //! is printed first; thread interleavings still differ between runs).
 
+// The integration binary's helpers; this campaign, a binary of its own
+// (`make crash-1000` runs it by name), uses a few.
+#[allow(dead_code)]
+#[path = "integration/common.rs"]
 mod common;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};

@@ -19,6 +19,10 @@
 //! (`make crash-real` runs 300); `BIGFLEET_CRASH_SEED` replays a run's
 //! decisions and kill delays.
 
+// The integration binary's helpers; this campaign, a binary of its own
+// (`make crash-real` runs it by name), uses a few.
+#[allow(dead_code)]
+#[path = "integration/common.rs"]
 mod common;
 
 use std::collections::{BTreeMap, HashMap};

@@ -4,6 +4,9 @@
 //!
 //! `cargo test -p proxmox-backend --test bench_replicas -- --ignored --nocapture`
 
+// The integration binary's set-up helpers; this benchmark uses a few of them.
+#[allow(dead_code)]
+#[path = "integration/common.rs"]
 mod common;
 
 use std::sync::Arc;

@@ -9,50 +9,32 @@
 use std::io::Write;
 
 use proptest::prelude::*;
+use provider_testkit::fuzz::{config, JsonShape};
 use proxmox_backend::catalog::{load_instance_types, load_offerings, parse_prices};
 use proxmox_backend::proxmox::{marker_description, parse_marker};
 
-fn config() -> ProptestConfig {
-    let cases = std::env::var("PROPTEST_CASES")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(64);
-    ProptestConfig {
-        cases,
-        failure_persistence: None,
-        ..ProptestConfig::default()
-    }
-}
-
+/// Catalog-shaped JSON: objects with the field names the catalog files
+/// use, holding values of every JSON kind.
 fn json_value() -> impl Strategy<Value = serde_json::Value> {
-    let leaf = prop_oneof![
-        Just(serde_json::Value::Null),
-        any::<bool>().prop_map(serde_json::Value::Bool),
-        any::<i64>().prop_map(|n| serde_json::json!(n)),
-        any::<f64>().prop_map(|f| serde_json::json!(f)),
-        ".{0,16}".prop_map(serde_json::Value::String),
-    ];
-    let keys = prop::sample::select(vec![
-        "instance_type",
-        "zone",
-        "count",
-        "capacity_type",
-        "resources",
-        "labels",
-        "vcpu",
-        "memory_mib",
-        "template_vmid",
-        "pve.small",
-        "x",
-    ]);
-    leaf.prop_recursive(3, 32, 6, move |inner| {
-        prop_oneof![
-            prop::collection::vec(inner.clone(), 0..4).prop_map(serde_json::Value::Array),
-            prop::collection::btree_map(keys.clone(), inner, 0..8).prop_map(|m| {
-                serde_json::Value::Object(m.into_iter().map(|(k, v)| (k.to_string(), v)).collect())
-            }),
-        ]
-    })
+    JsonShape {
+        keys: &[
+            "instance_type",
+            "zone",
+            "count",
+            "capacity_type",
+            "resources",
+            "labels",
+            "vcpu",
+            "memory_mib",
+            "template_vmid",
+            "pve.small",
+            "x",
+        ],
+        strings: &[".{0,16}"],
+        max_members: 7,
+        expected_branch_size: 6,
+    }
+    .values()
 }
 
 fn with_file(text: &str, f: impl FnOnce(&std::path::Path)) {

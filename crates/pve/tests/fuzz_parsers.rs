@@ -6,74 +6,53 @@
 //! (`PROPTEST_CASES=100000`).
 
 use proptest::prelude::*;
+use provider_testkit::fuzz::{config, JsonShape};
 use pve::types::{ClusterVm, ExecStatus, NodeInfo, PoolMember, TaskStatus, VmConfig, VmStatus};
 use pve::{is_valid_tag, join_tags, normalize_tags, sanitize_tag, Upid};
-
-fn config() -> ProptestConfig {
-    let cases = std::env::var("PROPTEST_CASES")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(64);
-    ProptestConfig {
-        cases,
-        failure_persistence: None,
-        ..ProptestConfig::default()
-    }
-}
 
 /// JSON values shaped like API answers: objects with the field names the
 /// types read, holding values of every JSON kind.
 fn json_value() -> impl Strategy<Value = serde_json::Value> {
-    let leaf = prop_oneof![
-        Just(serde_json::Value::Null),
-        any::<bool>().prop_map(serde_json::Value::Bool),
-        any::<i64>().prop_map(|n| serde_json::json!(n)),
-        any::<f64>().prop_map(|f| serde_json::json!(f)),
-        ".{0,24}".prop_map(serde_json::Value::String),
-        "[0-9]{1,12}".prop_map(serde_json::Value::String),
-    ];
-    let keys = prop::sample::select(vec![
-        "vmid",
-        "node",
-        "name",
-        "status",
-        "tags",
-        "description",
-        "template",
-        "memory",
-        "cores",
-        "sockets",
-        "agent",
-        "exitstatus",
-        "upid",
-        "type",
-        "exited",
-        "exitcode",
-        "out-data",
-        "err-data",
-        "signal",
-        "hastate",
-        "lock",
-        "maxmem",
-        "pid",
-        "n",
-        "t",
-        "scsi0",
-        "virtio0",
-        "ha",
-        "pool",
-        "id",
-        "qmpstatus",
-        "uptime",
-    ]);
-    leaf.prop_recursive(3, 32, 8, move |inner| {
-        prop_oneof![
-            prop::collection::vec(inner.clone(), 0..4).prop_map(serde_json::Value::Array),
-            prop::collection::btree_map(keys.clone(), inner, 0..10).prop_map(|m| {
-                serde_json::Value::Object(m.into_iter().map(|(k, v)| (k.to_string(), v)).collect())
-            }),
-        ]
-    })
+    JsonShape {
+        keys: &[
+            "vmid",
+            "node",
+            "name",
+            "status",
+            "tags",
+            "description",
+            "template",
+            "memory",
+            "cores",
+            "sockets",
+            "agent",
+            "exitstatus",
+            "upid",
+            "type",
+            "exited",
+            "exitcode",
+            "out-data",
+            "err-data",
+            "signal",
+            "hastate",
+            "lock",
+            "maxmem",
+            "pid",
+            "n",
+            "t",
+            "scsi0",
+            "virtio0",
+            "ha",
+            "pool",
+            "id",
+            "qmpstatus",
+            "uptime",
+        ],
+        strings: &[".{0,24}", "[0-9]{1,12}"],
+        max_members: 9,
+        expected_branch_size: 8,
+    }
+    .values()
 }
 
 fn parse_all(body: &str) {

@@ -8,23 +8,9 @@
 
 use bigfleet_proto::v1alpha1 as pb;
 use proptest::prelude::*;
+use provider_testkit::fuzz::{cases, config, config_with_cases};
 use providerkit::{CatalogFacts, Change, FactsInterner, MachineRecord, State, Store};
 use sqlite_store::SqliteStore;
-
-fn cases() -> u32 {
-    std::env::var("PROPTEST_CASES")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(64)
-}
-
-fn config(cases: u32) -> ProptestConfig {
-    ProptestConfig {
-        cases,
-        failure_persistence: None,
-        ..ProptestConfig::default()
-    }
-}
 
 fn state() -> impl Strategy<Value = State> {
     prop::sample::select(vec![
@@ -85,7 +71,7 @@ fn damage() -> impl Strategy<Value = Vec<u8>> {
 }
 
 proptest! {
-    #![proptest_config(config(cases()))]
+    #![proptest_config(config())]
 
     #[test]
     fn arbitrary_record_bytes_never_panic(bytes in damage(), rev in any::<u64>()) {
@@ -105,7 +91,7 @@ proptest! {
 
 proptest! {
     // Each case opens a database: fewer of them.
-    #![proptest_config(config((cases() / 8).max(4)))]
+    #![proptest_config(config_with_cases((cases() / 8).max(4)))]
 
     #[test]
     fn damaged_state_rows_are_refused_or_loaded_never_a_panic(

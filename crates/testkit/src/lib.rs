@@ -1,20 +1,40 @@
-//! Test support shared by everything that boots the provider binary (its
-//! own tests, the crash campaign, the deployment checks, the load
-//! generator): the one start-up line the binary logs once it serves, and
-//! the fields read off it, in either log format.
+//! Test support shared across the workspace's tests. Each user names the
+//! parts it needs as features, so that the crates that know nothing of
+//! BigFleet (pve, pve-sim) build none of ours.
 //!
-//! The certification runner does not use this on purpose: it is a
-//! black-box client and waits for a List to answer, as the published runner
-//! does.
+//! With `provider`, what everything that boots the provider binary needs
+//! (its own tests, the crash campaign, the deployment checks, the load
+//! generator): the one start-up line the binary logs once it serves; and
+//! an in-process engine with short deadlines (`engine`). The
+//! certification runner does not use this on purpose: it is a black-box
+//! client and waits for a List to answer, as the published runner does.
+//!
+//! Always: the fields read off a log line, in either log format; a GET to
+//! the probes and `/metrics` ([`http`]); awaiting a condition instead of
+//! sleeping ([`wait`]); the `tracing` events code under test emits
+//! ([`logs`]); what the host has ([`host`]).
+//!
+//! With `proptest`, the fuzz targets' shared generators (`fuzz`).
+
+#[cfg(feature = "provider")]
+pub mod engine;
+#[cfg(feature = "proptest")]
+pub mod fuzz;
+pub mod host;
+pub mod http;
+pub mod logs;
+pub mod wait;
 
 use std::net::SocketAddr;
 
 /// The message of the line the provider logs once its gRPC listener
 /// accepts calls (`msg="serving CapacityProvider"` with `addr=`,
 /// `metrics_addr=`, ...).
+#[cfg(feature = "provider")]
 pub const STARTUP_LINE: &str = providerkit::service::STARTUP_MESSAGE;
 
 /// Whether `line` is the start-up line, in the key=value or the JSON format.
+#[cfg(feature = "provider")]
 pub fn is_startup_line(line: &str) -> bool {
     line.contains(STARTUP_LINE)
 }
@@ -65,7 +85,7 @@ pub fn addr_field(line: &str, key: &str) -> Result<SocketAddr, String> {
         .map_err(|_| format!("{key}={value:?} on the start-up line is not host:port"))
 }
 
-#[cfg(test)]
+#[cfg(all(test, feature = "provider"))]
 mod tests {
     use super::*;
 

@@ -1,0 +1,15 @@
+//! deploy-check's tests, one binary (each file a module): the container
+//! image, the Helm chart (rendered, and booting the real binary), the
+//! monitoring files, the host setup script, the live metrics, and the
+//! operator docs (their examples and every flag they name).
+
+mod common;
+
+mod chart_boots_binary;
+mod doc_flags;
+mod dockerfile;
+mod docs_examples;
+mod helm_chart;
+mod host_setup;
+mod live_metrics;
+mod monitoring;

@@ -1,0 +1,546 @@
+//! Shared helpers for the black-box tests of the `bigfleet-proxmox` binary:
+//! spawn it, learn its ports from the startup line, wait for readiness with
+//! a deadline, capture stderr, talk HTTP/1.1 to the probes, and kill it on
+//! drop.
+
+use std::io::{BufRead, BufReader, Read};
+use std::net::{SocketAddr, TcpListener};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use bigfleet_proto::v1alpha1::capacity_provider_client::CapacityProviderClient;
+use bigfleet_proto::v1alpha1::{ListFilter, Machine, MachineRef, MachineState};
+use pve_sim::PveSim;
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
+
+pub const BIN: &str = env!("CARGO_BIN_EXE_bigfleet-proxmox");
+
+/// Generous: a cold debug binary on a shared 2-core machine.
+pub const STARTUP_DEADLINE: Duration = Duration::from_secs(60);
+pub const POLL: Duration = Duration::from_millis(25);
+
+/// A 127.0.0.1 listener the test holds, so its port is certainly taken.
+pub fn held_listener() -> (TcpListener, SocketAddr) {
+    let l = TcpListener::bind("127.0.0.1:0").expect("bind 127.0.0.1:0");
+    let a = l.local_addr().expect("local addr");
+    (l, a)
+}
+
+/// Every stderr line of a child, as it arrives.
+#[derive(Default)]
+pub struct Logs {
+    state: Mutex<(Vec<String>, bool)>,
+    cond: Condvar,
+}
+
+impl Logs {
+    fn spawn_reader(stream: impl Read + Send + 'static) -> Arc<Logs> {
+        let logs = Arc::new(Logs::default());
+        let sink = logs.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stream).lines() {
+                let Ok(line) = line else { break };
+                let mut st = sink.state.lock().unwrap();
+                st.0.push(line);
+                sink.cond.notify_all();
+            }
+            sink.state.lock().unwrap().1 = true;
+            sink.cond.notify_all();
+        });
+        logs
+    }
+
+    pub fn lines(&self) -> Vec<String> {
+        self.state.lock().unwrap().0.clone()
+    }
+
+    pub fn text(&self) -> String {
+        self.lines().join("\n")
+    }
+
+    /// The first line matching `pred`, waiting up to `timeout`; None if the
+    /// stream ended or the deadline passed first.
+    pub fn wait_for(&self, timeout: Duration, pred: impl Fn(&str) -> bool) -> Option<String> {
+        let deadline = Instant::now() + timeout;
+        let mut st = self.state.lock().unwrap();
+        loop {
+            if let Some(l) = st.0.iter().find(|l| pred(l)) {
+                return Some(l.clone());
+            }
+            if st.1 {
+                return None;
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return None;
+            }
+            st = self.cond.wait_timeout(st, deadline - now).unwrap().0;
+        }
+    }
+
+    /// Wait until at least `n` lines match `pred`; false on timeout or EOF.
+    pub fn wait_count(&self, timeout: Duration, n: usize, pred: impl Fn(&str) -> bool) -> bool {
+        let deadline = Instant::now() + timeout;
+        let mut st = self.state.lock().unwrap();
+        loop {
+            if st.0.iter().filter(|l| pred(l)).count() >= n {
+                return true;
+            }
+            let now = Instant::now();
+            if st.1 || now >= deadline {
+                return false;
+            }
+            st = self.cond.wait_timeout(st, deadline - now).unwrap().0;
+        }
+    }
+
+    /// Wait until the stream is closed (the child exited).
+    pub fn wait_closed(&self, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        let mut st = self.state.lock().unwrap();
+        while !st.1 {
+            let now = Instant::now();
+            if now >= deadline {
+                return false;
+            }
+            st = self.cond.wait_timeout(st, deadline - now).unwrap().0;
+        }
+        true
+    }
+}
+
+fn wait_child(child: &mut Child, timeout: Duration) -> Option<ExitStatus> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(status) = child.try_wait().expect("try_wait") {
+            return Some(status);
+        }
+        if Instant::now() >= deadline {
+            return None;
+        }
+        std::thread::sleep(POLL);
+    }
+}
+
+/// Outcome of a run that is expected to end on its own.
+pub struct Exited {
+    pub status: ExitStatus,
+    pub stderr: String,
+}
+
+/// Run the binary with exactly `args` and wait for it to exit.
+pub fn run_to_exit(args: &[&str], timeout: Duration) -> Exited {
+    let mut child = Command::new(BIN)
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn bigfleet-proxmox");
+    let logs = Logs::spawn_reader(child.stderr.take().expect("stderr"));
+    let Some(status) = wait_child(&mut child, timeout) else {
+        let _ = child.kill();
+        let _ = child.wait();
+        panic!(
+            "bigfleet-proxmox {args:?} did not exit within {timeout:?}; stderr:\n{}",
+            logs.text()
+        );
+    };
+    logs.wait_closed(Duration::from_secs(5));
+    Exited {
+        status,
+        stderr: logs.text(),
+    }
+}
+
+/// A running provider; killed on drop.
+pub struct Provider {
+    child: Child,
+    pub logs: Arc<Logs>,
+    pub grpc: SocketAddr,
+    pub metrics: SocketAddr,
+    pub startup_line: String,
+}
+
+impl Provider {
+    /// Start with ephemeral gRPC and metrics ports on 127.0.0.1 plus
+    /// `args`, and return once the startup line is out and /readyz is 200.
+    pub fn start(args: &[&str]) -> Provider {
+        let mut child = Command::new(BIN)
+            .args(["--addr", "127.0.0.1:0", "--metrics-addr", "127.0.0.1:0"])
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn bigfleet-proxmox");
+        let logs = Logs::spawn_reader(child.stderr.take().expect("stderr"));
+        let Some(line) = logs.wait_for(STARTUP_DEADLINE, provider_testkit::is_startup_line) else {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!(
+                "bigfleet-proxmox {args:?} never logged its startup line; stderr:\n{}",
+                logs.text()
+            );
+        };
+        let parse = |key: &str| -> SocketAddr {
+            provider_testkit::addr_field(&line, key).unwrap_or_else(|e| panic!("{e}"))
+        };
+        let provider = Provider {
+            grpc: parse("addr"),
+            metrics: parse("metrics_addr"),
+            child,
+            logs,
+            startup_line: line,
+        };
+        provider.wait_ready(STARTUP_DEADLINE);
+        provider
+    }
+
+    /// Poll /readyz until it answers 200 `ready`.
+    pub fn wait_ready(&self, timeout: Duration) {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Ok((200, body)) = http_get(self.metrics, "/readyz") {
+                assert_eq!(body, "ready");
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "/readyz never answered 200; stderr:\n{}",
+                self.logs.text()
+            );
+            std::thread::sleep(POLL);
+        }
+    }
+
+    #[allow(unsafe_code)] // libc call; see the SAFETY note inside
+    pub fn signal(&self, sig: i32) {
+        // SAFETY: kill(2) on our own child's pid.
+        // SAFETY: kill(2) on our own child's pid; it is not reaped yet, so the
+        // pid cannot have been reused.
+        let rc = unsafe { libc::kill(self.child.id() as libc::pid_t, sig) };
+        assert_eq!(rc, 0, "kill({sig}) failed");
+    }
+
+    /// Wait for the process to exit on its own.
+    pub fn wait_exit(&mut self, timeout: Duration) -> Option<ExitStatus> {
+        let status = wait_child(&mut self.child, timeout);
+        if status.is_some() {
+            self.logs.wait_closed(Duration::from_secs(5));
+        }
+        status
+    }
+
+    pub fn stderr(&self) -> String {
+        self.logs.text()
+    }
+
+    pub async fn client(&self) -> CapacityProviderClient<Channel> {
+        CapacityProviderClient::new(plain_channel(self.grpc).await)
+    }
+}
+
+impl Drop for Provider {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+        }
+        let _ = self.child.wait();
+    }
+}
+
+pub async fn plain_channel(addr: SocketAddr) -> Channel {
+    Endpoint::from_shared(format!("http://{addr}"))
+        .expect("endpoint")
+        .connect_timeout(Duration::from_secs(5))
+        .timeout(Duration::from_secs(20))
+        .connect()
+        .await
+        .expect("connect to the provider")
+}
+
+/// A channel to `addr` over TLS for `localhost`, trusting the CA at `ca`
+/// and presenting `identity` (certificate, key) if given. Any failure
+/// (building the endpoint, connecting, the handshake) is an Err with its
+/// description.
+pub async fn tls_channel(
+    addr: SocketAddr,
+    ca: &Path,
+    identity: Option<(&Path, &Path)>,
+) -> Result<Channel, String> {
+    let read = |p: &Path| std::fs::read_to_string(p).expect("read pem");
+    let mut tls = ClientTlsConfig::new()
+        .domain_name("localhost")
+        .ca_certificate(Certificate::from_pem(read(ca)));
+    if let Some((cert, key)) = identity {
+        tls = tls.identity(Identity::from_pem(read(cert), read(key)));
+    }
+    Endpoint::from_shared(format!("https://{addr}"))
+        .map_err(|e| e.to_string())?
+        .tls_config(tls)
+        .map_err(|e| e.to_string())?
+        .connect_timeout(Duration::from_secs(5))
+        .timeout(Duration::from_secs(10))
+        .connect()
+        .await
+        .map_err(|e| format!("connect: {e:?}"))
+}
+
+/// Boots the binary with `args` from async code (blocking: beside the
+/// runtime that serves the simulator) and returns once it is ready.
+pub async fn start_blocking(args: Vec<String>) -> Provider {
+    tokio::task::spawn_blocking(move || {
+        let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+        Provider::start(&refs)
+    })
+    .await
+    .expect("provider start")
+}
+
+/// The simulator's CA written to a file in a fresh temporary directory.
+pub fn sim_ca_file(sim: &PveSim) -> (tempfile::TempDir, PathBuf) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let ca = dir.path().join("pve-ca.pem");
+    sim.write_ca(&ca).expect("write CA");
+    (dir, ca)
+}
+
+/// The flags for the PVE API at `url` with the simulator's token id and
+/// `secret`, trusting the CA file `ca`, in the pool `bigfleet` on `nodes`.
+pub fn pve_flags(sim: &PveSim, url: &str, secret: &str, ca: &str, nodes: &str) -> Vec<String> {
+    [
+        "--proxmox-api-url",
+        url,
+        "--proxmox-token-id",
+        sim.token_id(),
+        "--proxmox-token-secret",
+        secret,
+        "--proxmox-ca-file",
+        ca,
+        "--proxmox-pool",
+        "bigfleet",
+        "--nodes",
+        nodes,
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect()
+}
+
+/// The real backend on the simulator (`--proxmox-backend proxmox` and
+/// [`pve_flags`] for its own API and secret), then `more`.
+pub fn sim_backend_args(sim: &PveSim, ca: &Path, nodes: &str, more: &[&str]) -> Vec<String> {
+    let mut args = vec!["--proxmox-backend".to_string(), "proxmox".to_string()];
+    args.extend(pve_flags(
+        sim,
+        &sim.base_url(),
+        sim.token_secret(),
+        path_str(ca),
+        nodes,
+    ));
+    args.extend(more.iter().map(|s| s.to_string()));
+    args
+}
+
+/// A GET to the probes or `/metrics`: status code and body.
+pub fn http_get(addr: SocketAddr, path: &str) -> std::io::Result<(u16, String)> {
+    provider_testkit::http::get(addr, path).map(|r| (r.status, r.body))
+}
+
+/// The id of a SPECULATIVE slot (the first one List returns).
+pub async fn speculative_id(c: &mut CapacityProviderClient<Channel>) -> String {
+    speculative_where(c, "", |_| true).await
+}
+
+/// The id of a SPECULATIVE slot in zone `node`.
+pub async fn speculative_in(c: &mut CapacityProviderClient<Channel>, node: &str) -> String {
+    speculative_where(c, &format!(" in zone {node}"), |m| m.zone == node).await
+}
+
+async fn speculative_where(
+    c: &mut CapacityProviderClient<Channel>,
+    what: &str,
+    pred: impl Fn(&Machine) -> bool,
+) -> String {
+    c.list(ListFilter::default())
+        .await
+        .expect("List")
+        .into_inner()
+        .machines
+        .into_iter()
+        .find(|m| m.state == MachineState::Speculative as i32 && pred(m))
+        .unwrap_or_else(|| panic!("a SPECULATIVE slot{what}"))
+        .id
+}
+
+/// Poll Get until the machine reaches `want` (failing fast on FAILED).
+pub async fn wait_state(
+    client: &mut CapacityProviderClient<Channel>,
+    id: &str,
+    want: MachineState,
+    timeout: Duration,
+) -> Machine {
+    poll_get(
+        client,
+        id,
+        timeout,
+        |m| m.state == want as i32,
+        |m, late| {
+            assert!(
+                m.state != MachineState::Failed as i32,
+                "{id} went FAILED waiting for {want:?}: {}",
+                m.last_error
+            );
+            assert!(
+                !late,
+                "{id} is still {:?}, not {want:?}, after {timeout:?}",
+                MachineState::try_from(m.state)
+            );
+        },
+    )
+    .await
+}
+
+/// Poll Get until the machine is FAILED.
+pub async fn wait_failed(
+    client: &mut CapacityProviderClient<Channel>,
+    id: &str,
+    timeout: Duration,
+) -> Machine {
+    poll_get(
+        client,
+        id,
+        timeout,
+        |m| m.state == MachineState::Failed as i32,
+        |m, late| assert!(!late, "never FAILED: {m:?}"),
+    )
+    .await
+}
+
+/// Polls Get until `done` accepts the machine; every other answer goes to
+/// `check`, with whether `timeout` has passed, to assert on.
+async fn poll_get(
+    client: &mut CapacityProviderClient<Channel>,
+    id: &str,
+    timeout: Duration,
+    done: impl Fn(&Machine) -> bool,
+    check: impl Fn(&Machine, bool),
+) -> Machine {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let m = client
+            .get(MachineRef { id: id.to_string() })
+            .await
+            .expect("Get")
+            .into_inner();
+        if done(&m) {
+            return m;
+        }
+        check(&m, Instant::now() >= deadline);
+        tokio::time::sleep(POLL).await;
+    }
+}
+
+/// Throwaway PKI: a CA, a server leaf for 127.0.0.1/localhost and a client
+/// leaf signed by it, and a client leaf from an unrelated CA, all written
+/// as PEM files under a temporary directory.
+pub struct Pki {
+    pub dir: tempfile::TempDir,
+    pub ca: PathBuf,
+    pub server_cert: PathBuf,
+    pub server_key: PathBuf,
+    pub client_cert: PathBuf,
+    pub client_key: PathBuf,
+    pub other_ca: PathBuf,
+    pub other_client_cert: PathBuf,
+    pub other_client_key: PathBuf,
+}
+
+fn ca(name: &str) -> rcgen::CertifiedIssuer<'static, rcgen::KeyPair> {
+    let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).expect("params");
+    params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    params
+        .distinguished_name
+        .push(rcgen::DnType::CommonName, name);
+    params.key_usages = vec![
+        rcgen::KeyUsagePurpose::KeyCertSign,
+        rcgen::KeyUsagePurpose::CrlSign,
+        rcgen::KeyUsagePurpose::DigitalSignature,
+    ];
+    rcgen::CertifiedIssuer::self_signed(params, rcgen::KeyPair::generate().expect("key"))
+        .expect("self-signed CA")
+}
+
+fn leaf(
+    issuer: &rcgen::Issuer<'_, rcgen::KeyPair>,
+    sans: &[&str],
+    cn: &str,
+    usage: rcgen::ExtendedKeyUsagePurpose,
+) -> (String, String) {
+    let mut params =
+        rcgen::CertificateParams::new(sans.iter().map(|s| s.to_string()).collect::<Vec<_>>())
+            .expect("params");
+    params
+        .distinguished_name
+        .push(rcgen::DnType::CommonName, cn);
+    params.extended_key_usages = vec![usage];
+    let key = rcgen::KeyPair::generate().expect("key");
+    let cert = params.signed_by(&key, issuer).expect("sign leaf");
+    (cert.pem(), key.serialize_pem())
+}
+
+impl Pki {
+    pub fn new() -> Pki {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let write = |name: &str, text: &str| -> PathBuf {
+            let p = dir.path().join(name);
+            std::fs::write(&p, text).expect("write pem");
+            p
+        };
+        let root = ca("bigfleet test CA");
+        let other = ca("unrelated test CA");
+        let (scert, skey) = leaf(
+            &root,
+            &["127.0.0.1", "localhost"],
+            "provider",
+            rcgen::ExtendedKeyUsagePurpose::ServerAuth,
+        );
+        let (ccert, ckey) = leaf(
+            &root,
+            &["client.test"],
+            "client",
+            rcgen::ExtendedKeyUsagePurpose::ClientAuth,
+        );
+        let (ocert, okey) = leaf(
+            &other,
+            &["client.test"],
+            "client",
+            rcgen::ExtendedKeyUsagePurpose::ClientAuth,
+        );
+        Pki {
+            ca: write("ca.pem", &root.pem()),
+            server_cert: write("server.pem", &scert),
+            server_key: write("server.key", &skey),
+            client_cert: write("client.pem", &ccert),
+            client_key: write("client.key", &ckey),
+            other_ca: write("other-ca.pem", &other.pem()),
+            other_client_cert: write("other-client.pem", &ocert),
+            other_client_key: write("other-client.key", &okey),
+            dir,
+        }
+    }
+
+    /// A file in the PKI directory with arbitrary content.
+    pub fn write(&self, name: &str, text: &str) -> PathBuf {
+        let p = self.dir.path().join(name);
+        std::fs::write(&p, text).expect("write file");
+        p
+    }
+}
+
+pub fn path_str(p: &Path) -> &str {
+    p.to_str().expect("utf-8 temp path")
+}

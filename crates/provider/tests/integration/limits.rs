@@ -1,0 +1,92 @@
+//! Transport limits and input caps, on the provider binary: the HTTP/2
+//! stream limit is advertised, a connection that never sends a byte is
+//! closed, and an oversized id is refused with a status a standard client
+//! can read.
+
+use std::io::Read;
+use std::time::{Duration, Instant};
+
+use bigfleet_proto::v1alpha1::{CreateRequest, MachineRef};
+
+use crate::common::Provider;
+
+#[tokio::test]
+async fn max_concurrent_streams_is_advertised() {
+    let provider = Provider::start(&["--use-fake-backend"]);
+    let tcp = tokio::net::TcpStream::connect(provider.grpc).await.unwrap();
+    let (send, connection) = h2::client::handshake(tcp).await.unwrap();
+    tokio::spawn(async move {
+        let _ = connection.await;
+    });
+    // The server's SETTINGS arrive right after the handshake; ready()
+    // resolves once the connection has processed them.
+    let send = send.ready().await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let max = send.current_max_send_streams();
+        if max == 64 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "MAX_CONCURRENT_STREAMS is {max}, not 64"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[test]
+fn a_connection_that_sends_nothing_is_closed() {
+    let provider = Provider::start(&["--use-fake-backend"]);
+    let mut tcp = std::net::TcpStream::connect(provider.grpc).unwrap();
+    tcp.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    let started = Instant::now();
+    // The server writes its SETTINGS, then closes once the preface
+    // deadline passes: read until end of stream (or a reset).
+    let mut sink = Vec::new();
+    let result = tcp.read_to_end(&mut sink);
+    let waited = started.elapsed();
+    if let Err(e) = &result {
+        assert!(
+            e.kind() != std::io::ErrorKind::WouldBlock && e.kind() != std::io::ErrorKind::TimedOut,
+            "the silent connection was still open after {waited:?}"
+        );
+    }
+    assert!(
+        waited < Duration::from_secs(20),
+        "closed only after {waited:?}"
+    );
+}
+
+#[tokio::test]
+async fn oversized_ids_get_a_short_readable_invalid_argument() {
+    let provider = Provider::start(&["--use-fake-backend"]);
+    let mut c = provider.client().await;
+    let huge = "x".repeat(1024 * 1024);
+    let status = c
+        .get(MachineRef { id: huge.clone() })
+        .await
+        .expect_err("1 MiB id");
+    assert_eq!(status.code(), tonic::Code::InvalidArgument, "{status:?}");
+    assert!(status.message().len() < 300, "{}", status.message().len());
+    assert!(
+        status.message().contains("the cap is 256 bytes"),
+        "{}",
+        status.message()
+    );
+    let status = c
+        .create(CreateRequest {
+            machine_id: "m".into(),
+            shard_id: huge,
+            shard_epoch: 1,
+            sequence_number: 1,
+        })
+        .await
+        .expect_err("1 MiB shard id");
+    assert_eq!(status.code(), tonic::Code::InvalidArgument, "{status:?}");
+    assert!(
+        status.message().starts_with("shard_id is 1048576 bytes"),
+        "{}",
+        status.message()
+    );
+}

@@ -1,0 +1,21 @@
+//! The `bigfleet-proxmox` binary's tests, one test binary (each file a
+//! module): start-up validation, TLS and the admin listener, limits,
+//! readiness, observability, secrets in logs, the operator client, and the
+//! binary on the real backend against pve-sim. Most boot the built binary
+//! as a child process; the kill -9 campaigns (`crash`, `crash_real`) stay
+//! binaries of their own, run by name by `make crash-1000` and
+//! `make crash-real`.
+
+mod common;
+
+mod admin_tls;
+mod ctl;
+mod limits;
+mod list_share;
+mod observability;
+mod offline_start;
+mod proxmox_qga;
+mod readiness;
+mod secrets;
+mod startup;
+mod tls;

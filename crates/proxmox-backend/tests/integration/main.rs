@@ -1,0 +1,15 @@
+//! proxmox-backend's integration tests, one binary (each file a module):
+//! the real substrate against pve-sim (lifecycle, robustness, late clones,
+//! clone bounds, template replicas, preflight) and the transition detail
+//! it reports. The fuzz targets and the replica benchmark stay binaries of
+//! their own (`make fuzz` and `make bench-replicas` run them by name).
+
+mod common;
+
+mod preflight;
+mod proxmox_clone_bound;
+mod proxmox_late_clone;
+mod proxmox_replicas;
+mod proxmox_robust;
+mod proxmox_sim;
+mod transition_detail;

@@ -1,0 +1,231 @@
+//! `--max-parallel-clones` bounds clones per (target node, template storage),
+//! checked against the PVE simulator. A clone in flight is visible in the
+//! simulator as a VM holding the `clone` config lock.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use provider_testkit::wait::until as wait_for;
+use proxmox_backend::proxmox::{PveOptions, PveSubstrate};
+use proxmox_backend::substrate::{CloneRequest, Substrate, VmRef};
+use pve_sim::{endpoints, PveSim, SimConfig, TemplateSpec};
+use tokio::task::JoinHandle;
+
+use crate::common::{self, client};
+
+/// One clone slot per (node, storage), outside any pool.
+fn opts() -> PveOptions {
+    PveOptions {
+        pool: None,
+        max_parallel_clones: 1,
+        ..common::opts(Duration::from_secs(30))
+    }
+}
+
+fn req(machine_id: &str, node: &str, template: u32) -> CloneRequest {
+    CloneRequest {
+        template_vmid: template,
+        ..common::req(machine_id, node)
+    }
+}
+
+/// The simulator also allows one clone per (node, storage): an overlapping
+/// clone would fail with the storage lock timeout and be POSTed again.
+fn sim_config(templates: Vec<TemplateSpec>, clone_duration: Duration) -> SimConfig {
+    SimConfig {
+        templates,
+        clone_duration,
+        start_duration: Duration::from_millis(10),
+        agent_boot_delay: Duration::from_millis(20),
+        max_parallel_local_clones: Some(1),
+        max_parallel_shared_clones: Some(1),
+        storage_lock_wait: Duration::from_millis(50),
+        ..SimConfig::default()
+    }
+}
+
+fn clones_in_flight(sim: &PveSim) -> usize {
+    sim.vms()
+        .values()
+        .filter(|v| !v.template && v.lock.as_deref() == Some("clone"))
+        .count()
+}
+
+fn template_config_reads(sim: &PveSim, template: u32) -> usize {
+    let needle = format!("/qemu/{template}/config");
+    sim.requests()
+        .iter()
+        .filter(|r| {
+            r.endpoint.as_deref() == Some(endpoints::CONFIG_GET) && r.path.ends_with(&needle)
+        })
+        .count()
+}
+
+fn spawn_create(
+    sub: &Arc<PveSubstrate>,
+    r: CloneRequest,
+) -> JoinHandle<Result<VmRef, proxmox_backend::substrate::SubstrateError>> {
+    let sub = sub.clone();
+    tokio::spawn(async move { sub.clone_vm(&r).await })
+}
+
+#[tokio::test]
+async fn different_storages_or_nodes_clone_concurrently() {
+    // Long clones so the overlap is certain to be seen.
+    let sim = PveSim::start(sim_config(
+        vec![
+            TemplateSpec::local(9000, "pve1"),
+            TemplateSpec::shared(9001, "pve1"),
+        ],
+        Duration::from_millis(1500),
+    ))
+    .await
+    .expect("simulator");
+    let sub = Arc::new(PveSubstrate::new(client(&sim), opts()));
+
+    let tasks = vec![
+        // local-lvm onto pve1
+        spawn_create(&sub, req("b/OnDemand/t/pve1/000", "pve1", 9000)),
+        // ceph-pool onto pve1: a different storage, so its own slot
+        spawn_create(&sub, req("b/OnDemand/t/pve1/001", "pve1", 9001)),
+        // ceph-pool onto pve2: same storage, different node
+        spawn_create(&sub, req("b/OnDemand/t/pve2/000", "pve2", 9001)),
+    ];
+    wait_for(
+        "three clones in flight at once",
+        Duration::from_secs(20),
+        || clones_in_flight(&sim) == 3,
+    )
+    .await;
+
+    let mut vms = Vec::new();
+    for t in tasks {
+        vms.push(t.await.expect("join").expect("create"));
+    }
+    let storages: Vec<String> = vms
+        .iter()
+        .map(|vm| sim.vm(vm.vmid).expect("vm").storage)
+        .collect();
+    assert_eq!(storages, ["local-lvm", "ceph-pool", "ceph-pool"]);
+    assert_eq!(
+        sim.call_count(endpoints::CLONE),
+        3,
+        "no clone hit a storage lock timeout"
+    );
+    assert!(sim.schema_violations().is_empty());
+    sim.shutdown().await;
+}
+
+#[tokio::test]
+async fn same_storage_same_node_clones_serialise() {
+    // Two templates, both on local-lvm of pve1.
+    let sim = PveSim::start(sim_config(
+        vec![
+            TemplateSpec::local(9000, "pve1"),
+            TemplateSpec::local(9002, "pve1"),
+        ],
+        Duration::from_millis(400),
+    ))
+    .await
+    .expect("simulator");
+    let sub = Arc::new(PveSubstrate::new(client(&sim), opts()));
+
+    let a = spawn_create(&sub, req("s/OnDemand/t/pve1/000", "pve1", 9000));
+    let b = spawn_create(&sub, req("s/OnDemand/t/pve1/001", "pve1", 9002));
+    let mut max_in_flight = 0;
+    let mut seen_one = false;
+    while !(a.is_finished() && b.is_finished()) {
+        let n = clones_in_flight(&sim);
+        seen_one |= n == 1;
+        max_in_flight = max_in_flight.max(n);
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let va = a.await.expect("join").expect("create a");
+    let vb = b.await.expect("join").expect("create b");
+    assert_ne!(va.vmid, vb.vmid);
+    assert!(seen_one, "the sampler saw a clone in flight");
+    assert_eq!(
+        max_in_flight, 1,
+        "clones on one node and storage overlapped"
+    );
+    // An overlap the sampler missed would have hit the simulator's storage
+    // lock timeout and been POSTed again.
+    assert_eq!(sim.call_count(endpoints::CLONE), 2);
+    sim.shutdown().await;
+}
+
+#[tokio::test]
+async fn template_config_is_read_once_per_template() {
+    let sim = PveSim::start(sim_config(
+        vec![
+            TemplateSpec::local(9000, "pve1"),
+            TemplateSpec::shared(9001, "pve1"),
+        ],
+        Duration::from_millis(50),
+    ))
+    .await
+    .expect("simulator");
+    let mut o = opts();
+    o.max_parallel_clones = 4;
+    let sub = Arc::new(PveSubstrate::new(client(&sim), o));
+
+    // Concurrent first Creates of one template share the single read.
+    let tasks: Vec<_> = (0..3)
+        .map(|i| {
+            spawn_create(
+                &sub,
+                req(&format!("o/OnDemand/t/pve1/{i:03}"), "pve1", 9000),
+            )
+        })
+        .collect();
+    for t in tasks {
+        t.await.expect("join").expect("create");
+    }
+    sub.clone_vm(&req("o/OnDemand/t/pve1/003", "pve1", 9000))
+        .await
+        .expect("create");
+    sub.clone_vm(&req("o/OnDemand/t/pve1/004", "pve1", 9001))
+        .await
+        .expect("create");
+    assert_eq!(template_config_reads(&sim, 9000), 1);
+    assert_eq!(template_config_reads(&sim, 9001), 1);
+    sim.shutdown().await;
+}
+
+#[tokio::test]
+async fn unreadable_template_config_fails_the_create() {
+    let sim = PveSim::start(sim_config(
+        vec![TemplateSpec::local(9000, "pve1")],
+        Duration::from_millis(50),
+    ))
+    .await
+    .expect("simulator");
+    let sub = PveSubstrate::new(client(&sim), opts());
+    // No managed VMs exist, so the only config read is the template's.
+    sim.faults().fail_next(
+        endpoints::CONFIG_GET,
+        1,
+        403,
+        "Permission check failed (/vms/9000, VM.Audit)",
+    );
+    let e = sub
+        .clone_vm(&req("u/OnDemand/t/pve1/000", "pve1", 9000))
+        .await
+        .expect_err("config unreadable");
+    let text = e.to_string();
+    assert!(
+        text.contains("template 9000") && text.contains("Permission check failed"),
+        "{e}"
+    );
+    // A 403 is a refusal, not something to retry.
+    assert_eq!(e.kind(), providerkit::ErrorKind::Refused, "{e}");
+    assert_eq!(sim.call_count(endpoints::CLONE), 0, "nothing was cloned");
+    assert!(sim.vms().values().all(|v| v.template));
+
+    // The failure is not cached: the next Create reads again and succeeds.
+    sub.clone_vm(&req("u/OnDemand/t/pve1/000", "pve1", 9000))
+        .await
+        .expect("create after the fault");
+    assert_eq!(template_config_reads(&sim, 9000), 2);
+    sim.shutdown().await;
+}

@@ -1,0 +1,14 @@
+//! pve-sim's integration tests, one binary (each file a module): the API
+//! over HTTPS, the real-cluster failure modes, the realism knobs, storage
+//! placement, the endpoint schema, the guest agent through a real
+//! `qemu-ga`, and the dialect as proxmoxer speaks it.
+
+mod common;
+
+mod api;
+mod failure_modes;
+mod proxmoxer;
+mod qga;
+mod realism;
+mod schema;
+mod storage;
