@@ -93,7 +93,7 @@ bench:
 # parallel: the slowest Configure, the provider's CPU seconds, and Get p99
 # while they run against Get p99 at rest (BENCHMARKS.md).
 bench-configure:
-	$(CARGO) test --release -p bigfleet-proxmox --test configure_load -- --ignored --nocapture bench_configure \
+	$(CARGO) test --release -p bigfleet-proxmox --test integration -- --ignored --nocapture configure_load::bench_configure \
 	  | tee -a bench/latest.txt
 
 # Create latency and PVE API calls per Create by template placement, and

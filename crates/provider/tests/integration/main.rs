@@ -9,6 +9,7 @@
 mod common;
 
 mod admin_tls;
+mod configure_load;
 mod ctl;
 mod limits;
 mod list_share;

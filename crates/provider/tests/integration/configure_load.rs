@@ -4,15 +4,13 @@
 //! slowest Configure, the provider's CPU seconds, and Get p99 while they run
 //! against Get p99 at rest.
 
-mod common;
-
 use std::time::{Duration, Instant};
 
 use bigfleet_proto::v1alpha1::capacity_provider_client::CapacityProviderClient;
 use bigfleet_proto::v1alpha1::{
     ConfigureRequest, CreateRequest, Machine, MachineRef, MachineState,
 };
-use common::{path_str, sim_backend_args, sim_ca_file, wait_state, Provider};
+use crate::common::{self, path_str, sim_backend_args, sim_ca_file, wait_state, Provider};
 use pve_sim::{PveSim, SimConfig};
 use tonic::transport::Channel;
 
