@@ -18,7 +18,7 @@
 //!
 //! - `api`: the client and options, retry and wait policy, start, stop and
 //!   destroy, the VMID-in-use check; no state.
-//! - `vmid` ([`vmid::Vmids`]): VMID choice, cool-downs, the late-clone watch.
+//! - `vmid` (`Vmids`): VMID choice, cool-downs, the late-clone watch.
 //! - `inventory`: the index of the cluster's VMs, templates' nodes, clones
 //!   in progress.
 //! - `slots`: clone slots per (node, storage).
