@@ -462,6 +462,15 @@ pub struct TaskLogLine {
     pub t: String,
 }
 
+impl TaskLogLine {
+    /// A line that says why a task failed: PVE's workers write their cause
+    /// as `ERROR: …` or a `… failed: …` line (a migration's exit status says
+    /// only `migration aborted`).
+    pub fn is_error(&self) -> bool {
+        self.t.contains("ERROR") || self.t.contains("failed")
+    }
+}
+
 /// One VM from `GET /cluster/resources?type=vm` (may be seconds stale; no description).
 #[derive(Debug, Clone, Default, PartialEq, Deserialize)]
 pub struct ClusterVm {

@@ -6,11 +6,11 @@
 
 use std::time::{Duration, Instant};
 
+use crate::common::{self, path_str, sim_backend_args, sim_ca_file, wait_state, Provider};
 use bigfleet_proto::v1alpha1::capacity_provider_client::CapacityProviderClient;
 use bigfleet_proto::v1alpha1::{
     ConfigureRequest, CreateRequest, Machine, MachineRef, MachineState,
 };
-use crate::common::{self, path_str, sim_backend_args, sim_ca_file, wait_state, Provider};
 use pve_sim::{PveSim, SimConfig};
 use tonic::transport::Channel;
 

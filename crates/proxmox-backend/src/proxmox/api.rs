@@ -229,11 +229,7 @@ impl Api {
         match self.wait_task(&upid, "start").await {
             Ok(()) => Ok(()),
             // Started by someone else meanwhile: fine.
-            Err(PveError::TaskFailed { exitstatus, .. })
-                if exitstatus.contains("already running") =>
-            {
-                Ok(())
-            }
+            Err(e) if e.is_already_running() => Ok(()),
             // A repeated start (after a lost answer) waited on the first
             // one's config lock: the first start is the one to wait for.
             Err(e) if e.is_lock_timeout() => {

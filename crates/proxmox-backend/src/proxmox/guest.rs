@@ -18,7 +18,7 @@ use providerkit::ErrorKind;
 use crate::redact::{Redactor, REDACTED};
 use crate::substrate::{SubstrateError, VmRef};
 
-/// Raw bytes per file-write / exec chunk: 36 KiB base64-encodes to 48 KiB, which
+/// Raw bytes per file-write chunk: 36 KiB base64-encodes to 48 KiB, which
 /// stays under the 60 KiB `content` limit and (form-encoded) under the 64 KiB
 /// request body limit of older PVE releases.
 pub(super) const CHUNK_RAW: usize = 36 * 1024;

@@ -578,8 +578,8 @@ impl Replicas {
         let lines = self.api.client.task_log(upid, 0, 500).await.ok()?;
         let errs: Vec<&str> = lines
             .iter()
+            .filter(|l| l.is_error())
             .map(|l| l.t.trim())
-            .filter(|t| t.contains("ERROR") || t.contains("failed"))
             .collect();
         (!errs.is_empty()).then(|| errs.join("; "))
     }

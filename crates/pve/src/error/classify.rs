@@ -36,6 +36,13 @@ impl PveError {
                 if param_errors.values().any(|v| says(v)))
     }
 
+    /// A start task that found the VM running already (`VM 104 already
+    /// running`): someone else started it, or an earlier start whose answer
+    /// was lost did. The VM is running, which is what the caller wanted.
+    pub fn is_already_running(&self) -> bool {
+        matches!(self, PveError::TaskFailed { exitstatus, .. } if exitstatus.contains("already running"))
+    }
+
     /// pveproxy could not reach the node owning the call (595/596/597).
     pub fn is_node_unreachable(&self) -> bool {
         matches!(self.status(), Some(595..=597))
@@ -303,6 +310,22 @@ pub(crate) fn is_lock_timeout_text(m: &str) -> bool {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn already_running_is_a_start_task_text() {
+        let task = |exitstatus: &str| PveError::TaskFailed {
+            upid: "UPID:pve1:0:0:0:qmstart:104:root@pam:".into(),
+            exitstatus: exitstatus.into(),
+        };
+        assert!(task("VM 104 already running").is_already_running());
+        assert!(!task("start failed: QEMU exited with code 1").is_already_running());
+        let api = PveError::Api {
+            status: 500,
+            message: "VM 104 already running".into(),
+            param_errors: Default::default(),
+        };
+        assert!(!api.is_already_running(), "only a task says it");
+    }
+
     #[test]
     fn storage_missing_texts() {
         let api = |status: u16, message: &str, param: Option<(&str, &str)>| PveError::Api {
