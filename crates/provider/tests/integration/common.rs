@@ -216,6 +216,11 @@ impl Provider {
         }
     }
 
+    /// The child's pid (its CPU time is read from /proc by the benchmark).
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     #[allow(unsafe_code)] // libc call; see the SAFETY note inside
     pub fn signal(&self, sig: i32) {
         // SAFETY: kill(2) on our own child's pid.
