@@ -64,10 +64,9 @@ async fn a_failing_bootstrap_that_echoes_the_blob_leaks_nothing() {
     let failed = wait_failed(&mut c, &id, DEADLINE).await;
     let err = &failed.last_error;
     assert!(err.contains("exited 3"), "{err}");
-    assert!(
-        err.contains("not found") && err.contains("bad hash"),
-        "{err}"
-    );
+    // "bad hash" is printed from the blob verbatim as part of a 48-byte
+    // run of it, so it goes with the secret; the shell's own words stay.
+    assert!(err.contains("not found"), "{err}");
     assert!(
         err.contains("[redacted]") && err.contains("replaced"),
         "{err}"
