@@ -1,7 +1,6 @@
 //! What the monitoring checks share: the metric catalogue as
 //! docs/observability.md states it, metric names referenced by PromQL
-//! expressions, the alert rules file, and the OpenMetrics to Prometheus
-//! text conversion `promtool check metrics` needs.
+//! expressions and the alert rules file.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
@@ -276,47 +275,6 @@ pub fn alert_rules(rule_file: &str) -> Vec<AlertRule> {
     out
 }
 
-/// Rewrites an OpenMetrics exposition into the Prometheus text format
-/// (0.0.4) that `promtool check metrics` parses: a counter family `x` whose
-/// samples are `x_total` is declared as `x_total` (as Prometheus itself names
-/// the series), `# UNIT` lines and the `# EOF` terminator are dropped.
-/// Sample lines are passed through unchanged.
-pub fn openmetrics_to_text(exposition: &str) -> String {
-    let sample_names: BTreeSet<&str> = exposition
-        .lines()
-        .filter(|l| !l.starts_with('#'))
-        .filter_map(|l| l.split(['{', ' ']).next())
-        .collect();
-    // Counter families whose samples carry the `_total` suffix.
-    let counters: BTreeSet<&str> = exposition
-        .lines()
-        .filter_map(|l| l.strip_prefix("# TYPE "))
-        .filter_map(|l| l.split_once(' '))
-        .filter(|(name, t)| {
-            t.trim() == "counter"
-                && !name.ends_with("_total")
-                && sample_names.contains(format!("{name}_total").as_str())
-        })
-        .map(|(name, _)| name)
-        .collect();
-    let mut out = String::new();
-    for line in exposition.lines() {
-        if line == "# EOF" || line.starts_with("# UNIT ") {
-            continue;
-        }
-        let rewritten = ["# HELP ", "# TYPE "].iter().find_map(|p| {
-            let rest = line.strip_prefix(p)?;
-            let (name, tail) = rest.split_once(' ').unwrap_or((rest, ""));
-            counters
-                .contains(name)
-                .then(|| format!("{p}{name}_total {tail}"))
-        });
-        out.push_str(rewritten.as_deref().unwrap_or(line));
-        out.push('\n');
-    }
-    out
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -345,22 +303,5 @@ mod tests {
         assert_eq!(c[0].labels, ["op", "outcome"]);
         assert!(c[1].labels.is_empty());
         assert_eq!(c[1].kind, "gauge");
-    }
-
-    #[test]
-    fn counters_without_total_samples_are_left_for_the_lint() {
-        let bad = "# TYPE x_things counter\nx_things 1\n";
-        assert_eq!(openmetrics_to_text(bad), bad);
-    }
-
-    #[test]
-    fn openmetrics_counters_get_their_total_name() {
-        let om = "# HELP x_calls Calls.\n# TYPE x_calls counter\nx_calls_total{a=\"b\"} 1\n\
-                  # HELP g A gauge.\n# TYPE g gauge\ng 2\n# EOF\n";
-        assert_eq!(
-            openmetrics_to_text(om),
-            "# HELP x_calls_total Calls.\n# TYPE x_calls_total counter\nx_calls_total{a=\"b\"} 1\n\
-             # HELP g A gauge.\n# TYPE g gauge\ng 2\n"
-        );
     }
 }

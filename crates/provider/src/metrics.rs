@@ -1,8 +1,12 @@
-//! Prometheus metrics, in a registry of our own (never a global one).
+//! Prometheus metrics, in a registry of our own (never a global one), and
+//! the `/metrics` answer: the Prometheus text format (0.0.4) unless the
+//! scrape's `Accept` asks for OpenMetrics, both encoded by the library.
 
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
 use prometheus_client::metrics::counter::{ConstCounter, Counter};
@@ -14,6 +18,64 @@ use prometheus_client::registry::Registry;
 
 use providerkit::{Engine, ErrorKind, State};
 use proxmox_backend::substrate::{ApiObserver, API_OPS};
+
+/// The exposition formats `/metrics` serves.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Format {
+    /// The Prometheus text format, version 0.0.4: what a scrape gets unless
+    /// it asks for OpenMetrics, because people, scripts, `promtool check
+    /// metrics` and older scrapers read only this one.
+    Text,
+    /// OpenMetrics 1.0.0, for a scrape whose `Accept` prefers it (Prometheus
+    /// itself does).
+    OpenMetrics,
+}
+
+impl Format {
+    /// The format for a request's `Accept` header, negotiated as Prometheus'
+    /// own client library does: the media ranges in order of preference
+    /// (`q`, highest first; `q=0` refuses), the first one served wins, and
+    /// the text format when none is (no header, `*/*`, an unparsable one).
+    pub fn negotiate(accept: Option<&str>) -> Format {
+        let Some(accept) = accept else {
+            return Format::Text;
+        };
+        let mut ranges: Vec<(f32, Format)> = accept
+            .split(',')
+            .filter_map(|range| range.trim().parse::<mime::Mime>().ok())
+            .filter_map(|range| {
+                let quality = match range.get_param("q") {
+                    None => 1.0,
+                    Some(q) => q.as_str().parse::<f32>().ok()?,
+                };
+                let version = range.get_param("version").map(|v| v.as_str());
+                let format = match range.essence_str() {
+                    "text/plain" if matches!(version, None | Some("0.0.4" | "1.0.0")) => {
+                        Format::Text
+                    }
+                    "application/openmetrics-text"
+                        if matches!(version, None | Some("1.0.0" | "0.0.1")) =>
+                    {
+                        Format::OpenMetrics
+                    }
+                    _ => return None,
+                };
+                (quality > 0.0).then_some((quality, format))
+            })
+            .collect();
+        // Stable: among equal qualities the header's own order decides.
+        ranges.sort_by(|a, b| b.0.total_cmp(&a.0));
+        ranges.first().map_or(Format::Text, |&(_, format)| format)
+    }
+
+    /// The `Content-Type` of an answer in this format.
+    pub fn content_type(self) -> &'static str {
+        match self {
+            Format::Text => prometheus_client::encoding::prometheus_text::CONTENT_TYPE,
+            Format::OpenMetrics => "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        }
+    }
+}
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ApiCallLabels {
@@ -165,11 +227,32 @@ impl Metrics {
         })
     }
 
-    /// The exposition in Prometheus/OpenMetrics text format.
-    pub fn encode(&self) -> Result<String, std::fmt::Error> {
+    /// The exposition in `format`.
+    pub fn encode(&self, format: Format) -> Result<String, std::fmt::Error> {
         let mut out = String::new();
-        prometheus_client::encoding::text::encode(&mut out, &self.registry)?;
+        match format {
+            Format::Text => {
+                prometheus_client::encoding::prometheus_text::encode(&mut out, &self.registry)?
+            }
+            Format::OpenMetrics => {
+                prometheus_client::encoding::text::encode(&mut out, &self.registry)?
+            }
+        }
         Ok(out)
+    }
+
+    /// The answer to `GET /metrics` for a scrape that sent `accept`.
+    pub fn scrape(&self, accept: Option<&HeaderValue>) -> Response {
+        let format = Format::negotiate(accept.and_then(|v| v.to_str().ok()));
+        match self.encode(format) {
+            Ok(body) => (
+                StatusCode::OK,
+                [(header::CONTENT_TYPE, format.content_type())],
+                body,
+            )
+                .into_response(),
+            Err(_) => (StatusCode::INTERNAL_SERVER_ERROR, "encoding failed").into_response(),
+        }
     }
 
     pub fn observe_grpc(&self, method: &str, code: &str, elapsed: Duration) {
@@ -357,5 +440,76 @@ impl Collector for ProcessCollector {
             )?)?;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn plain_scrapes_get_the_text_format() {
+        for accept in [
+            None,
+            Some(""),
+            Some("*/*"),
+            Some("text/plain"),
+            Some("text/plain;version=0.0.4"),
+            Some("application/json, */*;q=0.5"),
+            Some("not a media type"),
+            // Refused with q=0.
+            Some("application/openmetrics-text;q=0, text/plain"),
+            Some("application/openmetrics-text;q=0"),
+            // A version of OpenMetrics we do not speak.
+            Some("application/openmetrics-text;version=9.9.9"),
+            // Preferred by q, whatever the order.
+            Some("application/openmetrics-text;q=0.3, text/plain;q=0.9"),
+        ] {
+            assert_eq!(Format::negotiate(accept), Format::Text, "{accept:?}");
+        }
+    }
+
+    #[test]
+    fn scrapes_that_ask_for_openmetrics_get_it() {
+        for accept in [
+            "application/openmetrics-text",
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+            // Prometheus 2.x.
+            "application/openmetrics-text;version=1.0.0,application/openmetrics-text;\
+             version=0.0.1;q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1",
+            // Prometheus 3.x.
+            "application/openmetrics-text;version=1.0.0;escaping=allow-utf-8;q=0.6,\
+             application/openmetrics-text;version=0.0.1;q=0.5,text/plain;version=1.0.0;\
+             escaping=allow-utf-8;q=0.4,text/plain;version=0.0.4;q=0.3,*/*;q=0.2",
+            // A range we do not serve ranks first and is passed over.
+            "application/vnd.google.protobuf;q=0.9, application/openmetrics-text;q=0.5",
+            // Equal q: the header's order.
+            "application/openmetrics-text, text/plain",
+        ] {
+            assert_eq!(
+                Format::negotiate(Some(accept)),
+                Format::OpenMetrics,
+                "{accept:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn each_format_is_the_library_encoding_with_its_content_type() {
+        let metrics = Metrics::new();
+        metrics.observe_reconcile(true);
+        let text = metrics.encode(Format::Text).expect("text");
+        assert!(text.contains("# TYPE bigfleet_proxmox_reconcile_total counter\n"));
+        assert!(text.contains("bigfleet_proxmox_reconcile_total{outcome=\"success\"} 1\n"));
+        assert!(!text.contains("# EOF"), "{text}");
+        let openmetrics = metrics.encode(Format::OpenMetrics).expect("openmetrics");
+        assert!(openmetrics.contains("# TYPE bigfleet_proxmox_reconcile counter\n"));
+        assert!(openmetrics.ends_with("# EOF\n"), "{openmetrics}");
+        assert!(Format::Text
+            .content_type()
+            .starts_with("text/plain; version=0.0.4"));
+        assert!(Format::OpenMetrics
+            .content_type()
+            .starts_with("application/openmetrics-text; version=1.0.0"));
     }
 }

@@ -6,8 +6,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use axum::extract::State;
-use axum::http::{header, StatusCode};
-use axum::response::IntoResponse;
+use axum::http::{header, HeaderMap, StatusCode};
 use axum::routing::get;
 use axum::Router;
 use bigfleet_proto::serving::capacity_provider_server::CapacityProviderServer;
@@ -116,21 +115,8 @@ pub fn http_router(metrics: Arc<Metrics>, ready: Readiness) -> Router {
         .route(
             "/metrics",
             get(
-                |State((metrics, _)): State<(Arc<Metrics>, Readiness)>| async move {
-                    match metrics.encode() {
-                        Ok(body) => (
-                            StatusCode::OK,
-                            [(
-                                header::CONTENT_TYPE,
-                                "application/openmetrics-text; version=1.0.0; charset=utf-8",
-                            )],
-                            body,
-                        )
-                            .into_response(),
-                        Err(_) => {
-                            (StatusCode::INTERNAL_SERVER_ERROR, "encoding failed").into_response()
-                        }
-                    }
+                |State((metrics, _)): State<(Arc<Metrics>, Readiness)>, headers: HeaderMap| async move {
+                    metrics.scrape(headers.get(header::ACCEPT))
                 },
             ),
         )

@@ -15,13 +15,24 @@ pub struct Response {
     pub body: String,
 }
 
-/// `GET path` on a fresh connection to `addr` (`Connection: close`).
+/// `GET path` on a fresh connection to `addr` (`Connection: close`), with
+/// no `Accept` header, as `curl` sends it.
 pub fn get(addr: SocketAddr, path: &str) -> std::io::Result<Response> {
+    request(addr, path, "")
+}
+
+/// [`get`] with an `Accept` header: `/metrics` answers in the format it
+/// asks for.
+pub fn get_accepting(addr: SocketAddr, path: &str, accept: &str) -> std::io::Result<Response> {
+    request(addr, path, &format!("Accept: {accept}\r\n"))
+}
+
+fn request(addr: SocketAddr, path: &str, headers: &str) -> std::io::Result<Response> {
     let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(5))?;
     s.set_read_timeout(Some(Duration::from_secs(10)))?;
     write!(
         s,
-        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+        "GET {path} HTTP/1.1\r\nHost: {addr}\r\n{headers}Connection: close\r\n\r\n"
     )?;
     let mut raw = Vec::new();
     s.read_to_end(&mut raw)?;

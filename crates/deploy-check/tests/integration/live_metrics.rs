@@ -1,10 +1,15 @@
-//! A live scrape of the provider passes `promtool check metrics`, and every
-//! `bigfleet_proxmox_*` family it exposes is in docs/observability.md's
-//! catalogue with the documented type and labels.
+//! A live scrape of the provider passes `promtool check metrics` as it is
+//! served (the Prometheus text format, nothing rewritten), its OpenMetrics
+//! answer passes the OpenMetrics parser of Prometheus' own Python client with
+//! the same families and series, and every `bigfleet_proxmox_*` family it
+//! exposes is in docs/observability.md's catalogue with the documented type
+//! and labels.
 //!
 //! Boots the built provider (`cargo build -p bigfleet-proxmox`) on the fake
 //! backend, bound to 127.0.0.1 only, waits for /readyz, serves a few RPCs
-//! through `bigfleet-proxmox ctl` so the gRPC series exist, and GETs /metrics.
+//! through `bigfleet-proxmox ctl` so the gRPC series exist, and GETs /metrics
+//! twice: with no `Accept`, as `curl` does, and asking for OpenMetrics, as
+//! Prometheus does.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::{BufRead, BufReader, Write};
@@ -13,9 +18,19 @@ use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use deploy_check::monitoring::{catalogue, openmetrics_to_text, read, MACHINE_STATES};
-use deploy_check::tools::{find_or_skip, provider_binary, PROMTOOL_INSTALL};
-use provider_testkit::http::{get, Response};
+use deploy_check::monitoring::{catalogue, read, MACHINE_STATES};
+use deploy_check::tools::{
+    find_or_skip, provider_binary, python_module_or_skip, PROMETHEUS_CLIENT_INSTALL,
+    PROMTOOL_INSTALL,
+};
+use provider_testkit::http::{get, get_accepting, Response};
+
+/// Reads an exposition with Prometheus' Python client (see its docstring).
+const EXPOSITION_PY: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/exposition.py");
+/// What Prometheus 2.x sends: OpenMetrics preferred, the text format accepted.
+const PROMETHEUS_ACCEPT: &str = "application/openmetrics-text;version=1.0.0,\
+                                 application/openmetrics-text;version=0.0.1;q=0.75,\
+                                 text/plain;version=0.0.4;q=0.5,*/*;q=0.1";
 
 struct Provider {
     child: Child,
@@ -124,7 +139,13 @@ fn ctl(p: &Provider, args: &[&str]) -> (bool, String) {
     )
 }
 
-fn scrape() -> Response {
+/// The same provider scraped twice: as `curl` does and as Prometheus does.
+struct Scrapes {
+    text: Response,
+    openmetrics: Response,
+}
+
+fn scrape() -> Scrapes {
     let mut p = start();
     wait_ready(&mut p);
     // A List that succeeds and a Get that is NotFound, so the gRPC families
@@ -133,21 +154,32 @@ fn scrape() -> Response {
     assert!(ok, "ctl list failed: {out}");
     let (ok, out) = ctl(&p, &["get", "no-such-machine"]);
     assert!(!ok, "ctl get of an unknown machine succeeded: {out}");
-    let r = get(p.metrics_addr, "/metrics").expect("GET /metrics");
-    assert_eq!(r.status, 200, "{}", r.body);
-    for want in [
-        r#"method="List",code="OK""#,
-        r#"method="Get",code="NotFound""#,
-    ] {
-        assert!(
-            r.body
-                .lines()
-                .any(|l| l.starts_with("bigfleet_proxmox_grpc_requests_total{") && l.contains(want)),
-            "no bigfleet_proxmox_grpc_requests_total{{{want}}} in the scrape:\n{}",
-            r.body
-        );
+    let scrape = |accept: Option<&str>| {
+        let r = match accept {
+            None => get(p.metrics_addr, "/metrics"),
+            Some(accept) => get_accepting(p.metrics_addr, "/metrics", accept),
+        }
+        .expect("GET /metrics");
+        assert_eq!(r.status, 200, "{}", r.body);
+        for want in [
+            r#"method="List",code="OK""#,
+            r#"method="Get",code="NotFound""#,
+        ] {
+            assert!(
+                r.body
+                    .lines()
+                    .any(|l| l.starts_with("bigfleet_proxmox_grpc_requests_total{")
+                        && l.contains(want)),
+                "no bigfleet_proxmox_grpc_requests_total{{{want}}} in the scrape:\n{}",
+                r.body
+            );
+        }
+        r
+    };
+    Scrapes {
+        text: scrape(None),
+        openmetrics: scrape(Some(PROMETHEUS_ACCEPT)),
     }
-    r
 }
 
 /// Families as name -> (type, label names seen), from `# TYPE` and samples.
@@ -238,11 +270,12 @@ fn promtool_check_metrics_catches_a_misnamed_counter() {
     };
     let bad = "# HELP bigfleet_proxmox_things Things.\n# TYPE bigfleet_proxmox_things counter\n\
                bigfleet_proxmox_things 1\n";
-    let (ok, report) = lint(&promtool, &openmetrics_to_text(bad));
+    let (ok, report) = lint(&promtool, bad);
     assert!(!ok, "promtool accepted a counter without _total");
     assert!(report.contains("_total"), "{report}");
 }
 
+/// `curl -s :9090/metrics | promtool check metrics`, exactly.
 #[test]
 fn live_scrape_passes_promtool_check_metrics() {
     let Some(promtool) = find_or_skip(
@@ -252,51 +285,148 @@ fn live_scrape_passes_promtool_check_metrics() {
     ) else {
         return;
     };
-    let r = scrape();
-    let content_type = r.headers.get("content-type").cloned().unwrap_or_default();
-    let lint = |text: &str| lint(&promtool, text);
+    let r = scrape().text;
+    assert_eq!(
+        r.headers.get("content-type").map(String::as_str),
+        Some("text/plain; version=0.0.4; charset=utf-8"),
+        "a scrape without Accept gets the Prometheus text format"
+    );
+    let (ok, report) = lint(&promtool, &r.body);
+    assert!(
+        ok && report.trim().is_empty(),
+        "promtool check metrics:\n{report}\n--- scrape:\n{}",
+        r.body
+    );
+}
 
-    if content_type.starts_with("application/openmetrics-text") {
-        // promtool check metrics reads only the Prometheus text format. In
-        // OpenMetrics a counter family `x` has samples `x_total`, which that
-        // parser sees as an untyped family without HELP. Those complaints, and
-        // only those, are the format's; everything else must be clean.
-        let (_, raw_report) = lint(&r.body);
-        let counters: BTreeSet<String> = families(&r.body)
-            .into_iter()
-            .filter(|(_, (t, _))| t == "counter")
-            .map(|(n, _)| format!("{n}_total"))
-            .collect();
-        for line in raw_report.lines().filter(|l| !l.trim().is_empty()) {
-            let format_only = line
-                .strip_suffix(" no help text")
-                .is_some_and(|m| counters.contains(m.trim()));
-            assert!(
-                format_only,
-                "promtool check metrics complains about the raw OpenMetrics scrape beyond the \
-                 format difference: {line}\n{raw_report}"
-            );
-        }
-        eprintln!(
-            "raw OpenMetrics scrape, complaints that are only the format difference:\n{raw_report}"
-        );
-        let (ok, report) = lint(&openmetrics_to_text(&r.body));
-        assert!(
-            ok && report.trim().is_empty(),
-            "promtool check metrics on the scrape (as Prometheus text):\n{report}"
-        );
-    } else {
-        let (ok, report) = lint(&r.body);
-        assert!(
-            ok && report.trim().is_empty(),
-            "promtool check metrics:\n{report}"
-        );
+/// One family as Prometheus' Python client parsed it.
+#[derive(Debug, PartialEq, Eq, PartialOrd, Ord)]
+struct ParsedFamily {
+    name: String,
+    kind: String,
+    /// Series: sample name and labels (values differ between two scrapes).
+    series: BTreeSet<(String, BTreeMap<String, String>)>,
+}
+
+/// Parses `exposition` with the client's `format` parser (`text` or
+/// `openmetrics`); the error is the parser's reason.
+fn parse_with_prometheus_client(
+    format: &str,
+    exposition: &str,
+) -> Result<Vec<ParsedFamily>, String> {
+    let mut child = Command::new("python3")
+        .args([EXPOSITION_PY, format])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run python3 exposition.py");
+    child
+        .stdin
+        .take()
+        .expect("piped stdin")
+        .write_all(exposition.as_bytes())
+        .expect("write the exposition");
+    let out = child.wait_with_output().expect("exposition.py ran");
+    if !out.status.success() {
+        return Err(String::from_utf8_lossy(&out.stderr).into_owned());
     }
+    let mut families = Vec::new();
+    for line in String::from_utf8_lossy(&out.stdout).lines() {
+        let f: serde_json::Value = serde_json::from_str(line).expect("exposition.py prints JSON");
+        let series = f["samples"]
+            .as_array()
+            .expect("samples")
+            .iter()
+            .map(|s| {
+                let labels = s["labels"]
+                    .as_object()
+                    .expect("labels")
+                    .iter()
+                    .map(|(k, v)| (k.clone(), v.as_str().unwrap_or_default().to_owned()))
+                    .collect();
+                (s["name"].as_str().unwrap_or_default().to_owned(), labels)
+            })
+            .collect();
+        families.push(ParsedFamily {
+            name: f["name"].as_str().unwrap_or_default().to_owned(),
+            kind: f["type"].as_str().unwrap_or_default().to_owned(),
+            series,
+        });
+    }
+    families.sort();
+    Ok(families)
+}
+
+/// The parser the OpenMetrics check relies on does reject what promtool
+/// cannot see in that format.
+#[test]
+fn prometheus_client_rejects_bad_openmetrics() {
+    if !python_module_or_skip(
+        "prometheus_client",
+        PROMETHEUS_CLIENT_INSTALL,
+        "the OpenMetrics parser on bad expositions",
+    ) {
+        return;
+    }
+    let good = "# HELP a x.\n# TYPE a counter\na_total{k=\"v\"} 1\n# EOF\n";
+    let parsed = parse_with_prometheus_client("openmetrics", good).expect("a good exposition");
+    assert_eq!(parsed.len(), 1);
+    assert_eq!(
+        (parsed[0].name.as_str(), parsed[0].kind.as_str()),
+        ("a", "counter")
+    );
+    for (bad, why) in [
+        ("# HELP a x.\n# TYPE a counter\na_total 1\n", "EOF"),
+        ("# HELP a x.\n# TYPE a counter\na 1\n# EOF\n", "Clashing name"),
+        (
+            "# TYPE h histogram\nh_bucket{le=\"1\"} 2\nh_bucket{le=\"+Inf\"} 1\nh_count 1\nh_sum 0\n# EOF\n",
+            "out of order",
+        ),
+    ] {
+        let err = parse_with_prometheus_client("openmetrics", bad).expect_err(bad);
+        assert!(err.contains(why), "{bad:?}: {err}");
+    }
+}
+
+/// Prometheus' Accept gets OpenMetrics, valid for the strict parser, with the
+/// very families and series of the text answer.
+#[test]
+fn live_openmetrics_scrape_passes_the_prometheus_client_parser() {
+    if !python_module_or_skip(
+        "prometheus_client",
+        PROMETHEUS_CLIENT_INSTALL,
+        "the OpenMetrics parser on a live scrape",
+    ) {
+        return;
+    }
+    let s = scrape();
+    assert_eq!(
+        s.openmetrics
+            .headers
+            .get("content-type")
+            .map(String::as_str),
+        Some("application/openmetrics-text; version=1.0.0; charset=utf-8"),
+        "Prometheus' Accept gets OpenMetrics"
+    );
+    let openmetrics = parse_with_prometheus_client("openmetrics", &s.openmetrics.body)
+        .unwrap_or_else(|e| panic!("{e}\n--- scrape:\n{}", s.openmetrics.body));
+    let text = parse_with_prometheus_client("text", &s.text.body)
+        .unwrap_or_else(|e| panic!("{e}\n--- scrape:\n{}", s.text.body));
+    assert!(
+        openmetrics
+            .iter()
+            .filter(|f| f.name.starts_with("bigfleet_proxmox_"))
+            .count()
+            >= 3,
+        "{openmetrics:#?}"
+    );
+    assert_eq!(openmetrics, text, "the two formats carry different data");
 }
 
 #[test]
 fn live_scrape_matches_the_documented_catalogue() {
-    let r = scrape();
+    let r = scrape().text;
     let scraped = families(&r.body);
     let docs = catalogue(&read("docs/observability.md"));
     let documented: BTreeMap<&str, _> = docs.iter().map(|e| (e.name.as_str(), e)).collect();

@@ -3,7 +3,7 @@
 //! a deadline, capture stderr, talk HTTP/1.1 to the probes, and kill it on
 //! drop.
 
-use std::io::{BufRead, BufReader, Read};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpListener};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
@@ -548,4 +548,47 @@ impl Pki {
 
 pub fn path_str(p: &Path) -> &str {
     p.to_str().expect("utf-8 temp path")
+}
+
+/// promtool (Debian's prometheus package) on PATH; without it the check is
+/// skipped, except under `CI=true`, where `.ci/run` installs it
+/// ([`provider_testkit::host::or_skip`]).
+pub fn promtool_or_skip() -> Option<PathBuf> {
+    provider_testkit::host::or_skip(
+        std::env::var_os("PATH")
+            .and_then(|path| {
+                std::env::split_paths(&path)
+                    .map(|dir| dir.join("promtool"))
+                    .find(|p| p.is_file())
+            })
+            .ok_or_else(|| {
+                "promtool was not found on PATH; install it with \
+                 `apt-get install -y --no-install-recommends prometheus`"
+                    .to_owned()
+            }),
+    )
+}
+
+/// `promtool check metrics` on `exposition`: (clean exit, its report).
+pub fn promtool_check_metrics(promtool: &Path, exposition: &str) -> (bool, String) {
+    let mut child = Command::new(promtool)
+        .args(["check", "metrics"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run promtool check metrics");
+    child
+        .stdin
+        .take()
+        .expect("piped stdin")
+        .write_all(exposition.as_bytes())
+        .expect("write the exposition to promtool");
+    let out = child.wait_with_output().expect("promtool ran");
+    let report = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.success() && report.trim().is_empty(), report)
 }

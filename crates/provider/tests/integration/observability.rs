@@ -1,7 +1,8 @@
-//! Observability, black-box: metrics after a full lifecycle (checked with a
-//! validating exposition parser), probes and gRPC health, graceful shutdown
-//! on SIGTERM, one log line per RPC, secrets never logged or exported; plus
-//! the panic layer in-process.
+//! Observability, black-box: metrics after a full lifecycle (the OpenMetrics
+//! answer checked with a validating exposition parser), the plain scrape of
+//! the real backend on the simulator through `promtool check metrics`, probes
+//! and gRPC health, graceful shutdown on SIGTERM, one log line per RPC,
+//! secrets never logged or exported; plus the panic layer in-process.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
@@ -15,18 +16,27 @@ use bigfleet_proto::v1alpha1::{
     MachineState,
 };
 use bigfleet_proxmox::layers::{CatchPanicLayer, ObserveLayer};
-use bigfleet_proxmox::metrics::Metrics;
+use bigfleet_proxmox::metrics::{Format, Metrics};
 use provider_testkit::field;
+use pve_sim::{PveSim, SimConfig};
 use tonic::{Code, Request, Response, Status};
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
 use tonic_health::pb::HealthCheckRequest;
 
-use crate::common::{self, http_get, plain_channel, run_to_exit, wait_state, Provider, POLL};
+use crate::common::{
+    self, http_get, plain_channel, promtool_check_metrics, promtool_or_skip, run_to_exit,
+    sim_backend_args, sim_ca_file, start_blocking, wait_state, Provider, POLL,
+};
 
 const SECRET_BLOB: &str = "SECRET-BLOB-7f3a";
 const SECRET_TOKEN: &str = "SECRET-TOKEN-91c2";
 const LIFECYCLE_DEADLINE: Duration = Duration::from_secs(30);
+/// Prometheus' own preference: OpenMetrics first, the text format after.
+const PROMETHEUS_ACCEPT: &str = "application/openmetrics-text;version=1.0.0,\
+                                 text/plain;version=0.0.4;q=0.5,*/*;q=0.1";
+const OPENMETRICS_CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+const TEXT_CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
 
 // ---------------------------------------------------------------------------
 // A small validating parser for the Prometheus / OpenMetrics text format.
@@ -351,9 +361,16 @@ fn parser_rejects_malformed_expositions() {
 
 // ---------------------------------------------------------------------------
 
+/// Scrapes as Prometheus does (asking for OpenMetrics) and parses the answer.
 fn scrape(p: &Provider) -> (String, Exposition) {
-    let (status, body) = http_get(p.metrics, "/metrics").expect("GET /metrics");
-    assert_eq!(status, 200, "{body}");
+    let answer = provider_testkit::http::get_accepting(p.metrics, "/metrics", PROMETHEUS_ACCEPT)
+        .expect("GET /metrics");
+    let body = answer.body;
+    assert_eq!(answer.status, 200, "{body}");
+    assert_eq!(
+        answer.headers.get("content-type").map(String::as_str),
+        Some(OPENMETRICS_CONTENT_TYPE)
+    );
     let exp = parse_exposition(&body).unwrap_or_else(|e| panic!("{e}\n--- exposition:\n{body}"));
     (body, exp)
 }
@@ -414,6 +431,66 @@ fn rpc_lines(p: &Provider, method: &str) -> Vec<String> {
         .into_iter()
         .filter(|l| field(l, "method").as_deref() == Some(method) && l.contains(" msg=rpc"))
         .collect()
+}
+
+/// `curl -s :9090/metrics | promtool check metrics` on the real backend,
+/// once a Create on the simulator has given the Proxmox families their
+/// series; and its OpenMetrics answer through the validating parser.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn real_backend_scrape_passes_promtool_and_the_openmetrics_parser() {
+    let sim = PveSim::start(SimConfig::default())
+        .await
+        .expect("simulator");
+    let (_dir, ca) = sim_ca_file(&sim);
+    let args = sim_backend_args(
+        &sim,
+        &ca,
+        "pve1",
+        &["--seed-count", "1", "--proxmox-poll-interval", "50ms"],
+    );
+    let p = start_blocking(args).await;
+    let mut c = p.client().await;
+    let id = common::speculative_id(&mut c).await;
+    c.create(CreateRequest {
+        machine_id: id.clone(),
+        ..Default::default()
+    })
+    .await
+    .expect("Create");
+    wait_state(&mut c, &id, MachineState::Idle, LIFECYCLE_DEADLINE).await;
+
+    let (_, exp) = scrape(&p);
+    assert!(
+        exp.must(
+            "bigfleet_proxmox_api_calls_total",
+            &[("op", "CloneVM"), ("outcome", "success")]
+        ) >= 1.0
+    );
+    let plain = provider_testkit::http::get(p.metrics, "/metrics").expect("GET /metrics");
+    assert_eq!(plain.status, 200, "{}", plain.body);
+    assert_eq!(
+        plain.headers.get("content-type").map(String::as_str),
+        Some(TEXT_CONTENT_TYPE)
+    );
+    assert!(
+        plain
+            .body
+            .lines()
+            .any(|l| l.starts_with("bigfleet_proxmox_api_calls_total{op=\"CloneVM\"")),
+        "{}",
+        plain.body
+    );
+    if let Some(promtool) = promtool_or_skip() {
+        let (clean, report) = promtool_check_metrics(&promtool, &plain.body);
+        assert!(
+            clean,
+            "promtool check metrics:\n{report}\n--- scrape:\n{}",
+            plain.body
+        );
+    }
+    drop(c);
+    drop(p);
+    sim.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -944,7 +1021,8 @@ async fn panicking_handler_answers_internal_and_the_server_survives() {
         !first.message().contains("boom"),
         "panic detail leaked to the client"
     );
-    let exp = parse_exposition(&metrics.encode().expect("encode")).expect("valid exposition");
+    let exp = parse_exposition(&metrics.encode(Format::OpenMetrics).expect("encode"))
+        .expect("valid exposition");
     assert_eq!(exp.must("bigfleet_proxmox_panics_total", &[]), 1.0);
     assert_eq!(
         exp.must(
@@ -966,7 +1044,8 @@ async fn panicking_handler_answers_internal_and_the_server_survives() {
         .expect("List on a new connection");
     let second = fresh.get(get("m-2")).await.expect_err("Get panics again");
     assert_eq!(second.code(), Code::Internal);
-    let exp = parse_exposition(&metrics.encode().expect("encode")).expect("valid exposition");
+    let exp = parse_exposition(&metrics.encode(Format::OpenMetrics).expect("encode"))
+        .expect("valid exposition");
     assert_eq!(exp.must("bigfleet_proxmox_panics_total", &[]), 2.0);
     assert!(!server.is_finished(), "the server stopped after a panic");
     server.abort();
