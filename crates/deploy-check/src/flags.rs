@@ -8,7 +8,7 @@
 //! wrapping tool. A command that starts with one of [`OTHER_TOOLS`] and never
 //! reaches the provider is skipped; any other text is checked in full.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 
 /// Programs whose flags the docs may show.
 pub const OTHER_TOOLS: &[&str] = &[
@@ -240,9 +240,258 @@ pub fn help_flags(help: &str) -> BTreeSet<String> {
         .collect()
 }
 
+/// Each option of `--help` output with its `[default: ...]`, unquoted as
+/// clap quotes it (`"..."` with `\"` escapes when the value has spaces);
+/// `None` for an option without one.
+pub fn help_defaults(help: &str) -> BTreeMap<String, Option<String>> {
+    let mut out = BTreeMap::new();
+    let mut current: Option<(String, String)> = None;
+    let finish = |entry: Option<(String, String)>, out: &mut BTreeMap<_, _>| {
+        if let Some((flag, text)) = entry {
+            out.insert(flag, clap_default(&text));
+        }
+    };
+    for line in help.lines() {
+        let opens = help_flags(line).into_iter().next();
+        match opens {
+            Some(flag) => {
+                finish(current.take(), &mut out);
+                current = Some((flag, line.to_owned()));
+            }
+            None => {
+                if let Some((_, text)) = current.as_mut() {
+                    text.push(' ');
+                    text.push_str(line.trim());
+                }
+            }
+        }
+    }
+    finish(current.take(), &mut out);
+    out
+}
+
+/// The value of clap's `[default: VALUE]` in an option's help text.
+fn clap_default(text: &str) -> Option<String> {
+    let rest = &text[text.find("[default: ")? + "[default: ".len()..];
+    let Some(quoted) = rest.strip_prefix('"') else {
+        return rest.split_once(']').map(|(v, _)| v.to_owned());
+    };
+    let mut value = String::new();
+    let mut chars = quoted.chars();
+    while let Some(c) = chars.next() {
+        match c {
+            '"' => return Some(value),
+            '\\' => value.push(chars.next()?),
+            c => value.push(c),
+        }
+    }
+    None
+}
+
+/// Where the docs state a flag's default: a row of a `| flag | default |`
+/// table whose default cell is one code span (`| `--flag` | `VALUE` | ...`)
+/// or `—` (no default),
+/// or prose that names a flag and, later in the same sentence, its
+/// "default `VALUE`". Prose defaults in words (`built-in`, "2 minutes") are
+/// not read.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DocumentedDefault {
+    pub flag: String,
+    /// The `ctl` subcommand whose flag it is, when the sentence names one.
+    pub ctl_sub: Option<String>,
+    /// `None` for `—`: documented as having no default.
+    pub value: Option<String>,
+    pub file: String,
+    pub line: usize,
+}
+
+/// The defaults a markdown page states (see [`DocumentedDefault`]).
+pub fn documented_defaults(markdown: &str, file: &str) -> Vec<DocumentedDefault> {
+    let mut out = Vec::new();
+    let mut in_fence = false;
+    // Prose is read by sentence, across the line breaks of a paragraph.
+    let mut paragraph: Vec<(usize, &str)> = Vec::new();
+    let flush = |paragraph: &mut Vec<(usize, &str)>, out: &mut Vec<DocumentedDefault>| {
+        out.extend(prose_defaults(paragraph, file));
+        paragraph.clear();
+    };
+    // Whether the table being read is a `| flag | default | ...` table; its
+    // header row decides, other tables (a script's options) are not read.
+    let mut flag_table: Option<bool> = None;
+    for (n, line) in markdown.lines().enumerate() {
+        let line_no = n + 1;
+        if line.trim_start().starts_with("```") {
+            in_fence = !in_fence;
+            flush(&mut paragraph, &mut out);
+            continue;
+        }
+        if in_fence {
+            continue;
+        }
+        if !line.starts_with('|') {
+            flag_table = None;
+        }
+        if line.starts_with('|') {
+            flush(&mut paragraph, &mut out);
+            match flag_table {
+                None => {
+                    let header: Vec<&str> = line
+                        .trim()
+                        .trim_matches('|')
+                        .split('|')
+                        .map(str::trim)
+                        .collect();
+                    flag_table = Some(header.starts_with(&["flag", "default"]));
+                }
+                Some(true) => out.extend(table_defaults(line, file, line_no)),
+                Some(false) => {}
+            }
+        } else if line.trim().is_empty() || line.starts_with('#') {
+            flush(&mut paragraph, &mut out);
+        } else {
+            paragraph.push((line_no, line));
+        }
+    }
+    flush(&mut paragraph, &mut out);
+    out
+}
+
+/// `| `--a`, `--b` | `VALUE` or — | ...`: one default per flag of the row.
+fn table_defaults(row: &str, file: &str, line: usize) -> Vec<DocumentedDefault> {
+    let cells: Vec<&str> = row
+        .trim()
+        .trim_matches('|')
+        .split('|')
+        .map(str::trim)
+        .collect();
+    let [flags, default, ..] = cells[..] else {
+        return Vec::new();
+    };
+    if !flags.starts_with("`--") {
+        return Vec::new();
+    }
+    let value = if default == "—" {
+        None
+    } else if let Some(code) = single_code_span(default) {
+        Some(code.to_owned())
+    } else {
+        return Vec::new();
+    };
+    scan(flags)
+        .into_iter()
+        .map(|flag| DocumentedDefault {
+            flag,
+            ctl_sub: None,
+            value: value.clone(),
+            file: file.to_owned(),
+            line,
+        })
+        .collect()
+}
+
+/// `text` when it is exactly one code span: `` `x` ``.
+fn single_code_span(text: &str) -> Option<&str> {
+    let inner = text.strip_prefix('`')?.strip_suffix('`')?;
+    (!inner.contains('`')).then_some(inner)
+}
+
+/// The defaults stated in a paragraph's sentences; `lines` are its lines
+/// with their numbers.
+fn prose_defaults(lines: &[(usize, &str)], file: &str) -> Vec<DocumentedDefault> {
+    // The paragraph as one line, with where each source line starts in it.
+    let mut paragraph = String::new();
+    let mut starts = Vec::new();
+    for (number, line) in lines {
+        if !paragraph.is_empty() {
+            paragraph.push(' ');
+        }
+        starts.push((paragraph.len(), *number));
+        paragraph.push_str(line.trim());
+    }
+    let line_at = |offset: usize| {
+        starts
+            .iter()
+            .take_while(|(start, _)| *start <= offset)
+            .last()
+            .map_or(0, |(_, number)| *number)
+    };
+    let mut out = Vec::new();
+    let mut sentence_start = 0;
+    for sentence in paragraph.split(". ") {
+        let offset = sentence_start;
+        sentence_start += sentence.len() + 2;
+        for (at, _) in sentence.match_indices("default `") {
+            let line = line_at(offset + at);
+            let Some(value) = sentence[at + "default `".len()..].split('`').next() else {
+                continue;
+            };
+            let before = &sentence[..at];
+            let Some(flag) = scan(before).pop() else {
+                continue;
+            };
+            // `ctl <sub>` named before the flag makes it that subcommand's.
+            let ctl_sub = before.rfind("ctl ").and_then(|i| {
+                before[i + 4..]
+                    .split_whitespace()
+                    .next()
+                    .filter(|w| w.chars().all(|c| c.is_ascii_lowercase()))
+                    .map(str::to_owned)
+            });
+            out.push(DocumentedDefault {
+                flag,
+                ctl_sub,
+                value: Some(value.to_owned()),
+                file: file.to_owned(),
+                line,
+            });
+        }
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn help_defaults_unquote_as_clap_quotes() {
+        let help = "Options:\n      --addr <ADDR>\n          listen [default: :9000]\n      \
+                    --drain-command <DRAIN_COMMAND>\n          drain\n          [default: \"kubectl \
+                    drain \\\"$(hostname)\\\" [x]\"]\n      --nodes <NODES>\n          zones\n  -h, --help\n";
+        let d = help_defaults(help);
+        assert_eq!(d["--addr"].as_deref(), Some(":9000"));
+        assert_eq!(
+            d["--drain-command"].as_deref(),
+            Some("kubectl drain \"$(hostname)\" [x]")
+        );
+        assert_eq!(d["--nodes"], None);
+        assert_eq!(d["--help"], None);
+    }
+
+    #[test]
+    fn documented_defaults_come_from_tables_and_sentences() {
+        let md = "| flag | default | meaning |\n|---|---|---|\n| `--addr` | `:9000` | x |\n\
+                  | `--tls-cert`, `--tls-key` | — | y |\n| `--offerings` | built-in | z |\n\n\
+                  Serve on `--metrics-addr` (default\n`:9090`). With `bigfleet-proxmox ctl reclaim ID \
+                  --wait-timeout 30m` it waits (default `10m`). The state (default `x`) stays.\n\n\
+                  ```sh\nrun --addr :1 # default `no`\n```\n";
+        let got: Vec<(String, Option<String>, Option<String>, usize)> =
+            documented_defaults(md, "f")
+                .into_iter()
+                .map(|d| (d.flag, d.ctl_sub, d.value, d.line))
+                .collect();
+        let some = |s: &str| Some(s.to_owned());
+        assert_eq!(
+            got,
+            [
+                ("--addr".to_owned(), None, some(":9000"), 3),
+                ("--tls-cert".to_owned(), None, None, 4),
+                ("--tls-key".to_owned(), None, None, 4),
+                ("--metrics-addr".to_owned(), None, some(":9090"), 7),
+                ("--wait-timeout".to_owned(), some("reclaim"), some("10m"), 8),
+            ]
+        );
+    }
 
     #[test]
     fn scan_finds_flags_only() {

@@ -1,5 +1,7 @@
-//! Every provider flag named in docs/*.md and deploy/ must exist, and every
-//! flag the provider has must be documented in docs/configuration.md.
+//! Every provider flag named in docs/*.md and deploy/ must exist, every
+//! flag the provider has must be documented in docs/configuration.md, and
+//! every default the docs state for a flag (in a flag table or in a sentence)
+//! must be the one the binary's `--help` shows.
 //!
 //! Two sources of truth:
 //! - `SPEC_FLAGS`, the flag table of the product spec plus the operational
@@ -12,7 +14,9 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use deploy_check::flags::{help_flags, markdown_mentions, plain_mentions, Mention};
+use deploy_check::flags::{
+    documented_defaults, help_defaults, help_flags, markdown_mentions, plain_mentions, Mention,
+};
 use deploy_check::tools::provider_binary;
 use deploy_check::workspace_root;
 
@@ -309,4 +313,85 @@ fn documented_flags_are_accepted_by_the_binary() {
         missing.is_empty(),
         "spec flags the binary does not accept: {missing:?}"
     );
+}
+
+/// Two spellings of one default: equal as text, or as numbers (`0.0030` and
+/// `0.003`).
+fn same_default(documented: &str, actual: &str) -> bool {
+    documented == actual
+        || matches!(
+            (documented.parse::<f64>(), actual.parse::<f64>()),
+            (Ok(a), Ok(b)) if a == b
+        )
+}
+
+#[test]
+fn documented_defaults_are_the_binarys() {
+    let bin = provider_binary().unwrap_or_else(|e| panic!("{e}"));
+    let provider = help_defaults(
+        &help(&bin, &[]).unwrap_or_else(|| panic!("{} --help failed", bin.display())),
+    );
+    let mut ctl_cache: BTreeMap<Option<String>, BTreeMap<String, Option<String>>> = BTreeMap::new();
+    let mut ctl_defaults = |sub: Option<&str>| {
+        ctl_cache
+            .entry(sub.map(str::to_owned))
+            .or_insert_with(|| {
+                let mut args = vec!["ctl"];
+                args.extend(sub);
+                help_defaults(&help(&bin, &args).unwrap_or_else(|| {
+                    panic!("{} {} --help failed", bin.display(), args.join(" "))
+                }))
+            })
+            .clone()
+    };
+    let root = workspace_root();
+    let mut pages = vec![root.join("README.md"), root.join("deploy/README.md")];
+    files(&root.join("docs"), &mut pages);
+    let mut checked = 0;
+    let mut wrong = Vec::new();
+    for page in pages
+        .iter()
+        .filter(|p| p.extension().is_some_and(|e| e == "md"))
+    {
+        let rel = page.strip_prefix(&root).unwrap().display().to_string();
+        let text = std::fs::read_to_string(page).unwrap_or_else(|e| panic!("{rel}: {e}"));
+        for d in documented_defaults(&text, &rel) {
+            let actual = match (&d.ctl_sub, provider.get(&d.flag)) {
+                (None, Some(actual)) => actual.clone(),
+                (sub, _) => match ctl_defaults(sub.as_deref()).get(&d.flag) {
+                    Some(actual) => actual.clone(),
+                    None => {
+                        wrong.push(format!(
+                            "{}:{}: {} is neither the provider's nor `ctl {}`'s flag",
+                            d.file,
+                            d.line,
+                            d.flag,
+                            sub.as_deref().unwrap_or("")
+                        ));
+                        continue;
+                    }
+                },
+            };
+            checked += 1;
+            // clap shows an empty default as `""`; the docs write `—`.
+            let actual = actual.filter(|a| !a.is_empty());
+            let agrees = match (&d.value, &actual) {
+                (None, None) => true,
+                (Some(doc), Some(actual)) => same_default(doc, actual),
+                _ => false,
+            };
+            if !agrees {
+                wrong.push(format!(
+                    "{}:{}: {} documented default {:?}, the binary's is {:?}",
+                    d.file, d.line, d.flag, d.value, actual
+                ));
+            }
+        }
+    }
+    assert!(
+        wrong.is_empty(),
+        "documented defaults the code contradicts:\n{}",
+        wrong.join("\n")
+    );
+    assert!(checked >= 30, "only {checked} documented defaults found");
 }

@@ -1,11 +1,13 @@
 //! deploy-check's tests, one binary (each file a module): the container
 //! image, the Helm chart (rendered, and booting the real binary), the
 //! monitoring files, the host setup script, the live metrics, and the
-//! operator docs (their examples and every flag they name).
+//! operator docs (their examples, every flag and default they name, and
+//! every gRPC code they state).
 
 mod common;
 
 mod chart_boots_binary;
+mod doc_codes;
 mod doc_flags;
 mod dockerfile;
 mod docs_examples;
