@@ -15,7 +15,8 @@ BFC := $(DEBUG_DIR)/bfconformance
 SEED_FLAG := $(if $(SEED),--seed $(SEED),)
 
 .PHONY: build build-proxmox run-fake test test-proxmox lint fmt certify-proxmox \
-        report-proxmox report-ci certify-pve-sim scale-100k mutation-check bench bench-memory bench-replicas bench-configure crash-1000 crash-real fuzz
+        report-proxmox report-ci certify-pve-sim scale-100k mutation-check bench bench-memory bench-replicas bench-configure crash-1000 crash-real fuzz \
+        chart-render
 
 build:
 	$(CARGO) build --workspace
@@ -37,6 +38,13 @@ test: lint test-proxmox mutation-check certify-proxmox report-ci certify-pve-sim
 test-proxmox:
 	$(CARGO) build -p bigfleet-proxmox -p conformance
 	$(CARGO) test --workspace
+
+# The chart's manifests as `helm template` writes them, one file for the
+# chart's defaults and one per values example in docs/, into OUT (default
+# reports/chart); deploy-check's kubernetes_validate test validates the same set.
+CHART_OUT = $(if $(filter command line environment,$(origin OUT)),$(OUT),$(OUT)/chart)
+chart-render:
+	$(CARGO) run -q -p deploy-check --example render-chart -- --out $(CHART_OUT)
 
 lint:
 	$(CARGO) fmt --all -- --check

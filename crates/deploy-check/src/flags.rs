@@ -20,6 +20,7 @@ pub const OTHER_TOOLS: &[&str] = &[
     "helm",
     "hadolint",
     "kubectl",
+    "kubernetes-validate",
     "make",
     "openssl",
     "pip",

@@ -1,6 +1,8 @@
 //! Checks for the deployment artefacts under `deploy/` and the operator docs
 //! under `docs/`. The tests live in `tests/`; this library holds what they
-//! share: a Helm-compatible renderer for the chart and the workspace paths.
+//! share: a Helm-compatible renderer for the chart, the manifests it renders
+//! for operators' own validators, the Prometheus Operator objects' documented
+//! shape and the workspace paths.
 //!
 //! No `helm` binary is available to the build, so [`helm`] renders the chart
 //! with a Go text/template engine plus the handful of Helm/Sprig functions
@@ -8,7 +10,9 @@
 
 pub mod flags;
 pub mod helm;
+pub mod manifests;
 pub mod monitoring;
+pub mod operator;
 pub mod tools;
 
 use std::path::PathBuf;

@@ -6,6 +6,7 @@
 use std::collections::BTreeSet;
 
 use deploy_check::helm::{Chart, Release};
+use deploy_check::manifests::fences;
 use deploy_check::workspace_root;
 use serde_json::Value as Json;
 
@@ -38,26 +39,6 @@ fn all_docs() -> Vec<(String, String)> {
         .collect();
     names.sort();
     names.into_iter().map(|n| (n.clone(), doc(&n))).collect()
-}
-
-/// Fenced blocks as (language, body, first line number).
-fn fences(text: &str) -> Vec<(String, String, usize)> {
-    let mut out = Vec::new();
-    let mut cur: Option<(String, String, usize)> = None;
-    for (n, line) in text.lines().enumerate() {
-        let t = line.trim_start();
-        if let Some(lang) = t.strip_prefix("```") {
-            match cur.take() {
-                Some(block) => out.push(block),
-                None => cur = Some((lang.trim().to_owned(), String::new(), n + 2)),
-            }
-        } else if let Some((_, body, _)) = cur.as_mut() {
-            // Blocks nested in list items are indented; YAML needs them flush.
-            body.push_str(line);
-            body.push('\n');
-        }
-    }
-    out
 }
 
 #[test]

@@ -3,102 +3,26 @@
 //! each object must deserialise into its k8s-openapi type and survive a
 //! round-trip unchanged (so a misspelt or misplaced field fails the test),
 //! then the fields the provider depends on are asserted. The Prometheus
-//! Operator objects are checked the same way against the subset of their CRD
-//! schema the chart uses. Values are validated against values.schema.json
+//! Operator objects are checked field by field against their documented shape
+//! (`deploy_check::operator`). Values are validated against values.schema.json
 //! first, as helm does.
 
 use std::collections::BTreeMap;
 
 use deploy_check::helm::{merge, Chart, Cluster, Document, Release};
+use deploy_check::operator::{self, strip_nulls, PrometheusRule, ServiceMonitor};
 use deploy_check::workspace_root;
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{
     ConfigMap, Container, PersistentVolumeClaim, Service, ServiceAccount,
 };
 use k8s_openapi::api::networking::v1::NetworkPolicy;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
 use serde::de::DeserializeOwned;
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 use serde_json::Value as Json;
 
 use crate::common::workspace_package_field;
-
-/// monitoring.coreos.com/v1 ServiceMonitor, the fields the chart sets.
-#[derive(Debug, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, rename_all = "camelCase")]
-struct ServiceMonitor {
-    api_version: String,
-    kind: String,
-    metadata: ObjectMeta,
-    spec: ServiceMonitorSpec,
-}
-
-#[derive(Debug, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, rename_all = "camelCase")]
-struct ServiceMonitorSpec {
-    namespace_selector: NamespaceSelector,
-    selector: LabelSelector,
-    endpoints: Vec<Endpoint>,
-}
-
-#[derive(Debug, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, rename_all = "camelCase")]
-struct NamespaceSelector {
-    match_names: Vec<String>,
-}
-
-#[derive(Debug, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, rename_all = "camelCase")]
-struct Endpoint {
-    port: String,
-    path: String,
-    interval: String,
-    scrape_timeout: String,
-    relabelings: Vec<RelabelConfig>,
-}
-
-#[derive(Debug, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, rename_all = "camelCase")]
-struct RelabelConfig {
-    action: String,
-    target_label: String,
-    replacement: String,
-}
-
-/// monitoring.coreos.com/v1 PrometheusRule.
-#[derive(Debug, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, rename_all = "camelCase")]
-struct PrometheusRule {
-    api_version: String,
-    kind: String,
-    metadata: ObjectMeta,
-    spec: PrometheusRuleSpec,
-}
-
-#[derive(Debug, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct PrometheusRuleSpec {
-    groups: Vec<RuleGroup>,
-}
-
-#[derive(Debug, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct RuleGroup {
-    name: String,
-    rules: Vec<Rule>,
-}
-
-#[derive(Debug, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct Rule {
-    alert: Option<String>,
-    record: Option<String>,
-    expr: String,
-    #[serde(rename = "for")]
-    for_: Option<String>,
-    labels: Option<BTreeMap<String, String>>,
-    annotations: Option<BTreeMap<String, String>>,
-}
 
 fn chart() -> Chart {
     Chart::load(&workspace_root().join("deploy/helm/bigfleet-proxmox")).expect("load chart")
@@ -118,18 +42,6 @@ credentials:
   token: {secretName: pve-token}
   ca: {secretName: pve-ca}
 "#;
-
-/// Drops nulls, which the typed objects legitimately omit on output.
-fn strip_nulls(v: &mut Json) {
-    match v {
-        Json::Object(m) => {
-            m.retain(|_, v| !v.is_null());
-            m.values_mut().for_each(strip_nulls);
-        }
-        Json::Array(a) => a.iter_mut().for_each(strip_nulls),
-        _ => {}
-    }
-}
 
 /// Deserialises into `T` and checks nothing was dropped or altered on the way.
 fn strict<T: DeserializeOwned + Serialize>(doc: &Document, json: &Json) -> T {
@@ -211,8 +123,15 @@ fn render_in(overrides: &str, cluster: &Cluster) -> Rendered {
             "ConfigMap" => out.config_maps.push(strict(doc, &json)),
             "PersistentVolumeClaim" => out.pvcs.push(strict(doc, &json)),
             "NetworkPolicy" => out.network_policy = Some(strict(doc, &json)),
-            "ServiceMonitor" => out.service_monitor = Some(strict(doc, &json)),
-            "PrometheusRule" => out.prometheus_rule = Some(strict(doc, &json)),
+            "ServiceMonitor" | "PrometheusRule" => {
+                operator::check(&json)
+                    .unwrap_or_else(|e| panic!("{}: {e}\n{}", doc.template, doc.yaml));
+                if kind == "ServiceMonitor" {
+                    out.service_monitor = Some(strict(doc, &json));
+                } else {
+                    out.prometheus_rule = Some(strict(doc, &json));
+                }
+            }
             other => panic!("{}: unexpected kind {other:?}\n{}", doc.template, doc.yaml),
         }
     }
