@@ -16,7 +16,7 @@ SEED_FLAG := $(if $(SEED),--seed $(SEED),)
 
 .PHONY: build build-proxmox run-fake test test-proxmox lint fmt certify-proxmox \
         report-proxmox report-ci certify-pve-sim scale-100k mutation-check bench bench-memory bench-replicas bench-configure crash-1000 crash-real fuzz \
-        chart-render
+        image-rootfs chart-render
 
 build:
 	$(CARGO) build --workspace
@@ -31,13 +31,23 @@ build-proxmox:
 run-fake:
 	$(CARGO) run --release -p bigfleet-proxmox -- --use-fake-backend --addr 127.0.0.1:9000 --metrics-addr 127.0.0.1:9090
 
-# Everything CI runs: lint, every crate's tests, the mutation check and the
-# certification lanes (core, cloud, fault, durable, 10k scale).
-test: lint test-proxmox mutation-check certify-proxmox report-ci certify-pve-sim
+# Everything CI runs: lint, the image's root filesystem (booted by
+# deploy-check's image_rootfs test), every crate's tests, the mutation check
+# and the certification lanes (core, cloud, fault, durable, 10k scale).
+test: lint image-rootfs test-proxmox mutation-check certify-proxmox report-ci certify-pve-sim
 
 test-proxmox:
 	$(CARGO) build -p bigfleet-proxmox -p conformance
-	$(CARGO) test --workspace
+	BIGFLEET_IMAGE_ROOTFS=$(abspath $(IMAGE_ROOTFS)) $(CARGO) test --workspace
+
+# The container image's root filesystem, without a Docker engine: the static
+# (musl) release binary, CA bundle, passwd/group and /var/lib/bigfleet, built
+# and staged by scripts/build-static.sh, the script deploy/Dockerfile's builder
+# stage runs. Needs `rustup target add x86_64-unknown-linux-musl` and Debian's
+# musl-tools; the release build takes minutes on 2 cores.
+IMAGE_ROOTFS ?= $(TARGET_DIR)/image-rootfs
+image-rootfs:
+	scripts/build-static.sh rootfs $(IMAGE_ROOTFS)
 
 # The chart's manifests as `helm template` writes them, one file for the
 # chart's defaults and one per values example in docs/, into OUT (default

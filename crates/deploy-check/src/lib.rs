@@ -8,6 +8,7 @@
 //! with a Go text/template engine plus the handful of Helm/Sprig functions
 //! the chart uses. The chart deliberately sticks to that subset.
 
+pub mod dockerfile;
 pub mod flags;
 pub mod helm;
 pub mod manifests;

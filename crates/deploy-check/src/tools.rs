@@ -131,6 +131,39 @@ pub fn provider_binary() -> Result<PathBuf, String> {
         })
 }
 
+/// The image's root filesystem as `make image-rootfs` staged it:
+/// `$BIGFLEET_IMAGE_ROOTFS`, else `image-rootfs` in the target directory of
+/// the running test executable (`<target>/debug/deps/..`), of
+/// `$CARGO_TARGET_DIR`, or `<workspace>/target`. The error says how to make it.
+pub fn image_rootfs() -> Result<PathBuf, String> {
+    let name = "image-rootfs";
+    let mut candidates = Vec::new();
+    if let Some(p) = std::env::var_os("BIGFLEET_IMAGE_ROOTFS") {
+        candidates.push(PathBuf::from(p));
+    }
+    if let Ok(exe) = std::env::current_exe() {
+        if let Some(target) = exe.parent().and_then(Path::parent).and_then(Path::parent) {
+            candidates.push(target.join(name));
+        }
+    }
+    if let Some(dir) = std::env::var_os("CARGO_TARGET_DIR") {
+        candidates.push(PathBuf::from(dir).join(name));
+    }
+    candidates.push(crate::workspace_root().join("target").join(name));
+    candidates
+        .iter()
+        .find(|p| p.join("usr/local/bin/bigfleet-proxmox").is_file())
+        .cloned()
+        .ok_or_else(|| {
+            format!(
+                "the image's root filesystem was not found (looked in {candidates:?}). \
+                 Stage it first with `make image-rootfs` (same CARGO_TARGET_DIR as this test; \
+                 it needs `rustup target add x86_64-unknown-linux-musl` and Debian's musl-tools), \
+                 or point BIGFLEET_IMAGE_ROOTFS at it."
+            )
+        })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

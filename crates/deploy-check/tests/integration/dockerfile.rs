@@ -1,35 +1,19 @@
 //! Lints deploy/Dockerfile with hadolint and checks the properties the
 //! image promises: static binary on an empty base, uid 65532, no shell,
 //! the binary as entrypoint, both ports exposed, OCI labels, a build context
-//! that carries every workspace member, and a dependency layer that depends
-//! on the manifests only. Docker itself is not needed: the planner stage's
+//! that carries every workspace member, a dependency layer that depends
+//! on the manifests only, and one build script shared with
+//! `make image-rootfs` (tests/image_rootfs.rs boots what it stages). Docker itself is not needed: the planner stage's
 //! commands are run on a copy of the workspace and cargo must accept the
 //! stub workspace they leave with the same Cargo.lock.
 
 use std::process::Command;
 
+use deploy_check::dockerfile::{instructions, stages};
 use deploy_check::tools::{find, HADOLINT_INSTALL};
 use deploy_check::workspace_root;
 
 use crate::common::workspace_package_field;
-
-/// Instructions per stage, keyed by the stage's `AS` name (the last one
-/// is unnamed: "final").
-fn stages(ins: &[String]) -> Vec<(String, Vec<String>)> {
-    let mut out: Vec<(String, Vec<String>)> = Vec::new();
-    for i in ins {
-        if let Some(from) = i.strip_prefix("FROM ") {
-            let name = from
-                .split_once(" AS ")
-                .map_or("final", |(_, n)| n.trim())
-                .to_owned();
-            out.push((name, Vec::new()));
-        } else if let Some((_, stage)) = out.last_mut() {
-            stage.push(i.clone());
-        }
-    }
-    out
-}
 
 fn stage<'a>(all: &'a [(String, Vec<String>)], name: &str) -> &'a [String] {
     &all.iter()
@@ -38,28 +22,15 @@ fn stage<'a>(all: &'a [(String, Vec<String>)], name: &str) -> &'a [String] {
         .1
 }
 
-fn dockerfile() -> String {
-    std::fs::read_to_string(workspace_root().join("deploy/Dockerfile")).expect("deploy/Dockerfile")
+/// The one script the image's builder stage and `make image-rootfs` run.
+const BUILD_SCRIPT: &str = "scripts/build-static.sh";
+
+fn build_script() -> String {
+    std::fs::read_to_string(workspace_root().join(BUILD_SCRIPT)).expect(BUILD_SCRIPT)
 }
 
-/// Instructions with comments dropped and `\` continuations joined.
-fn instructions(text: &str) -> Vec<String> {
-    let mut out = Vec::new();
-    let mut cur = String::new();
-    for line in text.lines() {
-        let t = line.trim();
-        if t.starts_with('#') || t.is_empty() {
-            continue;
-        }
-        if let Some(head) = t.strip_suffix('\\') {
-            cur.push_str(head);
-            cur.push(' ');
-        } else {
-            cur.push_str(t);
-            out.push(std::mem::take(&mut cur));
-        }
-    }
-    out
+fn dockerfile() -> String {
+    std::fs::read_to_string(workspace_root().join("deploy/Dockerfile")).expect("deploy/Dockerfile")
 }
 
 #[test]
@@ -90,12 +61,18 @@ fn final_stage_is_minimal_and_non_root() {
     let fin = &ins[last_from..];
 
     assert!(
-        builder.iter().any(|i| i.starts_with("RUN ")
-            && i.contains("cargo build --release --locked -p bigfleet-proxmox")),
-        "builder must run `cargo build --release --locked -p bigfleet-proxmox`"
+        builder
+            .iter()
+            .any(|i| i.starts_with("RUN ") && i.contains("scripts/build-static.sh rootfs ")),
+        "builder must build and stage the binary with `scripts/build-static.sh rootfs`"
+    );
+    let script = build_script();
+    assert!(
+        script.contains("cargo build --release --locked -p bigfleet-proxmox --target \"$TARGET\""),
+        "scripts/build-static.sh must run `cargo build --release --locked -p bigfleet-proxmox`"
     );
     assert!(
-        builder.iter().any(|i| i.contains("unknown-linux-musl")),
+        script.contains("-unknown-linux-musl"),
         "the binary must be built for musl so it runs without a libc"
     );
     assert_eq!(
@@ -155,7 +132,7 @@ fn build_context_includes_every_workspace_member() {
         .filter_map(|r| r.strip_prefix('!'))
         .map(|r| r.trim_end_matches('/'))
         .collect();
-    for need in ["Cargo.toml", "Cargo.lock"] {
+    for need in ["Cargo.toml", "Cargo.lock", BUILD_SCRIPT] {
         assert!(
             allowed.contains(&need),
             "{need} must be in the build context"
@@ -198,17 +175,14 @@ fn dependencies_build_in_their_own_layer() {
         "COPY --from=planner",
     );
     let deps = pos(
-        &|i| {
-            i.starts_with("RUN ")
-                && i.contains("cargo build --release --locked -p bigfleet-proxmox")
-        },
-        "dependency build",
+        &|i| i == "RUN scripts/build-static.sh build",
+        "dependency build (`RUN scripts/build-static.sh build`)",
     );
     let sources = pos(&|i| i == "COPY . .", "COPY . .");
-    let last_build = builder
-        .iter()
-        .rposition(|i| i.contains("cargo build --release --locked -p bigfleet-proxmox"))
-        .unwrap();
+    let last_build = pos(
+        &|i| i.starts_with("RUN ") && i.contains("scripts/build-static.sh rootfs "),
+        "final build (`scripts/build-static.sh rootfs`)",
+    );
     assert!(
         stubs < deps && deps < sources && sources < last_build,
         "order must be: stub workspace, dependency build, sources, build"
@@ -251,6 +225,8 @@ fn copy_context(to: &std::path::Path) {
     for f in ["Cargo.toml", "Cargo.lock"] {
         std::fs::copy(root.join(f), to.join(f)).unwrap();
     }
+    std::fs::create_dir_all(to.join("scripts")).unwrap();
+    std::fs::copy(root.join(BUILD_SCRIPT), to.join(BUILD_SCRIPT)).unwrap();
     for d in ["proto", "crates"] {
         copy_dir(&root.join(d), &to.join(d));
     }
@@ -409,4 +385,46 @@ fn image_carries_oci_labels() {
     assert_eq!(label("version"), "${VERSION}");
     assert_eq!(label("revision"), "${REVISION}");
     assert_eq!(label("source"), "${SOURCE}");
+}
+
+/// The image and `make image-rootfs` build through the same script, so what
+/// CI boots from the staged root filesystem is what the image holds.
+#[test]
+fn image_and_make_image_rootfs_share_one_build_script() {
+    let all = stages(&instructions(&dockerfile()));
+    let builder = stage(&all, "builder");
+    let runs: Vec<&String> = builder
+        .iter()
+        .filter(|i| i.starts_with("RUN ") && i.contains("cargo "))
+        .collect();
+    assert!(
+        runs.is_empty(),
+        "the builder runs cargo outside scripts/build-static.sh: {runs:?}"
+    );
+    let makefile = std::fs::read_to_string(workspace_root().join("Makefile")).expect("Makefile");
+    let recipe: Vec<&str> = makefile
+        .lines()
+        .skip_while(|l| !l.starts_with("image-rootfs:"))
+        .skip(1)
+        .take_while(|l| l.starts_with('\t'))
+        .collect();
+    assert!(
+        recipe.iter().any(|l| l
+            .trim_start()
+            .starts_with("scripts/build-static.sh rootfs ")),
+        "make image-rootfs must run `scripts/build-static.sh rootfs`: {recipe:?}"
+    );
+    // The final stage copies what the script staged, from where it staged it.
+    let staged = builder
+        .iter()
+        .find_map(|i| i.split("scripts/build-static.sh rootfs ").nth(1))
+        .map(str::trim)
+        .expect("the builder stages a root filesystem");
+    let fin = stage(&all, "final");
+    for copy in fin.iter().filter(|i| i.starts_with("COPY ")) {
+        assert!(
+            copy.contains(&format!(" {staged}/")),
+            "the final stage copies from outside {staged}: {copy}"
+        );
+    }
 }

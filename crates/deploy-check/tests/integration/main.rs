@@ -1,8 +1,9 @@
 //! deploy-check's tests, one binary (each file a module): the container
-//! image, the Helm chart (rendered, checked against Kubernetes' schemas, and
-//! booting the real binary), the monitoring files, the host setup script,
-//! the live metrics, and the operator docs (their examples, every flag and
-//! default they name, and every gRPC code they state).
+//! image (its Dockerfile, and booting its root filesystem), the Helm chart
+//! (rendered, checked against Kubernetes' schemas, and booting the real
+//! binary), the monitoring files, the host setup script, the live metrics,
+//! and the operator docs (their examples, every flag and default they name,
+//! and every gRPC code they state).
 
 mod common;
 
@@ -13,6 +14,7 @@ mod dockerfile;
 mod docs_examples;
 mod helm_chart;
 mod host_setup;
+mod image_rootfs;
 mod kubernetes_validate;
 mod live_metrics;
 mod monitoring;
