@@ -285,8 +285,14 @@ impl Guest {
             )
         };
         let client = &self.api.client;
+        // An empty blob is one empty chunk: the file is still made.
+        let chunks: Vec<&[u8]> = if blob.is_empty() {
+            vec![blob]
+        } else {
+            blob.chunks(CHUNK_RAW).collect()
+        };
         let mut parts = Vec::new();
-        for (i, chunk) in blob.chunks(CHUNK_RAW).enumerate() {
+        for (i, chunk) in chunks.into_iter().enumerate() {
             let file = if i == 0 {
                 path.to_string()
             } else {
@@ -299,13 +305,6 @@ impl Guest {
             if i > 0 {
                 parts.push(file);
             }
-        }
-        if blob.is_empty() {
-            // `chunks` yields nothing for an empty blob: still make the file.
-            client
-                .agent_file_write(&vm.node, vm.vmid, path, blob, FileEncoding::Base64)
-                .await
-                .map_err(|e| err(ctx(), &e))?;
         }
         if parts.is_empty() {
             return Ok(());

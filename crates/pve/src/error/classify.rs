@@ -318,38 +318,30 @@ mod tests {
         };
         assert!(task("VM 104 already running").is_already_running());
         assert!(!task("start failed: QEMU exited with code 1").is_already_running());
-        let api = PveError::Api {
-            status: 500,
-            message: "VM 104 already running".into(),
-            param_errors: Default::default(),
-        };
-        assert!(!api.is_already_running(), "only a task says it");
+        assert!(
+            !api(500, "VM 104 already running").is_already_running(),
+            "only a task says it"
+        );
     }
 
     #[test]
     fn storage_missing_texts() {
-        let api = |status: u16, message: &str, param: Option<(&str, &str)>| PveError::Api {
-            status,
-            message: message.into(),
-            param_errors: param
-                .map(|(k, v)| [(k.to_string(), v.to_string())].into())
-                .unwrap_or_default(),
-        };
-        assert!(api(500, "storage 'nas' does not exist\n", None).is_storage_missing());
-        assert!(
-            api(500, "storage 'nas' is not available on node 'pve2'", None).is_storage_missing()
-        );
-        assert!(api(
-            400,
-            "Parameter verification failed.",
-            Some(("storage", "storage 'x' does not exist"))
-        )
+        assert!(api(500, "storage 'nas' does not exist\n").is_storage_missing());
+        assert!(api(500, "storage 'nas' is not available on node 'pve2'").is_storage_missing());
+        assert!(PveError::Api {
+            status: 400,
+            message: "Parameter verification failed.".into(),
+            param_errors: [(
+                "storage".to_string(),
+                "storage 'x' does not exist".to_string()
+            )]
+            .into(),
+        }
         .is_storage_missing());
-        assert!(!api(500, "storage 'nas' is not online", None).is_storage_missing());
+        assert!(!api(500, "storage 'nas' is not online").is_storage_missing());
         assert!(!api(
             403,
-            "Permission check failed (/storage/nas, Datastore.Audit)",
-            None
+            "Permission check failed (/storage/nas, Datastore.Audit)"
         )
         .is_storage_missing());
     }
