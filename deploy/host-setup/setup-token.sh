@@ -106,6 +106,7 @@ privs=(
     Pool.Audit       # read the pool's members
     VM.Clone         # clone from a per-node template replica (it lives in the pool)
     VM.Migrate       # move a staged replica offline to its node
+    VM.Config.Disk   # a replica migration's targetstorage (--node-storage)
 )
 # Guest-agent calls (agent/ping, agent/file-write, agent/exec, exec-status) carry
 # the bootstrap and the drain. Up to 8 they need VM.Monitor; 9 replaced it with
@@ -119,8 +120,9 @@ if [[ $PVE_MAJOR -ge 9 ]]; then
 else
     privs+=(VM.Monitor) # every agent/* call
 fi
-# Not granted: VM.Config.Disk/Network/HWType/Cloudinit (clones keep the
-# template's hardware), Datastore.Audit (the storage status and lists read for
+# Not granted: VM.Config.Network/HWType/Cloudinit (clones keep the
+# template's hardware), Sys.Console (a template with the host's CD-ROM drive
+# is refused at start-up instead), Datastore.Audit (the storage status and lists read for
 # room checks and replicas need only Datastore.AllocateSpace), Sys.*,
 # Pool.Allocate, Permissions.Modify.
 template_privs=(

@@ -242,6 +242,14 @@ pub struct TemplateSpec {
     pub agent: bool,
     /// Size of its one disk (`scsi0: ...,size=32G`).
     pub disk_gib: u64,
+    /// `protection: 1`: PVE copies it onto every clone, and a protected VM
+    /// cannot be destroyed.
+    pub protection: bool,
+    /// An `ide2` CD-ROM drive, as its property string: an ISO
+    /// (`local:iso/debian-12.iso,media=cdrom`), a cloud-init drive
+    /// (`local-lvm:vm-9000-cloudinit,media=cdrom`), the host's drive
+    /// (`cdrom,media=cdrom`) or an empty one (`none,media=cdrom`).
+    pub cdrom: Option<String>,
 }
 
 impl TemplateSpec {
@@ -257,6 +265,8 @@ impl TemplateSpec {
             memory_mib: 2048,
             agent: true,
             disk_gib: 32,
+            protection: false,
+            cdrom: None,
         }
     }
 
@@ -288,6 +298,17 @@ pub enum StorageKind {
 }
 
 impl StorageKind {
+    /// Disks are files (qcow2 or raw) on a file system.
+    pub fn is_file_based(self) -> bool {
+        matches!(self, Self::Dir | Self::Nfs)
+    }
+
+    /// Thick or thin LVM: disks are logical volumes (allocation failures
+    /// come from `lvcreate`).
+    pub fn is_lvm(self) -> bool {
+        matches!(self, Self::Lvm | Self::LvmThin)
+    }
+
     /// The `type` PVE reports.
     pub fn as_str(self) -> &'static str {
         match self {
@@ -304,11 +325,6 @@ impl StorageKind {
     /// `clone` volume feature on a base volume: not on thick LVM).
     pub fn supports_linked_clones(self) -> bool {
         !matches!(self, Self::Lvm)
-    }
-
-    /// LVM-backed storages report allocation failures from `lvcreate`.
-    fn is_lvm(self) -> bool {
-        matches!(self, Self::Lvm | Self::LvmThin)
     }
 
     /// The storage layer's text when a new disk does not fit.

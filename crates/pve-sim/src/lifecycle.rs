@@ -3,7 +3,6 @@
 //! One file past 600 lines on purpose: the operations share the lock and
 //! task model and their failure modes, which must stay consistent.
 
-use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -81,7 +80,11 @@ impl Shared {
                 "parameter 'storage' not allowed for linked clones",
             ));
         }
-        if target != node && !src.shared_storage {
+        // qemu-server counts every volume, CD-ROMs included (an ISO on
+        // `local`, a cloud-init drive on `local-lvm`); an empty drive or the
+        // host's does not.
+        let local_cdrom = src.cdrom_storages().iter().any(|st| !self.is_shared(st));
+        if target != node && (!src.shared_storage || local_cdrom) {
             return Err(ApiError::internal(format!(
                 "can't clone VM to node '{target}' (VM uses local storage)"
             )));
@@ -132,13 +135,15 @@ impl Shared {
             running: false,
             started_at: None,
             ha: None,
-            protection: false,
+            // qemu-server copies every key but `template`, `lock` and
+            // `pending`: a protected template makes protected clones.
+            protection: src.protection,
             pool,
             storage: storage.clone(),
             shared_storage: shared,
             disk_gib: src.disk_gib,
             linked_base: (!full).then_some(vmid),
-            extra: BTreeMap::new(),
+            extra: src.extra.clone(),
             guest_root: self.guest_root(newid),
         };
         let need = if full { src.disk_gib << 30 } else { 0 };
@@ -621,6 +626,27 @@ impl Shared {
                 "storage '{to_storage}' does not exist"
             )));
         }
+        // QemuMigrate: a CD-ROM image on local storage cannot be moved (a
+        // cloud-init drive is regenerated on the target instead).
+        let local_iso = vm
+            .cdrom_volumes()
+            .into_iter()
+            .filter(|v| !v.contains("cloudinit"))
+            .find(|v| v.split_once(':').is_some_and(|(st, _)| !self.is_shared(st)))
+            .map(str::to_string);
+        // pve-storage storage_migrate: LVM and LVM-thin import raw block
+        // data only, which a file-based storage's qcow2 disk cannot send.
+        let incompatible = if vm.shared_storage {
+            None
+        } else {
+            let kind = |n: &str, st: &str| self.storage_on(&c, n, st).map(|i| i.kind);
+            match (kind(node, &vm.storage), kind(&target, &to_storage)) {
+                (Some(from), Some(to)) if from.is_file_based() && to.is_lvm() => {
+                    Some((from.as_str(), to.as_str()))
+                }
+                _ => None,
+            }
+        };
         if vm.running && !vm.shared_storage && !with_local {
             return Err(ApiError::internal(format!(
                 "can't live migrate attached local disks without with-local-disks option ({})",
@@ -677,7 +703,11 @@ impl Shared {
                 // Local disks are copied to the target node first; a target
                 // storage without room aborts the migration, leaving the VM
                 // where it was.
-                let room = {
+                let room = if let Some(iso) = &local_iso {
+                    Err(format!("can't migrate local disk '{iso}': local cdrom image"))
+                } else if let Some((from, to)) = incompatible {
+                    Err(format!("cannot migrate from storage type '{from}' to '{to}'"))
+                } else {
                     let c = me.cluster.lock();
                     match c.vms.get(&vmid) {
                         Some(vm) if !vm.shared_storage => me

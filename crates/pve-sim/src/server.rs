@@ -442,6 +442,17 @@ fn required_privileges(
             // bridge (every simulated VM has net0 on vmbr0, a plain bridge
             // in the `localnetwork` zone).
             out.push(("/sdn/zones/localnetwork/vmbr0".to_string(), vec!["SDN.Use"]));
+            // The host's CD-ROM drive is a device, not a volume: PVE asks
+            // for Sys.Console on `/` (check_storage_access).
+            let physical_cdrom = s
+                .cluster
+                .lock()
+                .vms
+                .get(&(vmid as u32))
+                .is_some_and(|vm| vm.has_physical_cdrom());
+            if physical_cdrom {
+                out.push(("/".to_string(), vec!["Sys.Console"]));
+            }
             out
         }
         ("GET", "/nodes/{node}/qemu/{vmid}/config")
@@ -453,8 +464,12 @@ fn required_privileges(
                 ("memory", "VM.Config.Memory"),
                 ("description", "VM.Config.Options"),
                 ("tags", "VM.Config.Options"),
+                ("protection", "VM.Config.Options"),
             ] {
-                if p.get(key).is_some() {
+                let deleted = p
+                    .get("delete")
+                    .is_some_and(|d| d.split([',', ';', ' ']).any(|k| k == key));
+                if p.get(key).is_some() || deleted {
                     out.push((vm.clone(), vec![privilege]));
                 }
             }
@@ -464,7 +479,25 @@ fn required_privileges(
         | ("POST", "/nodes/{node}/qemu/{vmid}/status/stop")
         | ("POST", "/nodes/{node}/qemu/{vmid}/status/shutdown") => one(&vm, vec!["VM.PowerMgmt"]),
         ("DELETE", "/nodes/{node}/qemu/{vmid}") => one(&vm, vec!["VM.Allocate"]),
-        ("POST", "/nodes/{node}/qemu/{vmid}/migrate") => one(&vm, vec!["VM.Migrate"]),
+        ("POST", "/nodes/{node}/qemu/{vmid}/migrate") => {
+            let mut out = one(&vm, vec!["VM.Migrate"]);
+            // qemu-server migrate_vm: a `targetstorage` other than the
+            // identity map `1` moves disks, so it needs VM.Config.Disk on
+            // the VM and room on each target storage.
+            if let Some(ts) = p.get("targetstorage").filter(|t| *t != "1") {
+                out.push((vm.clone(), vec!["VM.Config.Disk"]));
+                for entry in ts.split(',') {
+                    let target = entry.rsplit(':').next().unwrap_or(entry).trim();
+                    if !target.is_empty() && target != "1" {
+                        out.push((
+                            format!("/storage/{target}"),
+                            vec!["Datastore.AllocateSpace"],
+                        ));
+                    }
+                }
+            }
+            out
+        }
         ("POST", "/nodes/{node}/qemu/{vmid}/template") => one(&vm, vec!["VM.Allocate"]),
         ("GET", "/nodes/{node}/storage/{storage}/status") => one(
             &format!("/storage/{}", p.get("storage").unwrap_or_default()),

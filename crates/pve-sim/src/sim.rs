@@ -168,13 +168,17 @@ impl Shared {
             running: false,
             started_at: None,
             ha: None,
-            protection: false,
+            protection: t.protection,
             pool: None,
             storage: t.storage.clone(),
             shared_storage: t.shared,
             disk_gib: t.disk_gib,
             linked_base: None,
-            extra: BTreeMap::new(),
+            extra: t
+                .cdrom
+                .iter()
+                .map(|c| ("ide2".to_string(), c.clone()))
+                .collect(),
             guest_root: self.guest_root(t.vmid),
         };
         self.insert_vm(vm)

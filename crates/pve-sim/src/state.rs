@@ -95,6 +95,30 @@ impl Vm {
         }
     }
 
+    /// The volumes of the VM's CD-ROM drives (`media=cdrom`): a storage
+    /// volume (`local:iso/x.iso`), `cdrom` for the host's drive, or `none`.
+    pub fn cdrom_volumes(&self) -> Vec<&str> {
+        self.extra
+            .values()
+            .filter(|v| v.split(',').any(|p| p.trim() == "media=cdrom"))
+            .filter_map(|v| v.split(',').next())
+            .map(|f| f.strip_prefix("file=").unwrap_or(f))
+            .collect()
+    }
+
+    /// The storages of CD-ROM volumes (`local` of `local:iso/x.iso`).
+    pub fn cdrom_storages(&self) -> Vec<&str> {
+        self.cdrom_volumes()
+            .into_iter()
+            .filter_map(|v| v.split_once(':').map(|(s, _)| s))
+            .collect()
+    }
+
+    /// Whether a CD-ROM drive is the host's physical drive (`cdrom`).
+    pub fn has_physical_cdrom(&self) -> bool {
+        self.cdrom_volumes().contains(&"cdrom")
+    }
+
     /// The `scsi0` property string.
     pub fn disk(&self) -> String {
         format!("{}:{},size={}G", self.storage, self.volume(), self.disk_gib)

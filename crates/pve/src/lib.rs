@@ -29,7 +29,7 @@ pub use error::{AccessFailure, PveError};
 pub use tags::{is_valid_tag, join_tags, normalize_tags, sanitize_tag};
 pub use tls::{cert_fingerprint, format_fingerprint, parse_fingerprint, parse_fingerprints};
 pub use types::{
-    exit_ok, CloneParams, ClusterOptions, ClusterVm, ConfigParams, ExecStatus, FileEncoding,
+    exit_ok, Cdrom, CloneParams, ClusterOptions, ClusterVm, ConfigParams, ExecStatus, FileEncoding,
     MigrateParams, NodeInfo, Permissions, PoolMember, StorageStatus, TagAccess, TaskLogLine,
     TaskState, TaskStatus, VmConfig, VmStatus,
 };

@@ -201,6 +201,35 @@ pub struct CloneParams {
     pub target: Option<String>,
 }
 
+/// A CD-ROM drive of a VM config (`ide2: local:iso/x.iso,media=cdrom`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Cdrom {
+    /// The config key (`ide2`).
+    pub key: String,
+    /// `local:iso/x.iso`, `local-lvm:vm-9000-cloudinit`, `cdrom` (the
+    /// host's drive) or `none`.
+    pub volume: String,
+}
+
+impl Cdrom {
+    /// The storage of a volume on a PVE storage; `None` for `cdrom`,
+    /// `none` and paths.
+    pub fn storage(&self) -> Option<&str> {
+        let (storage, _) = self.volume.split_once(':')?;
+        (!storage.is_empty() && !storage.starts_with('/')).then_some(storage)
+    }
+
+    /// The host's physical drive: PVE asks for `Sys.Console` on `/`.
+    pub fn is_physical(&self) -> bool {
+        self.volume == "cdrom"
+    }
+
+    /// A cloud-init drive, which PVE regenerates rather than copies.
+    pub fn is_cloudinit(&self) -> bool {
+        self.volume.contains("cloudinit")
+    }
+}
+
 /// Parameters of `PUT`/`POST /nodes/{node}/qemu/{vmid}/config`. Unset fields are not sent.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ConfigParams {
@@ -213,6 +242,9 @@ pub struct ConfigParams {
     pub tags: Option<Vec<String>>,
     /// Optimistic concurrency: fail if the config changed since this digest was read.
     pub digest: Option<String>,
+    /// Keys to remove (`delete=protection`). PVE warns about, and skips, a
+    /// key that is not set, so removing one that may be absent is safe.
+    pub delete: Vec<String>,
 }
 
 /// `GET /nodes/{node}/qemu/{vmid}/config`.
@@ -339,6 +371,28 @@ impl VmConfig {
         out.sort();
         out.dedup();
         out
+    }
+
+    /// The VM's CD-ROM drives (`media=cdrom`), by key, in key order. They are
+    /// not disks to copy, but qemu-server counts a volume on a storage as
+    /// one of the VM's volumes: an ISO on `local` makes a VM "use local
+    /// storage" for a clone to another node, and stops an offline migration.
+    pub fn cdroms(&self) -> Vec<Cdrom> {
+        self.other
+            .iter()
+            .filter(|(k, _)| is_disk_key(k))
+            .filter_map(|(k, v)| {
+                let v = v.as_str()?;
+                let mut parts = v.split(',');
+                let first = parts.next()?.trim();
+                let file = first.strip_prefix("file=").unwrap_or(first);
+                let is_cdrom = v.split(',').any(|p| p.trim() == "media=cdrom");
+                is_cdrom.then(|| Cdrom {
+                    key: k.clone(),
+                    volume: file.to_string(),
+                })
+            })
+            .collect()
     }
 
     /// The storage ids the VM's disks live on, sorted and deduplicated. Disk
@@ -739,6 +793,17 @@ mod tests {
             vec!["ceph-pool", "local-lvm", "local-zfs", "nfs-images"]
         );
         assert!(c.template == Some(true));
+        // CD-ROMs are not disks, but each is seen with its volume.
+        assert_eq!(c.cdroms().len(), 3);
+        let by_key = |k: &str| c.cdroms().into_iter().find(|cd| cd.key == k).unwrap();
+        assert_eq!(by_key("ide2").storage(), Some("local"));
+        assert_eq!(
+            by_key("ide0").storage(),
+            None,
+            "an empty drive is on no storage"
+        );
+        assert!(by_key("ide1").is_physical() && by_key("ide1").storage().is_none());
+        assert!(!by_key("ide2").is_cloudinit());
     }
 
     #[test]

@@ -294,17 +294,41 @@ impl Api {
             }
         }
         tracing::info!(vm = %vm, "destroying VM");
-        let mut call = || self.client.destroy(&vm.node, vm.vmid);
-        match self.retry_raw(node, deadline, &mut call).await {
-            Ok(upid) => match self.wait_task(&upid, "destroy").await {
-                Ok(()) => {}
-                Err(e) if e.is_not_found() => {}
+        let mut unprotected = false;
+        loop {
+            let mut call = || self.client.destroy(&vm.node, vm.vmid);
+            let outcome = match self.retry_raw(node, deadline, &mut call).await {
+                Ok(upid) => self.wait_task(&upid, "destroy").await,
+                Err(e) if e.is_forbidden() => return Ok(()),
+                Err(e) => Err(e),
+            };
+            match outcome {
+                Ok(()) => return Ok(()),
+                Err(e) if e.is_not_found() => return Ok(()),
+                // A VM cloned before marking cleared `protection` (PVE
+                // copies it from a protected template): the caller proved
+                // it ours, so the flag goes, once.
+                Err(e) if e.is_protected() && !unprotected => {
+                    tracing::info!(vm = %vm, "clearing the protection flag it copied from its template");
+                    self.clear_protection(vm, deadline).await?;
+                    unprotected = true;
+                }
                 Err(e) => return Err(err_at(format!("destroying VM {vm}"), node, &e)),
-            },
-            Err(e) if e.is_not_found() || e.is_forbidden() => {}
-            Err(e) => return Err(err_at(format!("destroying VM {vm}"), node, &e)),
+            }
         }
-        Ok(())
+    }
+
+    /// `delete=protection` on a VM whose marker the caller checked.
+    async fn clear_protection(&self, vm: &VmRef, deadline: Instant) -> Result<(), SubstrateError> {
+        let params = pve::ConfigParams {
+            delete: vec!["protection".to_string()],
+            ..pve::ConfigParams::default()
+        };
+        let node = Some(vm.node.as_str());
+        let mut call = || self.client.set_config_sync(&vm.node, vm.vmid, &params);
+        self.retry_raw(node, deadline, &mut call)
+            .await
+            .map_err(|e| err_at(format!("clearing the protection flag of VM {vm}"), node, &e))
     }
 
     /// Whether VMID `vmid` exists anywhere in the cluster, whoever can see it:

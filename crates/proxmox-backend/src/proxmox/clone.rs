@@ -350,6 +350,10 @@ impl Cloner {
             description: Some(marker_description(&req.machine_id, &req.operation_id)),
             tags: (!self.tags.restricted()).then(|| tags.clone()),
             digest: None,
+            // PVE copies a template's `protection: 1` onto its clones, and
+            // a protected VM cannot be destroyed: the machine's VM is ours
+            // to delete, so the flag goes in the same PUT as the marker.
+            delete: vec!["protection".to_string()],
         };
         let mut attempt = 0;
         loop {

@@ -356,14 +356,23 @@ impl PveSubstrate {
             .placement
             .layout(req.template_vmid, template_node, None, deadline)
             .await?;
+        let (full, storage) = self.placement.clone_options(req);
+        // A clone to another node needs the template's disks on shared
+        // storage, and a `storage` given with `target` must be shared too
+        // (qemu-server clone_vm: "can't clone to non-shared storage"): a
+        // node's own storage is reached through a copy of the template on
+        // the node, cloned locally.
         let replica = self.api.opts.template_replicas
             && req.node != template_node
-            && !layout.shared(
+            && (!layout.shared(
                 &*self
                     .placement
                     .node_storages(template_node, deadline)
                     .await?,
-            );
+            ) || self
+                .placement
+                .needs_local_source(&req.node, storage.as_deref(), deadline)
+                .await?);
         let (source_vmid, source_node, layout) = if replica {
             let (vmid, layout) = self
                 .replicas
@@ -373,7 +382,6 @@ impl PveSubstrate {
         } else {
             (req.template_vmid, template_node.to_string(), layout)
         };
-        let (full, storage) = self.placement.clone_options(req);
         let mut room = Vec::new();
         if full {
             // A replica's disks are on the node's storage (or the template's ids).

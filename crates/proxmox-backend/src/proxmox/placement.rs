@@ -45,6 +45,9 @@ pub(super) struct Layout {
     pub(super) digest: String,
     /// `(storage, bytes)` per disk.
     pub(super) disks: Vec<(String, u64)>,
+    /// CD-ROM drives: no room of their own, but a volume on local storage
+    /// makes the template local to its node, as PVE counts it.
+    pub(super) cdroms: Vec<pve::Cdrom>,
 }
 
 /// One node's storages by id; a storage missing here is one the token may
@@ -57,9 +60,24 @@ impl Layout {
     /// of a shared template is wasteful, cloning a local one to another node
     /// fails).
     pub(super) fn shared(&self, storages: &NodeStorages) -> bool {
-        self.disks
-            .iter()
-            .all(|(s, _)| storages.get(s).is_some_and(|st| st.shared))
+        let shared = |s: &str| storages.get(s).is_some_and(|st| st.shared);
+        self.disks.iter().all(|(s, _)| shared(s))
+            && self
+                .cdroms
+                .iter()
+                .filter_map(pve::Cdrom::storage)
+                .all(shared)
+    }
+
+    /// A CD-ROM image on storage local to the template's node (not a
+    /// cloud-init drive, which PVE regenerates): no copy of the template
+    /// can leave the node with it (`local cdrom image`).
+    pub(super) fn local_iso(&self, storages: &NodeStorages) -> Option<&pve::Cdrom> {
+        self.cdroms.iter().find(|c| {
+            !c.is_cloudinit()
+                && c.storage()
+                    .is_some_and(|s| !storages.get(s).is_some_and(|st| st.shared))
+        })
     }
 
     /// Bytes the disks need, by the storage they land on.
@@ -153,6 +171,35 @@ impl Placement {
             .cloned()
     }
 
+    /// Whether a full clone onto `storage` of `node` must run on `node`
+    /// itself: the storage is not shared (or the token cannot see it, which
+    /// PVE would refuse with `target` as well).
+    pub(super) async fn needs_local_source(
+        &self,
+        node: &str,
+        storage: Option<&str>,
+        deadline: Instant,
+    ) -> Result<bool, SubstrateError> {
+        let Some(storage) = storage else {
+            return Ok(false);
+        };
+        let storages = self.node_storages(node, deadline).await?;
+        Ok(!storages.get(storage).is_some_and(|st| st.shared))
+    }
+
+    /// Every storage a full clone on `node` may be given: the instance
+    /// types', and the node's (for types without one). Empty for linked clones.
+    pub(super) fn full_clone_storages(&self, node: &str) -> Vec<String> {
+        if self.api.opts.clone_mode != CloneMode::Full {
+            return Vec::new();
+        }
+        let mut out: Vec<String> = self.api.opts.type_storage.values().cloned().collect();
+        out.extend(self.api.opts.node_storage.get(node).cloned());
+        out.sort();
+        out.dedup();
+        out
+    }
+
     /// `full` and `storage` of the clone request.
     pub(super) fn clone_options(&self, req: &CloneRequest) -> (bool, Option<String>) {
         match self.api.opts.clone_mode {
@@ -208,6 +255,7 @@ impl Placement {
             Ok(Arc::new(Layout {
                 digest: cfg.digest.clone().unwrap_or_default(),
                 disks,
+                cdroms: cfg.cdroms(),
             }))
         })
         .await
@@ -377,6 +425,27 @@ impl Placement {
                 }
             }
         }
+        for &t in templates {
+            let Some(tnode) = list.iter().find(|v| v.vmid == t).map(|v| v.node.clone()) else {
+                continue;
+            };
+            let others: Vec<&String> = nodes.iter().filter(|n| **n != tnode).collect();
+            if others.is_empty() {
+                continue;
+            }
+            let layout = self.layout(t, &tnode, None, deadline).await?;
+            let tstorages = self.node_storages(&tnode, deadline).await?;
+            if let Some(cd) = layout.local_iso(&tstorages) {
+                return Err(SubstrateError::new(format!(
+                    "template {t}'s CD-ROM {} holds {} on storage local to node {tnode}: PVE cannot clone \
+                     it to node {}, nor move a copy of it there (local cdrom image). Eject it \
+                     (`qm set {t} --{} none,media=cdrom`) or keep the ISO on shared storage",
+                    cd.key, cd.volume, others[0], cd.key
+                )));
+            }
+            self.check_replica_storages(t, &tnode, &layout, &tstorages, &others, deadline)
+                .await?;
+        }
         if self.api.opts.clone_mode != CloneMode::Linked {
             return Ok(warnings);
         }
@@ -429,4 +498,83 @@ impl Placement {
         }
         Ok(warnings)
     }
+
+    /// For a template that reaches `others` only through per-node replicas:
+    /// replicas are on, and each replica's migration can land (the storage
+    /// exists on the node, and its type can import the template's disks).
+    async fn check_replica_storages(
+        &self,
+        t: u32,
+        tnode: &str,
+        layout: &Layout,
+        tstorages: &NodeStorages,
+        others: &[&String],
+        deadline: Instant,
+    ) -> Result<(), SubstrateError> {
+        let full = self.api.opts.clone_mode == CloneMode::Full;
+        let shared = layout.shared(tstorages);
+        for node in others {
+            // A node that does not answer now is checked by its first Create.
+            let read = self.node_storages(node, deadline).await.ok();
+            let seen = read.as_deref();
+            // The storage a full clone on `node` goes to, when one is set.
+            let dest = full
+                .then(|| self.api.opts.node_storage.get(node.as_str()).cloned())
+                .flatten();
+            let local_dest = dest
+                .as_deref()
+                .filter(|d| !seen.and_then(|m| m.get(*d)).is_some_and(|st| st.shared));
+            if shared {
+                if let (Some(d), false) = (local_dest, self.api.opts.template_replicas) {
+                    return Err(SubstrateError::new(format!(
+                        "--node-storage {node}={d}: storage {d} is not shared, and PVE clones from \
+                         template {t} on node {tnode} to another node only onto shared storage. Leave \
+                         --template-replicas on (a copy of the template on node {node} is cloned \
+                         locally), or name a shared storage"
+                    )));
+                }
+                continue;
+            }
+            if !self.api.opts.template_replicas {
+                continue;
+            }
+            // The replica's migration copies each local disk to `dest`, or
+            // to the same storage id on the node.
+            for (s, _) in &layout.disks {
+                let Some(src) = tstorages.get(s).filter(|st| !st.shared) else {
+                    continue;
+                };
+                let to = dest.clone().unwrap_or_else(|| s.clone());
+                let Some(m) = seen else { continue };
+                let Some(dst) = m.get(&to) else {
+                    return Err(SubstrateError::new(format!(
+                        "template {t}'s disks are on storage {s}, local to node {tnode}, and its copy for \
+                         node {node} would land on storage {to}, which node {node} does not have (or the \
+                         API token may not use). Set --node-storage {node}=<a storage of that node>"
+                    )));
+                };
+                if !migration_compatible(&src.kind, &dst.kind) {
+                    return Err(SubstrateError::new(format!(
+                        "template {t}'s disks are on storage {s} (type {}) of node {tnode}, and PVE cannot \
+                         migrate them to storage {to} (type {}) of node {node}: cannot migrate from storage \
+                         type '{}' to '{}'. Set --node-storage {node}= to a storage of a compatible type \
+                         (the same type, or a directory storage), or move the template's disks",
+                        src.kind, dst.kind, src.kind, dst.kind
+                    )));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Whether an offline migration can copy a disk from a storage of type
+/// `from` to one of type `to` (pve-storage: the two must share an
+/// export/import format; LVM and LVM-thin import raw block data only, which
+/// file-based storages cannot send once a disk is qcow2).
+pub(super) fn migration_compatible(from: &str, to: &str) -> bool {
+    let file_based =
+        |k: &str| matches!(k, "dir" | "nfs" | "cifs" | "glusterfs" | "cephfs" | "btrfs");
+    let block_lvm = |k: &str| matches!(k, "lvm" | "lvmthin");
+    !(file_based(from) && block_lvm(to))
 }

@@ -23,7 +23,11 @@
 //! - on each template `/vms/{id}`: `VM.Clone`, `VM.Audit`;
 //! - on each storage the templates' disks are on `/storage/{id}` (a full
 //!   clone without `storage` allocates there): `Datastore.AllocateSpace`;
-//! - with replicas staged, on the pool: `VM.Clone`, `VM.Migrate`;
+//! - with replicas staged, on the pool: `VM.Clone`, `VM.Migrate`, and
+//!   `VM.Config.Disk` when their migration moves disks to `--node-storage`
+//!   (qemu-server's migrate_vm, for any `targetstorage`);
+//! - with a template whose CD-ROM is the host's drive: `Sys.Console` on `/`
+//!   (refused with the fix rather than granted);
 //! - PVE 8 and newer, on each bridge the templates' NICs use
 //!   (`/sdn/zones/localnetwork/{bridge}`): `SDN.Use`, warned of rather than
 //!   refused (an SDN VNet's zone is not looked up).
@@ -129,10 +133,26 @@ const ON_REPLICAS: &[Need] = &[
     },
 ];
 
+/// On the pool, only when a replica's migration moves its local disks to a
+/// node's own storage (`--node-storage`): qemu-server's migrate_vm asks for
+/// `VM.Config.Disk` on the VM for any `targetstorage`.
+const ON_REPLICA_DISKS: &[Need] = &[Need {
+    job: "move a replica's disks to the node's storage (--node-storage)",
+    any_of: &["VM.Config.Disk"],
+}];
+
 const ON_STORAGE: &[Need] = &[Need {
     job: "allocate the full clones' disks",
     any_of: &["Datastore.AllocateSpace"],
 }];
+
+/// Whether Creates will stage per-node template replicas, and whether their
+/// migrations move disks to another storage.
+#[derive(Default)]
+struct ReplicaUse {
+    stages: bool,
+    moves_disks: bool,
+}
 
 /// The needs `held` does not satisfy.
 fn missing<'a>(held: &BTreeSet<String>, needs: &'a [Need]) -> Vec<&'a Need> {
@@ -239,6 +259,8 @@ impl Preflight<'_> {
 
         let (list, _) = self.inventory.scan(|_| false).await?;
         let mut storages: BTreeSet<String> = BTreeSet::new();
+        // Templates with the host's CD-ROM drive, and its key.
+        let mut physical_cdrom: Vec<(u32, String)> = Vec::new();
         // Bridge -> the templates with a NIC on it.
         let mut bridges: std::collections::BTreeMap<String, Vec<u32>> = Default::default();
         for t in templates {
@@ -266,6 +288,9 @@ impl Preflight<'_> {
                         )));
                     }
                     storages.extend(cfg.disk_storages());
+                    if let Some(cd) = cfg.cdroms().into_iter().find(pve::Cdrom::is_physical) {
+                        physical_cdrom.push((*t, cd.key));
+                    }
                     for b in cfg.bridges() {
                         bridges.entry(b).or_default().push(*t);
                     }
@@ -286,8 +311,12 @@ impl Preflight<'_> {
             None => "/vms".to_string(),
         };
         let mut paths: Vec<(String, &[Need])> = vec![(pool_path.clone(), ON_CLONES)];
-        if self.stages_replicas(nodes, templates, &list).await {
+        let replicas = self.stages_replicas(nodes, templates, &list).await;
+        if replicas.stages {
             paths.push((pool_path.clone(), ON_REPLICAS));
+        }
+        if replicas.moves_disks {
+            paths.push((pool_path.clone(), ON_REPLICA_DISKS));
         }
         paths.extend(templates.iter().map(|t| (format!("/vms/{t}"), ON_TEMPLATE)));
         paths.extend(
@@ -306,13 +335,29 @@ impl Preflight<'_> {
                 }
             }
             held_on_pool = held.first().cloned().unwrap_or_default();
-            sys_modify_on_root = self
+            let on_root = self
                 .api
                 .client
                 .permissions(Some("/"))
                 .await
-                .map(|p| p.get("/").is_some_and(|s| s.contains("Sys.Modify")))
-                .unwrap_or(false);
+                .ok()
+                .and_then(|p| p.get("/").cloned())
+                .unwrap_or_default();
+            sys_modify_on_root = on_root.contains("Sys.Modify");
+            // The host's CD-ROM drive is a device, not a volume: a clone of
+            // it needs Sys.Console on `/` (qemu-server check_storage_access).
+            if let Some((t, key)) = physical_cdrom.first() {
+                if !on_root.contains("Sys.Console") {
+                    return Err(SubstrateError::with_kind(
+                        providerkit::ErrorKind::Refused,
+                        format!(
+                            "template VMID {t} has the host's CD-ROM drive ({key}: cdrom), and PVE lets only \
+                             a token with Sys.Console on / clone such a VM, which a provider should not \
+                             hold. Empty the drive (`qm set {t} --{key} none,media=cdrom`)"
+                        ),
+                    ));
+                }
+            }
         }
 
         if major >= 8 && !held_on_pool.is_empty() {
@@ -491,9 +536,10 @@ impl Preflight<'_> {
         nodes: &[String],
         templates: &[u32],
         list: &[ClusterVm],
-    ) -> bool {
+    ) -> ReplicaUse {
+        let mut out = ReplicaUse::default();
         if !self.api.opts.template_replicas {
-            return false;
+            return out;
         }
         let deadline = self.api.deadline();
         for &t in templates {
@@ -509,11 +555,27 @@ impl Preflight<'_> {
             ) else {
                 continue;
             };
-            if !layout.shared(&storages) {
-                return true;
+            let shared = layout.shared(&storages);
+            for node in nodes.iter().filter(|n| *n != tnode) {
+                if !shared {
+                    out.stages = true;
+                    // The replica's migration names the node's storage.
+                    out.moves_disks |= self.api.opts.node_storage.contains_key(node);
+                    continue;
+                }
+                for storage in self.placement.full_clone_storages(node) {
+                    if self
+                        .placement
+                        .needs_local_source(node, Some(&storage), deadline)
+                        .await
+                        .unwrap_or(false)
+                    {
+                        out.stages = true;
+                    }
+                }
             }
         }
-        false
+        out
     }
 
     async fn check_tag_policy(&self, sys_modify_on_root: bool, warnings: &mut Vec<String>) {

@@ -183,15 +183,50 @@ impl Replicas {
     ) -> Result<(u32, Arc<Layout>), SubstrateError> {
         let source = req.template_vmid;
         let node = req.node.as_str();
-        let cfg = self
-            .api
-            .retry_pve(
-                format!("reading the config of template {source} on node {template_node}"),
-                Some(template_node),
-                deadline,
-                || self.api.client.get_config(template_node, source),
-            )
-            .await?;
+        let mut attempt = 0;
+        let cfg = loop {
+            let cfg = self
+                .api
+                .retry_pve(
+                    format!("reading the config of template {source} on node {template_node}"),
+                    Some(template_node),
+                    deadline,
+                    || self.api.client.get_config(template_node, source),
+                )
+                .await?;
+            let Some(lock) = cfg.lock.clone() else {
+                break cfg;
+            };
+            // A lock (vzdump's `lock: backup`) is a line of the config, so
+            // it changes the digest without changing the template: no
+            // staleness decision while it holds. A copy we have serves;
+            // without one, staging waits for the lock to go (a clone of a
+            // locked template fails), and then reads the digest again.
+            self.learn_replicas(node, template_node, list, deadline)
+                .await?;
+            if let Some(vmid) = self.newest_replica(source, node) {
+                tracing::debug!(template = source, node, replica = vmid, lock = %lock,
+                    "template locked; cloning from the copy staged before");
+                let layout = self
+                    .placement
+                    .layout(source, template_node, None, deadline)
+                    .await?;
+                return Ok((vmid, layout));
+            }
+            if Instant::now() >= deadline {
+                return Err(SubstrateError::with_kind(
+                    providerkit::ErrorKind::Transient,
+                    format!(
+                        "template {source} on node {template_node} stayed locked ({lock}) until the \
+                         deadline, so no copy of it could be staged on node {node}; a backup job holds \
+                         this lock while it runs"
+                    ),
+                ));
+            }
+            tracing::info!(template = source, node, lock = %lock, "template locked; waiting to stage its copy");
+            self.api.pause(attempt, deadline).await;
+            attempt += 1;
+        };
         let digest = cfg.digest.clone().unwrap_or_default();
         let layout = self
             .placement
@@ -321,6 +356,19 @@ impl Replicas {
             .max()
     }
 
+    /// The newest converted replica of `source` on `node`, whatever digest
+    /// it was staged at.
+    fn newest_replica(&self, source: u32, node: &str) -> Option<u32> {
+        self.known
+            .lock()
+            .iter()
+            .filter_map(|(vmid, i)| i.as_ref().map(|i| (*vmid, i)))
+            .filter(|(_, i)| i.node == node && i.target == node && i.source == source)
+            .filter(|(_, i)| i.template)
+            .map(|(vmid, _)| vmid)
+            .max()
+    }
+
     /// Our replicas of `source` for `node` that are not fresh at `digest`
     /// (stale, half-staged, or left on the template's node), where they are.
     fn stale_replicas(&self, source: u32, node: &str, digest: &str) -> Vec<VmRef> {
@@ -349,24 +397,43 @@ impl Replicas {
     ) -> Result<u32, SubstrateError> {
         let source = req.template_vmid;
         let node = req.node.as_str();
+        let shared = layout.shared(
+            &*self
+                .placement
+                .node_storages(template_node, deadline)
+                .await?,
+        );
+        let why = if shared {
+            // Only a clone on the node itself may use the node's own storage.
+            "so that clones on the node can use its own storage".to_string()
+        } else {
+            format!("its disks are on local storage of node {template_node}")
+        };
         let context = |step: Step, vmid: u32| {
             format!(
-                "staging a copy of template {source} (its disks are on local storage of node {template_node}) \
-                 on node {node} failed at {}",
+                "staging a copy of template {source} ({why}) on node {node} failed at {}",
                 step.describe(source, vmid, template_node, node)
             )
         };
-        for old in self.stale_replicas(source, node, digest) {
-            self.remove_replica(&old, source, deadline).await;
-        }
-        let target_storage = self.api.opts.node_storage.get(node).cloned();
+        // A copy of shared disks stays on them: the migration moves only
+        // the config, so it names no target storage (which would also need
+        // VM.Config.Disk for nothing).
+        let target_storage = if shared {
+            None
+        } else {
+            self.api.opts.node_storage.get(node).cloned()
+        };
         let what = format!("a copy of template {source}");
         let mut room = Vec::new();
         for (s, bytes) in &layout.disks {
-            // The clone lands on the template's storage first, then on the
-            // node's storage (or the same id) there.
+            // The clone lands on the template's storage first, then (local
+            // disks) on the node's storage, or the same id, there.
             let to = target_storage.clone().unwrap_or_else(|| s.clone());
-            for (n, st) in [(template_node, s.as_str()), (node, to.as_str())] {
+            let mut places = vec![(template_node, s.as_str())];
+            if !shared {
+                places.push((node, to.as_str()));
+            }
+            for (n, st) in places {
                 let g = self
                     .placement
                     .reserve_room(n, st, *bytes, &what, deadline)
@@ -414,6 +481,12 @@ impl Replicas {
                     replica = vmid,
                     "template replica staged"
                 );
+                // Only now that its successor serves: a failed staging
+                // (a template locked by a backup, a full storage) must not
+                // cost the node the copy it had.
+                for old in self.stale_replicas(source, node, digest) {
+                    self.remove_replica(&old, source, deadline).await;
+                }
                 Ok(vmid)
             }
             Err((step, e, log)) => {
@@ -491,7 +564,9 @@ impl Replicas {
                 Err(e) => e,
             };
             self.remove_replica(&vm, source, deadline).await;
-            let retry = e.is_vmid_collision(res.vmid) || e.is_lock_timeout() || e.is_transient();
+            // `is_locked`: a backup may start between the config read and
+            // the clone.
+            let retry = e.is_vmid_collision(res.vmid) || e.is_locked() || e.is_transient();
             if !retry || Instant::now() >= deadline {
                 return Err(CloneFailure::Pve(res.vmid, e));
             }
@@ -514,21 +589,25 @@ impl Replicas {
         deadline: Instant,
     ) -> Result<(), StepFailure> {
         let fail = |step: Step| move |e: PveError| (step, e, None);
-        if !self.tags.restricted() {
-            let params = ConfigParams {
-                tags: Some(vec![REPLICA_TAG.to_string()]),
-                ..ConfigParams::default()
-            };
+        // A protected template's copy is protected too (PVE copies the
+        // flag), and could then never be replaced: clear it with the tag.
+        let mut params = ConfigParams {
+            tags: (!self.tags.restricted()).then(|| vec![REPLICA_TAG.to_string()]),
+            delete: vec!["protection".to_string()],
+            ..ConfigParams::default()
+        };
+        loop {
             let mut call = || self.api.client.set_config_sync(&vm.node, vm.vmid, &params);
             match self
                 .api
                 .retry_raw(Some(&vm.node), deadline, &mut call)
                 .await
             {
-                Ok(()) => {}
+                Ok(()) => break,
                 // Restricted user-tag-access: the name and marker suffice.
-                Err(e) if e.is_forbidden() => {
+                Err(e) if e.is_forbidden() && params.tags.is_some() => {
                     tracing::info!(vm = %vm, error = %e, "replica left untagged (user-tag-access)");
+                    params.tags = None;
                 }
                 Err(e) => return Err(fail(Step::Tag)(e)),
             }
@@ -539,29 +618,62 @@ impl Replicas {
             with_local_disks: true,
             targetstorage: target_storage,
         };
-        let mut call = || self.api.client.migrate(&vm.node, vm.vmid, &params);
-        let upid = self
-            .api
-            .retry_raw(Some(&vm.node), deadline, &mut call)
-            .await
-            .map_err(fail(Step::Migrate))?;
-        if let Err(e) = self.api.wait_task(&upid, "replica migration").await {
-            let why = self.task_error_lines(&upid).await;
-            return Err((Step::Migrate, e, why));
-        }
-        // Right after the migration the config lock may still be contended
-        // (a backup job, a person): a lock timeout is retried.
+        // PVE refuses a second migrate of the same VM (`VM is locked
+        // (migrate)`, or its config is gone from the source): a POST whose
+        // answer was lost is resolved by reading where the VM settled.
         let mut attempt = 0;
         loop {
-            let mut call = || self.api.client.convert_to_template(node, vm.vmid);
-            let upid = self
-                .api
-                .retry_raw(Some(node), deadline, &mut call)
-                .await
-                .map_err(fail(Step::Convert))?;
-            match self.api.wait_task(&upid, "template conversion").await {
+            match self.api.client.migrate(&vm.node, vm.vmid, &params).await {
+                Ok(upid) => {
+                    if let Err(e) = self.api.wait_task(&upid, "replica migration").await {
+                        let why = self.task_error_lines(&upid).await;
+                        return Err((Step::Migrate, e, why));
+                    }
+                    break;
+                }
+                Err(e) if e.may_have_been_applied_post() => {
+                    tracing::warn!(vm = %vm, error = %e, "the answer to the migration request was lost; reading where the VM is");
+                    match self.settled_node(vm, node, deadline).await {
+                        Some(n) if n == node => break,
+                        // Still on the source and unlocked: not applied.
+                        Some(_) if Instant::now() < deadline => {}
+                        _ => return Err(fail(Step::Migrate)(e)),
+                    }
+                }
+                Err(e) if e.is_transient() && Instant::now() < deadline => {
+                    self.api.pause(attempt, deadline).await;
+                    attempt += 1;
+                }
+                Err(e) => return Err(fail(Step::Migrate)(e)),
+            }
+        }
+        // Right after the migration the config lock may still be contended
+        // (a backup job, a person): a lock timeout is retried. A second
+        // conversion is refused (`you can't convert a template to a
+        // template`): a lost answer is resolved by reading the config.
+        let mut attempt = 0;
+        loop {
+            let outcome = match self.api.client.convert_to_template(node, vm.vmid).await {
+                Ok(upid) => self.api.wait_task(&upid, "template conversion").await,
+                Err(e) if e.may_have_been_applied_post() => {
+                    tracing::warn!(vm = vm.vmid, node, error = %e, "the answer to the conversion request was lost; reading the config");
+                    let here = VmRef {
+                        node: node.to_string(),
+                        vmid: vm.vmid,
+                    };
+                    match self.settled_template(&here, deadline).await {
+                        Some(true) => break,
+                        Some(false) if Instant::now() < deadline => continue,
+                        _ => return Err(fail(Step::Convert)(e)),
+                    }
+                }
+                Err(e) => Err(e),
+            };
+            match outcome {
                 Ok(()) => break,
-                Err(e) if e.is_lock_timeout() && Instant::now() < deadline => {
+                Err(e)
+                    if (e.is_lock_timeout() || e.is_transient()) && Instant::now() < deadline =>
+                {
                     self.api.pause(attempt, deadline).await;
                     attempt += 1;
                 }
@@ -570,6 +682,45 @@ impl Replicas {
         }
         tracing::debug!(vm = vm.vmid, source, node, "replica converted");
         Ok(())
+    }
+
+    /// Where VM `vm` (on `vm.node` before a migration to `target`) is once
+    /// no migration holds it: `Some(node)`, or `None` when neither node
+    /// shows it unlocked within the task timeout.
+    async fn settled_node(&self, vm: &VmRef, target: &str, deadline: Instant) -> Option<String> {
+        let until = deadline.min(Instant::now() + self.api.opts.task_timeout);
+        loop {
+            for n in [target, vm.node.as_str()] {
+                let mut call = || self.api.client.get_config(n, vm.vmid);
+                if let Ok(cfg) = self.api.retry_raw(Some(n), until, &mut call).await {
+                    if cfg.lock.is_none() {
+                        return Some(n.to_string());
+                    }
+                }
+            }
+            if Instant::now() >= until {
+                return None;
+            }
+            tokio::time::sleep(self.api.opts.poll_interval).await;
+        }
+    }
+
+    /// Whether VM `vm` is a template once no lock holds it; `None` when it
+    /// cannot be read unlocked within the task timeout.
+    async fn settled_template(&self, vm: &VmRef, deadline: Instant) -> Option<bool> {
+        let until = deadline.min(Instant::now() + self.api.opts.task_timeout);
+        loop {
+            let mut call = || self.api.client.get_config(&vm.node, vm.vmid);
+            if let Ok(cfg) = self.api.retry_raw(Some(&vm.node), until, &mut call).await {
+                if cfg.lock.is_none() {
+                    return Some(cfg.template.unwrap_or(false));
+                }
+            }
+            if Instant::now() >= until {
+                return None;
+            }
+            tokio::time::sleep(self.api.opts.poll_interval).await;
+        }
     }
 
     /// The `ERROR` lines of a failed task's log (PVE puts a migration's cause

@@ -5,6 +5,7 @@
 //! their own (`make fuzz` and `make bench-replicas` run them by name).
 
 mod common;
+mod fidelity;
 
 mod preflight;
 mod proxmox_clone_bound;

@@ -516,13 +516,19 @@ async fn through_the_backend_a_failed_staging_is_the_create_error() {
             && last_error.contains("Logical volume is in use"),
         "{last_error}"
     );
-    // The stale copy was removed first, the half-made one after the failure.
-    assert!(replicas(&sim).is_empty(), "{:?}", replicas(&sim));
+    // The half-made copy was removed after the failure; the stale one stays
+    // (unused) until a successor is staged.
+    let left = replicas(&sim);
+    assert_eq!(left.len(), 1, "{left:?}");
+    assert_ne!(left[0].2 .1, sim.vm(9000).unwrap().digest(), "the old copy");
+    let stale = left[0].0;
     let host = backend
         .create(ctx(&ids[1]))
         .await
         .expect("the next Create stages it");
     assert!(host.host_ref.starts_with("pve2/"), "{}", host.host_ref);
-    assert_eq!(replicas(&sim).len(), 1);
+    let now = replicas(&sim);
+    assert_eq!(now.len(), 1, "{now:?}");
+    assert_ne!(now[0].0, stale, "the successor replaced the stale copy");
     sim.shutdown().await;
 }

@@ -133,6 +133,28 @@ impl Api {
         .expect("task finished in time")
     }
 
+    /// A task's log lines, joined by newlines.
+    pub async fn task_log_text(&self, upid: &str) -> String {
+        let node = upid.split(':').nth(1).expect("node in upid").to_string();
+        let r = self
+            .get(
+                &format!("/nodes/{node}/tasks/{}/log", urlencode(upid)),
+                &[("limit", "500")],
+            )
+            .await;
+        assert_eq!(r.status, 200, "task log: {:?}", r.body);
+        r.data()
+            .as_array()
+            .map(|lines| {
+                lines
+                    .iter()
+                    .filter_map(|l| l["t"].as_str())
+                    .collect::<Vec<_>>()
+                    .join("\n")
+            })
+            .unwrap_or_default()
+    }
+
     /// Poll until `f` accepts the response of `GET path`.
     pub async fn wait_for(
         &self,

@@ -21,6 +21,9 @@ fn config_params(params: &ConfigParams) -> Result<Params, PveError> {
     p.push_opt("description", params.description.as_deref());
     p.push_opt("tags", params.tags.as_ref().map(|t| join_tags(t)));
     p.push_opt("digest", params.digest.as_deref());
+    if !params.delete.is_empty() {
+        p.push("delete", params.delete.join(","));
+    }
     if p.is_empty() {
         return Err(PveError::InvalidArgument(
             "config update has no fields set".into(),

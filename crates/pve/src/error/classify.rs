@@ -159,6 +159,13 @@ impl PveError {
             || matches!(self, PveError::Api { message, .. } if message.contains("is locked"))
     }
 
+    /// The VM has `protection: 1` (`can't remove VM 104 - protection mode
+    /// enabled`): PVE refuses to destroy it until the flag is cleared.
+    pub fn is_protected(&self) -> bool {
+        self.server_text()
+            .is_some_and(|m| m.contains("protection mode enabled"))
+    }
+
     /// The guest agent does not know the exec pid (`invalid parameter 'pid'`,
     /// `no such pid`): qemu-ga forgets a pid once it has reported its exit.
     pub fn is_unknown_pid(&self) -> bool {
@@ -361,6 +368,13 @@ mod tests {
             message: msg.into(),
             param_errors: BTreeMap::new(),
         }
+    }
+
+    #[test]
+    fn a_protected_vm_is_told_apart() {
+        let e = api(500, "can't remove VM 104 - protection mode enabled");
+        assert!(e.is_protected() && !e.is_transient() && !e.is_locked());
+        assert!(!api(500, "VM 104 is locked (backup)").is_protected());
     }
 
     #[test]
