@@ -1,6 +1,7 @@
 //! `bigfleet.proxmox.admin.v1.Admin`: the provider's own day-2 RPCs, served
 //! next to CapacityProvider on the same listener (so the same TLS/mTLS
-//! guards them). CapacityProvider's wire is untouched.
+//! guards them). Under mTLS every Admin RPC needs the `bigfleet://admin`
+//! identity ([`crate::guard`]). CapacityProvider's wire is untouched.
 
 use std::sync::Arc;
 
@@ -9,13 +10,17 @@ use bigfleet_proto::admin::{ReclaimRequest, ReclaimResponse, ReclaimStatus};
 use providerkit::{Engine, ReclaimOutcome};
 use tonic::{Request, Response, Status};
 
+use crate::guard::IdentityGuard;
+use crate::identity::Need;
+
 pub struct AdminService {
     engine: Arc<Engine>,
+    guard: Arc<IdentityGuard>,
 }
 
 impl AdminService {
-    pub fn new(engine: Arc<Engine>) -> AdminService {
-        AdminService { engine }
+    pub fn new(engine: Arc<Engine>, guard: Arc<IdentityGuard>) -> AdminService {
+        AdminService { engine, guard }
     }
 
     pub fn into_server(self) -> AdminServer<AdminService> {
@@ -29,6 +34,8 @@ impl Admin for AdminService {
         &self,
         request: Request<ReclaimRequest>,
     ) -> Result<Response<ReclaimResponse>, Status> {
+        // Before anything else: a refused caller learns nothing of the id.
+        self.guard.admit(&request, "Reclaim", Need::Admin)?;
         let req = request.into_inner();
         // The same cap as CapacityProvider's ids, checked before the id is
         // logged or echoed (an error quotes only a short prefix).

@@ -201,6 +201,13 @@ pub struct Args {
     #[arg(long)]
     pub tls_ca: Option<PathBuf>,
 
+    /// Under mTLS, what a client certificate must say: bigfleet (its one
+    /// bigfleet:// URI SAN decides which RPCs it may call, and for which
+    /// shard_id) or any (every certificate that chains to --tls-ca may call
+    /// everything). Without --tls-ca there is no client certificate to check.
+    #[arg(long, value_enum, default_value = "bigfleet")]
+    pub tls_client_identity: crate::identity::ClientIdentityMode,
+
     /// Create transition timeout.
     #[arg(long, default_value = "8m", value_parser = parse_duration)]
     pub create_timeout: Duration,

@@ -1,7 +1,8 @@
 //! The `bigfleet-proxmox` binary's composition root: configuration
 //! ([`config`], validated once into a [`Plan`] of sub-configurations by
 //! [`plan()`]), serving ([`serve::run`]: the gRPC server, the metrics and
-//! probe listener, the reconcile loop), metrics, logging and TLS. The
+//! probe listener, the reconcile loop), metrics, logging, TLS and the
+//! caller identities of mTLS ([`identity`], applied by [`guard`]). The
 //! Proxmox policy lives in `proxmox-backend`, the contract engine in
 //! `providerkit`, the operator client in `bigfleet-ctl`.
 
@@ -9,6 +10,8 @@ pub mod admin;
 pub mod budget;
 pub mod config;
 pub mod error;
+pub mod guard;
+pub mod identity;
 pub mod layers;
 pub mod logging;
 pub mod metrics;

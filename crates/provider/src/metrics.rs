@@ -112,6 +112,12 @@ pub struct MachineLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct IdentityLabels {
+    pub rpc: String,
+    pub reason: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct OutcomeLabels {
     pub outcome: String,
 }
@@ -130,6 +136,8 @@ pub struct Metrics {
     pub grpc_duration: Family<MethodLabels, Histogram>,
     pub panics: Counter,
     pub reconcile: Family<OutcomeLabels, Counter>,
+    /// Calls refused under mTLS for their certificate's identity.
+    pub identity_rejected: Family<IdentityLabels, Counter>,
     /// The engine the machine gauge counts, once it has started.
     machines: Arc<OnceLock<MachineSource>>,
 }
@@ -153,6 +161,7 @@ impl Metrics {
             Family::<MethodLabels, Histogram>::new_with_constructor(latency_histogram as fn() -> _);
         let panics = Counter::default();
         let reconcile = Family::<OutcomeLabels, Counter>::default();
+        let identity_rejected = Family::<IdentityLabels, Counter>::default();
         registry.register(
             "bigfleet_proxmox_api_calls",
             "Proxmox substrate calls by operation and outcome",
@@ -187,6 +196,12 @@ impl Metrics {
             "bigfleet_proxmox_reconcile",
             "Background reconcile passes by outcome",
             reconcile.clone(),
+        );
+        registry.register(
+            "bigfleet_proxmox_identity_rejected",
+            "Calls refused under mTLS because the client certificate's bigfleet:// identity \
+             does not permit them, by RPC and reason",
+            identity_rejected.clone(),
         );
         registry.register_collector(Box::new(ProcessCollector));
         let machines = Arc::new(OnceLock::new());
@@ -223,6 +238,7 @@ impl Metrics {
             grpc_duration,
             panics,
             reconcile,
+            identity_rejected,
             machines,
         })
     }
@@ -273,6 +289,24 @@ impl Metrics {
     /// at scrape time keeps the gauge off every request's path.
     pub fn observe_engine(&self, engine: Arc<Engine>, zones: Vec<String>) {
         let _ = self.machines.set(MachineSource { engine, zones });
+    }
+
+    /// A refusal series that exists at 0 from now on, so an alert on its
+    /// rate sees the first refusal.
+    pub fn expect_identity_rejection(&self, rpc: &str, reason: &str) {
+        let _ = self.identity_rejected.get_or_create(&IdentityLabels {
+            rpc: rpc.to_owned(),
+            reason: reason.to_owned(),
+        });
+    }
+
+    pub fn observe_identity_rejected(&self, rpc: &str, reason: &str) {
+        self.identity_rejected
+            .get_or_create(&IdentityLabels {
+                rpc: rpc.to_owned(),
+                reason: reason.to_owned(),
+            })
+            .inc();
     }
 
     pub fn observe_reconcile(&self, ok: bool) {

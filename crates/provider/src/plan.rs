@@ -14,6 +14,7 @@ use proxmox_backend::proxmox::PveOptions;
 
 use crate::config::{self, Args, BackendChoice};
 use crate::error::ConfigError;
+use crate::identity::IdentityCheck;
 use crate::tls;
 
 /// Which substrate the process drives, after the gating rules.
@@ -101,6 +102,8 @@ pub struct ServingConfig {
     pub metrics_addr: AuxAddr,
     pub security: tls::Security,
     pub tls: Option<Arc<rustls::ServerConfig>>,
+    /// Whether and how calls are bound to the client certificate's identity.
+    pub client_identity: IdentityCheck,
     pub reflection: bool,
     /// How long in-flight RPCs may take after SIGINT/SIGTERM.
     pub shutdown_grace: Duration,
@@ -384,6 +387,10 @@ fn serving(args: &Args) -> Result<ServingConfig, ConfigError> {
         metrics_addr,
         security,
         tls,
+        client_identity: IdentityCheck::new(
+            security == tls::Security::Mtls,
+            args.tls_client_identity,
+        ),
         reflection: args.reflection,
         shutdown_grace: args.shutdown_grace,
     })

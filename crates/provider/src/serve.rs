@@ -19,6 +19,8 @@ use tonic_health::ServingStatus;
 
 use crate::budget::{BudgetLayer, FirstBytes, PREFACE_TIMEOUT};
 use crate::error::StartupError;
+use crate::guard::{GuardedCapacity, IdentityGuard};
+use crate::identity::IdentityCheck;
 use crate::layers::{CatchPanicLayer, ObserveLayer};
 use crate::metrics::Metrics;
 use crate::plan::{BackendConfig, Plan, ProxmoxAccess, ProxmoxConfig};
@@ -367,6 +369,14 @@ pub async fn run(plan: Plan) -> Result<(), RunError> {
         None
     };
 
+    if serving.client_identity == IdentityCheck::ChainOnly {
+        tracing::warn!(
+            "--tls-client-identity any: every client certificate that chains to --tls-ca may \
+             call every RPC, for any shard_id; give each client its bigfleet:// URI SAN and \
+             drop the flag"
+        );
+    }
+    let guard = IdentityGuard::new(serving.client_identity, metrics.clone());
     let router = tonic::transport::Server::builder()
         .max_concurrent_streams(MAX_CONCURRENT_STREAMS)
         .http2_max_header_list_size(16 * 1024)
@@ -379,8 +389,10 @@ pub async fn run(plan: Plan) -> Result<(), RunError> {
             metrics: metrics.clone(),
         })
         .layer(BudgetLayer)
-        .add_service(CapacityService::new(engine.clone()).into_server())
-        .add_service(crate::admin::AdminService::new(engine.clone()).into_server())
+        .add_service(
+            GuardedCapacity::new(CapacityService::new(engine.clone()), guard.clone()).into_server(),
+        )
+        .add_service(crate::admin::AdminService::new(engine.clone(), guard).into_server())
         .add_service(health_service)
         .add_optional_service(reflection)
         .add_optional_service(reflection_alpha);
@@ -439,6 +451,7 @@ pub async fn run(plan: Plan) -> Result<(), RunError> {
         provider = %serving.provider,
         proxmox_backend = plan.backend.kind().name(),
         security = serving.security.name(),
+        client_identity = serving.client_identity.name(),
         offerings = catalog.slots.len(),
         zones = %catalog.zones.join(","),
         metrics_addr = %metrics_local,

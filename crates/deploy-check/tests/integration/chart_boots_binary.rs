@@ -173,7 +173,7 @@ fn real_backend_release_parses_and_fails_on_the_missing_secret() {
             r#"
 proxmox: {apiURL: "https://pve1.example.internal:8006/api2/json", tokenID: "bigfleet@pve!autoscaler", nodes: [pve1, pve2], pool: bigfleet, templateReplicas: false, nodeStorage: {pve1: local-lvm, pve2: fast-zfs}}
 credentials: {token: {secretName: t}, ca: {secretName: c}}
-tls: {enabled: true, mtls: true, secretName: s}
+tls: {enabled: true, mtls: true, secretName: s, clientIdentity: any}
 "#,
         ),
         dir.path(),
@@ -181,6 +181,7 @@ tls: {enabled: true, mtls: true, secretName: s}
     for flag in [
         "--template-replicas=false",
         "--node-storage=pve1=local-lvm,pve2=fast-zfs",
+        "--tls-client-identity=any",
     ] {
         assert!(args.iter().any(|a| a == flag), "{flag} not in {args:?}");
     }

@@ -118,6 +118,13 @@ const PANIC_LAYER: Proof = Source {
     file: "crates/provider/src/layers.rs",
     text: "tonic::Status::internal(\"internal error: the handler panicked\")",
 };
+/// Identities are checked only under mTLS, which the live provider here
+/// does not run (the provider's own tests drive every refusal through the
+/// binary); the line that answers it is held instead.
+const IDENTITY_REFUSED: Proof = Source {
+    file: "crates/provider/src/guard.rs",
+    text: "Err(Status::permission_denied(refusal.to_string()))",
+};
 const STORE_UNAVAILABLE: Proof = Source {
     file: "crates/providerkit/src/error.rs",
     text: "KitError::Store(_) => Code::Unavailable",
@@ -278,6 +285,25 @@ const CLAIMS: &[Claim] = &[
         says: "a Drain of a `SPECULATIVE` machine, is answered `ABORTED`",
         codes: &["ABORTED"],
         proofs: &[Live(DrainSpeculative)],
+    },
+    Claim {
+        page: "security.md",
+        says: "| `PERMISSION_DENIED` | the certificate's identity does not permit the call",
+        codes: &["PERMISSION_DENIED"],
+        proofs: &[IDENTITY_REFUSED],
+    },
+    Claim {
+        page: "security.md",
+        says: "| `FAILED_PRECONDITION` | (unchanged) the caller may act for the shard, but its \
+               fencing token is stale",
+        codes: &["FAILED_PRECONDITION"],
+        proofs: &[Live(StaleToken)],
+    },
+    Claim {
+        page: "troubleshooting.md",
+        says: "A refused call is answered `PERMISSION_DENIED`",
+        codes: &["PERMISSION_DENIED"],
+        proofs: &[IDENTITY_REFUSED],
     },
     Claim {
         page: "troubleshooting.md",

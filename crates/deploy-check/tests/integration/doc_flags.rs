@@ -52,6 +52,7 @@ const SPEC_FLAGS: &[&str] = &[
     "--tls-key",
     "--tls-ca",
     // Added by the binary:
+    "--tls-client-identity",
     "--fake-latency",
     "--log-format",
     "--log-level",

@@ -399,6 +399,32 @@ fn tls_and_mtls() {
 }
 
 #[test]
+fn client_identity_renders_a_flag_only_when_it_is_any_under_mtls() {
+    let mtls = |identity: &str| {
+        render(&format!(
+            "{MINIMAL_CA}\ntls: {{enabled: true, mtls: true, secretName: s{identity}}}\n"
+        ))
+    };
+    // The provider's default, spelt out or not: no flag.
+    for identity in ["", ", clientIdentity: bigfleet"] {
+        let r = mtls(identity);
+        common(&r);
+        assert!(
+            !r.flags().contains_key("--tls-client-identity"),
+            "{identity}"
+        );
+    }
+    let r = mtls(", clientIdentity: any");
+    common(&r);
+    assert_eq!(r.flags()["--tls-client-identity"], "any");
+    // Without mtls there is no client certificate to check: no flag.
+    let r = render(&format!(
+        "{MINIMAL_CA}\ntls: {{enabled: true, secretName: s, clientIdentity: any}}\n"
+    ));
+    assert!(!r.flags().contains_key("--tls-client-identity"));
+}
+
+#[test]
 fn fingerprint_instead_of_ca() {
     let r = render(
         r#"
@@ -865,6 +891,7 @@ fn schema_rejects_wrong_types_and_values() {
             "proxmox: {templateReplicas: \"false\"}",
             "/proxmox/templateReplicas",
         ),
+        ("tls: {clientIdentity: none}", "/tls/clientIdentity"),
         ("proxmox: {cloneMode: thin}", "/proxmox/cloneMode"),
         ("proxmox: {cloneMode: Linked}", "/proxmox/cloneMode"),
         // The flag's syntax is not the value's: a map, node to storage.

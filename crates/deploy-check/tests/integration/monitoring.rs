@@ -116,6 +116,11 @@ fn unit_tests_catch_broken_rules() {
         ),
         // Counting fencing as a server error.
         ("Internal|Unknown|", "Internal|FailedPrecondition|Unknown|"),
+        // Tolerating some identity refusals: one must already fire.
+        (
+            "(rate(bigfleet_proxmox_identity_rejected_total[5m])) > 0",
+            "(rate(bigfleet_proxmox_identity_rejected_total[5m])) > 0.01",
+        ),
     ];
     let tests = read(ALERTS_TEST);
     for (from, to) in mutants {
@@ -228,6 +233,10 @@ fn alerts_carry_severity_summary_and_description() {
             "bigfleet_proxmox_log_lines_dropped_total",
         ),
         ("panics", "bigfleet_proxmox_panics_total"),
+        (
+            "callers refused for their identity",
+            "bigfleet_proxmox_identity_rejected_total",
+        ),
         ("provider down", r#"up{job="bigfleet-proxmox"} == 0"#),
     ] {
         assert!(

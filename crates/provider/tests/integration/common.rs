@@ -450,10 +450,12 @@ async fn poll_get(
 }
 
 /// Throwaway PKI: a CA, a server leaf for 127.0.0.1/localhost and a client
-/// leaf signed by it, and a client leaf from an unrelated CA, all written
-/// as PEM files under a temporary directory.
+/// leaf signed by it (an operator's: `bigfleet://admin`), and a client leaf
+/// from an unrelated CA, all written as PEM files under a temporary
+/// directory; [`Pki::client`] mints more client leaves from the same CA.
 pub struct Pki {
     pub dir: tempfile::TempDir,
+    root: rcgen::CertifiedIssuer<'static, rcgen::KeyPair>,
     pub ca: PathBuf,
     pub server_cert: PathBuf,
     pub server_key: PathBuf,
@@ -479,15 +481,21 @@ fn ca(name: &str) -> rcgen::CertifiedIssuer<'static, rcgen::KeyPair> {
         .expect("self-signed CA")
 }
 
+/// A leaf for the DNS names or IP addresses `sans` plus the URI SANs `uris`.
 fn leaf(
     issuer: &rcgen::Issuer<'_, rcgen::KeyPair>,
     sans: &[&str],
+    uris: &[&str],
     cn: &str,
     usage: rcgen::ExtendedKeyUsagePurpose,
 ) -> (String, String) {
     let mut params =
         rcgen::CertificateParams::new(sans.iter().map(|s| s.to_string()).collect::<Vec<_>>())
             .expect("params");
+    for uri in uris {
+        let uri = rcgen::string::Ia5String::try_from(*uri).expect("an ASCII URI");
+        params.subject_alt_names.push(rcgen::SanType::URI(uri));
+    }
     params
         .distinguished_name
         .push(rcgen::DnType::CommonName, cn);
@@ -510,18 +518,21 @@ impl Pki {
         let (scert, skey) = leaf(
             &root,
             &["127.0.0.1", "localhost"],
+            &[],
             "provider",
             rcgen::ExtendedKeyUsagePurpose::ServerAuth,
         );
         let (ccert, ckey) = leaf(
             &root,
             &["client.test"],
+            &["bigfleet://admin"],
             "client",
             rcgen::ExtendedKeyUsagePurpose::ClientAuth,
         );
         let (ocert, okey) = leaf(
             &other,
             &["client.test"],
+            &["bigfleet://admin"],
             "client",
             rcgen::ExtendedKeyUsagePurpose::ClientAuth,
         );
@@ -534,8 +545,25 @@ impl Pki {
             other_ca: write("other-ca.pem", &other.pem()),
             other_client_cert: write("other-client.pem", &ocert),
             other_client_key: write("other-client.key", &okey),
+            root,
             dir,
         }
+    }
+
+    /// A client leaf from the CA with the URI SANs `uris`, written as
+    /// `NAME.pem` and `NAME.key`: (certificate, key).
+    pub fn client(&self, name: &str, uris: &[&str]) -> (PathBuf, PathBuf) {
+        let (cert, key) = leaf(
+            &self.root,
+            &["client.test"],
+            uris,
+            name,
+            rcgen::ExtendedKeyUsagePurpose::ClientAuth,
+        );
+        (
+            self.write(&format!("{name}.pem"), &cert),
+            self.write(&format!("{name}.key"), &key),
+        )
     }
 
     /// A file in the PKI directory with arbitrary content.

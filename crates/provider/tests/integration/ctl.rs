@@ -499,6 +499,9 @@ fn ca(name: &str) -> CertifiedIssuer<'static, KeyPair> {
     CertifiedIssuer::self_signed(params, KeyPair::generate().unwrap()).unwrap()
 }
 
+/// A leaf for `names` (DNS names or IP addresses), plus the URI SAN
+/// `bigfleet://admin` on a client certificate: ctl is an operator's tool,
+/// and an mTLS provider lets only that identity act for any shard.
 fn leaf(
     issuer: &CertifiedIssuer<'static, KeyPair>,
     names: &[&str],
@@ -506,6 +509,10 @@ fn leaf(
 ) -> (String, String) {
     let mut params =
         CertificateParams::new(names.iter().map(|n| n.to_string()).collect::<Vec<_>>()).unwrap();
+    if usage == ExtendedKeyUsagePurpose::ClientAuth {
+        let admin = rcgen::string::Ia5String::try_from("bigfleet://admin").unwrap();
+        params.subject_alt_names.push(rcgen::SanType::URI(admin));
+    }
     params.distinguished_name.push(DnType::CommonName, names[0]);
     params.extended_key_usages = vec![usage];
     let key = KeyPair::generate().unwrap();

@@ -1,5 +1,6 @@
 //! The `bigfleet-proxmox` binary's tests, one test binary (each file a
-//! module): start-up validation, TLS and the admin listener, limits,
+//! module): start-up validation, TLS, caller identities under mTLS and the
+//! admin listener, limits,
 //! readiness, observability, secrets in logs, the operator client, and the
 //! binary on the real backend against pve-sim. Most boot the built binary
 //! as a child process; the kill -9 campaigns (`crash`, `crash_real`) stay
@@ -11,6 +12,7 @@ mod common;
 mod admin_tls;
 mod configure_load;
 mod ctl;
+mod identity;
 mod limits;
 mod list_share;
 mod observability;

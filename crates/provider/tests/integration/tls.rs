@@ -95,6 +95,11 @@ async fn tls_serves_a_client_that_trusts_the_ca() {
         field(&provider.startup_line, "security").as_deref(),
         Some("TLS")
     );
+    // No client certificate, so no identity to check.
+    assert_eq!(
+        field(&provider.startup_line, "client_identity").as_deref(),
+        Some("off")
+    );
     let n = list_over_tls(provider.grpc, &pki.ca, None)
         .await
         .expect("List over TLS");
@@ -215,6 +220,10 @@ async fn insecure_listener_says_so() {
     assert_eq!(
         field(&provider.startup_line, "security").as_deref(),
         Some("insecure")
+    );
+    assert_eq!(
+        field(&provider.startup_line, "client_identity").as_deref(),
+        Some("off")
     );
     let list = provider
         .client()
