@@ -498,6 +498,18 @@ pub struct SimConfig {
     /// Answer as PVE 9 does: `/version` says 9.0, and the privilege set has
     /// the `VM.GuestAgent.*` privileges where PVE 8 has `VM.Monitor`.
     pub pve9: bool,
+    /// Storages storage.cfg does not enable on a node (its `nodes` list
+    /// leaves the node out, or `disable`), as `(node, storage)`: still in
+    /// the node's storage list and status, with `enabled` and `active` 0
+    /// and no capacity; a disk cannot be allocated there.
+    pub storages_disabled: Vec<(String, String)>,
+    /// Storages that cannot be activated on a node at start-up (an NFS
+    /// server or iSCSI target out of reach), as `(node, storage)`; see
+    /// [`crate::PveSim::set_storage_online`] to change it while running.
+    /// Status says `active` 0 and no capacity; allocating there, and a
+    /// destroy with `destroy-unreferenced-disks=1` on that node, fail with
+    /// `storage 'X' is not online`.
+    pub storages_offline: Vec<(String, String)>,
 }
 
 impl SimConfig {
@@ -573,6 +585,8 @@ impl Default for SimConfig {
             dropped_privileges: Vec::new(),
             granted_privileges: Vec::new(),
             pve9: false,
+            storages_disabled: Vec::new(),
+            storages_offline: Vec::new(),
         }
     }
 }

@@ -7,6 +7,7 @@ mod common;
 
 mod api;
 mod failure_modes;
+mod fidelity;
 mod proxmoxer;
 mod qga;
 mod realism;

@@ -1,0 +1,183 @@
+//! What real PVE 8 and 9 do where an earlier simulator was kinder, from a
+//! reading of PVE's own sources (qemu-server, pve-manager, pve-storage,
+//! pve-access-control): each test pins one behaviour the provider must
+//! cope with.
+
+use std::time::Duration;
+
+use pve_sim::{SimConfig, StorageKind, StorageSpec};
+use serde_json::json;
+
+use crate::common::{shutdown_clean, start_sim, urlencode};
+
+fn fast() -> SimConfig {
+    SimConfig {
+        clone_duration: Duration::from_millis(100),
+        rrd_lag: Duration::ZERO,
+        ..SimConfig::default()
+    }
+}
+
+#[tokio::test]
+async fn unknown_task_is_a_parameter_error_on_upid() {
+    let (sim, api) = start_sim(fast()).await;
+    let upid = "UPID:pve1:00001234:00005678:65000000:qmclone:9000:root@pam:";
+    for rest in ["status", "log"] {
+        let r = api
+            .get(
+                &format!("/nodes/pve1/tasks/{}/{rest}", urlencode(upid)),
+                &[],
+            )
+            .await;
+        assert_eq!(r.status, 400, "{rest}: {:?}", r.body);
+        assert_eq!(r.message(), "Parameter verification failed.");
+        assert_eq!(r.body["errors"]["upid"], "no such task", "{rest}");
+    }
+    shutdown_clean(sim).await;
+}
+
+#[tokio::test]
+async fn a_locked_vms_delete_fails_inside_its_task() {
+    let (sim, api) = start_sim(fast()).await;
+    sim.insert_vm(sim.new_vm(500, "pve1", "locked")).unwrap();
+    assert!(sim.set_lock(500, Some("backup")));
+    let r = api
+        .delete(
+            "/nodes/pve1/qemu/500",
+            &[("purge", "1"), ("destroy-unreferenced-disks", "1")],
+        )
+        .await;
+    let task = api.wait_task_of(r).await;
+    assert_eq!(task["exitstatus"], "VM is locked (backup)", "no VMID in it");
+    assert!(sim.vm(500).is_some(), "nothing was destroyed");
+    assert!(sim.set_lock(500, None));
+    let r = api.delete("/nodes/pve1/qemu/500", &[("purge", "1")]).await;
+    assert_eq!(api.wait_task_of(r).await["exitstatus"], "OK");
+    assert!(sim.vm(500).is_none());
+    shutdown_clean(sim).await;
+}
+
+#[tokio::test]
+async fn storage_status_of_unknown_disabled_and_inactive_storages() {
+    let (sim, api) = start_sim(SimConfig {
+        storages: vec![
+            StorageSpec::new("local-lvm", StorageKind::LvmThin, false, 100),
+            StorageSpec::new("fast", StorageKind::LvmThin, false, 100),
+            StorageSpec::new("nas", StorageKind::Nfs, true, 100),
+        ],
+        storages_disabled: vec![("pve1".into(), "fast".into())],
+        storages_offline: vec![("pve1".into(), "nas".into())],
+        ..fast()
+    })
+    .await;
+    let r = api.get("/nodes/pve1/storage/nosuch/status", &[]).await;
+    assert_eq!(
+        (r.status, r.message().as_str()),
+        (400, "Parameter verification failed.")
+    );
+    assert_eq!(r.body["errors"]["storage"], "No such storage.");
+    for (storage, enabled) in [("fast", 0), ("nas", 1)] {
+        let r = api
+            .get(&format!("/nodes/pve1/storage/{storage}/status"), &[])
+            .await;
+        assert_eq!(r.status, 200, "{storage}: {:?}", r.body);
+        let d = r.data();
+        assert_eq!(
+            (&d["enabled"], &d["active"], &d["avail"], &d["total"]),
+            (&json!(enabled), &json!(0), &json!(0), &json!(0)),
+            "{storage}: {d}"
+        );
+    }
+    // Every storage of storage.cfg is in the node's list.
+    let listed = api.get("/nodes/pve1/storage", &[]).await;
+    let names: Vec<&str> = listed
+        .data()
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|s| s["storage"].as_str())
+        .collect();
+    for s in ["local-lvm", "fast", "nas"] {
+        assert!(names.contains(&s), "{s} in {names:?}");
+    }
+    // pve2 has both, usable.
+    let r = api.get("/nodes/pve2/storage/fast/status", &[]).await;
+    assert_eq!(
+        (&r.data()["enabled"], &r.data()["active"]),
+        (&json!(1), &json!(1))
+    );
+    // Allocating on them fails the way pve-storage says.
+    let clone = |storage: &'static str, newid: &'static str| {
+        let api = &api;
+        async move {
+            api.post(
+                "/nodes/pve1/qemu/9000/clone",
+                &[("newid", newid), ("full", "1"), ("storage", storage)],
+            )
+            .await
+        }
+    };
+    let t = api.wait_task_of(clone("fast", "300").await).await;
+    assert_eq!(
+        t["exitstatus"],
+        "clone failed: storage 'fast' is not available on node 'pve1'"
+    );
+    sim.set_storage_online("pve1", "nas", true);
+    let r = api.get("/nodes/pve1/storage/nas/status", &[]).await;
+    assert_eq!(r.data()["active"], 1, "back online");
+    shutdown_clean(sim).await;
+}
+
+#[tokio::test]
+async fn destroy_with_unreferenced_disks_dies_on_an_offline_storage() {
+    let (sim, api) = start_sim(SimConfig {
+        storages: vec![
+            StorageSpec::new("local-lvm", StorageKind::LvmThin, false, 100),
+            StorageSpec::new("nas", StorageKind::Nfs, true, 100),
+        ],
+        ..fast()
+    })
+    .await;
+    sim.insert_vm(sim.new_vm(500, "pve1", "doomed")).unwrap();
+    sim.set_storage_online("pve1", "nas", false);
+    let r = api
+        .delete(
+            "/nodes/pve1/qemu/500",
+            &[("purge", "1"), ("destroy-unreferenced-disks", "1")],
+        )
+        .await;
+    let t = api.wait_task_of(r).await;
+    assert_eq!(t["exitstatus"], "storage 'nas' is not online");
+    let left = sim.vm(500).expect("the config is left");
+    assert_eq!(left.allocated_bytes(), 0, "its own disks were freed");
+    // Without the flag no other storage is touched.
+    let r = api.delete("/nodes/pve1/qemu/500", &[("purge", "1")]).await;
+    assert_eq!(api.wait_task_of(r).await["exitstatus"], "OK");
+    assert!(sim.vm(500).is_none());
+    shutdown_clean(sim).await;
+}
+
+#[tokio::test]
+async fn a_clone_to_an_offline_node_is_accepted() {
+    let (sim, api) = start_sim(SimConfig {
+        templates: vec![pve_sim::TemplateSpec::shared(9000, "pve1")],
+        ..fast()
+    })
+    .await;
+    assert!(sim.set_node_online("pve2", false));
+    let r = api
+        .post(
+            "/nodes/pve1/qemu/9000/clone",
+            &[("newid", "300"), ("target", "pve2")],
+        )
+        .await;
+    assert_eq!(api.wait_task_of(r).await["exitstatus"], "OK");
+    assert_eq!(
+        sim.vm(300).expect("cloned").node,
+        "pve2",
+        "its config is there"
+    );
+    let r = api.get("/nodes/pve2/qemu/300/status/current", &[]).await;
+    assert_eq!(r.status, 595, "and nothing can reach it");
+    shutdown_clean(sim).await;
+}
