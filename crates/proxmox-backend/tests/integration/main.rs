@@ -12,4 +12,5 @@ mod proxmox_late_clone;
 mod proxmox_replicas;
 mod proxmox_robust;
 mod proxmox_sim;
+mod pve_fidelity;
 mod transition_detail;
