@@ -294,14 +294,17 @@ impl Placement {
         // room, and cloning there fails whatever the size.
         if st.enabled == Some(false) {
             return Err(SubstrateError::new(format!(
-                "storage {storage} is disabled on node {node} (storage.cfg leaves the node out of its `nodes`,                  or disables it): enable it for node {node} (Datacenter > Storage), or point the instance                  type (catalog `storage`) or the node (--node-storage) at a storage enabled there"
+                "storage {storage} is disabled on node {node} (storage.cfg leaves the node out of its `nodes`, \
+                or disables it): enable it for node {node} (Datacenter > Storage), or point the instance \
+                type (catalog `storage`) or the node (--node-storage) at a storage enabled there"
             )));
         }
         if st.active == Some(false) {
             return Err(SubstrateError::with_kind(
                 ErrorKind::Transient,
                 format!(
-                    "storage {storage} is not active on node {node} (PVE could not activate it: its server                      or device is out of reach; `pvesm status` on {node} says why); a Create succeeds again once it is back"
+                    "storage {storage} is not active on node {node} (PVE could not activate it: its server \
+                    or device is out of reach; `pvesm status` on {node} says why); a Create succeeds again once it is back"
                 ),
             ));
         }
@@ -386,7 +389,8 @@ impl Placement {
                 // not enabled on the node too (`enabled` 0).
                 if seen.get(s).is_some_and(|st| st.enabled == Some(false)) {
                     return Err(SubstrateError::new(format!(
-                        "storage {s:?} (from {from}) is disabled on node {node}: enable it for node {node}                          (Datacenter > Storage, its `nodes`), or name a storage enabled there"
+                        "storage {s:?} (from {from}) is disabled on node {node}: enable it for node {node} \
+                        (Datacenter > Storage, its `nodes`), or name a storage enabled there"
                     )));
                 }
                 if !seen.contains_key(s) {
