@@ -384,6 +384,12 @@ impl Shared {
     /// `user-tag-access` option is modelled, and (as in PVE) it is absent
     /// when left at its default, `free`.
     pub fn cluster_options(&self) -> Value {
+        // pve-manager `API2/Cluster.pm`: without `Sys.Audit` on `/` only
+        // `console`, `tag-style` and `allowed-tags` are returned (none set
+        // here), so `user-tag-access` is absent whatever it is.
+        if !self.holds("/", "Sys.Audit") {
+            return json!({});
+        }
         let (allow, list) = match &self.cfg.tag_access {
             TagAccess::Free => return json!({"keyboard": "en-us"}),
             TagAccess::Existing(l) => ("existing", l.clone()),

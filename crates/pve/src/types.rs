@@ -850,15 +850,22 @@ impl TagAccess {
 /// `GET /cluster/options`: the datacenter options the provider reads.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ClusterOptions {
-    pub tag_access: TagAccess,
+    /// `None` when the answer leaves `user-tag-access` out: PVE's default
+    /// (`free`) when the token holds `Sys.Audit` on `/`, but unknown
+    /// without it, since PVE then returns only `console`, `tag-style` and
+    /// `allowed-tags` (pve-manager `API2/Cluster.pm`).
+    pub tag_access: Option<TagAccess>,
 }
 
 impl ClusterOptions {
     /// Parses the answer. `user-tag-access` comes parsed (`{"user-allow":
     /// "existing", "user-allow-list": ["a"]}`); a raw property string
-    /// (`user-allow=list,user-allow-list=a;b`) is accepted too. Absent or
-    /// unknown means PVE's default, `free`.
+    /// (`user-allow=list,user-allow-list=a;b`) is accepted too. An unknown
+    /// `user-allow` means PVE's default, `free`; an absent option is `None`.
     pub fn from_value(v: &Value) -> ClusterOptions {
+        if v.get("user-tag-access").is_none() {
+            return ClusterOptions { tag_access: None };
+        }
         let mut allow = String::from("free");
         let mut list: Vec<String> = Vec::new();
         let split = |s: &str| -> Vec<String> {
@@ -903,7 +910,9 @@ impl ClusterOptions {
             "none" => TagAccess::None,
             _ => TagAccess::Free,
         };
-        ClusterOptions { tag_access }
+        ClusterOptions {
+            tag_access: Some(tag_access),
+        }
     }
 }
 
@@ -913,27 +922,31 @@ mod options_tests {
 
     #[test]
     fn user_tag_access_parsed_or_raw() {
-        let free = ClusterOptions::from_value(&serde_json::json!({"keyboard": "en-us"}));
-        assert_eq!(free.tag_access, TagAccess::Free);
-        assert!(!free.tag_access.refuses_new_tags());
+        let absent = ClusterOptions::from_value(&serde_json::json!({"keyboard": "en-us"}));
+        assert_eq!(absent.tag_access, None, "not known from the answer alone");
+        let free = ClusterOptions::from_value(&serde_json::json!({
+            "user-tag-access": {"user-allow": "free"}
+        }));
+        assert_eq!(free.tag_access, Some(TagAccess::Free));
+        assert!(!TagAccess::Free.refuses_new_tags());
         let parsed = ClusterOptions::from_value(&serde_json::json!({
             "user-tag-access": {"user-allow": "list", "user-allow-list": ["a", "b"]}
         }));
         assert_eq!(
             parsed.tag_access,
-            TagAccess::List(vec!["a".into(), "b".into()])
+            Some(TagAccess::List(vec!["a".into(), "b".into()]))
         );
         let raw = ClusterOptions::from_value(&serde_json::json!({
             "user-tag-access": "user-allow=existing,user-allow-list=x;y"
         }));
         assert_eq!(
             raw.tag_access,
-            TagAccess::Existing(vec!["x".into(), "y".into()])
+            Some(TagAccess::Existing(vec!["x".into(), "y".into()]))
         );
-        assert!(raw.tag_access.refuses_new_tags());
+        assert!(raw.tag_access.is_some_and(|t| t.refuses_new_tags()));
         let none = ClusterOptions::from_value(&serde_json::json!({
             "user-tag-access": {"user-allow": "none"}
         }));
-        assert_eq!(none.tag_access, TagAccess::None);
+        assert_eq!(none.tag_access, Some(TagAccess::None));
     }
 }

@@ -297,6 +297,7 @@ impl Preflight<'_> {
         );
         let mut held_on_pool = BTreeSet::new();
         let mut sys_modify_on_root = false;
+        let mut sys_audit_on_root = false;
         let mut gaps: Vec<(String, Vec<&Need>)> = Vec::new();
         if let Some(held) = self.privileges(&paths, &mut warnings).await {
             for ((path, needs), privs) in paths.iter().zip(&held) {
@@ -306,13 +307,16 @@ impl Preflight<'_> {
                 }
             }
             held_on_pool = held.first().cloned().unwrap_or_default();
-            sys_modify_on_root = self
+            let on_root = self
                 .api
                 .client
                 .permissions(Some("/"))
                 .await
-                .map(|p| p.get("/").is_some_and(|s| s.contains("Sys.Modify")))
-                .unwrap_or(false);
+                .ok()
+                .and_then(|mut p| p.remove("/"))
+                .unwrap_or_default();
+            sys_modify_on_root = on_root.contains("Sys.Modify");
+            sys_audit_on_root = on_root.contains("Sys.Audit");
         }
 
         if major >= 8 && !held_on_pool.is_empty() {
@@ -333,7 +337,7 @@ impl Preflight<'_> {
                 .check_placement(nodes, templates, &list)
                 .await?,
         );
-        self.check_tag_policy(sys_modify_on_root, &mut warnings)
+        self.check_tag_policy(sys_modify_on_root, sys_audit_on_root, &mut warnings)
             .await;
         Ok(warnings)
     }
@@ -516,11 +520,29 @@ impl Preflight<'_> {
         false
     }
 
-    async fn check_tag_policy(&self, sys_modify_on_root: bool, warnings: &mut Vec<String>) {
+    async fn check_tag_policy(
+        &self,
+        sys_modify_on_root: bool,
+        sys_audit_on_root: bool,
+        warnings: &mut Vec<String>,
+    ) {
         match self.api.client.cluster_options().await {
-            Ok(o) if o.tag_access.refuses_new_tags() && !sys_modify_on_root => {
+            // Absent without Sys.Audit on /: PVE hid it, so nothing is known.
+            Ok(o) if o.tag_access.is_none() && !sys_audit_on_root && !sys_modify_on_root => {
+                warnings.push(
+                    "the datacenter option user-tag-access is unknown: without Sys.Audit on / \
+                     PVE does not show it to this token. If it refuses new tags, the first \
+                     refused marking falls back to marker-only ownership (grant Sys.Audit on / \
+                     to know at start-up)"
+                        .to_string(),
+                );
+            }
+            Ok(o)
+                if o.tag_access.as_ref().is_some_and(|t| t.refuses_new_tags())
+                    && !sys_modify_on_root =>
+            {
                 self.tags.restrict();
-                let policy = match &o.tag_access {
+                let policy = match o.tag_access.as_ref().unwrap_or(&TagAccess::Free) {
                     TagAccess::Free => "user-allow=free".to_string(),
                     TagAccess::Existing(l) if l.is_empty() => "user-allow=existing".to_string(),
                     TagAccess::Existing(l) => format!("user-allow=existing, list {}", l.join(";")),

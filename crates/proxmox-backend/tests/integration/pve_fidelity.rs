@@ -238,3 +238,31 @@ async fn room_checks_tell_a_missing_or_disabled_storage_from_a_full_one() {
     assert!(e.to_string().contains("is disabled on node pve1"), "{e}");
     sim.shutdown().await;
 }
+
+#[tokio::test]
+async fn a_hidden_user_tag_access_is_unknown_not_free() {
+    let sim = sim_with(SimConfig {
+        tag_access: TagAccess::Existing(vec![]),
+        dropped_privileges: vec![("/".into(), "Sys.Audit".into())],
+        ..fast()
+    })
+    .await;
+    let sub = PveSubstrate::new(client(&sim), opts());
+    let warnings = sub
+        .preflight(&["pve1".into()], &[9000])
+        .await
+        .expect("serves");
+    assert!(
+        warnings
+            .iter()
+            .any(|w| w.contains("user-tag-access is unknown") && w.contains("Sys.Audit on /")),
+        "{warnings:?}"
+    );
+    // Not restricted up front: the first refused marking falls back.
+    let vm = sub
+        .clone_vm(&req("p/OnDemand/pve.small/pve1/013", "pve1"))
+        .await
+        .expect("create");
+    assert_eq!(sim.vm(vm.vmid).unwrap().tags, None, "marker only");
+    sim.shutdown().await;
+}

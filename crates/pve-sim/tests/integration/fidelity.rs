@@ -181,3 +181,28 @@ async fn a_clone_to_an_offline_node_is_accepted() {
     assert_eq!(r.status, 595, "and nothing can reach it");
     shutdown_clean(sim).await;
 }
+
+#[tokio::test]
+async fn cluster_options_hide_user_tag_access_without_sys_audit() {
+    let restricted = || SimConfig {
+        tag_access: pve_sim::TagAccess::Existing(vec![]),
+        ..fast()
+    };
+    let (sim, api) = start_sim(restricted()).await;
+    let r = api.get("/cluster/options", &[]).await;
+    assert_eq!(r.data()["user-tag-access"]["user-allow"], "existing");
+    shutdown_clean(sim).await;
+    let (sim, api) = start_sim(SimConfig {
+        dropped_privileges: vec![("/".into(), "Sys.Audit".into())],
+        ..restricted()
+    })
+    .await;
+    let r = api.get("/cluster/options", &[]).await;
+    assert_eq!(r.status, 200);
+    assert!(
+        r.data().get("user-tag-access").is_none(),
+        "hidden: {}",
+        r.data()
+    );
+    shutdown_clean(sim).await;
+}

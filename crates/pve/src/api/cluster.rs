@@ -44,11 +44,13 @@ impl PveClient {
         // `status: "unknown"` and no name (pve-manager `API2/Cluster.pm`;
         // older servers leave `status` out). Complete those rows from the
         // owning node, which knows; only brand-new VMs cost a call. An
-        // `unknown` row that has its name is a VM of an offline node, whose
-        // last sample PVE keeps: nothing to ask. A row whose node cannot
-        // answer (offline, VM gone meanwhile) stays as listed.
-        let unsampled =
-            |v: &ClusterVm| v.status.is_empty() || (v.status == "unknown" && v.name.is_none());
+        // `unknown` row with a name or `template: 1` has a sample: a VM of an
+        // offline node, whose last sample PVE keeps; nothing to ask. A row
+        // whose node cannot answer (offline, VM gone meanwhile) stays as
+        // listed.
+        let unsampled = |v: &ClusterVm| {
+            v.status.is_empty() || (v.status == "unknown" && v.name.is_none() && !v.template)
+        };
         for v in vms.iter_mut().filter(|v| unsampled(v)) {
             match self.status_current(&v.node, v.vmid).await {
                 Ok(st) => {
