@@ -443,8 +443,9 @@ pub struct SimConfig {
     pub tag_style: TagStyle,
     /// Agent `file-write` content (with `encode=1`) and exec `input-data` pass
     /// through Perl's `encode_base64`: characters up to U+00FF become one byte
-    /// each (Latin-1), anything above fails with "Wide character". `false` =
-    /// UTF-8 bytes pass through.
+    /// each (Latin-1), anything above fails with "Wide character"; and exec
+    /// `out-data` / `err-data` come back one character per output byte.
+    /// `false` = UTF-8 passes through both ways.
     pub agent_latin1: bool,
     /// Like PVE's form decoding, `;` separates pairs as `&` does in query strings
     /// and form bodies (a raw `;` in a value splits it). `false` = only `&`.
