@@ -442,6 +442,15 @@ fn required_privileges(
             // bridge (every simulated VM has net0 on vmbr0, a plain bridge
             // in the `localnetwork` zone).
             out.push(("/sdn/zones/localnetwork/vmbr0".to_string(), vec!["SDN.Use"]));
+            // qemu-server `check_storage_access_clone`: the storage the
+            // disks go to, `storage` when given, else the source's.
+            let storage = p.get("storage").map(str::to_string).or_else(|| {
+                let c = s.cluster.lock();
+                c.vms.get(&(vmid as u32)).map(|v| v.storage.clone())
+            });
+            if let Some(st) = storage.filter(|st| !st.is_empty()) {
+                out.push((format!("/storage/{st}"), vec!["Datastore.AllocateSpace"]));
+            }
             out
         }
         ("GET", "/nodes/{node}/qemu/{vmid}/config")
@@ -464,7 +473,14 @@ fn required_privileges(
         | ("POST", "/nodes/{node}/qemu/{vmid}/status/stop")
         | ("POST", "/nodes/{node}/qemu/{vmid}/status/shutdown") => one(&vm, vec!["VM.PowerMgmt"]),
         ("DELETE", "/nodes/{node}/qemu/{vmid}") => one(&vm, vec!["VM.Allocate"]),
-        ("POST", "/nodes/{node}/qemu/{vmid}/migrate") => one(&vm, vec!["VM.Migrate"]),
+        ("POST", "/nodes/{node}/qemu/{vmid}/migrate") => {
+            let mut out = one(&vm, vec!["VM.Migrate"]);
+            // qemu-server `migrate_vm`: the target storage gets the disks.
+            if let Some(st) = p.get("targetstorage").filter(|st| *st != "1") {
+                out.push((format!("/storage/{st}"), vec!["Datastore.AllocateSpace"]));
+            }
+            out
+        }
         ("POST", "/nodes/{node}/qemu/{vmid}/template") => one(&vm, vec!["VM.Allocate"]),
         ("GET", "/nodes/{node}/storage/{storage}/status") => one(
             &format!("/storage/{}", p.get("storage").unwrap_or_default()),

@@ -40,6 +40,7 @@ use pve::{AccessFailure, ClusterVm, PveError, TagAccess};
 use super::api::{err, Api};
 use super::inventory::Inventory;
 use super::marker::TagPolicy;
+use super::options::CloneMode;
 use super::placement::Placement;
 use crate::substrate::SubstrateError;
 
@@ -130,7 +131,7 @@ const ON_REPLICAS: &[Need] = &[
 ];
 
 const ON_STORAGE: &[Need] = &[Need {
-    job: "allocate the full clones' disks",
+    job: "allocate the clones' and replicas' disks",
     any_of: &["Datastore.AllocateSpace"],
 }];
 
@@ -286,12 +287,13 @@ impl Preflight<'_> {
             None => "/vms".to_string(),
         };
         let mut paths: Vec<(String, &[Need])> = vec![(pool_path.clone(), ON_CLONES)];
-        if self.stages_replicas(nodes, templates, &list).await {
+        let replicas = self.stages_replicas(nodes, templates, &list).await;
+        if replicas {
             paths.push((pool_path.clone(), ON_REPLICAS));
         }
         paths.extend(templates.iter().map(|t| (format!("/vms/{t}"), ON_TEMPLATE)));
         paths.extend(
-            storages
+            self.allocated_storages(nodes, storages, replicas)
                 .iter()
                 .map(|s| (format!("/storage/{s}"), ON_STORAGE)),
         );
@@ -484,6 +486,36 @@ impl Preflight<'_> {
                 self.api.client.token_id(),
             ));
         }
+    }
+
+    /// The storages PVE checks `Datastore.AllocateSpace` on for our clones
+    /// and migrations: a clone's `storage` parameter when it has one (the
+    /// instance type's, else the node's; full clones only), else each of
+    /// the template's disk storages (qemu-server `check_storage_access_clone`);
+    /// a replica's migration `targetstorage` (the node's storage). The
+    /// template's storages count unless every clone names a storage: linked
+    /// clones and replica stagings never do, nor a full clone on a node
+    /// without `--node-storage` of a type without one.
+    fn allocated_storages(
+        &self,
+        nodes: &[String],
+        template_storages: BTreeSet<String>,
+        replicas: bool,
+    ) -> BTreeSet<String> {
+        let opts = &self.api.opts;
+        let full = opts.clone_mode == CloneMode::Full;
+        let node_storages = nodes.iter().filter_map(|n| opts.node_storage.get(n));
+        let mut out = BTreeSet::new();
+        if !full || replicas || nodes.iter().any(|n| !opts.node_storage.contains_key(n)) {
+            out.extend(template_storages);
+        }
+        if full || replicas {
+            out.extend(node_storages.cloned());
+        }
+        if full {
+            out.extend(opts.type_storage.values().cloned());
+        }
+        out
     }
 
     /// Whether some Create will stage a replica: replicas are on and a

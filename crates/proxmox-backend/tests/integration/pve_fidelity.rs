@@ -9,7 +9,9 @@ use std::time::Duration;
 use providerkit::ErrorKind;
 use proxmox_backend::proxmox::{PveOptions, PveSubstrate};
 use proxmox_backend::substrate::Substrate;
-use pve_sim::{endpoints, SimConfig, StorageKind, StorageSpec, TagAccess, TemplateSpec};
+use pve_sim::{
+    endpoints, GuestOutput, SimConfig, StorageKind, StorageSpec, TagAccess, TemplateSpec,
+};
 
 use crate::common::{self, assert_no_violations, client_3_tries as client, clones, req, sim_with};
 
@@ -264,5 +266,77 @@ async fn a_hidden_user_tag_access_is_unknown_not_free() {
         .await
         .expect("create");
     assert_eq!(sim.vm(vm.vmid).unwrap().tags, None, "marker only");
+    sim.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_bootstrap_echoing_non_ascii_secrets_is_redacted() {
+    let sim = sim_with(fast()).await;
+    let sub = PveSubstrate::new(client(&sim), opts());
+    let vm = sub
+        .clone_vm(&req("p/OnDemand/pve.small/pve1/014", "pve1"))
+        .await
+        .expect("create");
+    const SECRET: &str = "jöin-tökén-Ωmega-2718281828";
+    // The shell reports the bare token; PVE sends its bytes one character
+    // per byte (`Ã¶` for `ö`).
+    sim.on_guest_command(
+        "bigfleet-bootstrap",
+        GuestOutput::exit(127).with_stderr(format!("sh: 2: {SECRET}: not found\n")),
+    );
+    let blob = format!("# join\n{SECRET}\n");
+    let e = sub
+        .configure(&vm, blob.as_bytes())
+        .await
+        .expect_err("the bootstrap fails")
+        .to_string();
+    let as_pve_sends_it: String = SECRET.bytes().map(char::from).collect();
+    assert!(!e.contains(SECRET), "{e}");
+    assert!(!e.contains(&as_pve_sends_it), "{e}");
+    assert!(!e.contains("t\u{c3}\u{b6}k"), "no piece of it either: {e}");
+    assert!(e.contains("stderr: sh: 2: [redacted]: not found"), "{e}");
+    sim.shutdown().await;
+}
+
+#[tokio::test]
+async fn the_preflight_checks_the_storages_clones_really_fill() {
+    let mut cfg = with_nas();
+    cfg.storages.push(StorageSpec::new(
+        "big",
+        StorageKind::LvmThin,
+        false,
+        1 << 10,
+    ));
+    cfg.dropped_privileges = vec![("/storage/big".into(), "Datastore.AllocateSpace".into())];
+    let sim = sim_with(cfg).await;
+    let nodes = ["pve1".to_string(), "pve2".to_string()];
+    // The instance type's storage: every clone of it names `big`.
+    let mut o = opts();
+    o.type_storage.insert("pve.small".into(), "big".into());
+    let e = PveSubstrate::new(client(&sim), o)
+        .preflight(&nodes, &[9000])
+        .await
+        .expect_err("no AllocateSpace on big");
+    assert!(
+        e.to_string().contains("/storage/big") && e.to_string().contains("Datastore.AllocateSpace"),
+        "{e}"
+    );
+    // A node's storage, which its replica's migration fills too.
+    let mut o = opts();
+    o.node_storage.insert("pve2".into(), "big".into());
+    let e = PveSubstrate::new(client(&sim), o)
+        .preflight(&nodes, &[9000])
+        .await
+        .expect_err("no AllocateSpace on big");
+    assert!(e.to_string().contains("/storage/big"), "{e}");
+    // Every clone names a storage the token may fill: the template's own
+    // storage is not needed for clones (here it is still held anyway).
+    let mut o = opts();
+    o.node_storage.insert("pve1".into(), "nas".into());
+    o.node_storage.insert("pve2".into(), "nas".into());
+    PveSubstrate::new(client(&sim), o)
+        .preflight(&nodes, &[9000])
+        .await
+        .expect("nas is allowed");
     sim.shutdown().await;
 }

@@ -206,3 +206,76 @@ async fn cluster_options_hide_user_tag_access_without_sys_audit() {
     );
     shutdown_clean(sim).await;
 }
+
+#[tokio::test]
+async fn exec_output_comes_back_one_character_per_byte() {
+    let (sim, api) = start_sim(fast()).await;
+    sim.insert_vm(sim.new_vm(500, "pve1", "guest")).unwrap();
+    let r = api.post("/nodes/pve1/qemu/500/status/start", &[]).await;
+    assert_eq!(api.wait_task_of(r).await["exitstatus"], "OK");
+    sim.on_guest_command(
+        "say-it",
+        pve_sim::GuestOutput::exit(0)
+            .with_stdout("grün €\n")
+            .with_stderr("ö"),
+    );
+    let done = api
+        .poll(
+            "the agent answers",
+            reqwest::Method::POST,
+            "/nodes/pve1/qemu/500/agent/ping",
+            |r| r.status == 200,
+        )
+        .await;
+    assert_eq!(done.status, 200);
+    let st = api.run(500, &["/bin/say-it"]).await;
+    // PVE puts the decoded bytes into the JSON as they are: UTF-8 output
+    // arrives as one character per byte.
+    assert_eq!(st["out-data"], "gr\u{c3}\u{bc}n \u{e2}\u{82}\u{ac}\n");
+    assert_eq!(st["err-data"], "\u{c3}\u{b6}");
+    shutdown_clean(sim).await;
+}
+
+#[tokio::test]
+async fn clone_and_migrate_need_allocate_space_on_the_storage_they_fill() {
+    let (sim, api) = start_sim(SimConfig {
+        storages: vec![
+            StorageSpec::new("local-lvm", StorageKind::LvmThin, false, 100),
+            StorageSpec::new("big", StorageKind::LvmThin, false, 100),
+        ],
+        dropped_privileges: vec![("/storage/big".into(), "Datastore.AllocateSpace".into())],
+        ..fast()
+    })
+    .await;
+    let clone = "/nodes/pve1/qemu/9000/clone";
+    let r = api
+        .post(
+            clone,
+            &[("newid", "300"), ("full", "1"), ("storage", "big")],
+        )
+        .await;
+    assert_eq!(
+        (r.status, r.message().as_str()),
+        (
+            403,
+            "Permission check failed (/storage/big, Datastore.AllocateSpace)"
+        )
+    );
+    // Without `storage`, the template's disk storage is the one checked.
+    let r = api.post(clone, &[("newid", "300"), ("full", "1")]).await;
+    assert_eq!(api.wait_task_of(r).await["exitstatus"], "OK");
+    let r = api
+        .post(
+            "/nodes/pve1/qemu/300/migrate",
+            &[("target", "pve2"), ("targetstorage", "big")],
+        )
+        .await;
+    assert_eq!(
+        (r.status, r.message().as_str()),
+        (
+            403,
+            "Permission check failed (/storage/big, Datastore.AllocateSpace)"
+        )
+    );
+    shutdown_clean(sim).await;
+}
