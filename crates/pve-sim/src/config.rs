@@ -511,6 +511,9 @@ pub struct SimConfig {
     /// destroy with `destroy-unreferenced-disks=1` on that node, fail with
     /// `storage 'X' is not online`.
     pub storages_offline: Vec<(String, String)>,
+    /// SDN VNets as `(vnet, zone)`: a NIC on one is checked for `SDN.Use`
+    /// on `/sdn/zones/<zone>/<vnet>`; any other bridge is in `localnetwork`.
+    pub sdn_vnets: Vec<(String, String)>,
 }
 
 impl SimConfig {
@@ -588,6 +591,7 @@ impl Default for SimConfig {
             pve9: false,
             storages_disabled: Vec::new(),
             storages_offline: Vec::new(),
+            sdn_vnets: Vec::new(),
         }
     }
 }

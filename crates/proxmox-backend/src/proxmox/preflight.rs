@@ -21,12 +21,15 @@
 //!   (file-write) and `VM.GuestAgent.Unrestricted` (exec, exec-status; it
 //!   also covers the other two);
 //! - on each template `/vms/{id}`: `VM.Clone`, `VM.Audit`;
-//! - on each storage the templates' disks are on `/storage/{id}` (a full
-//!   clone without `storage` allocates there): `Datastore.AllocateSpace`;
+//! - on each storage clones and replicas allocate on, `/storage/{id}`:
+//!   the instance types' and nodes' storages, and the templates' disk
+//!   storages while some clone goes without `storage`:
+//!   `Datastore.AllocateSpace`;
 //! - with replicas staged, on the pool: `VM.Clone`, `VM.Migrate`;
 //! - PVE 8 and newer, on each bridge the templates' NICs use
-//!   (`/sdn/zones/localnetwork/{bridge}`): `SDN.Use`, warned of rather than
-//!   refused (an SDN VNet's zone is not looked up).
+//!   (`/sdn/zones/localnetwork/{bridge}`, or `.../{bridge}/{tag}` for a NIC
+//!   with a VLAN tag): `SDN.Use`, warned of rather than refused (an SDN
+//!   VNet's zone is not looked up).
 //!
 //! Not needed, so not checked: `Sys.Audit` (`GET /nodes` and the status of
 //! the token's own tasks are open to every user; `/nodes/{node}/status` is
@@ -240,7 +243,7 @@ impl Preflight<'_> {
 
         let (list, _) = self.inventory.scan(|_| false).await?;
         let mut storages: BTreeSet<String> = BTreeSet::new();
-        // Bridge -> the templates with a NIC on it.
+        // SDN path (a bridge, or a VLAN of it) -> the templates with a NIC there.
         let mut bridges: std::collections::BTreeMap<String, Vec<u32>> = Default::default();
         for t in templates {
             let Some(v) = list.iter().find(|v| v.vmid == *t) else {
@@ -267,8 +270,8 @@ impl Preflight<'_> {
                         )));
                     }
                     storages.extend(cfg.disk_storages());
-                    for b in cfg.bridges() {
-                        bridges.entry(b).or_default().push(*t);
+                    for path in cfg.sdn_paths() {
+                        bridges.entry(path).or_default().push(*t);
                     }
                 }
                 // Named below, with the other missing privileges.
@@ -460,16 +463,23 @@ impl Preflight<'_> {
     /// not use (`SDN.Use`). A plain bridge sits in the `localnetwork` zone;
     /// an SDN VNet in its own zone, which this check does not look up. So a
     /// gap is a warning naming the fix, not a refusal: for a VNet the path
-    /// checked is not the one PVE checks.
+    /// checked is not the one PVE checks. A NIC with a VLAN tag is checked
+    /// on the VLAN's path below its bridge, as PVE checks it.
     async fn check_bridges(
         &self,
         bridges: &std::collections::BTreeMap<String, Vec<u32>>,
         warnings: &mut Vec<String>,
     ) {
-        for (bridge, users) in bridges {
-            let path = format!("/sdn/zones/localnetwork/{bridge}");
+        for (path, users) in bridges {
+            let on = path
+                .strip_prefix("/sdn/zones/localnetwork/")
+                .unwrap_or(path);
+            let (bridge, vlan) = match on.split_once('/') {
+                Some((bridge, tag)) => (bridge, format!(", VLAN {tag}")),
+                None => (on, String::new()),
+            };
             let held = match self.api.client.permissions(Some(&path)).await {
-                Ok(mut p) => p.remove(&path).unwrap_or_default(),
+                Ok(mut p) => p.remove(path).unwrap_or_default(),
                 Err(_) => continue,
             };
             if held.contains("SDN.Use") {
@@ -478,7 +488,7 @@ impl Preflight<'_> {
             let templates: Vec<String> = users.iter().map(u32::to_string).collect();
             warnings.push(format!(
                 "the API token lacks SDN.Use on {path}: on Proxmox VE 8 and newer every clone of \
-                 template {} (a NIC on bridge {bridge}) is refused with `Permission check failed \
+                 template {} (a NIC on bridge {bridge}{vlan}) is refused with `Permission check failed \
                  ({path}, SDN.Use)`. Grant it with `pveum acl modify {path} --tokens '{}' --roles \
                  PVESDNUser` (deploy/host-setup/setup-token.sh --bridge {bridge} does this); if \
                  {bridge} is an SDN VNet, use its zone in the path instead of localnetwork",

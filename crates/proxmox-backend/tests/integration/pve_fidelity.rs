@@ -340,3 +340,30 @@ async fn the_preflight_checks_the_storages_clones_really_fill() {
         .expect("nas is allowed");
     sim.shutdown().await;
 }
+
+#[tokio::test]
+async fn the_preflight_checks_sdn_use_on_a_nics_vlan() {
+    let sim = sim_with(SimConfig {
+        dropped_privileges: vec![("/sdn/zones/localnetwork/vmbr0/20".into(), "SDN.Use".into())],
+        ..fast()
+    })
+    .await;
+    assert!(sim.update_vm(9000, |vm| {
+        vm.extra.insert(
+            "net0".into(),
+            "virtio=BC:24:11:00:23:28,bridge=vmbr0,tag=20".into(),
+        );
+    }));
+    let warnings = PveSubstrate::new(client(&sim), opts())
+        .preflight(&["pve1".into()], &[9000])
+        .await
+        .expect("serves");
+    assert!(
+        warnings.iter().any(|w| w.starts_with(
+            "the API token lacks SDN.Use on /sdn/zones/localnetwork/vmbr0/20: on Proxmox VE 8 \
+             and newer every clone of template 9000 (a NIC on bridge vmbr0, VLAN 20)"
+        )),
+        "{warnings:?}"
+    );
+    sim.shutdown().await;
+}

@@ -279,3 +279,38 @@ async fn clone_and_migrate_need_allocate_space_on_the_storage_they_fill() {
     );
     shutdown_clean(sim).await;
 }
+
+#[tokio::test]
+async fn sdn_use_is_checked_on_the_vlan_and_the_vnets_zone() {
+    let (sim, api) = start_sim(SimConfig {
+        sdn_vnets: vec![("vnet7".into(), "zonea".into())],
+        dropped_privileges: vec![
+            ("/sdn/zones/localnetwork/vmbr0/20".into(), "SDN.Use".into()),
+            ("/sdn/zones/zonea/vnet7".into(), "SDN.Use".into()),
+        ],
+        ..fast()
+    })
+    .await;
+    let clone = "/nodes/pve1/qemu/9000/clone";
+    let set_net0 = |net0: &str| {
+        let net0 = net0.to_string();
+        assert!(sim.update_vm(9000, move |vm| {
+            vm.extra.insert("net0".into(), net0);
+        }));
+    };
+    let refused = |path: &str| (403, format!("Permission check failed ({path}, SDN.Use)"));
+    set_net0("virtio=BC:24:11:00:23:28,bridge=vmbr0,tag=20");
+    let r = api.post(clone, &[("newid", "300")]).await;
+    assert_eq!(
+        (r.status, r.message()),
+        refused("/sdn/zones/localnetwork/vmbr0/20")
+    );
+    set_net0("virtio=BC:24:11:00:23:28,bridge=vnet7");
+    let r = api.post(clone, &[("newid", "300")]).await;
+    assert_eq!((r.status, r.message()), refused("/sdn/zones/zonea/vnet7"));
+    // Another VLAN of the same bridge is allowed.
+    set_net0("virtio=BC:24:11:00:23:28,bridge=vmbr0,tag=30");
+    let r = api.post(clone, &[("newid", "300")]).await;
+    assert_eq!(api.wait_task_of(r).await["exitstatus"], "OK");
+    shutdown_clean(sim).await;
+}
