@@ -478,7 +478,7 @@ impl Preflight<'_> {
                 Some((bridge, tag)) => (bridge, format!(", VLAN {tag}")),
                 None => (on, String::new()),
             };
-            let held = match self.api.client.permissions(Some(&path)).await {
+            let held = match self.api.client.permissions(Some(path)).await {
                 Ok(mut p) => p.remove(path).unwrap_or_default(),
                 Err(_) => continue,
             };

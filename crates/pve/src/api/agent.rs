@@ -113,7 +113,8 @@ impl PveClient {
 
     /// `GET .../agent/exec-status?pid=N`. The agent forgets the pid after the
     /// first `exited` answer, so a lost answer loses the exit code. The
-    /// output comes back as the guest's bytes (see [`bytes_as_sent`]).
+    /// output comes back as the text of the guest's bytes (PVE sends them one
+    /// character per byte; they are put back together here).
     pub async fn agent_exec_status(
         &self,
         node: &str,
