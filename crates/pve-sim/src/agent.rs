@@ -146,7 +146,18 @@ impl ExecResult {
         })
     }
 
-    pub fn to_json(&self) -> Value {
+    /// The reply PVE builds. With `latin1` (PVE's way: the decoded bytes go
+    /// into the JSON one character per byte, qemu-server `Agent.pm`) each
+    /// output byte becomes the character of that code point; without, the
+    /// output is read as UTF-8.
+    pub fn to_json(&self, latin1: bool) -> Value {
+        let text = |b: &[u8]| -> String {
+            if latin1 {
+                b.iter().map(|&b| char::from(b)).collect()
+            } else {
+                String::from_utf8_lossy(b).into_owned()
+            }
+        };
         let mut v = json!({"exited": 1});
         if let Some(c) = self.exitcode {
             v["exitcode"] = json!(c);
@@ -155,10 +166,10 @@ impl ExecResult {
             v["signal"] = json!(s);
         }
         if !self.out.is_empty() {
-            v["out-data"] = json!(String::from_utf8_lossy(&self.out));
+            v["out-data"] = json!(text(&self.out));
         }
         if !self.err.is_empty() {
-            v["err-data"] = json!(String::from_utf8_lossy(&self.err));
+            v["err-data"] = json!(text(&self.err));
         }
         if self.out_truncated {
             v["out-truncated"] = json!(1);

@@ -459,8 +459,9 @@ pub struct SimConfig {
     pub tag_style: TagStyle,
     /// Agent `file-write` content (with `encode=1`) and exec `input-data` pass
     /// through Perl's `encode_base64`: characters up to U+00FF become one byte
-    /// each (Latin-1), anything above fails with "Wide character". `false` =
-    /// UTF-8 bytes pass through.
+    /// each (Latin-1), anything above fails with "Wide character"; and exec
+    /// `out-data` / `err-data` come back one character per output byte.
+    /// `false` = UTF-8 passes through both ways.
     pub agent_latin1: bool,
     /// Like PVE's form decoding, `;` separates pairs as `&` does in query strings
     /// and form bodies (a raw `;` in a value splits it). `false` = only `&`.
@@ -514,6 +515,21 @@ pub struct SimConfig {
     /// Answer as PVE 9 does: `/version` says 9.0, and the privilege set has
     /// the `VM.GuestAgent.*` privileges where PVE 8 has `VM.Monitor`.
     pub pve9: bool,
+    /// Storages storage.cfg does not enable on a node (its `nodes` list
+    /// leaves the node out, or `disable`), as `(node, storage)`: still in
+    /// the node's storage list and status, with `enabled` and `active` 0
+    /// and no capacity; a disk cannot be allocated there.
+    pub storages_disabled: Vec<(String, String)>,
+    /// Storages that cannot be activated on a node at start-up (an NFS
+    /// server or iSCSI target out of reach), as `(node, storage)`; see
+    /// [`crate::PveSim::set_storage_online`] to change it while running.
+    /// Status says `active` 0 and no capacity; allocating there, and a
+    /// destroy with `destroy-unreferenced-disks=1` on that node, fail with
+    /// `storage 'X' is not online`.
+    pub storages_offline: Vec<(String, String)>,
+    /// SDN VNets as `(vnet, zone)`: a NIC on one is checked for `SDN.Use`
+    /// on `/sdn/zones/<zone>/<vnet>`; any other bridge is in `localnetwork`.
+    pub sdn_vnets: Vec<(String, String)>,
 }
 
 impl SimConfig {
@@ -589,6 +605,9 @@ impl Default for SimConfig {
             dropped_privileges: Vec::new(),
             granted_privileges: Vec::new(),
             pve9: false,
+            storages_disabled: Vec::new(),
+            storages_offline: Vec::new(),
+            sdn_vnets: Vec::new(),
         }
     }
 }

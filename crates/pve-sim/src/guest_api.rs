@@ -229,7 +229,7 @@ impl Shared {
                 "VM {vmid} qmp command 'guest-exec-status' failed - got timeout"
             )));
         }
-        Ok(r.to_json())
+        Ok(r.to_json(self.cfg.agent_latin1))
     }
 
     /// Status of a built-in exec, or `Err(remote pid)` for one forwarded to qemu-ga.
@@ -260,7 +260,7 @@ impl Shared {
                         "VM {vmid} qmp command 'guest-exec-status' failed - got timeout"
                     )));
                 }
-                r.to_json()
+                r.to_json(self.cfg.agent_latin1)
             }
         }))
     }

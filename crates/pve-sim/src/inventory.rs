@@ -149,8 +149,11 @@ impl Shared {
                 }
                 c.rrd.get(&vm.vmid).map(|(_, v)| v.clone())
             };
-            if let (Some(Value::Object(sample)), Some(o)) = (sample, row.as_object_mut()) {
-                o.extend(sample);
+            match (sample, row.as_object_mut()) {
+                (Some(Value::Object(sample)), Some(o)) => o.extend(sample),
+                // pve-manager's `/cluster/resources` says `unknown` for a VM
+                // with no RRD sample yet (and has no name or template).
+                _ => row["status"] = json!("unknown"),
             }
             let online = c.nodes.get(&vm.node).is_some_and(|n| n.online);
             if !online {
@@ -183,14 +186,17 @@ impl Shared {
         Value::Array(rows)
     }
 
-    /// `GET /nodes/{node}/storage/{storage}/status`.
+    /// `GET /nodes/{node}/storage/{storage}/status`. A storage storage.cfg
+    /// does not have is a parameter error (pve-storage
+    /// `API2/Storage/Status.pm`: `raise_param_exc({ storage => "No such
+    /// storage." })`); one disabled or inactive on the node answers 200.
     pub fn storage_status(&self, node: &str, storage: &str) -> ApiResult {
         let c = self.cluster.lock();
         self.storages_on(&c, node)
             .into_iter()
             .find(|st| st.name == storage)
             .map(|st| st.status_json(false))
-            .ok_or_else(|| ApiError::internal(format!("storage '{storage}' does not exist")))
+            .ok_or_else(|| ApiError::param("storage", "No such storage."))
     }
 
     /// `GET /cluster/status`: the cluster entry, then one entry per node.
@@ -378,6 +384,12 @@ impl Shared {
     /// `user-tag-access` option is modelled, and (as in PVE) it is absent
     /// when left at its default, `free`.
     pub fn cluster_options(&self) -> Value {
+        // pve-manager `API2/Cluster.pm`: without `Sys.Audit` on `/` only
+        // `console`, `tag-style` and `allowed-tags` are returned (none set
+        // here), so `user-tag-access` is absent whatever it is.
+        if !self.holds("/", "Sys.Audit") {
+            return json!({});
+        }
         let (allow, list) = match &self.cfg.tag_access {
             TagAccess::Free => return json!({"keyboard": "en-us"}),
             TagAccess::Existing(l) => ("existing", l.clone()),
@@ -540,11 +552,10 @@ impl Shared {
     }
 }
 
-fn no_task(upid: &str) -> ApiError {
-    ApiError::internal(format!(
-        "unable to open file '/var/log/pve/tasks/{}' - No such file or directory",
-        upid
-    ))
+/// A task the node has no file of: PVE raises a parameter error on `upid`
+/// (pve-manager `API2/Tasks.pm`, `raise_param_exc({ upid => "no such task" })`).
+fn no_task(_upid: &str) -> ApiError {
+    ApiError::param("upid", "no such task")
 }
 
 fn node_mem(c: &Cluster, node: &str) -> u64 {

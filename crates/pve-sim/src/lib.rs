@@ -325,6 +325,19 @@ impl PveSim {
         self.shared.set_node_online(node, online)
     }
 
+    /// Make `storage` unreachable from `node` (its status says `active` 0,
+    /// allocating there fails `storage 'X' is not online`) or reachable
+    /// again; see [`SimConfig::storages_offline`].
+    pub fn set_storage_online(&self, node: &str, storage: &str, online: bool) {
+        let key = (node.to_string(), storage.to_string());
+        let mut offline = self.shared.storages_offline.lock();
+        if online {
+            offline.remove(&key);
+        } else {
+            offline.insert(key);
+        }
+    }
+
     /// Replace all guest command handlers with `h`.
     pub fn set_guest_handler(
         &self,

@@ -61,17 +61,13 @@ impl Shared {
             },
             None => None,
         };
-        if target != node {
-            if !c.nodes.contains_key(&target) {
-                return Err(ApiError::internal(format!(
-                    "no such cluster node '{target}'"
-                )));
-            }
-            if !c.nodes.get(&target).is_some_and(|n| n.online) {
-                return Err(ApiError::internal(format!(
-                    "target node '{target}' is not online"
-                )));
-            }
+        // qemu-server checks only that the target is a cluster node, not
+        // that it is online: a clone to an offline node is accepted and its
+        // config lands there, where later calls fail with 595.
+        if target != node && !c.nodes.contains_key(&target) {
+            return Err(ApiError::internal(format!(
+                "no such cluster node '{target}'"
+            )));
         }
         // Templates default to linked clones; other VMs to full ones.
         let full = p.bool("full").unwrap_or(!src.template);
@@ -512,10 +508,9 @@ impl Shared {
     pub fn destroy(self: &Arc<Self>, node: &str, vmid: u32, p: &Params) -> ApiResult {
         let mut c = self.cluster.lock();
         let vm = c.vm_on(node, vmid)?;
+        // PVE checks the VM's lock only in the worker (qemu-server
+        // `destroy_vm`: `check_lock`), so a locked VM's DELETE answers 200.
         let skiplock = p.bool("skiplock").unwrap_or(false);
-        if let (Some(l), false) = (&vm.lock, skiplock) {
-            return Err(ApiError::internal(locked(vmid, l)));
-        }
         if vm.protection {
             return Err(ApiError::internal(format!(
                 "can't remove VM {vmid} - protection mode enabled"
@@ -533,6 +528,7 @@ impl Shared {
         }
         let disk = vm.disk();
         let n = node.to_string();
+        let unreferenced = p.bool("destroy-unreferenced-disks").unwrap_or(false);
         let upid = self.spawn_task(
             &mut c,
             node,
@@ -543,7 +539,11 @@ impl Shared {
                     if vm.running {
                         return Err(format!("VM {vmid} is running - destroy failed"));
                     }
-                    Ok(())
+                    match (&vm.lock, skiplock) {
+                        // pve-guest-common `check_lock`: no VMID in the text.
+                        (Some(l), false) => Err(format!("VM is locked ({l})")),
+                        _ => Ok(()),
+                    }
                 })
                 .await?;
                 let in_use = {
@@ -559,6 +559,24 @@ impl Shared {
                     ));
                 }
                 tokio::time::sleep(me.cfg.destroy_duration).await;
+                // qemu-server `destroy_vm`: the VM's own disks are freed
+                // first; `destroy-unreferenced-disks` then lists every
+                // storage holding images, activating each, and one that
+                // cannot be activated kills the worker before the config
+                // is removed.
+                let offline = me.offline_storages_on(&n);
+                if let (true, Some(storage)) = (unreferenced, offline.first()) {
+                    me.release_flock(vmid, |c| {
+                        if let Some(vm) = c.vms.get_mut(&vmid) {
+                            vm.disk_gib = 0;
+                        }
+                        c.task_log(
+                            &upid,
+                            format!("Removing image: 100% complete...done. ({disk})"),
+                        );
+                    });
+                    return Err(format!("storage '{storage}' is not online"));
+                }
                 let root = me.guest_root(vmid);
                 me.release_flock(vmid, |c| {
                     c.vms.remove(&vmid);

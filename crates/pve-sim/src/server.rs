@@ -439,9 +439,21 @@ fn required_privileges(
             };
             out.push((target, vec!["VM.Allocate"]));
             // PVE 8 and newer: the clone's NICs need SDN.Use on their
-            // bridge (every simulated VM has net0 on vmbr0, a plain bridge
-            // in the `localnetwork` zone).
-            out.push(("/sdn/zones/localnetwork/vmbr0".to_string(), vec!["SDN.Use"]));
+            // bridge, in the VNet's zone or `localnetwork`, or on the VLAN
+            // below it for a NIC with a tag (pve-guest-common
+            // `check_vnet_access`); a NIC with trunks needs the bridge.
+            for path in sdn_paths(s, vmid as u32) {
+                out.push((path, vec!["SDN.Use"]));
+            }
+            // qemu-server `check_storage_access_clone`: the storage the
+            // disks go to, `storage` when given, else the source's.
+            let storage = p.get("storage").map(str::to_string).or_else(|| {
+                let c = s.cluster.lock();
+                c.vms.get(&(vmid as u32)).map(|v| v.storage.clone())
+            });
+            if let Some(st) = storage.filter(|st| !st.is_empty()) {
+                out.push((format!("/storage/{st}"), vec!["Datastore.AllocateSpace"]));
+            }
             // The host's CD-ROM drive is a device, not a volume: PVE asks
             // for Sys.Console on `/` (check_storage_access).
             let physical_cdrom = s
@@ -517,6 +529,47 @@ fn required_privileges(
         }
         _ => Vec::new(),
     }
+}
+
+/// The SDN paths the NICs of VM `vmid` are checked on (see the clone's
+/// privileges in [`required_privileges`]).
+fn sdn_paths(s: &Shared, vmid: u32) -> Vec<String> {
+    let config = match s.cluster.lock().vms.get(&vmid) {
+        Some(vm) => vm.config_json(),
+        None => return Vec::new(),
+    };
+    let Some(keys) = config.as_object() else {
+        return Vec::new();
+    };
+    let mut out = Vec::new();
+    for (key, value) in keys {
+        let is_nic = key
+            .strip_prefix("net")
+            .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()));
+        let Some(nic) = value.as_str().filter(|_| is_nic) else {
+            continue;
+        };
+        let field = |name: &str| {
+            nic.split(',')
+                .find_map(|part| part.strip_prefix(name))
+                .filter(|v| !v.is_empty())
+        };
+        let Some(bridge) = field("bridge=") else {
+            continue;
+        };
+        let zone = s
+            .cfg
+            .sdn_vnets
+            .iter()
+            .find(|(vnet, _)| vnet == bridge)
+            .map_or("localnetwork", |(_, zone)| zone.as_str());
+        let path = format!("/sdn/zones/{zone}/{bridge}");
+        out.push(match (field("tag="), field("trunks=")) {
+            (Some(tag), None) => format!("{path}/{tag}"),
+            _ => path,
+        });
+    }
+    out
 }
 
 /// 403 `Permission check failed (PATH, PRIV)` for a privilege the token

@@ -1,7 +1,7 @@
 //! The simulator core: shared state, config-lock waiting and worker tasks. The
 //! operations live in `inventory`, `lifecycle` and `guest_api`.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::future::Future;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -46,6 +46,9 @@ pub struct Shared {
     pub qga_bin: Option<PathBuf>,
     /// When the simulator started (node uptimes count from here).
     pub started: Instant,
+    /// `(node, storage)` pairs whose storage cannot be activated now
+    /// (seeded from [`SimConfig::storages_offline`]).
+    pub storages_offline: Mutex<BTreeSet<(String, String)>>,
 }
 
 impl Shared {
@@ -79,7 +82,9 @@ impl Shared {
             rrd: HashMap::new(),
         };
         let qga_bin = cfg.guest_agent.resolve()?;
+        let storages_offline = Mutex::new(cfg.storages_offline.iter().cloned().collect());
         let s = Self {
+            storages_offline,
             qga_bin,
             cfg,
             cluster: Mutex::new(cluster),

@@ -144,14 +144,17 @@ impl Vm {
         m.insert("agent".into(), json!(self.agent));
         m.insert("scsi0".into(), json!(self.disk()));
         m.insert("scsihw".into(), json!("virtio-scsi-single"));
-        m.insert(
-            "net0".into(),
-            json!(format!(
-                "virtio=BC:24:11:00:{:02X}:{:02X},bridge=vmbr0",
-                (self.vmid >> 8) & 0xff,
-                self.vmid & 0xff
-            )),
-        );
+        // A `net0` set through `extra` (a VLAN tag, another bridge) wins.
+        if !self.extra.contains_key("net0") {
+            m.insert(
+                "net0".into(),
+                json!(format!(
+                    "virtio=BC:24:11:00:{:02X}:{:02X},bridge=vmbr0",
+                    (self.vmid >> 8) & 0xff,
+                    self.vmid & 0xff
+                )),
+            );
+        }
         m.insert("ostype".into(), json!("l26"));
         m.insert("boot".into(), json!("order=scsi0"));
         if let Some(d) = &self.description {

@@ -15,6 +15,10 @@ pub(crate) struct StorageInfo {
     pub shared: bool,
     pub total: u64,
     pub used: u64,
+    /// storage.cfg enables it on this node.
+    pub enabled: bool,
+    /// It could be activated on this node (its server answers).
+    pub active: bool,
 }
 
 impl StorageInfo {
@@ -22,17 +26,46 @@ impl StorageInfo {
         self.total.saturating_sub(self.used)
     }
 
+    /// Whether disks can be allocated on it from this node.
+    pub(crate) fn usable(&self) -> bool {
+        self.enabled && self.active
+    }
+
+    /// As pve-storage's `storage_info` reports it: a storage disabled on the
+    /// node or that could not be activated keeps its row, with `enabled` /
+    /// `active` 0 and every size 0.
     pub(crate) fn status_json(&self, with_name: bool) -> Value {
+        let (total, used, avail) = if self.usable() {
+            (self.total, self.used, self.avail())
+        } else {
+            (0, 0, 0)
+        };
         let mut v = json!({
             "type": self.kind.as_str(), "content": self.content, "shared": u8::from(self.shared),
-            "active": 1, "enabled": 1, "total": self.total, "used": self.used,
-            "avail": self.avail(),
+            "active": u8::from(self.usable()), "enabled": u8::from(self.enabled),
+            "total": total, "used": used, "avail": avail,
         });
         if with_name {
             v["storage"] = json!(self.name);
-            v["used_fraction"] = json!(self.used as f64 / self.total.max(1) as f64);
+            if self.usable() {
+                v["used_fraction"] = json!(used as f64 / total.max(1) as f64);
+            }
         }
         v
+    }
+
+    /// Why a disk cannot be allocated on it from `node`, in PVE's words.
+    pub(crate) fn unusable_reason(&self, node: &str) -> Option<String> {
+        if !self.enabled {
+            Some(format!(
+                "storage '{}' is not available on node '{node}'",
+                self.name
+            ))
+        } else if !self.active {
+            Some(format!("storage '{}' is not online", self.name))
+        } else {
+            None
+        }
     }
 }
 
@@ -79,10 +112,16 @@ impl Shared {
                 ));
             }
         }
+        let offline = self.storages_offline.lock();
+        let on = |list: &[(String, String)], name: &str| {
+            list.iter().any(|(n, s)| n == node && s == name)
+        };
         defs.into_iter()
             .map(|(name, kind, content, shared, total)| {
                 let used = self.used_bytes(c, node, &name, shared, None);
                 StorageInfo {
+                    enabled: !on(&self.cfg.storages_disabled, &name),
+                    active: !offline.contains(&(node.to_string(), name.clone())),
                     name,
                     kind,
                     content,
@@ -91,6 +130,18 @@ impl Shared {
                     used: used.min(total),
                 }
             })
+            .collect()
+    }
+
+    /// The storages holding VM images that cannot be activated on `node`
+    /// right now.
+    pub(crate) fn offline_storages_on(&self, node: &str) -> Vec<String> {
+        let c = self.cluster.lock();
+        self.storages_on(&c, node)
+            .into_iter()
+            .filter(|s| s.enabled && !s.active)
+            .filter(|s| s.content.split(',').any(|t| t == "images"))
+            .map(|s| s.name)
             .collect()
     }
 
@@ -134,6 +185,9 @@ impl Shared {
         let Some(st) = self.storage_on(c, node, storage) else {
             return Err(format!("storage '{storage}' does not exist"));
         };
+        if let Some(reason) = st.unusable_reason(node) {
+            return Err(reason);
+        }
         let used = self.used_bytes(c, node, storage, st.shared, Some(vmid));
         let avail = st.total.saturating_sub(used);
         if need > avail {

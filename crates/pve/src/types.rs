@@ -395,6 +395,41 @@ impl VmConfig {
             .collect()
     }
 
+    /// The SDN paths a clone of this VM needs `SDN.Use` on, one per NIC, in
+    /// the `localnetwork` zone of plain bridges: `/sdn/zones/localnetwork/
+    /// <bridge>`, or `.../<bridge>/<tag>` for a NIC with a VLAN tag
+    /// (pve-guest-common `check_vnet_access`). A NIC with `trunks` carries
+    /// many VLANs: its bridge's path, whose grant covers every VLAN below
+    /// it, is returned. An SDN VNet's zone is its own, which the config does
+    /// not say.
+    pub fn sdn_paths(&self) -> Vec<String> {
+        let mut out: Vec<String> = self
+            .other
+            .iter()
+            .filter(|(k, _)| {
+                k.strip_prefix("net")
+                    .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+            })
+            .filter_map(|(_, v)| v.as_str())
+            .filter_map(|v| {
+                let field = |name: &str| {
+                    v.split(',')
+                        .find_map(|part| part.trim().strip_prefix(name))
+                        .map(str::trim)
+                        .filter(|x| !x.is_empty())
+                };
+                let path = format!("/sdn/zones/localnetwork/{}", field("bridge=")?);
+                Some(match (field("tag="), field("trunks=")) {
+                    (Some(tag), None) => format!("{path}/{tag}"),
+                    _ => path,
+                })
+            })
+            .collect();
+        out.sort();
+        out.dedup();
+        out
+    }
+
     /// The storage ids the VM's disks live on, sorted and deduplicated. Disk
     /// keys are read from [`VmConfig::other`]; CD-ROMs, `none` and
     /// pass-through devices are ignored. Empty for a VM without disks.
@@ -818,6 +853,18 @@ mod tests {
         }))
         .unwrap();
         assert_eq!(c.bridges(), vec!["vmbr0", "vnet7"]);
+        assert_eq!(
+            c.sdn_paths(),
+            vec![
+                "/sdn/zones/localnetwork/vmbr0",
+                "/sdn/zones/localnetwork/vnet7/20"
+            ]
+        );
+        let trunk: VmConfig = serde_json::from_value(json!({
+            "net0": "virtio=BC:24:11:00:23:28,bridge=vmbr1,trunks=10;20-30"
+        }))
+        .unwrap();
+        assert_eq!(trunk.sdn_paths(), vec!["/sdn/zones/localnetwork/vmbr1"]);
     }
 
     #[test]
@@ -915,15 +962,22 @@ impl TagAccess {
 /// `GET /cluster/options`: the datacenter options the provider reads.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ClusterOptions {
-    pub tag_access: TagAccess,
+    /// `None` when the answer leaves `user-tag-access` out: PVE's default
+    /// (`free`) when the token holds `Sys.Audit` on `/`, but unknown
+    /// without it, since PVE then returns only `console`, `tag-style` and
+    /// `allowed-tags` (pve-manager `API2/Cluster.pm`).
+    pub tag_access: Option<TagAccess>,
 }
 
 impl ClusterOptions {
     /// Parses the answer. `user-tag-access` comes parsed (`{"user-allow":
     /// "existing", "user-allow-list": ["a"]}`); a raw property string
-    /// (`user-allow=list,user-allow-list=a;b`) is accepted too. Absent or
-    /// unknown means PVE's default, `free`.
+    /// (`user-allow=list,user-allow-list=a;b`) is accepted too. An unknown
+    /// `user-allow` means PVE's default, `free`; an absent option is `None`.
     pub fn from_value(v: &Value) -> ClusterOptions {
+        if v.get("user-tag-access").is_none() {
+            return ClusterOptions { tag_access: None };
+        }
         let mut allow = String::from("free");
         let mut list: Vec<String> = Vec::new();
         let split = |s: &str| -> Vec<String> {
@@ -968,7 +1022,9 @@ impl ClusterOptions {
             "none" => TagAccess::None,
             _ => TagAccess::Free,
         };
-        ClusterOptions { tag_access }
+        ClusterOptions {
+            tag_access: Some(tag_access),
+        }
     }
 }
 
@@ -978,27 +1034,31 @@ mod options_tests {
 
     #[test]
     fn user_tag_access_parsed_or_raw() {
-        let free = ClusterOptions::from_value(&serde_json::json!({"keyboard": "en-us"}));
-        assert_eq!(free.tag_access, TagAccess::Free);
-        assert!(!free.tag_access.refuses_new_tags());
+        let absent = ClusterOptions::from_value(&serde_json::json!({"keyboard": "en-us"}));
+        assert_eq!(absent.tag_access, None, "not known from the answer alone");
+        let free = ClusterOptions::from_value(&serde_json::json!({
+            "user-tag-access": {"user-allow": "free"}
+        }));
+        assert_eq!(free.tag_access, Some(TagAccess::Free));
+        assert!(!TagAccess::Free.refuses_new_tags());
         let parsed = ClusterOptions::from_value(&serde_json::json!({
             "user-tag-access": {"user-allow": "list", "user-allow-list": ["a", "b"]}
         }));
         assert_eq!(
             parsed.tag_access,
-            TagAccess::List(vec!["a".into(), "b".into()])
+            Some(TagAccess::List(vec!["a".into(), "b".into()]))
         );
         let raw = ClusterOptions::from_value(&serde_json::json!({
             "user-tag-access": "user-allow=existing,user-allow-list=x;y"
         }));
         assert_eq!(
             raw.tag_access,
-            TagAccess::Existing(vec!["x".into(), "y".into()])
+            Some(TagAccess::Existing(vec!["x".into(), "y".into()]))
         );
-        assert!(raw.tag_access.refuses_new_tags());
+        assert!(raw.tag_access.is_some_and(|t| t.refuses_new_tags()));
         let none = ClusterOptions::from_value(&serde_json::json!({
             "user-tag-access": {"user-allow": "none"}
         }));
-        assert_eq!(none.tag_access, TagAccess::None);
+        assert_eq!(none.tag_access, Some(TagAccess::None));
     }
 }

@@ -123,12 +123,15 @@ async fn starts_with_a_node_offline_and_a_create_waits_for_it() {
     create(&mut c, &on_pve1).await;
     wait_state(&mut c, &on_pve1, MachineState::Idle, DEADLINE).await;
 
-    // A Create aimed at the offline node keeps trying, CREATING, not FAILED.
+    // A Create aimed at the offline node keeps trying, CREATING, not FAILED:
+    // it checks the node before each attempt (PVE would accept a clone to
+    // an offline node) and sends no clone there.
     let on_pve2 = speculative_in(&mut c, "pve2").await;
     let clones_before = sim.call_count(endpoints::CLONE);
+    let checks_before = sim.call_count(endpoints::NODES);
     create(&mut c, &on_pve2).await;
     let deadline = Instant::now() + DEADLINE;
-    while sim.call_count(endpoints::CLONE) < clones_before + 3 {
+    while sim.call_count(endpoints::NODES) < checks_before + 3 {
         assert!(
             Instant::now() < deadline,
             "the Create never retried the offline node"
@@ -147,6 +150,11 @@ async fn starts_with_a_node_offline_and_a_create_waits_for_it() {
         MachineState::Creating as i32,
         "waiting for the node, not failed: {}",
         m.last_error
+    );
+    assert_eq!(
+        sim.call_count(endpoints::CLONE),
+        clones_before,
+        "no clone sent to the offline node"
     );
     assert_eq!(
         http_get(p.metrics, "/readyz").expect("/readyz").0,

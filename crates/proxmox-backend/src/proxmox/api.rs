@@ -8,6 +8,7 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
+use futures::future::Either;
 use providerkit::ErrorKind;
 use pve::{PveClient, PveError, Upid, VmStatus};
 use rand::Rng;
@@ -24,6 +25,7 @@ pub(super) fn kind_of(e: &PveError) -> ErrorKind {
     } else if e.is_not_found() {
         ErrorKind::NotFound
     } else if e.is_locked()
+        || e.is_transient()
         || e.is_node_unreachable()
         || e.is_transport()
         || e.is_timeout()
@@ -279,14 +281,24 @@ impl Api {
         let node = Some(vm.node.as_str());
         if st.is_running() {
             tracing::info!(vm = %vm, ha = st.ha_managed(), "stopping VM");
-            let mut call = || self.client.stop(&vm.node, vm.vmid);
-            match self.retry_raw(node, deadline, &mut call).await {
-                Ok(upid) => self
-                    .wait_task(&upid, "stop")
-                    .await
-                    .map_err(|e| err_at(format!("stopping VM {vm}"), node, &e))?,
-                Err(e) if e.is_not_found() => return Ok(()),
-                Err(e) => return Err(err_at(format!("stopping VM {vm}"), node, &e)),
+            let mut attempt = 0;
+            loop {
+                let mut call = || self.client.stop(&vm.node, vm.vmid);
+                match self.retry_raw(node, deadline, &mut call).await {
+                    Ok(upid) => match self.wait_task(&upid, "stop").await {
+                        Ok(()) => break,
+                        // `VM 104 is locked (backup)` from the worker: the
+                        // stop did nothing; a repeated stop is harmless.
+                        Err(e) if e.is_transient() && Instant::now() < deadline => {
+                            tracing::info!(vm = %vm, error = %e, attempt, "stop task failed transiently; retrying");
+                            self.pause(attempt, deadline).await;
+                            attempt += 1;
+                        }
+                        Err(e) => return Err(err_at(format!("stopping VM {vm}"), node, &e)),
+                    },
+                    Err(e) if e.is_not_found() => return Ok(()),
+                    Err(e) => return Err(err_at(format!("stopping VM {vm}"), node, &e)),
+                }
             }
             if st.ha_managed() {
                 // hastop only queues the request.
@@ -294,27 +306,60 @@ impl Api {
             }
         }
         tracing::info!(vm = %vm, "destroying VM");
+        let mut attempt = 0;
+        let mut unreferenced_too = true;
         let mut unprotected = false;
         loop {
-            let mut call = || self.client.destroy(&vm.node, vm.vmid);
-            let outcome = match self.retry_raw(node, deadline, &mut call).await {
-                Ok(upid) => self.wait_task(&upid, "destroy").await,
-                Err(e) if e.is_forbidden() => return Ok(()),
-                Err(e) => Err(e),
-            };
-            match outcome {
-                Ok(()) => return Ok(()),
-                Err(e) if e.is_not_found() => return Ok(()),
-                // A VM cloned before marking cleared `protection` (PVE
-                // copies it from a protected template): the caller proved
-                // it ours, so the flag goes, once.
-                Err(e) if e.is_protected() && !unprotected => {
-                    tracing::info!(vm = %vm, "clearing the protection flag it copied from its template");
-                    self.clear_protection(vm, deadline).await?;
-                    unprotected = true;
+            let with_unreferenced = unreferenced_too;
+            let mut call = || {
+                if with_unreferenced {
+                    Either::Left(self.client.destroy(&vm.node, vm.vmid))
+                } else {
+                    Either::Right(self.client.destroy_referenced(&vm.node, vm.vmid))
                 }
+            };
+            let failed = match self.retry_raw(node, deadline, &mut call).await {
+                Ok(upid) => match self.wait_task(&upid, "destroy").await {
+                    Ok(()) => return Ok(()),
+                    Err(e) if e.is_not_found() => return Ok(()),
+                    Err(e) => e,
+                },
+                Err(e) if e.is_not_found() || e.is_forbidden() => return Ok(()),
+                Err(e) if e.is_protected() => e,
                 Err(e) => return Err(err_at(format!("destroying VM {vm}"), node, &e)),
+            };
+            // A VM cloned before marking cleared `protection` (PVE copies it
+            // from a protected template): the caller proved it ours, so the
+            // flag goes, once.
+            if failed.is_protected() && !unprotected {
+                tracing::info!(vm = %vm, "clearing the protection flag it copied from its template");
+                self.clear_protection(vm, deadline).await?;
+                unprotected = true;
+                continue;
             }
+            // `destroy-unreferenced-disks` activates every storage holding
+            // images on the node: one out of reach fails the worker after
+            // the VM's own disks are freed, leaving its config. What the
+            // flag adds (disks of a half-made clone the config never named)
+            // is not worth a VM that cannot be destroyed while a storage it
+            // never used is down: destroy again without it.
+            if unreferenced_too && failed.is_offline() {
+                tracing::warn!(vm = %vm, error = %failed,
+                    "a storage of the node is offline; destroying the VM without looking for unreferenced disks");
+                unreferenced_too = false;
+                continue;
+            }
+            // PVE checks the VM's lock inside the worker, after the DELETE
+            // answered 200: `VM is locked (backup)`, or its config lock
+            // still held after 10 s. The worker did nothing, and the lock
+            // clears when the other operation ends, so the DELETE is sent
+            // again.
+            if !failed.is_transient() || Instant::now() >= deadline {
+                return Err(err_at(format!("destroying VM {vm}"), node, &failed));
+            }
+            tracing::info!(vm = %vm, error = %failed, attempt, "destroy task failed transiently; retrying");
+            self.pause(attempt, deadline).await;
+            attempt += 1;
         }
     }
 
@@ -329,6 +374,27 @@ impl Api {
         self.retry_raw(node, deadline, &mut call)
             .await
             .map_err(|e| err_at(format!("clearing the protection flag of VM {vm}"), node, &e))
+    }
+
+    /// Whether `/nodes` lists `node` as anything but online. PVE has no
+    /// online check for a clone with `target` (qemu-server `clone_vm`): it
+    /// accepts one to an offline node, whose VM then cannot be started or
+    /// reached (595) until the node is back, so the caller asks first. A
+    /// node the list does not have is left to PVE to refuse.
+    pub(super) async fn node_offline(
+        &self,
+        node: &str,
+        deadline: Instant,
+    ) -> Result<bool, SubstrateError> {
+        let nodes = self
+            .retry_pve(
+                format!("checking that node {node} is online"),
+                None,
+                deadline,
+                || self.client.nodes(),
+            )
+            .await?;
+        Ok(nodes.iter().any(|n| n.node == node && n.status != "online"))
     }
 
     /// Whether VMID `vmid` exists anywhere in the cluster, whoever can see it:

@@ -96,6 +96,17 @@ impl Cloner {
                     ),
                 ));
             }
+            let cross_node = req.node != template_node;
+            if cross_node && self.api.node_offline(&req.node, deadline).await? {
+                tracing::info!(node = %req.node, template_node, "target node is offline; waiting");
+                last = Some(format!(
+                    "node {} is offline (a clone there would be accepted and left on a node that cannot start it)",
+                    req.node
+                ));
+                self.api.pause(attempt, deadline).await;
+                attempt += 1;
+                continue;
+            }
             let res = self.vmids.reserve(deadline).await?;
             let vm = VmRef {
                 node: req.node.clone(),
@@ -108,7 +119,7 @@ impl Cloner {
                 pool: self.api.opts.pool.clone(),
                 full: Some(full),
                 storage: target_storage.clone(),
-                target: (req.node != template_node).then(|| req.node.clone()),
+                target: cross_node.then(|| req.node.clone()),
             };
             self.inventory.set_pending(&req.machine_id, &vm);
             tracing::info!(machine_id = %req.machine_id, vm = %vm, template = req.template_vmid, template_node, storage = %storage, "cloning");

@@ -337,6 +337,25 @@ impl Placement {
                 ))
             }
         };
+        // pve-storage reports a storage it could not use on this node with
+        // `enabled` or `active` 0 and every size 0: that is no answer about
+        // room, and cloning there fails whatever the size.
+        if st.enabled == Some(false) {
+            return Err(SubstrateError::new(format!(
+                "storage {storage} is disabled on node {node} (storage.cfg leaves the node out of its `nodes`, \
+                or disables it): enable it for node {node} (Datacenter > Storage), or point the instance \
+                type (catalog `storage`) or the node (--node-storage) at a storage enabled there"
+            )));
+        }
+        if st.active == Some(false) {
+            return Err(SubstrateError::with_kind(
+                ErrorKind::Transient,
+                format!(
+                    "storage {storage} is not active on node {node} (PVE could not activate it: its server \
+                    or device is out of reach; `pvesm status` on {node} says why); a Create succeeds again once it is back"
+                ),
+            ));
+        }
         let Some(avail) = st.avail else {
             return Ok(None);
         };
@@ -414,6 +433,14 @@ impl Placement {
                 want.push((s, format!("instance type {t}'s `storage`")));
             }
             for (s, from) in want {
+                // The node's list holds every storage of storage.cfg, those
+                // not enabled on the node too (`enabled` 0).
+                if seen.get(s).is_some_and(|st| st.enabled == Some(false)) {
+                    return Err(SubstrateError::new(format!(
+                        "storage {s:?} (from {from}) is disabled on node {node}: enable it for node {node} \
+                        (Datacenter > Storage, its `nodes`), or name a storage enabled there"
+                    )));
+                }
                 if !seen.contains_key(s) {
                     let mut have: Vec<&str> = seen.keys().map(String::as_str).collect();
                     have.sort_unstable();

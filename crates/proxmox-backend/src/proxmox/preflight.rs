@@ -21,16 +21,19 @@
 //!   (file-write) and `VM.GuestAgent.Unrestricted` (exec, exec-status; it
 //!   also covers the other two);
 //! - on each template `/vms/{id}`: `VM.Clone`, `VM.Audit`;
-//! - on each storage the templates' disks are on `/storage/{id}` (a full
-//!   clone without `storage` allocates there): `Datastore.AllocateSpace`;
+//! - on each storage clones and replicas allocate on, `/storage/{id}`:
+//!   the instance types' and nodes' storages, and the templates' disk
+//!   storages while some clone goes without `storage`:
+//!   `Datastore.AllocateSpace`;
 //! - with replicas staged, on the pool: `VM.Clone`, `VM.Migrate`, and
 //!   `VM.Config.Disk` when their migration moves disks to `--node-storage`
 //!   (qemu-server's migrate_vm, for any `targetstorage`);
 //! - with a template whose CD-ROM is the host's drive: `Sys.Console` on `/`
 //!   (refused with the fix rather than granted);
 //! - PVE 8 and newer, on each bridge the templates' NICs use
-//!   (`/sdn/zones/localnetwork/{bridge}`): `SDN.Use`, warned of rather than
-//!   refused (an SDN VNet's zone is not looked up).
+//!   (`/sdn/zones/localnetwork/{bridge}`, or `.../{bridge}/{tag}` for a NIC
+//!   with a VLAN tag): `SDN.Use`, warned of rather than refused (an SDN
+//!   VNet's zone is not looked up).
 //!
 //! Not needed, so not checked: `Sys.Audit` (`GET /nodes` and the status of
 //! the token's own tasks are open to every user; `/nodes/{node}/status` is
@@ -44,6 +47,7 @@ use pve::{AccessFailure, ClusterVm, PveError, TagAccess};
 use super::api::{err, Api};
 use super::inventory::Inventory;
 use super::marker::TagPolicy;
+use super::options::CloneMode;
 use super::placement::Placement;
 use crate::substrate::SubstrateError;
 
@@ -142,7 +146,7 @@ const ON_REPLICA_DISKS: &[Need] = &[Need {
 }];
 
 const ON_STORAGE: &[Need] = &[Need {
-    job: "allocate the full clones' disks",
+    job: "allocate the clones' and replicas' disks",
     any_of: &["Datastore.AllocateSpace"],
 }];
 
@@ -261,7 +265,7 @@ impl Preflight<'_> {
         let mut storages: BTreeSet<String> = BTreeSet::new();
         // Templates with the host's CD-ROM drive, and its key.
         let mut physical_cdrom: Vec<(u32, String)> = Vec::new();
-        // Bridge -> the templates with a NIC on it.
+        // SDN path (a bridge, or a VLAN of it) -> the templates with a NIC there.
         let mut bridges: std::collections::BTreeMap<String, Vec<u32>> = Default::default();
         for t in templates {
             let Some(v) = list.iter().find(|v| v.vmid == *t) else {
@@ -291,8 +295,8 @@ impl Preflight<'_> {
                     if let Some(cd) = cfg.cdroms().into_iter().find(pve::Cdrom::is_physical) {
                         physical_cdrom.push((*t, cd.key));
                     }
-                    for b in cfg.bridges() {
-                        bridges.entry(b).or_default().push(*t);
+                    for path in cfg.sdn_paths() {
+                        bridges.entry(path).or_default().push(*t);
                     }
                 }
                 // Named below, with the other missing privileges.
@@ -320,12 +324,13 @@ impl Preflight<'_> {
         }
         paths.extend(templates.iter().map(|t| (format!("/vms/{t}"), ON_TEMPLATE)));
         paths.extend(
-            storages
+            self.allocated_storages(nodes, storages, replicas.stages)
                 .iter()
                 .map(|s| (format!("/storage/{s}"), ON_STORAGE)),
         );
         let mut held_on_pool = BTreeSet::new();
         let mut sys_modify_on_root = false;
+        let mut sys_audit_on_root = false;
         let mut gaps: Vec<(String, Vec<&Need>)> = Vec::new();
         if let Some(held) = self.privileges(&paths, &mut warnings).await {
             for ((path, needs), privs) in paths.iter().zip(&held) {
@@ -341,9 +346,10 @@ impl Preflight<'_> {
                 .permissions(Some("/"))
                 .await
                 .ok()
-                .and_then(|p| p.get("/").cloned())
+                .and_then(|mut p| p.remove("/"))
                 .unwrap_or_default();
             sys_modify_on_root = on_root.contains("Sys.Modify");
+            sys_audit_on_root = on_root.contains("Sys.Audit");
             // The host's CD-ROM drive is a device, not a volume: a clone of
             // it needs Sys.Console on `/` (qemu-server check_storage_access).
             if let Some((t, key)) = physical_cdrom.first() {
@@ -378,7 +384,7 @@ impl Preflight<'_> {
                 .check_placement(nodes, templates, &list)
                 .await?,
         );
-        self.check_tag_policy(sys_modify_on_root, &mut warnings)
+        self.check_tag_policy(sys_modify_on_root, sys_audit_on_root, &mut warnings)
             .await;
         Ok(warnings)
     }
@@ -499,16 +505,23 @@ impl Preflight<'_> {
     /// not use (`SDN.Use`). A plain bridge sits in the `localnetwork` zone;
     /// an SDN VNet in its own zone, which this check does not look up. So a
     /// gap is a warning naming the fix, not a refusal: for a VNet the path
-    /// checked is not the one PVE checks.
+    /// checked is not the one PVE checks. A NIC with a VLAN tag is checked
+    /// on the VLAN's path below its bridge, as PVE checks it.
     async fn check_bridges(
         &self,
         bridges: &std::collections::BTreeMap<String, Vec<u32>>,
         warnings: &mut Vec<String>,
     ) {
-        for (bridge, users) in bridges {
-            let path = format!("/sdn/zones/localnetwork/{bridge}");
-            let held = match self.api.client.permissions(Some(&path)).await {
-                Ok(mut p) => p.remove(&path).unwrap_or_default(),
+        for (path, users) in bridges {
+            let on = path
+                .strip_prefix("/sdn/zones/localnetwork/")
+                .unwrap_or(path);
+            let (bridge, vlan) = match on.split_once('/') {
+                Some((bridge, tag)) => (bridge, format!(", VLAN {tag}")),
+                None => (on, String::new()),
+            };
+            let held = match self.api.client.permissions(Some(path)).await {
+                Ok(mut p) => p.remove(path).unwrap_or_default(),
                 Err(_) => continue,
             };
             if held.contains("SDN.Use") {
@@ -517,7 +530,7 @@ impl Preflight<'_> {
             let templates: Vec<String> = users.iter().map(u32::to_string).collect();
             warnings.push(format!(
                 "the API token lacks SDN.Use on {path}: on Proxmox VE 8 and newer every clone of \
-                 template {} (a NIC on bridge {bridge}) is refused with `Permission check failed \
+                 template {} (a NIC on bridge {bridge}{vlan}) is refused with `Permission check failed \
                  ({path}, SDN.Use)`. Grant it with `pveum acl modify {path} --tokens '{}' --roles \
                  PVESDNUser` (deploy/host-setup/setup-token.sh --bridge {bridge} does this); if \
                  {bridge} is an SDN VNet, use its zone in the path instead of localnetwork",
@@ -525,6 +538,36 @@ impl Preflight<'_> {
                 self.api.client.token_id(),
             ));
         }
+    }
+
+    /// The storages PVE checks `Datastore.AllocateSpace` on for our clones
+    /// and migrations: a clone's `storage` parameter when it has one (the
+    /// instance type's, else the node's; full clones only), else each of
+    /// the template's disk storages (qemu-server `check_storage_access_clone`);
+    /// a replica's migration `targetstorage` (the node's storage). The
+    /// template's storages count unless every clone names a storage: linked
+    /// clones and replica stagings never do, nor a full clone on a node
+    /// without `--node-storage` of a type without one.
+    fn allocated_storages(
+        &self,
+        nodes: &[String],
+        template_storages: BTreeSet<String>,
+        replicas: bool,
+    ) -> BTreeSet<String> {
+        let opts = &self.api.opts;
+        let full = opts.clone_mode == CloneMode::Full;
+        let node_storages = nodes.iter().filter_map(|n| opts.node_storage.get(n));
+        let mut out = BTreeSet::new();
+        if !full || replicas || nodes.iter().any(|n| !opts.node_storage.contains_key(n)) {
+            out.extend(template_storages);
+        }
+        if full || replicas {
+            out.extend(node_storages.cloned());
+        }
+        if full {
+            out.extend(opts.type_storage.values().cloned());
+        }
+        out
     }
 
     /// Whether some Create will stage a replica: replicas are on and a
@@ -578,11 +621,29 @@ impl Preflight<'_> {
         out
     }
 
-    async fn check_tag_policy(&self, sys_modify_on_root: bool, warnings: &mut Vec<String>) {
+    async fn check_tag_policy(
+        &self,
+        sys_modify_on_root: bool,
+        sys_audit_on_root: bool,
+        warnings: &mut Vec<String>,
+    ) {
         match self.api.client.cluster_options().await {
-            Ok(o) if o.tag_access.refuses_new_tags() && !sys_modify_on_root => {
+            // Absent without Sys.Audit on /: PVE hid it, so nothing is known.
+            Ok(o) if o.tag_access.is_none() && !sys_audit_on_root && !sys_modify_on_root => {
+                warnings.push(
+                    "the datacenter option user-tag-access is unknown: without Sys.Audit on / \
+                     PVE does not show it to this token. If it refuses new tags, the first \
+                     refused marking falls back to marker-only ownership (grant Sys.Audit on / \
+                     to know at start-up)"
+                        .to_string(),
+                );
+            }
+            Ok(o)
+                if o.tag_access.as_ref().is_some_and(|t| t.refuses_new_tags())
+                    && !sys_modify_on_root =>
+            {
                 self.tags.restrict();
-                let policy = match &o.tag_access {
+                let policy = match o.tag_access.as_ref().unwrap_or(&TagAccess::Free) {
                     TagAccess::Free => "user-allow=free".to_string(),
                     TagAccess::Existing(l) if l.is_empty() => "user-allow=existing".to_string(),
                     TagAccess::Existing(l) => format!("user-allow=existing, list {}", l.join(";")),

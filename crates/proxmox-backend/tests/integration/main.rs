@@ -5,12 +5,13 @@
 //! their own (`make fuzz` and `make bench-replicas` run them by name).
 
 mod common;
-mod fidelity;
 
+mod configurations;
 mod preflight;
 mod proxmox_clone_bound;
 mod proxmox_late_clone;
 mod proxmox_replicas;
 mod proxmox_robust;
 mod proxmox_sim;
+mod pve_fidelity;
 mod transition_detail;

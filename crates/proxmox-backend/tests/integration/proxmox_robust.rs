@@ -507,10 +507,19 @@ async fn offline_node_at_startup_and_during_a_create() {
                 .await
         })
     };
-    until("the Create tried the offline node", || {
-        sim.call_count(endpoints::CLONE) >= 3
-    })
+    // PVE would accept a clone to the offline node: the Create checks the
+    // node before each attempt and sends none.
+    let checks = sim.call_count(endpoints::NODES);
+    until(
+        "the Create checked the offline node again and again",
+        || sim.call_count(endpoints::NODES) >= checks + 3,
+    )
     .await;
+    assert_eq!(
+        sim.call_count(endpoints::CLONE),
+        1,
+        "no clone to the offline node"
+    );
     assert!(sim.set_node_online("pve2", true));
     let vm = task.await.unwrap().expect("created once the node is back");
     assert_eq!(vm.node, "pve2");

@@ -192,8 +192,10 @@ async fn full_lifecycle_clone_config_start_agent_destroy() {
     assert_eq!(row["tags"], "bigfleet;bigfleet-m1;zeta");
     assert_eq!(row["pool"], "bigfleet");
     assert!(row.get("description").is_none());
-    // Brand new: pvestatd has not sampled it yet, so no RRD-sourced fields.
-    for k in ["name", "status", "maxmem", "maxcpu", "uptime", "template"] {
+    // Brand new: pvestatd has not sampled it yet, so no RRD-sourced fields,
+    // and PVE says `unknown` for its status.
+    assert_eq!(row["status"], "unknown");
+    for k in ["name", "maxmem", "maxcpu", "uptime", "template"] {
         assert!(row.get(k).is_none(), "{k} present in {row}");
     }
     let on_node = api.get("/nodes/pve1/qemu", &[]).await;

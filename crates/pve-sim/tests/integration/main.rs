@@ -6,6 +6,7 @@
 mod common;
 
 mod api;
+mod configurations;
 mod failure_modes;
 mod fidelity;
 mod proxmoxer;

@@ -78,9 +78,9 @@ async fn resources_rrd_fields_lag_for_a_new_vm_then_refresh_per_sample() {
         (r["id"].as_str(), r["node"].as_str()),
         (Some("qemu/101"), Some("pve1"))
     );
-    for k in [
-        "name", "status", "maxmem", "mem", "cpu", "uptime", "template",
-    ] {
+    // As PVE lists an unsampled VM: `unknown`, without name or template.
+    assert_eq!(r["status"], "unknown", "{r}");
+    for k in ["name", "maxmem", "mem", "cpu", "uptime", "template"] {
         assert!(r.get(k).is_none(), "{k} already in {r}");
     }
     // The first sample arrives once the lag has passed.
@@ -374,11 +374,13 @@ async fn cluster_node_storage_and_permission_views() {
     );
     // Template 9001's disk is on the shared storage.
     assert_eq!(s.data()["used"], 32u64 << 30);
+    // An unknown storage is a parameter error, as pve-storage raises it.
     let s = api.get("/nodes/pve1/storage/nosuch/status", &[]).await;
     assert_eq!(
         (s.status, s.message().as_str()),
-        (500, "storage 'nosuch' does not exist")
+        (400, "Parameter verification failed.")
     );
+    assert_eq!(s.body["errors"]["storage"], "No such storage.");
     let s = api.get("/nodes/pve1/storage/1bad/status", &[]).await;
     assert_eq!(s.status, 400, "storage ids are validated");
 

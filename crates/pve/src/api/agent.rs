@@ -112,7 +112,9 @@ impl PveClient {
     }
 
     /// `GET .../agent/exec-status?pid=N`. The agent forgets the pid after the
-    /// first `exited` answer, so a lost answer loses the exit code.
+    /// first `exited` answer, so a lost answer loses the exit code. The
+    /// output comes back as the text of the guest's bytes (PVE sends them one
+    /// character per byte; they are put back together here).
     pub async fn agent_exec_status(
         &self,
         node: &str,
@@ -121,13 +123,36 @@ impl PveClient {
     ) -> Result<ExecStatus, PveError> {
         let mut p = Params::new();
         p.push("pid", pid.to_string());
-        self.call(
-            "agent_exec_status",
-            Method::GET,
-            &vm_path(node, vmid, "/agent/exec-status"),
-            &p,
-        )
-        .await
+        let mut st: ExecStatus = self
+            .call(
+                "agent_exec_status",
+                Method::GET,
+                &vm_path(node, vmid, "/agent/exec-status"),
+                &p,
+            )
+            .await?;
+        st.out_data = st.out_data.map(bytes_as_sent);
+        st.err_data = st.err_data.map(bytes_as_sent);
+        Ok(st)
+    }
+}
+
+/// The guest's output as text. PVE base64-decodes the agent's `out-data` /
+/// `err-data` into a Perl byte string and JSON-encodes that one character
+/// per byte (qemu-server `API2/Qemu/Agent.pm`), so UTF-8 output arrives with
+/// each byte as the character of that code point (`\u00c3\u00bc` for `ü`).
+/// When every character is at most U+00FF, the characters are those bytes:
+/// they are put back together and decoded as UTF-8 (invalid sequences become
+/// U+FFFD). A character above U+00FF means a server that sent the text
+/// itself; it is kept as it came.
+fn bytes_as_sent(text: String) -> String {
+    let bytes: Option<Vec<u8>> = text.chars().map(|c| u8::try_from(c).ok()).collect();
+    match bytes {
+        Some(bytes) => match String::from_utf8(bytes) {
+            Ok(decoded) => decoded,
+            Err(e) => String::from_utf8_lossy(e.as_bytes()).into_owned(),
+        },
+        None => text,
     }
 }
 
@@ -139,4 +164,23 @@ impl PveClient {
 /// whatever they are; UTF-8 text sent as-is would arrive re-encoded or fail.
 fn latin1_text(bytes: &[u8]) -> String {
     bytes.iter().map(|&b| char::from(b)).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::bytes_as_sent;
+
+    #[test]
+    fn exec_output_bytes_are_put_back_together() {
+        // `ü` and `€` as PVE sends them: one character per UTF-8 byte.
+        assert_eq!(
+            bytes_as_sent("gr\u{c3}\u{bc}n \u{e2}\u{82}\u{ac}".into()),
+            "grün €"
+        );
+        assert_eq!(bytes_as_sent("plain ascii\n".into()), "plain ascii\n");
+        // A lone Latin-1 byte is not UTF-8: replaced, not passed on as `é`.
+        assert_eq!(bytes_as_sent("caf\u{e9}".into()), "caf\u{fffd}");
+        // Text from a server that sent characters, not bytes: kept.
+        assert_eq!(bytes_as_sent("grün €".into()), "grün €");
+    }
 }

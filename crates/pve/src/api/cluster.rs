@@ -40,10 +40,18 @@ impl PveClient {
             .filter(|v| v.kind == "qemu" || (v.kind.is_empty() && v.id.starts_with("qemu/")))
             .collect();
         // `name`, `status` and `template` come from pvestatd's RRD samples: a VM
-        // created in the last ~10 s has none yet. Complete those rows from the
-        // owning node, which knows; only brand-new VMs cost a call. A row whose
-        // node cannot answer (offline, VM gone meanwhile) stays as listed.
-        for v in vms.iter_mut().filter(|v| v.status.is_empty()) {
+        // created in the last ~10 s has none yet, and PVE lists it with
+        // `status: "unknown"` and no name (pve-manager `API2/Cluster.pm`;
+        // older servers leave `status` out). Complete those rows from the
+        // owning node, which knows; only brand-new VMs cost a call. An
+        // `unknown` row with a name or `template: 1` has a sample: a VM of an
+        // offline node, whose last sample PVE keeps; nothing to ask. A row
+        // whose node cannot answer (offline, VM gone meanwhile) stays as
+        // listed.
+        let unsampled = |v: &ClusterVm| {
+            v.status.is_empty() || (v.status == "unknown" && v.name.is_none() && !v.template)
+        };
+        for v in vms.iter_mut().filter(|v| unsampled(v)) {
             match self.status_current(&v.node, v.vmid).await {
                 Ok(st) => {
                     v.status = st.status;

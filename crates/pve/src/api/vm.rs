@@ -123,11 +123,25 @@ impl PveClient {
             .await
     }
 
-    /// `DELETE /nodes/{node}/qemu/{vmid}?purge=1&destroy-unreferenced-disks=1`.
+    /// `DELETE /nodes/{node}/qemu/{vmid}?purge=1&destroy-unreferenced-disks=1`:
+    /// also frees disks named after the VMID that its config does not
+    /// reference (a half-made clone's). To find those, PVE activates every
+    /// storage holding images on the node, so one that is unreachable fails
+    /// the task (`storage 'X' is not online`) after the VM's own disks were
+    /// freed, with its config left; see [`PveClient::destroy_referenced`].
     pub async fn destroy(&self, node: &str, vmid: u32) -> Result<Upid, PveError> {
         let mut p = Params::new();
         p.push_bool("purge", true);
         p.push_bool("destroy-unreferenced-disks", true);
+        self.call_upid("destroy", Method::DELETE, &vm_path(node, vmid, ""), &p)
+            .await
+    }
+
+    /// `DELETE /nodes/{node}/qemu/{vmid}?purge=1`: frees only the disks the
+    /// config references, touching no other storage.
+    pub async fn destroy_referenced(&self, node: &str, vmid: u32) -> Result<Upid, PveError> {
+        let mut p = Params::new();
+        p.push_bool("purge", true);
         self.call_upid("destroy", Method::DELETE, &vm_path(node, vmid, ""), &p)
             .await
     }

@@ -12,7 +12,9 @@ use crate::error::{is_lock_timeout_text, PveError};
 /// Retry policy. Only safe cases are ever retried:
 /// * any call failing with a lock timeout (nothing was applied);
 /// * any call whose connection could not be established (nothing was sent);
-/// * any call answered 595 (pveproxy could not connect to the node);
+/// * any call answered 595 (pveproxy could not connect to the node) or
+///   `599 Too many redirections` (pveproxy's proxied connection was stale;
+///   the node never saw the request);
 /// * GETs on transport errors, request timeouts, 502-504 and 596/597.
 ///
 /// A POST/PUT/DELETE that may have reached the server is never retried.
@@ -76,6 +78,7 @@ pub(super) fn retryable(method: &Method, e: &PveError) -> bool {
             is_lock_timeout_text(message)
                 // 595: pveproxy could not connect to the node, nothing was sent.
                 || *status == 595
+                || e.is_proxy_redirect_loop()
                 || (is_get(method) && matches!(status, 502..=504 | 596 | 597))
         }
         PveError::Transport { connect: true, .. } => true,
@@ -159,5 +162,14 @@ mod tests {
         assert!(!retryable(&Method::POST, &sent));
         assert!(retryable(&Method::POST, &not_sent));
         assert!(!retryable(&Method::GET, &tls));
+        let redirect = PveError::Api {
+            status: 599,
+            message: "Too many redirections".into(),
+            param_errors: BTreeMap::new(),
+        };
+        assert!(
+            retryable(&Method::POST, &redirect),
+            "599: the node never saw it"
+        );
     }
 }

@@ -55,18 +55,26 @@ impl PveError {
 
     /// The object does not exist: 404, a `... does not exist` message (e.g. 500
     /// `Configuration file 'nodes/pve1/qemu-server/104.conf' does not exist`),
-    /// `no such VM/task`, or [`PveError::NotFound`].
+    /// `no such VM/task`, or [`PveError::NotFound`]. A task status or log
+    /// asked for a task the node has no file of is a 400 whose text is only
+    /// in the per-parameter errors (`upid: no such task`, pve-manager
+    /// `API2/Tasks.pm`).
     pub fn is_not_found(&self) -> bool {
         match self {
             PveError::NotFound(_) => true,
             PveError::Api {
-                status, message, ..
+                status,
+                message,
+                param_errors,
             } => {
                 let m = message.to_ascii_lowercase();
                 *status == 404
                     || m.contains("does not exist")
                     || m.starts_with("no such vm")
                     || m.starts_with("no such task")
+                    || param_errors
+                        .get("upid")
+                        .is_some_and(|v| v.to_ascii_lowercase().starts_with("no such task"))
             }
             _ => false,
         }
@@ -126,11 +134,17 @@ impl PveError {
     }
 
     /// What a storage call answers for a storage that is not there for
-    /// this node or token: `storage 'X' does not exist`, or `storage 'X' is
-    /// not available on node 'N'` (in the message or a parameter's reason).
-    /// Fixing the configuration is the only cure.
+    /// this node or token: `storage 'X' does not exist`, `storage 'X' is
+    /// not available on node 'N'` (in the message or a parameter's reason),
+    /// or the storage status's 400 with `storage: No such storage.` (a
+    /// storage storage.cfg does not have). Fixing the configuration is the
+    /// only cure.
     pub fn is_storage_missing(&self) -> bool {
-        let says = |m: &str| m.contains("does not exist") || m.contains("not available on node");
+        let says = |m: &str| {
+            m.contains("does not exist")
+                || m.contains("not available on node")
+                || m.to_ascii_lowercase().contains("no such storage")
+        };
         matches!(self, PveError::NotFound(_))
             || self.server_text().is_some_and(says)
             || matches!(self, PveError::Api { param_errors, .. }
@@ -153,10 +167,17 @@ impl PveError {
     }
 
     /// The VM or one of its files is locked: a lock timeout, or `VM 104 is
-    /// locked (backup)` and the like. Nothing was applied.
+    /// locked (backup)` and the like. Nothing was applied. A worker that
+    /// found the lock says so without the VMID (`VM is locked (clone)`:
+    /// pve-guest-common `AbstractConfig::check_lock`, as a destroy task
+    /// does after its API call answered 200).
     pub fn is_locked(&self) -> bool {
         self.is_lock_timeout()
-            || matches!(self, PveError::Api { message, .. } if message.contains("is locked"))
+            || match self {
+                PveError::Api { message, .. } => message.contains("is locked"),
+                PveError::TaskFailed { exitstatus, .. } => is_locked_task_text(exitstatus),
+                _ => false,
+            }
     }
 
     /// The VM has `protection: 1` (`can't remove VM 104 - protection mode
@@ -217,6 +238,13 @@ impl PveError {
     /// call is safe is a separate question: see [`PveError::may_have_been_applied`].
     /// A plain 500 is not transient: PVE uses it for every error a handler
     /// dies with ("VM 104 is running - destroy failed", ...).
+    ///
+    /// Also transient: pveproxy's `599 Too many redirections` (see
+    /// [`PveError::is_proxy_redirect_loop`]), a cluster without quorum
+    /// (`cluster not ready - no quorum?`: pmxcfs refuses every write until
+    /// quorum is back) and a storage command that outlived its cluster lock
+    /// (`'storage-X'-locked command timed out - aborting`), in an answer or a
+    /// failed task alike.
     pub fn is_transient(&self) -> bool {
         match self {
             PveError::Api {
@@ -226,10 +254,26 @@ impl PveError {
             } => {
                 (param_errors.is_empty() && matches!(status, 502..=504 | 595..=597))
                     || self.is_lock_timeout()
+                    || self.is_proxy_redirect_loop()
+                    || self.server_text().is_some_and(is_heals_by_itself_text)
+            }
+            PveError::TaskFailed { exitstatus, .. } => {
+                is_lock_timeout_text(exitstatus)
+                    || is_locked_task_text(exitstatus)
+                    || is_heals_by_itself_text(exitstatus)
             }
             PveError::Transport { .. } | PveError::Timeout { .. } => true,
             _ => false,
         }
+    }
+
+    /// pveproxy answered `599 Too many redirections`: it reused a proxied
+    /// connection to the node that had been closed (libpve-http-server-perl
+    /// before 5.1.2, still seen for GETs). The request never reached the
+    /// node's handler, so nothing was applied and repeating it is safe.
+    pub fn is_proxy_redirect_loop(&self) -> bool {
+        matches!(self, PveError::Api { status: 599, message, .. }
+            if message.to_ascii_lowercase().contains("too many redirections"))
     }
 
     /// For a request that changes state (POST/PUT/DELETE): the failure says
@@ -309,6 +353,23 @@ impl PveError {
     }
 }
 
+/// A worker that found its VM locked by another operation (`VM is locked
+/// (backup)`, `CT 104 is locked (clone)`): the lock clears when that
+/// operation ends, and the worker did nothing before its check.
+fn is_locked_task_text(m: &str) -> bool {
+    m.contains("is locked (")
+}
+
+/// Texts of failures that heal by themselves but, unlike a lock timeout,
+/// may come after part of the work was done: a cluster that lost quorum,
+/// and a command that held a storage's cluster lock past its limit
+/// (pve-cluster `cfs_lock`: `'storage-X'-locked command timed out - aborting`).
+fn is_heals_by_itself_text(m: &str) -> bool {
+    let m = m.to_ascii_lowercase();
+    m.contains("cluster not ready - no quorum")
+        || (m.contains("'storage-") && m.contains("-locked command timed out"))
+}
+
 pub(crate) fn is_lock_timeout_text(m: &str) -> bool {
     let m = m.to_ascii_lowercase();
     (m.contains("can't lock file") && m.contains("got timeout"))
@@ -343,6 +404,12 @@ mod tests {
                 "storage 'x' does not exist".to_string()
             )]
             .into(),
+        }
+        .is_storage_missing());
+        assert!(PveError::Api {
+            status: 400,
+            message: "Parameter verification failed.".into(),
+            param_errors: [("storage".to_string(), "No such storage.".to_string())].into(),
         }
         .is_storage_missing());
         assert!(!api(500, "storage 'nas' is not online").is_storage_missing());
@@ -572,6 +639,86 @@ mod tests {
         assert!(param.is_offline());
         assert!(!api(500, "no such cluster node 'pve9'").is_offline());
         assert!(!api(595, "No route to host").is_offline());
+    }
+
+    #[test]
+    fn too_many_redirections_is_transient_and_not_applied() {
+        let redirect = api(599, "Too many redirections");
+        assert!(redirect.is_transient());
+        assert!(redirect.is_proxy_redirect_loop());
+        assert!(!redirect.may_have_been_applied());
+        assert!(!redirect.may_have_been_applied_post());
+        assert!(!api(599, "Internal error").is_proxy_redirect_loop());
+        assert!(!api(599, "Internal error").is_transient());
+    }
+
+    #[test]
+    fn no_quorum_is_transient() {
+        let quorum = api(500, "cluster not ready - no quorum?\n");
+        assert!(quorum.is_transient());
+        let in_task = PveError::TaskFailed {
+            upid: "u".into(),
+            exitstatus: "clone failed: cluster not ready - no quorum?".into(),
+        };
+        assert!(in_task.is_transient());
+        assert!(!api(500, "cluster not ready").is_transient());
+    }
+
+    #[test]
+    fn storage_locked_command_timeout_is_transient() {
+        let text =
+            "cfs-lock 'storage-nfs' error: 'storage-nfs'-locked command timed out - aborting";
+        assert!(api(500, text).is_transient());
+        let in_task = PveError::TaskFailed {
+            upid: "u".into(),
+            exitstatus: format!("clone failed: {text}"),
+        };
+        assert!(in_task.is_transient());
+        assert!(
+            !api(500, text).is_lock_timeout(),
+            "the command ran under the lock: it may have done part of its work"
+        );
+        assert!(!api(500, "command 'lvs' timed out").is_transient());
+    }
+
+    #[test]
+    fn no_such_task_in_the_upid_parameter_is_not_found() {
+        let mut p = BTreeMap::new();
+        p.insert("upid".to_string(), "no such task".to_string());
+        let gone = PveError::Api {
+            status: 400,
+            message: "Parameter verification failed.".into(),
+            param_errors: p,
+        };
+        assert!(gone.is_not_found());
+        let mut p = BTreeMap::new();
+        p.insert(
+            "upid".to_string(),
+            "unable to parse worker upid".to_string(),
+        );
+        let malformed = PveError::Api {
+            status: 400,
+            message: "Parameter verification failed.".into(),
+            param_errors: p,
+        };
+        assert!(!malformed.is_not_found());
+    }
+
+    #[test]
+    fn a_task_that_found_its_vm_locked_is_transient() {
+        let task = |t: &str| PveError::TaskFailed {
+            upid: "UPID:pve1:0:0:0:qmdestroy:104:root@pam:".into(),
+            exitstatus: t.into(),
+        };
+        let locked = task("VM is locked (backup)");
+        assert!(locked.is_locked());
+        assert!(locked.is_transient());
+        let flock = task("can't lock file '/var/lock/qemu-server/lock-104.conf' - got timeout");
+        assert!(flock.is_locked());
+        assert!(flock.is_transient());
+        let running = task("VM 104 is running - destroy failed");
+        assert!(!running.is_locked());
+        assert!(!running.is_transient());
     }
 
     #[test]

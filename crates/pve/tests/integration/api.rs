@@ -374,10 +374,18 @@ async fn unsampled_resource_rows_are_completed_from_the_node() {
                 {"id": "qemu/101", "type": "qemu", "vmid": 101, "node": "pve1",
                  "tags": "bigfleet", "status": "stopped", "name": "old"},
                 {"id": "qemu/102", "type": "qemu", "vmid": 102, "node": "pve2", "tags": "bigfleet"},
-                {"id": "qemu/103", "type": "qemu", "vmid": 103, "node": "pve2"}
+                {"id": "qemu/103", "type": "qemu", "vmid": 103, "node": "pve2"},
+                // PVE 8 and 9 say `unknown` for an unsampled VM.
+                {"id": "qemu/104", "type": "qemu", "vmid": 104, "node": "pve1",
+                 "status": "unknown"},
+                // A VM of an offline node keeps its last sample's name.
+                {"id": "qemu/105", "type": "qemu", "vmid": 105, "node": "pve3",
+                 "status": "unknown", "name": "away"}
             ]))
         } else if r.path.ends_with("/qemu/102/status/current") {
             ok(json!({"status": "running", "name": "bigfleet-new", "vmid": 102}))
+        } else if r.path.ends_with("/qemu/104/status/current") {
+            ok(json!({"status": "stopped", "name": "bigfleet-newer", "vmid": 104, "template": 1}))
         } else {
             fail(
                 500,
@@ -387,7 +395,7 @@ async fn unsampled_resource_rows_are_completed_from_the_node() {
     })
     .await;
     let vms = c.cluster_resources_vms().await.unwrap();
-    assert_eq!(vms.len(), 3);
+    assert_eq!(vms.len(), 5);
     assert_eq!(
         (vms[0].status.as_str(), vms[0].name.as_deref()),
         ("stopped", Some("old"))
@@ -398,6 +406,18 @@ async fn unsampled_resource_rows_are_completed_from_the_node() {
     );
     // Gone meanwhile: listed as PVE listed it.
     assert_eq!((vms[2].status.as_str(), vms[2].name.as_deref()), ("", None));
+    assert_eq!(
+        (
+            vms[3].status.as_str(),
+            vms[3].name.as_deref(),
+            vms[3].template
+        ),
+        ("stopped", Some("bigfleet-newer"), true)
+    );
+    assert_eq!(
+        (vms[4].status.as_str(), vms[4].name.as_deref()),
+        ("unknown", Some("away"))
+    );
     let paths: Vec<String> = srv.recorded().iter().map(|r| r.path.clone()).collect();
     assert_eq!(
         paths,
@@ -405,6 +425,7 @@ async fn unsampled_resource_rows_are_completed_from_the_node() {
             "/api2/json/cluster/resources",
             "/api2/json/nodes/pve2/qemu/102/status/current",
             "/api2/json/nodes/pve2/qemu/103/status/current",
+            "/api2/json/nodes/pve1/qemu/104/status/current",
         ]
     );
 }

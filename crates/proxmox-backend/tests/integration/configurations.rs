@@ -1,6 +1,6 @@
 //! Cluster configurations of real PVE that used to fail every Create or
 //! leak VMs, driven through the real substrate against pve-sim, which
-//! models them as PVE 8/9 do (see pve-sim's `fidelity` tests): protected
+//! models them as PVE 8/9 do (see pve-sim's `configurations` tests): protected
 //! templates, CD-ROMs on local storage, a node's own storage for a shared
 //! template, the migration's disk privilege, a template's backup lock, and
 //! lost answers to a replica's migrate and template POSTs.
