@@ -106,7 +106,16 @@ impl Redactor {
     /// [`Redactor::new`] off the async workers: its cost grows with the blob
     /// (a pass over 1 MiB), and the RPCs on those workers must not wait
     /// behind it.
+    ///
+    /// One build at a time across the process: on a small machine, four
+    /// parallel builds of 1 MiB blobs would take every core from the async
+    /// workers; one at a time leaves them a core and costs the Configures
+    /// only their queueing (a build is a fraction of a second).
     pub async fn build(secret: &[u8]) -> Arc<Redactor> {
+        static ONE_BUILD: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(1);
+        // The semaphore is never closed, so acquiring cannot fail; if it
+        // did, building without the turn is still correct.
+        let _turn = ONE_BUILD.acquire().await.ok();
         let owned = secret.to_vec();
         match tokio::task::spawn_blocking(move || Redactor::new(&owned)).await {
             Ok(r) => Arc::new(r),
