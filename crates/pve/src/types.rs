@@ -349,17 +349,22 @@ impl VmConfig {
             .collect()
     }
 
-    /// The bridges (or SDN VNets) the VM's NICs (`netN`) are on, sorted and
-    /// deduplicated.
-    pub fn bridges(&self) -> Vec<String> {
-        let mut out: Vec<String> = self
-            .other
+    /// The property strings of the VM's NICs (`netN`).
+    fn nics(&self) -> impl Iterator<Item = &str> {
+        self.other
             .iter()
             .filter(|(k, _)| {
                 k.strip_prefix("net")
                     .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
             })
             .filter_map(|(_, v)| v.as_str())
+    }
+
+    /// The bridges (or SDN VNets) the VM's NICs (`netN`) are on, sorted and
+    /// deduplicated.
+    pub fn bridges(&self) -> Vec<String> {
+        let mut out: Vec<String> = self
+            .nics()
             .filter_map(|v| {
                 v.split(',')
                     .find_map(|part| part.trim().strip_prefix("bridge="))
@@ -404,13 +409,7 @@ impl VmConfig {
     /// not say.
     pub fn sdn_paths(&self) -> Vec<String> {
         let mut out: Vec<String> = self
-            .other
-            .iter()
-            .filter(|(k, _)| {
-                k.strip_prefix("net")
-                    .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
-            })
-            .filter_map(|(_, v)| v.as_str())
+            .nics()
             .filter_map(|v| {
                 let field = |name: &str| {
                     v.split(',')

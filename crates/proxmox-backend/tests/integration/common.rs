@@ -191,3 +191,23 @@ pub fn small_backend(
     let backend = ProxmoxBackend::new(slots, types, pricing(), Arc::new(sub));
     (backend, ids)
 }
+
+/// Options for the robustness tests: 20 s per task, transient failures
+/// retried for 15 s, a lost clone answer judged after 500 ms.
+pub fn fast_retrying() -> PveOptions {
+    opts_retrying(
+        Duration::from_secs(20),
+        Duration::from_secs(15),
+        Duration::from_millis(500),
+    )
+}
+
+/// The simulator with 150 ms clones and 100 ms agent boots.
+pub fn fast_sim_150() -> SimConfig {
+    fast_sim(Duration::from_millis(150), Duration::from_millis(100))
+}
+
+/// Waits (bounded, 10 s) until `cond` holds on the simulator.
+pub async fn until(what: &str, cond: impl FnMut() -> bool) {
+    provider_testkit::wait::until(what, Duration::from_secs(10), cond).await
+}

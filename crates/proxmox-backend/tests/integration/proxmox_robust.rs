@@ -9,24 +9,10 @@ use proxmox_backend::substrate::{Substrate, VmRef};
 use pve::PveConfig;
 use pve_sim::{endpoints, SimConfig, TagAccess, TemplateSpec};
 
-use crate::common::{self, assert_no_violations, client_3_tries as client, clones, req, sim_with};
-
-fn opts() -> PveOptions {
-    common::opts_retrying(
-        Duration::from_secs(20),
-        Duration::from_secs(15),
-        Duration::from_millis(500),
-    )
-}
-
-fn fast() -> SimConfig {
-    common::fast_sim(Duration::from_millis(150), Duration::from_millis(100))
-}
-
-/// Waits (bounded) until `cond` holds on the simulator.
-async fn until(what: &str, cond: impl FnMut() -> bool) {
-    provider_testkit::wait::until(what, Duration::from_secs(10), cond).await
-}
+use crate::common::{
+    assert_no_violations, client_3_tries as client, clones, fast_retrying as opts,
+    fast_sim_150 as fast, req, sim_with, until,
+};
 
 // ---- item 2: never destroy what isn't ours ----
 
