@@ -274,6 +274,7 @@ fn pve_options(args: &Args, catalog: &Catalog) -> Result<PveOptions, ConfigError
             .map(|a| a.trim().to_string())
             .filter(|a| !a.is_empty())
             .collect(),
+        hostname_command: args.hostname_command.trim().to_string(),
         readiness_command: args.readiness_command.trim().to_string(),
         drain_command: args.drain_command.clone(),
         max_parallel_clones: args.max_parallel_clones,

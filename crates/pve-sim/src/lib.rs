@@ -52,7 +52,7 @@ pub use config::{
     TagAccess, TagStyle, TemplateSpec, GUEST_AGENT_ENV,
 };
 pub use faults::Faults;
-pub use guest_root::GUEST_ROOT_ENV;
+pub use guest_root::{GUEST_ROOT_ENV, TEMPLATE_HOSTNAME};
 pub use params::Params;
 pub use sim::RecordedRequest;
 pub use state::Vm;
@@ -287,6 +287,14 @@ impl PveSim {
         let p = agent::guest_path(&self.shared.guest_root(vmid), guest_path)
             .map_err(anyhow::Error::msg)?;
         std::fs::read(&p).with_context(|| format!("reading {}", p.display()))
+    }
+
+    /// The guest's hostname (its `/etc/hostname`): the template image's
+    /// ([`guest_root::TEMPLATE_HOSTNAME`]) until a guest command renames it;
+    /// `None` before the guest first booted its agent.
+    pub fn guest_hostname(&self, vmid: u32) -> Option<String> {
+        let name = self.read_guest_file(vmid, guest_root::HOSTNAME_FILE).ok()?;
+        Some(String::from_utf8_lossy(&name).trim().to_string())
     }
 
     /// Power the VM off behind the API's back (agent state is lost).

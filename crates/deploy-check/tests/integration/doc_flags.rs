@@ -59,6 +59,7 @@ const SPEC_FLAGS: &[&str] = &[
     "--configure-timeout",
     "--drain-timeout",
     "--delete-timeout",
+    "--hostname-command",
     "--readiness-command",
     "--drain-command",
     "--max-parallel-clones",
