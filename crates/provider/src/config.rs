@@ -145,7 +145,8 @@ pub struct Args {
     #[arg(long, default_value = "1s", value_parser = parse_duration)]
     pub proxmox_poll_interval: Duration,
 
-    /// Concurrent clones per node (lock contention on local storage).
+    /// Concurrent clones per (node, storage) pair: clones to the same
+    /// storage contend on its lock.
     #[arg(long, default_value_t = 2)]
     pub max_parallel_clones: usize,
 
@@ -242,8 +243,8 @@ pub struct Args {
 
 #[derive(Subcommand, Debug, Clone)]
 pub enum Command {
-    /// Operator client for a running provider: list, get, create, configure,
-    /// drain, delete and watch machines.
+    /// Operator client for a running provider: list, summary, get, create,
+    /// configure, drain, delete, reclaim and watch machines.
     Ctl(bigfleet_ctl::CtlArgs),
 }
 

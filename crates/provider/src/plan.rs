@@ -303,6 +303,24 @@ fn pve_options(args: &Args, catalog: &Catalog) -> Result<PveOptions, ConfigError
         ..PveOptions::default()
     };
     options.validate()?;
+    // A typo in a node name is the command line's fault: refused here, with
+    // exit 2, before anything binds or dials the cluster.
+    let nodes: Vec<&str> = args
+        .nodes
+        .iter()
+        .map(|n| n.trim())
+        .filter(|n| !n.is_empty())
+        .collect();
+    if let Some(n) = options
+        .node_storage
+        .keys()
+        .find(|n| !nodes.contains(&n.as_str()))
+    {
+        return Err(ConfigError::invalid(format!(
+            "--node-storage names node {n:?}, which is not in --nodes ({})",
+            nodes.join(", ")
+        )));
+    }
     Ok(options)
 }
 
