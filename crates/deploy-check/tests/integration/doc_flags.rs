@@ -79,6 +79,7 @@ const CTL_FLAGS: &[&str] = &[
     "--tls-ca",
     "--tls-cert",
     "--tls-key",
+    "--tls-domain",
     "--state",
     "--zone",
     "--type",
