@@ -118,9 +118,10 @@ fn literal_pieces(span: &str) -> Vec<String> {
         rest = &rest[c.len_utf8()..];
     }
     flush(&mut cur, &mut pieces);
+    // A lone `key=value` left whole (no space in it) is a field, not text.
     pieces
         .into_iter()
-        .filter(|p| !(p.contains('=') && !p.contains(' ')))
+        .filter(|p| !p.contains('=') || p.contains(' '))
         .collect()
 }
 
