@@ -82,6 +82,7 @@ pub mod endpoints {
     pub const AGENT_EXEC_STATUS: &str = "GET /nodes/{node}/qemu/{vmid}/agent/exec-status";
     pub const AGENT_NETWORK: &str = "GET /nodes/{node}/qemu/{vmid}/agent/network-get-interfaces";
     pub const AGENT_OSINFO: &str = "GET /nodes/{node}/qemu/{vmid}/agent/get-osinfo";
+    pub const AGENT_HOST_NAME: &str = "GET /nodes/{node}/qemu/{vmid}/agent/get-host-name";
     pub const AGENT_INFO: &str = "GET /nodes/{node}/qemu/{vmid}/agent/info";
     pub const MIGRATE: &str = "POST /nodes/{node}/qemu/{vmid}/migrate";
     pub const TEMPLATE: &str = "POST /nodes/{node}/qemu/{vmid}/template";
