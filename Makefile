@@ -82,7 +82,8 @@ report-proxmox:
 report-ci:
 	$(MAKE) report-proxmox PROFILE=core,cloud,fault,durable,scale
 
-# The real Proxmox backend against pve-sim: core, cloud and durable lanes.
+# The real Proxmox backend against pve-sim: core, cloud and durable lanes,
+# then docs/certification.md's certify-a-real-endpoint recipe as written.
 certify-pve-sim:
 	$(CARGO) build -p bigfleet-proxmox -p conformance -p pve-sim
 	BIN=$(DEBUG_DIR) OUT=$(OUT)/pve-sim $(if $(SEED),SEED=$(SEED),) scripts/certify-pve-sim.sh

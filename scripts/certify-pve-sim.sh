@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Certify the REAL Proxmox backend end to end: boot pve-sim (the Proxmox VE
 # API simulator), point the provider at it over verified TLS with an API
-# token, and run the certification lanes core, cloud and durable.
+# token, and run the certification lanes core, cloud and durable; then run
+# docs/certification.md's "Certifying a real endpoint" recipe as written.
 # Each lane group gets a fresh simulator so VMs from one do not occupy the
 # slots of the next. The simulated guest has no Kubernetes: the bootstrap
 # hook is /bin/true and the drain command a no-op echo; the readiness gate is
@@ -20,10 +21,12 @@ cleanup() {
 }
 trap cleanup EXIT
 
+# start_sim [POOLS]: a fresh simulator with the pools named (default: bigfleet).
 start_sim() {
   if [ -n "$sim_pid" ]; then kill "$sim_pid"; wait "$sim_pid" 2>/dev/null || true; fi
   : > "$work/sim.log"
   "$BIN/pve-sim" --listen 127.0.0.1:0 --nodes pve1,pve2 --templates 9000:shared \
+    --pools "${1:-bigfleet}" \
     --ca-out "$work/ca.pem" --clone-duration 200ms --agent-boot-delay 300ms \
     --max-parallel-local-clones 0 >"$work/sim.log" 2>&1 &
   sim_pid=$!
@@ -57,8 +60,58 @@ certify() {
     "--provider-arg=--drain-command=echo drained"
 }
 
+# The sh block of docs/certification.md's "Certifying a real endpoint" whose
+# text contains $1, continuation lines joined.
+recipe_command() {
+  awk -v want="$1" '
+    /^## Certifying a real endpoint/ { in_section = 1; next }
+    in_section && /^## / { in_section = 0 }
+    in_section && /^```sh/ { in_block = 1; block = ""; next }
+    in_section && in_block && /^```/ { in_block = 0; if (index(block, want)) print block; next }
+    in_block { line = $0; sub(/\\$/, "", line); block = block line " " }
+  ' docs/certification.md
+}
+
+# The documented recipe, run as written against pve-sim: only the
+# cluster's address, the token and CA files, the state file and the
+# binaries' directory are this run's; the listener takes a free port.
+certify_recipe() {
+  local boot harness log="$OUT/recipe-provider.log" addr="" provider_pid
+  boot=$(recipe_command 'target/release/bigfleet-proxmox')
+  harness=$(recipe_command 'target/release/bfconformance')
+  if [ -z "$boot" ] || [ -z "$harness" ]; then
+    echo "docs/certification.md has no boot or harness command in 'Certifying a real endpoint'" >&2
+    exit 1
+  fi
+  boot=${boot//target\/release\//$BIN/}
+  boot=${boot//https:\/\/pve1.example.internal:8006\/api2\/json/$url}
+  boot=${boot//.\/token/$work/token}
+  boot=${boot//.\/pve-root-ca.pem/$work/ca.pem}
+  boot=${boot//.\/certify-state.db/$work/recipe-state.db}
+  boot=${boot//127.0.0.1:9099/127.0.0.1:0}
+  boot=${boot//127.0.0.1:9098/127.0.0.1:0}
+  harness=${harness//target\/release\//$BIN/}
+  eval "$boot" >"$log" 2>&1 &
+  provider_pid=$!
+  for _ in $(seq 1 600); do
+    addr=$(sed -n 's/.*msg="serving CapacityProvider" addr=\([^ ]*\).*/\1/p' "$log")
+    if [ -n "$addr" ]; then break; fi
+    if ! kill -0 "$provider_pid" 2>/dev/null; then cat "$log" >&2; echo "the recipe's provider exited" >&2; exit 1; fi
+    sleep 0.05
+  done
+  if [ -z "$addr" ]; then cat "$log" >&2; echo "the recipe's provider never served" >&2; exit 1; fi
+  harness=${harness//127.0.0.1:9099/$addr}
+  local rc=0
+  eval "$harness --out $OUT/recipe" || rc=$?
+  kill "$provider_pid" 2>/dev/null || true
+  wait "$provider_pid" 2>/dev/null || true
+  if [ "$rc" -ne 0 ]; then echo "the certify-a-real-endpoint recipe failed against pve-sim" >&2; exit "$rc"; fi
+}
+
 start_sim
 certify core,cloud "$OUT/core-cloud"
 start_sim
 certify durable "$OUT/durable"
-echo "CERTIFIED: the real Proxmox backend passed core, cloud and durable against pve-sim"
+start_sim bigfleet-certify
+certify_recipe
+echo "CERTIFIED: the real Proxmox backend passed core, cloud and durable against pve-sim, and docs/certification.md's certify-a-real-endpoint recipe runs as written"

@@ -358,13 +358,29 @@ pub fn documented_defaults(markdown: &str, file: &str) -> Vec<DocumentedDefault>
 }
 
 /// `| `--a`, `--b` | `VALUE` or — | ...`: one default per flag of the row.
+/// The cells of a table row; `\|` is a `|` inside a cell (GitHub's escape,
+/// as in a default that is a shell `||`).
+fn table_cells(row: &str) -> Vec<String> {
+    let inner = row.trim().trim_start_matches('|');
+    let inner = inner.strip_suffix('|').unwrap_or(inner);
+    let mut cells = vec![String::new()];
+    let mut chars = inner.chars().peekable();
+    while let Some(c) = chars.next() {
+        match c {
+            '\\' if chars.peek() == Some(&'|') => {
+                chars.next();
+                cells.last_mut().expect("one cell").push('|');
+            }
+            '|' => cells.push(String::new()),
+            c => cells.last_mut().expect("one cell").push(c),
+        }
+    }
+    cells.into_iter().map(|c| c.trim().to_string()).collect()
+}
+
 fn table_defaults(row: &str, file: &str, line: usize) -> Vec<DocumentedDefault> {
-    let cells: Vec<&str> = row
-        .trim()
-        .trim_matches('|')
-        .split('|')
-        .map(str::trim)
-        .collect();
+    let cells = table_cells(row);
+    let cells: Vec<&str> = cells.iter().map(String::as_str).collect();
     let [flags, default, ..] = cells[..] else {
         return Vec::new();
     };
@@ -453,6 +469,14 @@ fn prose_defaults(lines: &[(usize, &str)], file: &str) -> Vec<DocumentedDefault>
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn escaped_pipes_stay_in_their_cell() {
+        let row = "| `--x` | `a \\|\\| b` | meaning |";
+        let d = table_defaults(row, "f.md", 1);
+        assert_eq!(d.len(), 1);
+        assert_eq!(d[0].value.as_deref(), Some("a || b"));
+    }
 
     #[test]
     fn help_defaults_unquote_as_clap_quotes() {

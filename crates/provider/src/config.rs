@@ -117,29 +117,36 @@ pub struct Args {
     #[arg(long, default_value = "/bin/sh")]
     pub bootstrap_exec: String,
 
-    /// Shell command run in the guest that succeeds once the node is Ready;
-    /// empty turns the readiness gate off.
+    /// Shell command run in the guest before the bootstrap to set its
+    /// hostname to the VM name, given as $BIGFLEET_NODE_NAME; the hostname is
+    /// then read back and Configure fails unless it matches. Empty leaves
+    /// naming to the template (the check still runs).
+    #[arg(long, default_value = proxmox_backend::proxmox::DEFAULT_HOSTNAME_COMMAND)]
+    pub hostname_command: String,
+
+    /// Shell command run in the guest that succeeds once the node is Ready,
+    /// with the node name (the VM name) in $BIGFLEET_NODE_NAME; empty turns
+    /// the readiness gate off.
     #[arg(
         long,
-        default_value = "kubectl --kubeconfig /etc/kubernetes/kubelet.conf get node \"$(hostname)\" -o jsonpath='{.status.conditions[?(@.type==\"Ready\")].status}' | grep -qx True"
+        default_value = "kubectl --kubeconfig /etc/kubernetes/kubelet.conf get node \"$BIGFLEET_NODE_NAME\" -o jsonpath='{.status.conditions[?(@.type==\"Ready\")].status}' | grep -qx True"
     )]
     pub readiness_command: String,
 
-    /// Shell command run in the guest to drain the node. The provider
-    /// appends --timeout=SECONDS (nine tenths of --drain-timeout) and, only
-    /// for a positive requested grace, --grace-period=SECONDS; a grace of 0
-    /// leaves each pod its own termination grace.
-    #[arg(
-        long,
-        default_value = "kubectl drain \"$(hostname)\" --ignore-daemonsets --delete-emptydir-data"
-    )]
+    /// Shell command run in the guest to drain the node, with the node name
+    /// (the VM name) in $BIGFLEET_NODE_NAME. The provider appends
+    /// --timeout=SECONDS (nine tenths of --drain-timeout) and, only for a
+    /// positive requested grace, --grace-period=SECONDS; a grace of 0 leaves
+    /// each pod its own termination grace.
+    #[arg(long, default_value = proxmox_backend::proxmox::DEFAULT_DRAIN_COMMAND)]
     pub drain_command: String,
 
     /// Poll period for Proxmox tasks, guest-agent pings and in-guest commands.
     #[arg(long, default_value = "1s", value_parser = parse_duration)]
     pub proxmox_poll_interval: Duration,
 
-    /// Concurrent clones per node (lock contention on local storage).
+    /// Concurrent clones per (node, storage) pair: clones to the same
+    /// storage contend on its lock.
     #[arg(long, default_value_t = 2)]
     pub max_parallel_clones: usize,
 
@@ -243,8 +250,8 @@ pub struct Args {
 
 #[derive(Subcommand, Debug, Clone)]
 pub enum Command {
-    /// Operator client for a running provider: list, get, create, configure,
-    /// drain, delete and watch machines.
+    /// Operator client for a running provider: list, summary, get, create,
+    /// configure, drain, delete, reclaim and watch machines.
     Ctl(bigfleet_ctl::CtlArgs),
 }
 

@@ -33,6 +33,7 @@ pub fn dropped_lines() -> u64 {
 /// before it writes, so under load many lines share one write and no RPC
 /// waits on stderr. Keep the guard until exit: dropping it flushes.
 pub fn init(format: LogFormat, level: &str) -> Result<WorkerGuard, LogError> {
+    check_level_words(level).map_err(LogError::Level)?;
     let filter = EnvFilter::try_new(level).map_err(|e| {
         let message = format!("--log-level {level:?} is not a valid level or filter: {e}");
         LogError::Level(ConfigError::invalid_because(message, e))
@@ -58,6 +59,29 @@ pub fn init(format: LogFormat, level: &str) -> Result<WorkerGuard, LogError> {
     };
     result.map_err(LogError::Install)?;
     Ok(guard)
+}
+
+/// Refuses a directive that is a bare word but not a level. `EnvFilter`
+/// reads `warning` or `inf` as a target name enabled at every level, which
+/// silences every line the provider writes: a typo must not look like a
+/// quiet process. A directive with a level (`TARGET=LEVEL`), a span filter
+/// (`[span]`) or a module path (`crate::module`) is left to `EnvFilter`.
+fn check_level_words(level: &str) -> Result<(), ConfigError> {
+    for directive in level.split(',').map(str::trim).filter(|d| !d.is_empty()) {
+        let filter_syntax = directive.contains(['=', '[']) || directive.contains("::");
+        if !filter_syntax
+            && directive
+                .parse::<tracing::level_filters::LevelFilter>()
+                .is_err()
+        {
+            return Err(ConfigError::invalid(format!(
+                "--log-level {level:?} is not a valid level or filter: {directive:?} is not a \
+                 level (error, warn, info, debug, trace or off); a filter names its target as \
+                 TARGET=LEVEL"
+            )));
+        }
+    }
+    Ok(())
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -145,6 +169,25 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn words_that_are_not_levels_are_refused() {
+        for bad in ["warning", "inf", "INFO,verbose", "quiet"] {
+            let e = check_level_words(bad).expect_err(bad).to_string();
+            assert!(e.contains("is not a level"), "{bad}: {e}");
+        }
+        for good in [
+            "info",
+            "WARN",
+            "off",
+            "info,h2=warn",
+            "bigfleet_proxmox::serve",
+            "[grpc]=debug",
+            "",
+        ] {
+            check_level_words(good).unwrap_or_else(|e| panic!("{good}: {e}"));
+        }
+    }
 
     #[test]
     fn quoting() {

@@ -83,6 +83,10 @@ fn main() -> ExitCode {
             tracing::error!(error = %e, "startup failed");
             ExitCode::from(1)
         }
+        Err(RunError::Stopped) => {
+            tracing::info!("shutdown requested during start-up: stopped before serving");
+            ExitCode::SUCCESS
+        }
         Err(e @ RunError::Serve(_)) => {
             tracing::error!(error = %e, "stopped on an error");
             ExitCode::from(1)

@@ -277,6 +277,7 @@ fn pve_options(args: &Args, catalog: &Catalog) -> Result<PveOptions, ConfigError
             .map(|a| a.trim().to_string())
             .filter(|a| !a.is_empty())
             .collect(),
+        hostname_command: args.hostname_command.trim().to_string(),
         readiness_command: args.readiness_command.trim().to_string(),
         drain_command: args.drain_command.clone(),
         max_parallel_clones: args.max_parallel_clones,
@@ -305,6 +306,24 @@ fn pve_options(args: &Args, catalog: &Catalog) -> Result<PveOptions, ConfigError
         ..PveOptions::default()
     };
     options.validate()?;
+    // A typo in a node name is the command line's fault: refused here, with
+    // exit 2, before anything binds or dials the cluster.
+    let nodes: Vec<&str> = args
+        .nodes
+        .iter()
+        .map(|n| n.trim())
+        .filter(|n| !n.is_empty())
+        .collect();
+    if let Some(n) = options
+        .node_storage
+        .keys()
+        .find(|n| !nodes.contains(&n.as_str()))
+    {
+        return Err(ConfigError::invalid(format!(
+            "--node-storage names node {n:?}, which is not in --nodes ({})",
+            nodes.join(", ")
+        )));
+    }
     Ok(options)
 }
 

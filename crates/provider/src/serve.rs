@@ -188,6 +188,11 @@ async fn proxmox_substrate(
         .collect();
     templates.sort_unstable();
     templates.dedup();
+    tracing::info!(
+        url = %proxmox.access.api_url,
+        nodes = %catalog.zones.join(","),
+        "checking the Proxmox cluster before serving"
+    );
     let warnings = substrate
         .preflight(&catalog.zones, &templates)
         .await
@@ -243,10 +248,24 @@ impl ShutdownSignals {
         })
     }
 
-    async fn recv(mut self) {
+    async fn recv(&mut self) {
         tokio::select! {
             _ = self.interrupt.recv() => {}
             _ = self.terminate.recv() => {}
+        }
+    }
+
+    /// Runs one start-up step unless a signal comes first: the handlers are
+    /// installed before start-up (so a signal right after the start-up line
+    /// is graceful), which would otherwise leave a SIGTERM unheard while a
+    /// step waits on a cluster that does not answer.
+    async fn or_stop<T>(
+        &mut self,
+        step: impl std::future::Future<Output = Result<T, StartupError>>,
+    ) -> Result<T, RunError> {
+        tokio::select! {
+            result = step => Ok(result?),
+            () = self.recv() => Err(RunError::Stopped),
         }
     }
 }
@@ -270,12 +289,16 @@ pub enum RunError {
     /// The gRPC server stopped with an error after start-up.
     #[error("gRPC server failed: {0}")]
     Serve(#[source] tonic::transport::Error),
+    /// SIGINT or SIGTERM before start-up finished: nothing was served, and
+    /// the process ends at once, as asked.
+    #[error("shutdown requested during start-up")]
+    Stopped,
 }
 
 /// Run until SIGINT/SIGTERM. Every error before the start-up line is a
 /// [`RunError::Startup`].
 pub async fn run(plan: Plan) -> Result<(), RunError> {
-    let signals = ShutdownSignals::install()?;
+    let mut signals = ShutdownSignals::install()?;
     let serving = &plan.serving;
     let grpc_listener = bind("--addr", serving.addr).await?;
     let local_addr = grpc_listener
@@ -325,7 +348,10 @@ pub async fn run(plan: Plan) -> Result<(), RunError> {
             let fake = Arc::new(FakeCluster::new(catalog.zones.clone(), *latency));
             (fake.clone(), Some(fake))
         }
-        BackendConfig::Proxmox(proxmox) => (proxmox_substrate(&plan, proxmox).await?, None),
+        BackendConfig::Proxmox(proxmox) => (
+            signals.or_stop(proxmox_substrate(&plan, proxmox)).await?,
+            None,
+        ),
     };
     let substrate: Arc<dyn Substrate> = Arc::new(Metered::new(inner, metrics.clone()));
     let backend = Arc::new(ProxmoxBackend::new(
@@ -334,9 +360,13 @@ pub async fn run(plan: Plan) -> Result<(), RunError> {
         catalog.pricing.clone(),
         substrate,
     ));
-    let engine = Engine::start(backend, store, plan.engine.clone())
-        .await
-        .map_err(StartupError::Engine)?;
+    let engine = signals
+        .or_stop(async {
+            Engine::start(backend, store, plan.engine.clone())
+                .await
+                .map_err(StartupError::Engine)
+        })
+        .await?;
     if let Some(fake) = &fake {
         for machine in engine.list(&[], 0, &[]).machines {
             if let Some(vm) = machine

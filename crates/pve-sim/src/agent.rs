@@ -14,7 +14,7 @@ use serde_json::{json, Value};
 use tokio::io::AsyncWriteExt;
 use tokio::task::AbortHandle;
 
-use crate::guest_root::GUEST_ROOT_ENV;
+use crate::guest_root::{guest_path_env, GUEST_ROOT_ENV};
 use crate::qga::QgaProcess;
 
 /// An exec request as a guest handler sees it.
@@ -274,6 +274,7 @@ pub fn spawn_process(e: &GuestExec) -> Result<tokio::process::Child, String> {
     cmd.args(args)
         .current_dir(&e.root)
         .env(GUEST_ROOT_ENV, &e.root)
+        .env("PATH", guest_path_env(&e.root))
         .stdin(if e.input.is_some() {
             Stdio::piped()
         } else {

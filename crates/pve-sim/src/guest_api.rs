@@ -1,4 +1,5 @@
-//! Guest agent endpoints (ping, file-write, exec, exec-status) on top of the
+//! Guest agent endpoints (ping, file-write, exec, exec-status, and the
+//! guest's modelled facts: host name, OS, interfaces) on top of the
 //! built-in agent in [`crate::agent`], or forwarded to the VM's real `qemu-ga`
 //! ([`crate::qga`]). The checks PVE makes before reaching the agent (running,
 //! agent configured, booted) and the simulator's fault injection stay here, in
@@ -331,6 +332,16 @@ impl Shared {
         }}))
     }
 
+    /// `GET .../agent/get-host-name`: the guest's hostname as modelled (its
+    /// `/etc/hostname`, see [`crate::guest_root`]), never the machine's own,
+    /// which a real qemu-ga would report.
+    pub async fn agent_host_name(&self, node: &str, vmid: u32) -> ApiResult {
+        let (vm, _) = self.agent_vm(node, vmid)?;
+        let name = std::fs::read_to_string(vm.guest_root.join(crate::guest_root::HOSTNAME_FILE))
+            .map_err(|e| agent_err(vmid, "guest-get-host-name", &e.to_string()))?;
+        Ok(json!({"result": {"host-name": name.trim()}}))
+    }
+
     /// `GET .../agent/info`: the agent's version and the commands it supports.
     pub async fn agent_info(&self, node: &str, vmid: u32) -> ApiResult {
         self.agent_vm(node, vmid)?;
@@ -351,6 +362,7 @@ const AGENT_COMMANDS: &[&str] = &[
     "guest-file-close",
     "guest-file-open",
     "guest-file-write",
+    "guest-get-host-name",
     "guest-get-osinfo",
     "guest-info",
     "guest-network-get-interfaces",

@@ -52,7 +52,7 @@ pub use config::{
     TagAccess, TagStyle, TemplateSpec, GUEST_AGENT_ENV,
 };
 pub use faults::Faults;
-pub use guest_root::GUEST_ROOT_ENV;
+pub use guest_root::{GUEST_ROOT_ENV, TEMPLATE_HOSTNAME};
 pub use params::Params;
 pub use sim::RecordedRequest;
 pub use state::Vm;
@@ -82,6 +82,7 @@ pub mod endpoints {
     pub const AGENT_EXEC_STATUS: &str = "GET /nodes/{node}/qemu/{vmid}/agent/exec-status";
     pub const AGENT_NETWORK: &str = "GET /nodes/{node}/qemu/{vmid}/agent/network-get-interfaces";
     pub const AGENT_OSINFO: &str = "GET /nodes/{node}/qemu/{vmid}/agent/get-osinfo";
+    pub const AGENT_HOST_NAME: &str = "GET /nodes/{node}/qemu/{vmid}/agent/get-host-name";
     pub const AGENT_INFO: &str = "GET /nodes/{node}/qemu/{vmid}/agent/info";
     pub const MIGRATE: &str = "POST /nodes/{node}/qemu/{vmid}/migrate";
     pub const TEMPLATE: &str = "POST /nodes/{node}/qemu/{vmid}/template";
@@ -287,6 +288,14 @@ impl PveSim {
         let p = agent::guest_path(&self.shared.guest_root(vmid), guest_path)
             .map_err(anyhow::Error::msg)?;
         std::fs::read(&p).with_context(|| format!("reading {}", p.display()))
+    }
+
+    /// The guest's hostname (its `/etc/hostname`): the template image's
+    /// ([`guest_root::TEMPLATE_HOSTNAME`]) until a guest command renames it;
+    /// `None` before the guest first booted its agent.
+    pub fn guest_hostname(&self, vmid: u32) -> Option<String> {
+        let name = self.read_guest_file(vmid, guest_root::HOSTNAME_FILE).ok()?;
+        Some(String::from_utf8_lossy(&name).trim().to_string())
     }
 
     /// Power the VM off behind the API's back (agent state is lost).

@@ -12,7 +12,7 @@ use serde_json::{json, Value};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::net::UnixStream;
 
-use crate::guest_root::GUEST_ROOT_ENV;
+use crate::guest_root::{guest_path_env, GUEST_ROOT_ENV};
 
 /// How long qemu-ga may take to answer one command (PVE gives up with "got timeout").
 pub const REPLY_TIMEOUT: Duration = Duration::from_secs(10);
@@ -263,6 +263,8 @@ impl QgaProcess {
             .arg(BLOCKED_RPCS)
             .current_dir(&root)
             .env(GUEST_ROOT_ENV, &root)
+            // What qemu-ga starts inherits it: the guest's programs first.
+            .env("PATH", guest_path_env(&root))
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::null())

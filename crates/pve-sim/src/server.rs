@@ -56,6 +56,7 @@ pub const ROUTES: &[(&str, &str)] = &[
         "/nodes/{node}/qemu/{vmid}/agent/network-get-interfaces",
     ),
     ("GET", "/nodes/{node}/qemu/{vmid}/agent/get-osinfo"),
+    ("GET", "/nodes/{node}/qemu/{vmid}/agent/get-host-name"),
     ("GET", "/nodes/{node}/qemu/{vmid}/agent/info"),
     ("GET", "/nodes/{node}/qemu/{vmid}/status"),
     ("POST", "/nodes/{node}/qemu/{vmid}/migrate"),
@@ -671,6 +672,9 @@ async fn dispatch(s: &Arc<Shared>, method: &str, template: &str, p: &Params) -> 
             s.agent_network_interfaces(&node, vmid).await
         }
         ("GET", "/nodes/{node}/qemu/{vmid}/agent/get-osinfo") => s.agent_osinfo(&node, vmid).await,
+        ("GET", "/nodes/{node}/qemu/{vmid}/agent/get-host-name") => {
+            s.agent_host_name(&node, vmid).await
+        }
         ("GET", "/nodes/{node}/qemu/{vmid}/agent/info") => s.agent_info(&node, vmid).await,
         ("GET", "/nodes/{node}/qemu/{vmid}/status") => s.status_index(&node, vmid),
         ("POST", "/nodes/{node}/qemu/{vmid}/migrate") => s.migrate(&node, vmid, p),

@@ -14,7 +14,6 @@ use tokio::sync::Notify;
 use crate::agent::GuestHandlers;
 use crate::config::{SimConfig, TemplateSpec};
 use crate::faults::Faults;
-use crate::guest_root::GUEST_DIRS;
 use crate::params::Params;
 use crate::schema::{ParamErrors, Schema};
 use crate::state::{lock_timeout, ApiError, Cluster, NodeState, Vm};
@@ -363,9 +362,6 @@ pub(crate) fn err_text(e: ApiError) -> String {
 }
 
 pub(crate) fn prepare_root(root: &std::path::Path) -> anyhow::Result<()> {
-    for d in GUEST_DIRS {
-        std::fs::create_dir_all(root.join(d))
-            .map_err(|e| anyhow::anyhow!("creating guest root {}: {e}", root.display()))?;
-    }
-    Ok(())
+    crate::guest_root::prepare(root)
+        .map_err(|e| anyhow::anyhow!("creating guest root {}: {e}", root.display()))
 }

@@ -37,9 +37,24 @@ pub fn format_fingerprint(fp: &[u8; 32]) -> String {
     parts.join(":")
 }
 
-/// Parses one fingerprint: `AB:CD:...` or bare hex, case-insensitive.
+/// Parses one fingerprint: `AB:CD:...` or bare hex, case-insensitive, also
+/// as `openssl x509 -noout -fingerprint -sha256` prints it
+/// (`sha256 Fingerprint=AB:CD:...`; OpenSSL 1.1 writes `SHA256`).
 pub fn parse_fingerprint(s: &str) -> Result<[u8; 32], PveError> {
     let t = s.trim();
+    let t = match t.split_once('=') {
+        Some((label, value)) => {
+            let label = label.trim().to_ascii_lowercase();
+            if label != "sha256 fingerprint" && label != "fingerprint" {
+                return Err(PveError::Config(format!(
+                    "TLS fingerprint {t:?} is not a SHA-256 fingerprint: pass openssl's \
+                     `-fingerprint -sha256` output (sha256 Fingerprint=AB:CD:...) or the hex"
+                )));
+            }
+            value.trim()
+        }
+        None => t,
+    };
     let hexstr: String = if t.contains(':') {
         let parts: Vec<&str> = t.split(':').collect();
         if parts.iter().any(|p| p.len() != 2) {
@@ -231,6 +246,13 @@ mod tests {
         let other = [0xABu8; 32];
         let list = format!(" {colon} ,{} ,", hex::encode(other));
         assert_eq!(parse_fingerprints(&list).unwrap(), vec![fp, other]);
+        // As `openssl x509 -noout -fingerprint -sha256` prints it (3.x, 1.1).
+        for printed in [
+            format!("sha256 Fingerprint={colon}"),
+            format!("SHA256 Fingerprint={colon}\n"),
+        ] {
+            assert_eq!(parse_fingerprint(&printed).unwrap(), fp, "{printed}");
+        }
     }
 
     #[test]
@@ -247,6 +269,12 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("two hex digits"));
+        assert!(
+            parse_fingerprint(&format!("sha1 Fingerprint={}", "AB:".repeat(19) + "AB"))
+                .unwrap_err()
+                .to_string()
+                .contains("not a SHA-256 fingerprint")
+        );
         assert!(parse_fingerprints(" , ")
             .unwrap_err()
             .to_string()

@@ -16,11 +16,25 @@ use tracing::subscriber::DefaultGuard;
 use tracing_subscriber::layer::{Context, SubscriberExt};
 use tracing_subscriber::Layer;
 
-/// One captured event: where it came from and its message.
+/// One captured event: where it came from, its level, its message and its
+/// other fields, each as a log line would show it (its `Debug` form, so a
+/// field recorded as `?Some(0)` reads `Some(0)` here as it would there).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Event {
     pub target: String,
+    pub level: tracing::Level,
     pub message: String,
+    pub fields: Vec<(String, String)>,
+}
+
+impl Event {
+    /// The value of field `name`, as the line shows it.
+    pub fn field(&self, name: &str) -> Option<&str> {
+        self.fields
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v.as_str())
+    }
 }
 
 /// Events captured on this thread since [`capture`]; capturing stops when
@@ -72,28 +86,40 @@ struct Recorder {
 
 impl<S: tracing::Subscriber> Layer<S> for Recorder {
     fn on_event(&self, event: &tracing::Event<'_>, _ctx: Context<'_, S>) {
-        let mut message = Message(String::new());
-        event.record(&mut message);
+        let mut fields = Fields::default();
+        event.record(&mut fields);
         self.events.lock().push(Event {
             target: event.metadata().target().to_string(),
-            message: message.0,
+            level: *event.metadata().level(),
+            message: fields.message,
+            fields: fields.others,
         });
     }
 }
 
-/// The `message` field of an event, as written.
-struct Message(String);
+/// The `message` field of an event, as written, and the others.
+#[derive(Default)]
+struct Fields {
+    message: String,
+    others: Vec<(String, String)>,
+}
 
-impl Visit for Message {
+impl Visit for Fields {
     fn record_str(&mut self, field: &Field, value: &str) {
         if field.name() == "message" {
-            self.0 = value.to_string();
+            self.message = value.to_string();
+        } else {
+            self.others
+                .push((field.name().to_string(), value.to_string()));
         }
     }
 
     fn record_debug(&mut self, field: &Field, value: &dyn std::fmt::Debug) {
         if field.name() == "message" {
-            self.0 = format!("{value:?}");
+            self.message = format!("{value:?}");
+        } else {
+            self.others
+                .push((field.name().to_string(), format!("{value:?}")));
         }
     }
 }
@@ -119,8 +145,13 @@ mod tests {
             logs.events().last(),
             Some(&Event {
                 target: "elsewhere".into(),
-                message: "from a task".into()
+                level: tracing::Level::INFO,
+                message: "from a task".into(),
+                fields: Vec::new(),
             })
         );
+        let before = &logs.events()[0];
+        assert_eq!(before.field("n"), Some("1"));
+        assert_eq!(before.level, tracing::Level::DEBUG);
     }
 }

@@ -191,13 +191,17 @@ const CLAIMS: &[Claim] = &[
     Claim {
         page: "observability.md",
         says: "the gRPC status code name: `OK`, `InvalidArgument`, `NotFound`, \
-               `FailedPrecondition`, `Unimplemented`, `Internal`",
+               `FailedPrecondition`, `Aborted`, `Unimplemented`, `Internal`",
         codes: &[],
         proofs: &[
             LabelNames,
             Series {
                 method: "Drain",
                 code: "FailedPrecondition",
+            },
+            Series {
+                method: "Drain",
+                code: "Aborted",
             },
             Series {
                 method: "Get",

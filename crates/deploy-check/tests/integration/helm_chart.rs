@@ -892,6 +892,11 @@ fn schema_rejects_wrong_types_and_values() {
             "/proxmox/templateReplicas",
         ),
         ("tls: {clientIdentity: none}", "/tls/clientIdentity"),
+        // The provider refuses plain HTTP: so does the schema.
+        (
+            "proxmox: {apiURL: \"http://pve1:8006/api2/json\"}",
+            "/proxmox/apiURL",
+        ),
         ("proxmox: {cloneMode: thin}", "/proxmox/cloneMode"),
         ("proxmox: {cloneMode: Linked}", "/proxmox/cloneMode"),
         // The flag's syntax is not the value's: a map, node to storage.

@@ -3,13 +3,16 @@
 //! (rendered, checked against Kubernetes' schemas, and booting the real
 //! binary), the monitoring files, the host setup script, the live metrics,
 //! and the operator docs (their examples, every flag and default they name,
-//! and every gRPC code they state).
+//! every gRPC code they state, the README's commands run, and every log line
+//! troubleshooting quotes).
 
 mod common;
 
 mod chart_boots_binary;
 mod doc_codes;
+mod doc_commands;
 mod doc_flags;
+mod doc_logs;
 mod dockerfile;
 mod docs_examples;
 mod helm_chart;

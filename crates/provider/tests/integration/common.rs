@@ -155,6 +155,52 @@ pub fn run_to_exit(args: &[&str], timeout: Duration) -> Exited {
     }
 }
 
+/// A provider still starting (or refusing to): its stderr as it comes, a
+/// signal, its exit. Killed on drop.
+pub struct Starting {
+    child: Child,
+    pub logs: Arc<Logs>,
+}
+
+impl Starting {
+    /// Runs the binary with exactly `args`, without waiting for anything.
+    pub fn spawn(args: &[&str]) -> Starting {
+        let mut child = Command::new(BIN)
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn bigfleet-proxmox");
+        let logs = Logs::spawn_reader(child.stderr.take().expect("stderr"));
+        Starting { child, logs }
+    }
+
+    #[allow(unsafe_code)] // libc call; see the SAFETY note inside
+    pub fn signal(&self, sig: i32) {
+        // SAFETY: kill(2) on our own child's pid; it is not reaped yet, so the
+        // pid cannot have been reused.
+        let rc = unsafe { libc::kill(self.child.id() as libc::pid_t, sig) };
+        assert_eq!(rc, 0, "kill({sig}) failed");
+    }
+
+    /// Waits for the process to exit on its own.
+    pub fn wait_exit(&mut self, timeout: Duration) -> Option<ExitStatus> {
+        let status = wait_child(&mut self.child, timeout);
+        if status.is_some() {
+            self.logs.wait_closed(Duration::from_secs(5));
+        }
+        status
+    }
+}
+
+impl Drop for Starting {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
 /// A running provider; killed on drop.
 pub struct Provider {
     child: Child,

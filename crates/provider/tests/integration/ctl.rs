@@ -769,3 +769,39 @@ fn reclaim_returns_a_failed_machine_and_refuses_others() {
     // The slot is usable again.
     p.ok(&["create", &id, "--wait", "--poll-interval", "20ms"]);
 }
+
+/// The top-level help's line for `ctl` and `ctl --help` name every
+/// subcommand, `summary` and `reclaim` included.
+#[test]
+fn help_names_every_subcommand() {
+    const SUBCOMMANDS: [&str; 9] = [
+        "list",
+        "summary",
+        "get",
+        "create",
+        "configure",
+        "drain",
+        "delete",
+        "reclaim",
+        "watch",
+    ];
+    let top = Command::new(BIN).arg("--help").output().unwrap();
+    let top = stdout(&top);
+    let ctl_line = top
+        .lines()
+        .find(|l| l.trim_start().starts_with("ctl "))
+        .unwrap_or_else(|| panic!("no ctl line in --help:\n{top}"));
+    let ctl = Command::new(BIN).args(["ctl", "--help"]).output().unwrap();
+    let ctl = stdout(&ctl);
+    for sub in SUBCOMMANDS {
+        assert!(
+            ctl_line.contains(sub),
+            "--help's ctl line lacks {sub}: {ctl_line}"
+        );
+        assert!(
+            ctl.lines()
+                .any(|l| l.trim_start().starts_with(&format!("{sub} "))),
+            "ctl --help lacks {sub}:\n{ctl}"
+        );
+    }
+}

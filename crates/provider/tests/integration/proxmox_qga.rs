@@ -109,6 +109,26 @@ async fn full_lifecycle_with_real_qemu_ga() {
         root.canonicalize().unwrap(),
         "the hook ran inside the scratch dir"
     );
+    // Named after its VM (through qemu-ga, in the simulated guest only),
+    // and every guest command's exit logged as a plain value.
+    let name = sim.vm(vm.vmid).expect("the VM").name;
+    assert_eq!(sim.guest_hostname(vm.vmid).as_deref(), Some(name.as_str()));
+    let log = provider.stderr();
+    for msg in [
+        "hostname command exited",
+        "bootstrap exited",
+        "readiness probe",
+    ] {
+        let line = log
+            .lines()
+            .find(|l| provider_testkit::field(l, "msg").as_deref() == Some(msg))
+            .unwrap_or_else(|| panic!("no {msg:?} line:\n{log}"));
+        assert_eq!(
+            provider_testkit::field(line, "exit_code").as_deref(),
+            Some("0"),
+            "{line}"
+        );
+    }
 
     c.drain(DrainRequest {
         machine_id: id.clone(),

@@ -836,6 +836,64 @@ fn fatal_errors_are_structured_lines_in_the_chosen_format() {
     );
 }
 
+/// A word that is not a level (`warning`) would be a target name to
+/// `EnvFilter` and silence every line: it is refused, exit 2, on stderr.
+#[test]
+fn a_log_level_that_is_not_a_level_is_refused() {
+    for level in ["warning", "info,verbose"] {
+        let (line, stderr) = fatal_line(&[ANY_PORT[0], ANY_PORT[1], "--log-level", level], 2);
+        assert_eq!(
+            provider_testkit::field(&line, "msg").as_deref(),
+            Some("invalid configuration"),
+            "{stderr}"
+        );
+        let error = provider_testkit::field(&line, "error").unwrap_or_default();
+        assert!(error.contains("is not a level"), "{level}: {stderr}");
+    }
+}
+
+/// A Proxmox endpoint that accepts connections but never answers (a
+/// listener nobody reads: the kernel completes the handshakes): start-up
+/// says what it is waiting for, and SIGTERM ends it at once instead of
+/// after the client's retries (about two minutes).
+#[test]
+fn sigterm_ends_a_start_up_waiting_on_a_silent_cluster() {
+    let (_silent, addr) = held_listener();
+    let url = format!("https://{addr}/api2/json");
+    let mut args = vec!["--addr", "127.0.0.1:0", "--metrics-addr", ""];
+    args.extend(real_without("--proxmox-api-url"));
+    args.extend(["--proxmox-api-url", &url]);
+    let mut starting = common::Starting::spawn(&args);
+    let waiting = starting.logs.wait_for(EXIT_DEADLINE, |l| {
+        l.contains("preflight: listing the cluster's nodes")
+    });
+    assert!(
+        waiting.as_deref().is_some_and(|l| l.contains(&url)),
+        "no line names the step and the endpoint:\n{}",
+        starting.logs.text()
+    );
+    let asked = std::time::Instant::now();
+    starting.signal(libc::SIGTERM);
+    let status = starting
+        .wait_exit(EXIT_DEADLINE)
+        .unwrap_or_else(|| panic!("SIGTERM ignored:\n{}", starting.logs.text()));
+    let took = asked.elapsed();
+    assert!(status.success(), "{status:?}:\n{}", starting.logs.text());
+    assert!(
+        took < Duration::from_secs(5),
+        "SIGTERM took {took:?} to end start-up:\n{}",
+        starting.logs.text()
+    );
+    assert!(
+        starting
+            .logs
+            .text()
+            .contains("shutdown requested during start-up"),
+        "{}",
+        starting.logs.text()
+    );
+}
+
 /// Real-backend flags against a running pve-sim, trusting `ca` (a path).
 fn against_sim(sim: &pve_sim::PveSim, url: &str, secret: &str, ca: &str) -> Vec<String> {
     common::pve_flags(sim, url, secret, ca, "pve1,pve2")
@@ -921,6 +979,22 @@ fn bad_clone_mode_and_node_storage_are_refused() {
         &args,
         &["--node-storage \"pve1\" is invalid", "NODE=STORAGE"],
     );
+}
+
+/// `--node-storage` naming a node outside `--nodes` is a configuration
+/// error (exit 2) found before anything binds, not a preflight failure.
+#[test]
+fn node_storage_outside_nodes_is_a_configuration_error() {
+    let mut args = REAL.to_vec();
+    args.extend(["--node-storage", "pve1=local-lvm,pve9=local-lvm"]);
+    fails(
+        &args,
+        &[r#"--node-storage names node "pve9", which is not in --nodes (pve1, pve2)"#],
+    );
+    let mut all = vec!["--addr", "127.0.0.1:0", "--metrics-addr", ""];
+    all.extend_from_slice(&args);
+    let run = run_to_exit(&all, EXIT_DEADLINE);
+    assert_eq!(run.status.code(), Some(2), "{}", run.stderr);
 }
 
 /// `--clone-mode linked` where PVE cannot make linked clones stops start-up

@@ -1,7 +1,10 @@
 //! Work inside the guest through the qemu guest agent: waiting for it,
-//! delivering the bootstrap blob in chunks, running the bootstrap hook, the
-//! readiness probes (with what the last one said) and the drain, each with
-//! exit status and output, and the blob kept out of every quoted output.
+//! naming the guest after its VM (the hostname kubelet registers the node
+//! under) and checking the name took, delivering the bootstrap blob in
+//! chunks, running the bootstrap hook, the readiness probes (with what the
+//! last one said) and the drain, each with exit status and output, and the
+//! blob kept out of every quoted output. Every command run on the node's
+//! behalf gets its node name in [`NODE_NAME_ENV`].
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -13,6 +16,7 @@ use sha2::{Digest, Sha256};
 use tokio::time::Instant;
 
 use super::api::{err, kind_of, Api};
+use super::options::NODE_NAME_ENV;
 use providerkit::ErrorKind;
 
 use crate::redact::{Redactor, REDACTED};
@@ -38,6 +42,16 @@ pub(super) enum ExecError {
          qemu-ga forgets a pid once it has reported its exit, so success cannot be confirmed"
     )]
     Lost { pid: u32, first: String },
+}
+
+/// The guest's hostname, read back after the hostname command, is not its
+/// VM name: kubelet would register the node under the wrong name, and the
+/// readiness and drain commands would act on another machine's node.
+#[derive(Clone, Debug, thiserror::Error)]
+#[error("the guest's hostname is {guest:?}, not its VM name {vm_name:?}")]
+pub(super) struct HostnameMismatch {
+    pub(super) vm_name: String,
+    pub(super) guest: String,
 }
 
 /// The last `OUTPUT_TAIL` bytes of guest output, cut on a character boundary.
@@ -132,6 +146,9 @@ pub(super) struct Guest {
     /// Readiness probes since the last Configure, by VMID: what a readiness
     /// timeout's `last_error` quotes.
     probes: Mutex<HashMap<u32, Probes>>,
+    /// Each VM's name, by VMID: the node name its commands are given. Learnt
+    /// from the status EnsureRunning reads before every Configure and Drain.
+    names: Mutex<HashMap<u32, String>>,
 }
 
 impl Guest {
@@ -139,6 +156,7 @@ impl Guest {
         Guest {
             api,
             probes: Mutex::new(HashMap::new()),
+            names: Mutex::new(HashMap::new()),
         }
     }
 
@@ -147,9 +165,81 @@ impl Guest {
         !self.api.opts.readiness_command.trim().is_empty()
     }
 
-    /// Forgets the probes of `vmid` (Drain and Delete end a Configure's story).
-    pub(super) fn forget(&self, vmid: u32) {
+    /// Forgets the probes of `vmid` (Drain ends a Configure's story).
+    fn forget_probes(&self, vmid: u32) {
         self.probes.lock().remove(&vmid);
+    }
+
+    /// Forgets everything about `vmid` (Delete: the VMID may be reused).
+    pub(super) fn forget(&self, vmid: u32) {
+        self.forget_probes(vmid);
+        self.names.lock().remove(&vmid);
+    }
+
+    /// Records the VM's name as PVE just reported it.
+    pub(super) fn learn_name(&self, vm: &VmRef, name: Option<&str>) {
+        let mut names = self.names.lock();
+        match name.map(str::trim).filter(|n| !n.is_empty()) {
+            Some(n) => names.insert(vm.vmid, n.to_string()),
+            None => names.remove(&vm.vmid),
+        };
+    }
+
+    /// The node name of `vm`: its VM name, as learnt, else read from PVE.
+    async fn node_name(&self, vm: &VmRef) -> Result<String, SubstrateError> {
+        if let Some(n) = self.names.lock().get(&vm.vmid) {
+            return Ok(n.clone());
+        }
+        let st = self.api.managed_status(vm, self.api.deadline()).await?;
+        self.learn_name(vm, st.name.as_deref());
+        self.names.lock().get(&vm.vmid).cloned().ok_or_else(|| {
+            SubstrateError::new(format!(
+                "VM {vm} has no name in Proxmox, and its node is named after it: \
+                 give the VM a name (the provider names its clones bigfleet-<type>-<id>)"
+            ))
+        })
+    }
+
+    /// Names the guest after its VM with `--hostname-command` (skipped when
+    /// empty), then reads the hostname back: a guest still carrying its
+    /// template's name would register as another machine's node.
+    async fn set_hostname(&self, vm: &VmRef, name: &str) -> Result<(), SubstrateError> {
+        let opts = &self.api.opts;
+        let cmd = opts.hostname_command.trim();
+        if !cmd.is_empty() {
+            let what = format!("hostname command `{cmd}`");
+            let st = self
+                .run(vm, &with_node_name(name, cmd), opts.exec_timeout)
+                .await
+                .map_err(|e| exec_err(format!("running the {what} in VM {vm}"), &e))?;
+            tracing::info!(vm = %vm, exit_code = st.exitcode, signal = st.signal, "hostname command exited");
+            exec_outcome(&what, &st).map_err(|e| e.context(format!("VM {vm}")))?;
+        }
+        let read_back = ["/bin/sh".to_string(), "-c".into(), "hostname".into()];
+        let st = self
+            .run(vm, &read_back, opts.exec_timeout)
+            .await
+            .map_err(|e| exec_err(format!("reading the hostname of VM {vm}"), &e))?;
+        exec_outcome("`hostname`", &st).map_err(|e| e.context(format!("VM {vm}")))?;
+        let guest = st.out_data.as_deref().unwrap_or_default().trim();
+        if !guest.eq_ignore_ascii_case(name) {
+            let mismatch = HostnameMismatch {
+                vm_name: name.to_string(),
+                guest: guest.to_string(),
+            };
+            let how = if cmd.is_empty() {
+                "--hostname-command is empty, so the template must name the guest itself".into()
+            } else {
+                format!("the hostname command `{cmd}` did not take")
+            };
+            return Err(SubstrateError::caused_by(
+                ErrorKind::Permanent,
+                format!("VM {vm}: {how}"),
+                mismatch,
+            ));
+        }
+        tracing::info!(vm = %vm, hostname = %name, "guest hostname set");
+        Ok(())
     }
 
     /// Pings the agent until it answers, polling through boot-time failures.
@@ -221,6 +311,8 @@ impl Guest {
         if opts.bootstrap_exec.is_empty() {
             return Err(SubstrateError::new("no bootstrap exec configured"));
         }
+        let name = self.node_name(vm).await?;
+        self.set_hostname(vm, &name).await?;
         let redactor = Redactor::build(blob).await;
         // Only kept while the readiness gate may probe; dropped on failure,
         // on the gate's verdict, and by Drain and Delete.
@@ -238,7 +330,7 @@ impl Guest {
             .bootstrap(vm, &opts.bootstrap_path, blob, &redactor)
             .await;
         if outcome.is_err() {
-            self.forget(vm.vmid);
+            self.forget_probes(vm.vmid);
         }
         outcome
     }
@@ -260,7 +352,7 @@ impl Guest {
             .run(vm, &argv, self.api.opts.exec_timeout)
             .await
             .map_err(|e| exec_err(format!("running the {what} in VM {vm}"), &e))?;
-        tracing::info!(vm = %vm, exit_code = ?st.exitcode, signal = ?st.signal, "bootstrap exited");
+        tracing::info!(vm = %vm, exit_code = st.exitcode, signal = st.signal, "bootstrap exited");
         exec_outcome_with(&what, &st, redactor)
             .map_err(|e| SubstrateError::new(format!("VM {vm}: {e}")))
     }
@@ -338,11 +430,8 @@ impl Guest {
             return Ok(true);
         }
         let opts = &self.api.opts;
-        let argv = vec![
-            "/bin/sh".to_string(),
-            "-c".to_string(),
-            opts.readiness_command.clone(),
-        ];
+        let name = self.node_name(vm).await?;
+        let argv = with_node_name(&name, &opts.readiness_command);
         let outcome = self.run(vm, &argv, opts.readiness_timeout).await;
         let mut probes = self.probes.lock();
         let p = probes.entry(vm.vmid).or_insert_with(|| Probes {
@@ -354,7 +443,7 @@ impl Guest {
         let attempt = p.attempts;
         match outcome {
             Ok(st) => {
-                tracing::info!(vm = %vm, attempt, exit_code = ?st.exitcode, signal = ?st.signal, "readiness probe");
+                tracing::info!(vm = %vm, attempt, exit_code = st.exitcode, signal = st.signal, "readiness probe");
                 match exec_outcome_with("the readiness command", &st, &p.redactor) {
                     Ok(()) => {
                         probes.remove(&vm.vmid);
@@ -388,21 +477,35 @@ impl Guest {
 
     /// Runs the drain command in the guest.
     pub(super) async fn drain(&self, vm: &VmRef, grace: Duration) -> Result<(), SubstrateError> {
-        self.forget(vm.vmid);
+        self.forget_probes(vm.vmid);
         let opts = &self.api.opts;
         if opts.drain_command.trim().is_empty() {
             return Err(SubstrateError::new("no drain command configured"));
         }
+        let name = self.node_name(vm).await?;
         let cmd = drain_command(&opts.drain_command, grace, opts.drain_timeout);
-        tracing::info!(vm = %vm, command = %cmd, "draining");
-        let argv = vec!["/bin/sh".to_string(), "-c".to_string(), cmd];
+        tracing::info!(vm = %vm, node_name = %name, command = %cmd, "draining");
+        let argv = with_node_name(&name, &cmd);
         let st = self
             .run(vm, &argv, opts.drain_timeout + Duration::from_secs(30))
             .await
             .map_err(|e| exec_err(format!("draining VM {vm}"), &e))?;
-        tracing::info!(vm = %vm, exit_code = ?st.exitcode, signal = ?st.signal, "drain command exited");
+        tracing::info!(vm = %vm, exit_code = st.exitcode, signal = st.signal, "drain command exited");
         exec_outcome("drain command", &st).map_err(|e| SubstrateError::new(format!("VM {vm}: {e}")))
     }
+}
+
+/// `cmd` run by `/bin/sh` with the node name in [`NODE_NAME_ENV`]. The
+/// agent's exec takes no environment, so `env` sets it; the command text
+/// stays one argument, as given, with no quoting of the name to get wrong.
+fn with_node_name(name: &str, cmd: &str) -> Vec<String> {
+    vec![
+        "/usr/bin/env".into(),
+        format!("{NODE_NAME_ENV}={name}"),
+        "/bin/sh".into(),
+        "-c".into(),
+        cmd.into(),
+    ]
 }
 
 /// The `i`th part file of a chunked blob: beside the blob, numbered so the

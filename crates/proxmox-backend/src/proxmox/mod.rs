@@ -95,7 +95,10 @@ mod vmid;
 pub use marker::{
     marker_description, owned_by, parse_marker, parse_marker_operation, vm_name, MANAGED_TAG,
 };
-pub use options::{parse_node_storage, parse_vmid_range, CloneMode, PveOptions};
+pub use options::{
+    parse_node_storage, parse_vmid_range, CloneMode, PveOptions, DEFAULT_DRAIN_COMMAND,
+    DEFAULT_HOSTNAME_COMMAND, NODE_NAME_ENV,
+};
 pub use replica::{parse_replica_marker, replica_description, REPLICA_TAG};
 
 /// The real Proxmox substrate.
@@ -549,6 +552,9 @@ impl Substrate for PveSubstrate {
     async fn ensure_running(&self, vm: &VmRef) -> Result<(), SubstrateError> {
         let deadline = self.api.deadline();
         let st = self.api.managed_status(vm, deadline).await?;
+        // Configure and Drain name the node after the VM: learnt here, fresh
+        // on every EnsureRunning that comes before them.
+        self.guest.learn_name(vm, st.name.as_deref());
         self.ensure_running_status(vm, &st, deadline).await
     }
 

@@ -40,6 +40,22 @@ impl std::fmt::Display for CloneMode {
     }
 }
 
+/// The environment variable that carries the machine's node name (its VM
+/// name) into the hostname, readiness and drain commands.
+pub const NODE_NAME_ENV: &str = "BIGFLEET_NODE_NAME";
+
+/// `--hostname-command`'s default: systemd's `hostnamectl` (which also
+/// writes `/etc/hostname`, so the name survives a reboot), else the
+/// `hostname` command for guests without systemd.
+pub const DEFAULT_HOSTNAME_COMMAND: &str =
+    "hostnamectl set-hostname \"$BIGFLEET_NODE_NAME\" || hostname \"$BIGFLEET_NODE_NAME\"";
+
+/// `--drain-command`'s default: the node is named explicitly, not by the
+/// guest's `$(hostname)`, so a guest whose hostname is wrong never drains
+/// another machine's node.
+pub const DEFAULT_DRAIN_COMMAND: &str =
+    "kubectl drain \"$BIGFLEET_NODE_NAME\" --ignore-daemonsets --delete-emptydir-data";
+
 /// Behaviour knobs of [`super::PveSubstrate`].
 #[derive(Clone, Debug)]
 pub struct PveOptions {
@@ -49,6 +65,10 @@ pub struct PveOptions {
     pub bootstrap_path: String,
     /// argv run in the guest; the blob path is appended.
     pub bootstrap_exec: Vec<String>,
+    /// Shell command that sets the guest's hostname to its VM name (in
+    /// `BIGFLEET_NODE_NAME`) before the bootstrap; empty = the template sets
+    /// it itself. Either way the hostname is read back and must match.
+    pub hostname_command: String,
     /// Shell command that succeeds once the node is Ready; empty = no readiness gate.
     pub readiness_command: String,
     /// Shell command draining the node; `--grace-period` and `--timeout` are appended.
@@ -104,9 +124,9 @@ impl Default for PveOptions {
             pool: None,
             bootstrap_path: "/run/bigfleet-bootstrap".into(),
             bootstrap_exec: vec!["/bin/sh".into()],
+            hostname_command: DEFAULT_HOSTNAME_COMMAND.into(),
             readiness_command: String::new(),
-            drain_command:
-                "kubectl drain \"$(hostname)\" --ignore-daemonsets --delete-emptydir-data".into(),
+            drain_command: DEFAULT_DRAIN_COMMAND.into(),
             max_parallel_clones: 2,
             task_timeout: Duration::from_secs(7 * 60),
             agent_timeout: Duration::from_secs(5 * 60),

@@ -225,6 +225,9 @@ impl Preflight<'_> {
         templates: &[u32],
     ) -> Result<Vec<String>, SubstrateError> {
         let url = self.api.client.base_url().to_string();
+        // Each step is logged as it starts: a cluster that does not answer
+        // leaves a pod live but not ready, and its log must say on what.
+        tracing::info!(url = %url, "preflight: listing the cluster's nodes");
         let cluster = self
             .api
             .client
@@ -261,6 +264,12 @@ impl Preflight<'_> {
             Err(_) => 8,
         };
 
+        let wanted: Vec<String> = templates.iter().map(u32::to_string).collect();
+        tracing::info!(
+            url = %url,
+            templates = %wanted.join(","),
+            "preflight: reading the cluster's VMs and the templates"
+        );
         let (list, _) = self.inventory.scan(|_| false).await?;
         let mut storages: BTreeSet<String> = BTreeSet::new();
         // Templates with the host's CD-ROM drive, and its key.
@@ -328,6 +337,7 @@ impl Preflight<'_> {
                 .iter()
                 .map(|s| (format!("/storage/{s}"), ON_STORAGE)),
         );
+        tracing::info!(url = %url, "preflight: checking the API token's privileges");
         let mut held_on_pool = BTreeSet::new();
         let mut sys_modify_on_root = false;
         let mut sys_audit_on_root = false;
@@ -379,6 +389,7 @@ impl Preflight<'_> {
             ));
         }
 
+        tracing::info!(url = %url, "preflight: checking storages and clone placement");
         warnings.extend(
             self.placement
                 .check_placement(nodes, templates, &list)

@@ -1,12 +1,13 @@
 //! proxmox-backend's integration tests, one binary (each file a module):
 //! the real substrate against pve-sim (lifecycle, robustness, late clones,
-//! clone bounds, template replicas, preflight) and the transition detail
+//! clone bounds, template replicas, preflight, the guest's name) and the transition detail
 //! it reports. The fuzz targets and the replica benchmark stay binaries of
 //! their own (`make fuzz` and `make bench-replicas` run them by name).
 
 mod common;
 
 mod configurations;
+mod guest_hostname;
 mod preflight;
 mod proxmox_clone_bound;
 mod proxmox_late_clone;

@@ -27,8 +27,7 @@ fn client_with(sim: &PveSim, ca: Option<Vec<u8>>, pins: Vec<[u8; 32]>) -> PveCli
 
 fn opts() -> PveOptions {
     PveOptions {
-        drain_command: "kubectl drain \"$(hostname)\" --ignore-daemonsets --delete-emptydir-data"
-            .into(),
+        drain_command: proxmox_backend::proxmox::DEFAULT_DRAIN_COMMAND.into(),
         readiness_timeout: Duration::from_secs(10),
         drain_timeout: Duration::from_secs(30),
         ..common::opts_retrying(
@@ -98,9 +97,15 @@ async fn full_lifecycle() {
         .expect("drain");
     let cmd = seen.lock().clone();
     assert_eq!(cmd.len(), 1);
+    // The node is named explicitly, in BIGFLEET_NODE_NAME, by its VM name.
+    let env = format!(
+        "/usr/bin/env BIGFLEET_NODE_NAME={} ",
+        vm_name("pve.small", id)
+    );
     assert!(
-        cmd[0].starts_with("/bin/sh -c kubectl drain")
-            && cmd[0].contains("--grace-period=30")
+        cmd[0].starts_with(&format!(
+            "{env}/bin/sh -c kubectl drain \"$BIGFLEET_NODE_NAME\""
+        )) && cmd[0].contains("--grace-period=30")
             && cmd[0].contains("--timeout=30s"),
         "{cmd:?}"
     );
@@ -155,9 +160,10 @@ async fn large_blob_is_chunked_and_verified() {
         blob
     );
     // 150 000 bytes = 5 chunks: 5 file-writes, then 1 exec that joins the
-    // parts and prints the checksum, and 1 for the hook.
+    // parts and prints the checksum, and 1 for the hook; before them, 2 that
+    // name the guest and read its name back.
     assert_eq!(sim.call_count(endpoints::AGENT_FILE_WRITE), 5);
-    assert_eq!(sim.call_count(endpoints::AGENT_EXEC), 2);
+    assert_eq!(sim.call_count(endpoints::AGENT_EXEC), 4);
     for i in 1..5 {
         assert!(
             sim.read_guest_file(vm.vmid, &format!("/run/bigfleet-bootstrap.part{i}"))

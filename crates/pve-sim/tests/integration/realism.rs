@@ -486,6 +486,23 @@ async fn agent_info_osinfo_and_interfaces() {
     assert_eq!(eth0["ip-addresses"][0]["ip-address"], "10.99.1.44");
     let r = api.get("/nodes/pve1/qemu/300/agent/get-osinfo", &[]).await;
     assert_eq!(r.data()["result"]["id"], "debian");
+    // The modelled hostname: the template image's until a guest command
+    // renames the guest, then the new one; never the machine's own.
+    let r = api
+        .get("/nodes/pve1/qemu/300/agent/get-host-name", &[])
+        .await;
+    assert_eq!(r.data()["result"]["host-name"], pve_sim::TEMPLATE_HOSTNAME);
+    let st = api
+        .run(300, &["hostnamectl", "set-hostname", "web-1"])
+        .await;
+    assert_eq!(st["exitcode"], 0, "{st}");
+    let st = api.run(300, &["/bin/sh", "-c", "hostname"]).await;
+    assert_eq!(st["out-data"], "web-1\n", "{st}");
+    let r = api
+        .get("/nodes/pve1/qemu/300/agent/get-host-name", &[])
+        .await;
+    assert_eq!(r.data()["result"]["host-name"], "web-1");
+    assert_eq!(sim.guest_hostname(300).as_deref(), Some("web-1"));
     let r = api.get("/nodes/pve1/qemu/300/agent/info", &[]).await;
     assert!(r.data()["result"]["supported_commands"]
         .as_array()

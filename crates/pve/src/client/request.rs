@@ -40,7 +40,20 @@ impl PveClient {
                 Ok(v) => break Ok(v),
                 Err(e) if attempts < self.inner.retry.max_attempts && retryable(&method, &e) => {
                     let wait = self.inner.retry.backoff(attempts);
-                    tracing::debug!(op, %method, attempt = attempts, backoff_ms = wait.as_millis() as u64, error = %e, "retrying PVE call");
+                    // INFO: a call that keeps failing (an endpoint that
+                    // accepts connections but never answers) must say what
+                    // it waits for, where, and when it tries again.
+                    tracing::info!(
+                        op,
+                        %method,
+                        path,
+                        url = %self.base_url(),
+                        attempt = attempts,
+                        max_attempts = self.inner.retry.max_attempts,
+                        next_try_in_ms = wait.as_millis() as u64,
+                        error = %e,
+                        "retrying PVE call"
+                    );
                     tokio::time::sleep(wait).await;
                 }
                 Err(e) => break Err(e),
