@@ -153,6 +153,7 @@ const PVE8_PRIVS: &[&str] = &[
     "VM.Audit",
     "VM.Clone",
     "VM.Config.CPU",
+    "VM.Config.Disk",
     "VM.Config.Memory",
     "VM.Config.Options",
     "VM.Migrate",
