@@ -54,30 +54,33 @@ pub(super) struct Layout {
 /// not see.
 pub(super) type NodeStorages = HashMap<String, StorageStatus>;
 
+/// Whether storage `id` is shared as `storages` (one node's) list it; one
+/// the token cannot see counts as local (see [`Layout::shared`]).
+fn is_shared(storages: &NodeStorages, id: &str) -> bool {
+    storages.get(id).is_some_and(|st| st.shared)
+}
+
 impl Layout {
     /// Whether every disk is on shared storage, by the template node's
     /// storages (one the token cannot see counts as local: staging a replica
     /// of a shared template is wasteful, cloning a local one to another node
     /// fails).
     pub(super) fn shared(&self, storages: &NodeStorages) -> bool {
-        let shared = |s: &str| storages.get(s).is_some_and(|st| st.shared);
-        self.disks.iter().all(|(s, _)| shared(s))
+        self.disks.iter().all(|(s, _)| is_shared(storages, s))
             && self
                 .cdroms
                 .iter()
                 .filter_map(pve::Cdrom::storage)
-                .all(shared)
+                .all(|s| is_shared(storages, s))
     }
 
     /// A CD-ROM image on storage local to the template's node (not a
     /// cloud-init drive, which PVE regenerates): no copy of the template
     /// can leave the node with it (`local cdrom image`).
     pub(super) fn local_iso(&self, storages: &NodeStorages) -> Option<&pve::Cdrom> {
-        self.cdroms.iter().find(|c| {
-            !c.is_cloudinit()
-                && c.storage()
-                    .is_some_and(|s| !storages.get(s).is_some_and(|st| st.shared))
-        })
+        self.cdroms
+            .iter()
+            .find(|c| !c.is_cloudinit() && c.storage().is_some_and(|s| !is_shared(storages, s)))
     }
 
     /// Bytes the disks need, by the storage they land on.
@@ -184,7 +187,7 @@ impl Placement {
             return Ok(false);
         };
         let storages = self.node_storages(node, deadline).await?;
-        Ok(!storages.get(storage).is_some_and(|st| st.shared))
+        Ok(!is_shared(&storages, storage))
     }
 
     /// Every storage a full clone on `node` may be given: the instance
@@ -550,7 +553,7 @@ impl Placement {
                 .flatten();
             let local_dest = dest
                 .as_deref()
-                .filter(|d| !seen.and_then(|m| m.get(*d)).is_some_and(|st| st.shared));
+                .filter(|d| !seen.is_some_and(|m| is_shared(m, d)));
             if shared {
                 if let (Some(d), false) = (local_dest, self.api.opts.template_replicas) {
                     return Err(SubstrateError::new(format!(
@@ -599,7 +602,7 @@ impl Placement {
 /// `from` to one of type `to` (pve-storage: the two must share an
 /// export/import format; LVM and LVM-thin import raw block data only, which
 /// file-based storages cannot send once a disk is qcow2).
-pub(super) fn migration_compatible(from: &str, to: &str) -> bool {
+fn migration_compatible(from: &str, to: &str) -> bool {
     let file_based =
         |k: &str| matches!(k, "dir" | "nfs" | "cifs" | "glusterfs" | "cephfs" | "btrfs");
     let block_lvm = |k: &str| matches!(k, "lvm" | "lvmthin");

@@ -204,7 +204,7 @@ impl Replicas {
             // locked template fails), and then reads the digest again.
             self.learn_replicas(node, template_node, list, deadline)
                 .await?;
-            if let Some(vmid) = self.newest_replica(source, node) {
+            if let Some(vmid) = self.newest_replica(source, node, None) {
                 tracing::debug!(template = source, node, replica = vmid, lock = %lock,
                     "template locked; cloning from the copy staged before");
                 let layout = self
@@ -234,7 +234,7 @@ impl Replicas {
             .await?;
         self.learn_replicas(node, template_node, list, deadline)
             .await?;
-        if let Some(vmid) = self.fresh_replica(source, node, &digest) {
+        if let Some(vmid) = self.newest_replica(source, node, Some(&digest)) {
             return Ok((vmid, layout));
         }
         let flight = Arc::clone(
@@ -252,7 +252,7 @@ impl Replicas {
             }
         }
         // A staging that ended before this Create listed the cluster.
-        if let Some(vmid) = self.fresh_replica(source, node, &digest) {
+        if let Some(vmid) = self.newest_replica(source, node, Some(&digest)) {
             return Ok((vmid, layout));
         }
         let outcome = self
@@ -344,27 +344,15 @@ impl Replicas {
         self.known.lock().remove(&vmid);
     }
 
-    /// The newest converted replica of `source` on `node` made at `digest`.
-    fn fresh_replica(&self, source: u32, node: &str, digest: &str) -> Option<u32> {
+    /// The newest converted replica of `source` on `node` made at `digest`;
+    /// with `None`, whatever digest it was staged at.
+    fn newest_replica(&self, source: u32, node: &str, digest: Option<&str>) -> Option<u32> {
         self.known
             .lock()
             .iter()
             .filter_map(|(vmid, i)| i.as_ref().map(|i| (*vmid, i)))
             .filter(|(_, i)| i.node == node && i.target == node && i.source == source)
-            .filter(|(_, i)| i.template && i.digest == digest)
-            .map(|(vmid, _)| vmid)
-            .max()
-    }
-
-    /// The newest converted replica of `source` on `node`, whatever digest
-    /// it was staged at.
-    fn newest_replica(&self, source: u32, node: &str) -> Option<u32> {
-        self.known
-            .lock()
-            .iter()
-            .filter_map(|(vmid, i)| i.as_ref().map(|i| (*vmid, i)))
-            .filter(|(_, i)| i.node == node && i.target == node && i.source == source)
-            .filter(|(_, i)| i.template)
+            .filter(|(_, i)| i.template && digest.is_none_or(|d| i.digest == d))
             .map(|(vmid, _)| vmid)
             .max()
     }
@@ -633,7 +621,11 @@ impl Replicas {
                 }
                 Err(e) if e.may_have_been_applied_post() => {
                     tracing::warn!(vm = %vm, error = %e, "the answer to the migration request was lost; reading where the VM is");
-                    match self.settled_node(vm, node, deadline).await {
+                    match self
+                        .settled(vm.vmid, &[node, vm.node.as_str()], deadline)
+                        .await
+                        .map(|(n, _)| n)
+                    {
                         Some(n) if n == node => break,
                         // Still on the source and unlocked: not applied.
                         Some(_) if Instant::now() < deadline => {}
@@ -661,7 +653,11 @@ impl Replicas {
                         node: node.to_string(),
                         vmid: vm.vmid,
                     };
-                    match self.settled_template(&here, deadline).await {
+                    match self
+                        .settled(here.vmid, &[here.node.as_str()], deadline)
+                        .await
+                        .map(|(_, cfg)| cfg.template.unwrap_or(false))
+                    {
                         Some(true) => break,
                         Some(false) if Instant::now() < deadline => continue,
                         _ => return Err(fail(Step::Convert)(e)),
@@ -684,36 +680,25 @@ impl Replicas {
         Ok(())
     }
 
-    /// Where VM `vm` (on `vm.node` before a migration to `target`) is once
-    /// no migration holds it: `Some(node)`, or `None` when neither node
-    /// shows it unlocked within the task timeout.
-    async fn settled_node(&self, vm: &VmRef, target: &str, deadline: Instant) -> Option<String> {
+    /// The first of `nodes` where VM `vmid`'s config reads with no lock on
+    /// it, with that config: polled until the task timeout (or `deadline`),
+    /// `None` when no node shows it unlocked by then. How a POST whose
+    /// answer was lost is resolved: by reading what it left, not by posting
+    /// again.
+    async fn settled(
+        &self,
+        vmid: u32,
+        nodes: &[&str],
+        deadline: Instant,
+    ) -> Option<(String, pve::VmConfig)> {
         let until = deadline.min(Instant::now() + self.api.opts.task_timeout);
         loop {
-            for n in [target, vm.node.as_str()] {
-                let mut call = || self.api.client.get_config(n, vm.vmid);
+            for &n in nodes {
+                let mut call = || self.api.client.get_config(n, vmid);
                 if let Ok(cfg) = self.api.retry_raw(Some(n), until, &mut call).await {
                     if cfg.lock.is_none() {
-                        return Some(n.to_string());
+                        return Some((n.to_string(), cfg));
                     }
-                }
-            }
-            if Instant::now() >= until {
-                return None;
-            }
-            tokio::time::sleep(self.api.opts.poll_interval).await;
-        }
-    }
-
-    /// Whether VM `vm` is a template once no lock holds it; `None` when it
-    /// cannot be read unlocked within the task timeout.
-    async fn settled_template(&self, vm: &VmRef, deadline: Instant) -> Option<bool> {
-        let until = deadline.min(Instant::now() + self.api.opts.task_timeout);
-        loop {
-            let mut call = || self.api.client.get_config(&vm.node, vm.vmid);
-            if let Ok(cfg) = self.api.retry_raw(Some(&vm.node), until, &mut call).await {
-                if cfg.lock.is_none() {
-                    return Some(cfg.template.unwrap_or(false));
                 }
             }
             if Instant::now() >= until {
