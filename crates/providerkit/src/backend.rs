@@ -140,6 +140,11 @@ pub struct CreateCtx {
     pub operation_id: String,
     pub instance_type: String,
     pub zone: String,
+    /// This Create continues one a provider restart interrupted: the
+    /// earlier attempt may have left a partial result on the substrate (a
+    /// clone still running, a VM not yet marked) that must be found and
+    /// adopted, never duplicated.
+    pub resumed: bool,
 }
 
 #[derive(Clone)]

@@ -27,6 +27,10 @@ pub enum KitError {
     Conflict(#[source] TransitionError),
     #[error("state store: {0}")]
     Store(#[source] StoreError),
+    /// A mutation that arrived after shutdown began: another replica, or
+    /// this one after its restart, takes it.
+    #[error("{0}")]
+    ShuttingDown(String),
 }
 
 impl KitError {
@@ -38,6 +42,7 @@ impl KitError {
             KitError::Unimplemented(_) => Code::Unimplemented,
             KitError::Conflict(_) => Code::Aborted,
             KitError::Store(_) => Code::Unavailable,
+            KitError::ShuttingDown(_) => Code::Unavailable,
         }
     }
 }

@@ -26,14 +26,15 @@ pub use backend::{
 pub use engine::Mutants;
 pub use engine::{
     Ack, Census, Engine, EngineOptions, Limits, ListPage, ReclaimError, ReclaimHandle,
-    ReclaimOutcome, ReclaimSweeper, ReconcileError, ReconcileReport, StartError, Timeouts,
+    ReclaimOutcome, ReclaimSweeper, ReconcileError, ReconcileReport, ResumeOutcome, StartError,
+    Timeouts,
 };
 pub use error::KitError;
 pub use fence::Token;
 pub use listen::{bind_aux, AuxAddr, AuxListener, BindError};
 pub use model::{
-    CatalogFacts, Facts, FactsInterner, MachineRecord, RecordError, SharedFacts, State,
-    TransitionError, TransitionKind,
+    wall_clock_ms, CatalogFacts, Facts, FactsInterner, InFlight, MachineRecord, RecordError,
+    SharedFacts, State, TransitionError, TransitionKind,
 };
 pub use store::{
     Change, FenceMark, Loaded, MemoryStore, Store, StoreError, StoreErrorKind, StoreErrorSource,

@@ -3,7 +3,7 @@
 
 use std::path::Path;
 
-use providerkit::{FactsInterner, FenceMark, MachineRecord, StoreError};
+use providerkit::{FactsInterner, FenceMark, InFlight, MachineRecord, StoreError};
 
 use crate::error::{invalid, sql_error};
 
@@ -24,6 +24,7 @@ struct RawRow {
     id: std::ops::Range<usize>,
     record: std::ops::Range<usize>,
     ops: [Option<std::ops::Range<usize>>; 4],
+    in_flight: Option<InFlight>,
 }
 
 impl RawChunk {
@@ -61,11 +62,31 @@ impl RawChunk {
                 Err(e) => return Err(bad(self, "operation id", e)),
             }
         }
+        let ms = |i: usize| -> rusqlite::Result<Option<u64>> {
+            Ok(row
+                .get::<_, Option<i64>>(i)?
+                .map(|v| u64::try_from(v).unwrap_or(0)))
+        };
+        let window = (|| -> rusqlite::Result<Option<InFlight>> {
+            Ok(match (ms(7)?, ms(8)?, ms(9)?) {
+                (Some(started_ms), Some(deadline_ms), grace) => Some(InFlight {
+                    started_ms,
+                    deadline_ms,
+                    grace_ms: grace.unwrap_or(0),
+                }),
+                _ => None,
+            })
+        })();
+        let in_flight = match window {
+            Ok(window) => window,
+            Err(e) => return Err(bad(self, "transition window", e)),
+        };
         self.rows.push(RawRow {
             rev,
             id,
             record,
             ops,
+            in_flight,
         });
         Ok(())
     }
@@ -88,7 +109,7 @@ impl RawChunk {
                 row.ops[2].as_ref().map(text),
                 row.ops[3].as_ref().map(text),
             ];
-            let record =
+            let mut record =
                 MachineRecord::decode_wire(&self.bytes[row.record.clone()], row.rev, ops, interner)
                     .map_err(|e| {
                         invalid(
@@ -107,6 +128,7 @@ impl RawChunk {
                     ),
                 ));
             }
+            record.in_flight = row.in_flight;
             out.push(record);
         }
         Ok(())
@@ -122,7 +144,8 @@ pub(crate) fn load_machines(
 ) -> Result<Vec<MachineRecord>, StoreError> {
     let mut stmt = tx
         .prepare(
-            "SELECT id, rev, record, op_create, op_configure, op_drain, op_delete FROM machines",
+            "SELECT id, rev, record, op_create, op_configure, op_drain, op_delete, \
+             started_ms, deadline_ms, grace_ms FROM machines",
         )
         .map_err(|e| sql_error(path, "cannot read machines", e))?;
     let mut rows = stmt

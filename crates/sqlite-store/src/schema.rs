@@ -15,7 +15,7 @@ use rusqlite::{Connection, OpenFlags, TransactionBehavior};
 use crate::error::{invalid, io_error, parent_dir, sql_error, NOT_A_STATE_FIX};
 
 /// The schema this build writes. Older files are migrated forward on open.
-pub const SCHEMA_VERSION: i64 = 1;
+pub const SCHEMA_VERSION: i64 = 2;
 
 /// `MIGRATIONS[n]` takes a database from schema `n` to `n + 1`.
 const MIGRATIONS: &[&str] = &[
@@ -42,6 +42,12 @@ const MIGRATIONS: &[&str] = &[
          sequence INTEGER NOT NULL,
          PRIMARY KEY (shard_id, machine_id)
      ) WITHOUT ROWID;",
+    // 1 -> 2: each transition's window (start, deadline, a Drain's grace),
+    // in wall-clock milliseconds, so a restart resumes it. NULL outside a
+    // transition, and on rows written before: those are not resumed.
+    "ALTER TABLE machines ADD COLUMN started_ms INTEGER;
+     ALTER TABLE machines ADD COLUMN deadline_ms INTEGER;
+     ALTER TABLE machines ADD COLUMN grace_ms INTEGER;",
 ];
 
 /// The first 16 bytes of every SQLite database file.

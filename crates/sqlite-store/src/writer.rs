@@ -18,11 +18,14 @@ use tokio::sync::watch;
 use crate::error::sql_error;
 
 const UPSERT_MACHINE: &str = "INSERT INTO machines
-     (id, rev, record, op_create, op_configure, op_drain, op_delete)
-     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)
+     (id, rev, record, op_create, op_configure, op_drain, op_delete,
+      started_ms, deadline_ms, grace_ms)
+     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)
      ON CONFLICT (id) DO UPDATE SET rev = excluded.rev, record = excluded.record,
          op_create = excluded.op_create, op_configure = excluded.op_configure,
-         op_drain = excluded.op_drain, op_delete = excluded.op_delete";
+         op_drain = excluded.op_drain, op_delete = excluded.op_delete,
+         started_ms = excluded.started_ms, deadline_ms = excluded.deadline_ms,
+         grace_ms = excluded.grace_ms";
 
 const UPSERT_FENCE: &str = "INSERT INTO fences (shard_id, machine_id, epoch, sequence)
      VALUES (?1, ?2, ?3, ?4)
@@ -202,6 +205,9 @@ fn write_batch(conn: &mut Connection, batch: &Batch) -> rusqlite::Result<()> {
         let mut put = tx.prepare_cached(UPSERT_MACHINE)?;
         for record in batch.machines.values() {
             let [create, configure, drain, delete] = &record.ops;
+            // SQLite integers are signed; a window past i64 is never real.
+            let ms = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
+            let window = record.in_flight.as_ref();
             put.execute(rusqlite::params![
                 record.id,
                 record.rev,
@@ -210,6 +216,9 @@ fn write_batch(conn: &mut Connection, batch: &Batch) -> rusqlite::Result<()> {
                 configure,
                 drain,
                 delete,
+                window.map(|w| ms(w.started_ms)),
+                window.map(|w| ms(w.deadline_ms)),
+                window.map(|w| ms(w.grace_ms)),
             ])?;
         }
         let mut put = tx.prepare_cached(UPSERT_FENCE)?;

@@ -11,7 +11,7 @@ use super::{Ack, Engine, Inner, Params, Work};
 use crate::backend::{ConfigureCtx, CreateCtx, DeleteCtx, DrainCtx};
 use crate::error::KitError;
 use crate::fence::Token;
-use crate::model::{Begin, State, TransitionKind};
+use crate::model::{Begin, InFlight, State, TransitionKind};
 use crate::store::{Change, FenceMark};
 
 impl Engine {
@@ -94,6 +94,14 @@ impl Engine {
         params: Params,
     ) -> Result<Ack, KitError> {
         self.validate(id, &token, &params)?;
+        if self.is_stopping() {
+            return Err(KitError::ShuttingDown(format!(
+                "the provider is shutting down; {} of machine {} was not accepted: retry it \
+                 (another replica, or this one once restarted, answers)",
+                params.kind().name(),
+                echo_prefix(id)
+            )));
+        }
         let kind = params.kind();
         let mut work = None;
         let (result, ticket) = {
@@ -104,8 +112,15 @@ impl Engine {
         };
         if let Some(work) = work {
             let engine = Arc::clone(self);
-            let deadline = Instant::now() + self.opts.timeouts.for_kind(kind);
-            tokio::spawn(async move { engine.run(kind, work, ticket, deadline).await });
+            let limit = self.opts.timeouts.for_kind(kind);
+            let attempt = super::worker::Attempt {
+                kind,
+                deadline: Instant::now() + limit,
+                limit,
+                resumed: false,
+            };
+            let guard = self.in_flight.enter();
+            tokio::spawn(async move { engine.run(attempt, work, ticket, guard).await });
         }
         self.store.durable(ticket).await.map_err(KitError::Store)?;
         result
@@ -224,9 +239,20 @@ impl Engine {
             Params::Drain { .. } => Begin::Drain,
             Params::Delete => Begin::Delete,
         };
-        let record = record
+        let mut record = record
             .begin(begin, || self.mint_operation_id(), inner.next_rev())
             .map_err(|e| self.out_of_position(e))?;
+        let grace = match &params {
+            Params::Drain { grace } => *grace,
+            _ => std::time::Duration::ZERO,
+        };
+        // Stored with the acceptance, so a restart resumes the transition
+        // under the deadline it has now.
+        record.in_flight = Some(InFlight::starting(
+            super::resume::now_ms(),
+            self.opts.timeouts.for_kind(kind),
+            grace,
+        ));
         let op = record.op(kind).unwrap_or_default().to_string();
         let host_ref = record
             .host
@@ -239,6 +265,7 @@ impl Engine {
                 operation_id: op.clone(),
                 instance_type: record.facts.instance_type.clone(),
                 zone: record.facts.zone.clone(),
+                resumed: false,
             }),
             Params::Configure {
                 cluster_id,

@@ -29,6 +29,7 @@ mod list;
 mod mutants;
 mod options;
 mod reclaim;
+mod resume;
 mod worker;
 
 pub use list::ListPage;
@@ -36,6 +37,7 @@ pub use list::ListPage;
 pub use options::Mutants;
 pub use options::{echo_prefix, EngineOptions, Limits, Timeouts, ECHO_PREFIX_CHARS};
 pub use reclaim::{Census, ReclaimError, ReclaimHandle, ReclaimOutcome, ReclaimSweeper};
+pub use resume::ResumeOutcome;
 
 const INVENTORY_BATCH: usize = 2048;
 
@@ -88,8 +90,25 @@ impl Params {
 enum Work {
     Create(CreateCtx),
     Configure(ConfigureCtx),
+    /// A Configure resumed after a restart: its blob was never stored, so
+    /// all that is left is to wait for the node to report ready.
+    AwaitReady(ConfigureCtx),
     Drain(DrainCtx),
     Delete(DeleteCtx),
+}
+
+impl Work {
+    /// The machine and operation the work is for.
+    fn ids(&self) -> (String, String) {
+        match self {
+            Work::Create(c) => (c.machine_id.clone(), c.operation_id.clone()),
+            Work::Configure(c) | Work::AwaitReady(c) => {
+                (c.machine_id.clone(), c.operation_id.clone())
+            }
+            Work::Drain(c) => (c.machine_id.clone(), c.operation_id.clone()),
+            Work::Delete(c) => (c.machine_id.clone(), c.operation_id.clone()),
+        }
+    }
 }
 
 enum Outcome {
@@ -173,12 +192,33 @@ pub struct Engine {
     /// One reclaim at a time: it is a rare operator action, and serialising
     /// it means two reclaims never destroy the same machine's hosts at once.
     reclaims: tokio::sync::Mutex<()>,
+    /// Transitions found in flight at load time, until [`Engine::resume`].
+    pending_resumes: parking_lot::Mutex<Vec<resume::Pending>>,
+    resumed: resume::ResumeCounters,
+    in_flight: Arc<resume::InFlightCount>,
+    /// Set when shutdown begins: mutations are refused from then on.
+    stopping: std::sync::atomic::AtomicBool,
 }
 
 impl Engine {
-    /// Load the store, turn interrupted transitions into FAILED, merge the
-    /// substrate's inventory, and make all of it durable.
+    /// [`Engine::load`], then [`Engine::resume`]: the engine with every
+    /// transition the previous process left in flight running again.
     pub async fn start(
+        backend: Arc<dyn Backend>,
+        store: Arc<dyn Store>,
+        opts: EngineOptions,
+    ) -> Result<Arc<Engine>, StartError> {
+        let engine = Engine::load(backend, store, opts).await?;
+        engine.resume();
+        Ok(engine)
+    }
+
+    /// Load the store, merge the substrate's inventory, and make all of it
+    /// durable. A transition found in flight stays as stored, to continue
+    /// at [`Engine::resume`], unless it cannot continue (its deadline has
+    /// passed, or a Configure has no readiness check to finish it): then it
+    /// is FAILED, saying why.
+    pub async fn load(
         backend: Arc<dyn Backend>,
         store: Arc<dyn Store>,
         opts: EngineOptions,
@@ -186,14 +226,29 @@ impl Engine {
         let loaded = store.load().map_err(StartError::Store)?;
         let mut inner = Inner::default();
         let mut recovered = Vec::new();
+        let mut pending = Vec::new();
+        let counters = resume::ResumeCounters::default();
+        let now_ms = resume::now_ms();
+        let readiness = backend.supports_readiness();
         for record in loaded.machines {
-            let record = match record.interrupted() {
-                Ok(failed) => {
+            let record = match resume::on_load(&record, now_ms, readiness) {
+                Some(resume::Found::End(failed, outcome)) => {
+                    counters.add(
+                        record
+                            .state()
+                            .transition()
+                            .unwrap_or(TransitionKind::Create),
+                        outcome,
+                    );
                     recovered.push(failed.id.clone());
                     failed
                 }
+                Some(resume::Found::Resume(p)) => {
+                    pending.push(p);
+                    record
+                }
                 // Not in a transition: loaded as stored.
-                Err(_) => record,
+                None => record,
             };
             inner.insert(record);
         }
@@ -220,6 +275,10 @@ impl Engine {
             list_head: AtomicU64::new(0),
             supports_delete,
             reclaims: tokio::sync::Mutex::new(()),
+            pending_resumes: parking_lot::Mutex::new(pending),
+            resumed: counters,
+            in_flight: Arc::default(),
+            stopping: std::sync::atomic::AtomicBool::new(false),
         });
         // Interrupted transitions get a fresh revision so delta readers see them.
         let ticket = {

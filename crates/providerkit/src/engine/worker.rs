@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
+use super::resume::{InFlightGuard, ResumeOutcome};
 use super::{Engine, Outcome, Work};
 use crate::backend::BackendError;
 use crate::model::{State, TransitionKind};
@@ -47,23 +48,35 @@ fn readiness_suffix(detail: Option<&str>) -> String {
     })
 }
 
+/// One run of a transition's substrate work.
+pub(super) struct Attempt {
+    pub(super) kind: TransitionKind,
+    pub(super) deadline: Instant,
+    /// The transition's whole time limit (a resumed one's original window).
+    pub(super) limit: Duration,
+    /// Continues a transition a restart interrupted (counted on landing).
+    pub(super) resumed: bool,
+}
+
 impl Engine {
-    /// The background half of a transition.
+    /// The background half of a transition. `_running` counts it as in
+    /// flight until it has landed (a graceful shutdown waits on it).
     pub(super) async fn run(
         self: Arc<Self>,
-        kind: TransitionKind,
+        attempt: Attempt,
         work: Work,
         ticket: Ticket,
-        deadline: Instant,
+        _running: InFlightGuard,
     ) {
-        let (machine_id, operation_id) = match &work {
-            Work::Create(c) => (c.machine_id.clone(), c.operation_id.clone()),
-            Work::Configure(c) => (c.machine_id.clone(), c.operation_id.clone()),
-            Work::Drain(c) => (c.machine_id.clone(), c.operation_id.clone()),
-            Work::Delete(c) => (c.machine_id.clone(), c.operation_id.clone()),
-        };
+        let Attempt {
+            kind,
+            deadline,
+            limit,
+            resumed,
+        } = attempt;
+        let (machine_id, operation_id) = work.ids();
         let configuring = match &work {
-            Work::Configure(c) => Some(c.host_ref.clone()),
+            Work::Configure(c) | Work::AwaitReady(c) => Some(c.host_ref.clone()),
             _ => None,
         };
         // Never touch the substrate for a transition that is not durable.
@@ -74,7 +87,7 @@ impl Engine {
                 Ok(Err(source)) => Err(TransitionFailure::Backend(source)),
                 Err(_) => Err(TransitionFailure::TimedOut {
                     kind,
-                    limit: self.opts.timeouts.for_kind(kind),
+                    limit,
                     // Timed out in the readiness gate: say what the probe said.
                     readiness: configuring
                         .as_deref()
@@ -82,7 +95,16 @@ impl Engine {
                 }),
             },
         };
-        self.land(kind, &machine_id, &operation_id, outcome).await;
+        let succeeded = outcome.is_ok();
+        let landed = self.land(kind, &machine_id, &operation_id, outcome).await;
+        if resumed && landed {
+            let counted = if succeeded {
+                ResumeOutcome::Landed
+            } else {
+                ResumeOutcome::Failed
+            };
+            self.resumed.add(kind, counted);
+        }
     }
 
     pub(super) async fn execute(&self, work: Work) -> Result<Outcome, BackendError> {
@@ -97,24 +119,30 @@ impl Engine {
                 }
                 Ok(Outcome::Done)
             }
+            Work::AwaitReady(ctx) => {
+                while !self.backend.node_ready(&ctx).await? {
+                    tokio::time::sleep(self.opts.timeouts.readiness_poll).await;
+                }
+                Ok(Outcome::Done)
+            }
             Work::Drain(ctx) => self.backend.drain(ctx).await.map(|()| Outcome::Done),
             Work::Delete(ctx) => self.backend.delete(ctx).await.map(|()| Outcome::Done),
         }
     }
 
     /// Land an outcome, unless the transition is no longer the current one
-    /// (a late completion after a timeout is discarded).
+    /// (a late completion after a timeout is discarded). True when landed.
     pub(super) async fn land(
         &self,
         kind: TransitionKind,
         id: &str,
         operation_id: &str,
         outcome: Result<Outcome, TransitionFailure>,
-    ) {
+    ) -> bool {
         let ticket = {
             let mut inner = self.inner.write();
             let Some(&slot) = inner.index.get(id) else {
-                return;
+                return false;
             };
             let record = &inner.machines[slot];
             let rev = inner.next_rev();
@@ -132,7 +160,7 @@ impl Engine {
                 Ok(next) => next,
                 Err(_) => {
                     tracing::info!(machine_id = %id, operation_id, "late completion discarded");
-                    return;
+                    return false;
                 }
             };
             if next.state() == State::Failed {
@@ -146,6 +174,7 @@ impl Engine {
         if let Err(e) = self.store.durable(ticket).await {
             tracing::error!(machine_id = %id, error = %e, "could not persist transition outcome");
         }
+        true
     }
 }
 

@@ -9,6 +9,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::time::Duration;
 
 use bigfleet_proto::raw::{EncodedMachine, RawMessage};
 use bigfleet_proto::v1alpha1 as pb;
@@ -307,6 +308,58 @@ pub struct MachineRecord {
     pub rev: u64,
     /// Idempotency map: the operation id on record per transition kind.
     pub ops: [Option<String>; 4],
+    /// The current transition's window, kept with the record so that a
+    /// restart resumes the transition under its original deadline; None
+    /// outside a transition (and on a record stored before windows were).
+    pub in_flight: Option<InFlight>,
+}
+
+/// When a transition started and when it must have landed, in wall-clock
+/// milliseconds since the Unix epoch: a deadline that outlives the process
+/// has to be a wall-clock one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct InFlight {
+    pub started_ms: u64,
+    pub deadline_ms: u64,
+    /// A Drain's grace period as the shard asked for it (a resumed Drain
+    /// runs again with it); 0 for the other transitions.
+    pub grace_ms: u64,
+}
+
+impl InFlight {
+    /// A window of `limit` from `now_ms`.
+    pub fn starting(now_ms: u64, limit: Duration, grace: Duration) -> InFlight {
+        InFlight {
+            started_ms: now_ms,
+            deadline_ms: now_ms.saturating_add(duration_ms(limit)),
+            grace_ms: duration_ms(grace),
+        }
+    }
+
+    /// The whole window: the transition's time limit when it began.
+    pub fn limit(&self) -> Duration {
+        Duration::from_millis(self.deadline_ms.saturating_sub(self.started_ms))
+    }
+
+    /// What is left of the window at `now_ms` (zero once it has passed).
+    pub fn remaining(&self, now_ms: u64) -> Duration {
+        Duration::from_millis(self.deadline_ms.saturating_sub(now_ms))
+    }
+
+    pub fn grace(&self) -> Duration {
+        Duration::from_millis(self.grace_ms)
+    }
+}
+
+fn duration_ms(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
+/// Milliseconds since the Unix epoch (0 for a clock set before it).
+pub fn wall_clock_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, duration_ms)
 }
 
 impl MachineRecord {
@@ -321,6 +374,7 @@ impl MachineRecord {
             shard_metadata: HashMap::new(),
             rev,
             ops: Default::default(),
+            in_flight: None,
         }
     }
 
@@ -493,6 +547,7 @@ impl MachineRecord {
             shard_metadata,
             rev,
             ops,
+            in_flight: None,
         })
     }
 }

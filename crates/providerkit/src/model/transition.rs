@@ -136,6 +136,7 @@ impl MachineRecord {
             }
         }
         next.ops[kind.index()] = Some(operation_id());
+        next.in_flight = None;
         next.rev = rev;
         Ok(next)
     }
@@ -181,6 +182,7 @@ impl MachineRecord {
         self.current(kind, operation_id)?;
         let mut next = self.clone();
         next.state = kind.to_state();
+        next.in_flight = None;
         match kind {
             TransitionKind::Create => {
                 if host.is_some() {
@@ -214,6 +216,7 @@ impl MachineRecord {
         self.current(kind, operation_id)?;
         let mut next = self.clone();
         next.state = State::Failed;
+        next.in_flight = None;
         next.last_error = if message.is_empty() {
             format!(
                 "{} failed without a message from the substrate",
@@ -230,6 +233,16 @@ impl MachineRecord {
     /// revision stays; the engine gives it a fresh one once every stored
     /// record is loaded (only then is the newest revision known).
     pub fn interrupted(&self) -> Result<MachineRecord, TransitionError> {
+        self.ended_by_restart(format!(
+            "interrupted by a provider restart while {}; the substrate may hold a partial result",
+            self.state
+        ))
+    }
+
+    /// A transition a restart found that cannot continue (its deadline
+    /// passed meanwhile, or what it needs was never stored): FAILED with
+    /// `last_error`. The revision stays, as for [`MachineRecord::interrupted`].
+    pub fn ended_by_restart(&self, last_error: String) -> Result<MachineRecord, TransitionError> {
         if !self.state.is_transitional() {
             return Err(TransitionError::NotTransitional {
                 id: self.id.clone(),
@@ -238,10 +251,8 @@ impl MachineRecord {
         }
         let mut next = self.clone();
         next.state = State::Failed;
-        next.last_error = format!(
-            "interrupted by a provider restart while {}; the substrate may hold a partial result",
-            self.state
-        );
+        next.in_flight = None;
+        next.last_error = last_error;
         Ok(next)
     }
 
@@ -277,6 +288,7 @@ impl MachineRecord {
         next.cluster.clear();
         next.shard_metadata.clear();
         next.ops = Default::default();
+        next.in_flight = None;
         next.rev = rev;
         Ok(next)
     }

@@ -878,10 +878,20 @@ async fn restart_recovers_interrupted_transitions_and_keeps_everything() {
         .unwrap()
         .operation_id;
     wait_for_state(&first, "m-0000", State::Configured).await;
-    backend.script(TransitionKind::Create, Script::Gate(gate));
-    first.create("m-0001", none()).await.unwrap();
+    backend.script(TransitionKind::Create, Script::Gate(gate.clone()));
+    let creates = backend.calls(TransitionKind::Create);
+    let interrupted_op = first.create("m-0001", none()).await.unwrap().operation_id;
     let old_rev = first.list(&[], 0, &[]).revision;
+    // Its substrate call has begun (and holds the first gate) before the
+    // script changes.
+    while backend.calls(TransitionKind::Create) == creates {
+        tokio::task::yield_now().await;
+    }
 
+    // The first engine's Create stays held (as if its process died); the
+    // second one's resumed Create waits on a gate of its own.
+    let resumed_gate = Arc::new(Notify::new());
+    backend.script(TransitionKind::Create, Script::Gate(resumed_gate.clone()));
     let second = start_on(backend.clone(), store).await;
     let m0 = second.get("m-0000").unwrap();
     assert_eq!(m0.state, pb::MachineState::Configured as i32);
@@ -896,10 +906,25 @@ async fn restart_recovers_interrupted_transitions_and_keeps_everything() {
     // Fence marks survived.
     let err = second.create("m-0000", tok("s", 1, 3)).await.unwrap_err();
     assert!(matches!(err, KitError::Fenced(_)));
-    // Interrupted Create: FAILED with a reason, never transitional.
+    // Interrupted Create: resumed under its pre-restart operation id (a
+    // retry sees that id), not FAILED for the restart alone.
     let m1 = second.get("m-0001").unwrap();
-    assert_eq!(m1.state, pb::MachineState::Failed as i32);
-    assert!(m1.last_error.contains("restart"));
+    assert_eq!(m1.state, pb::MachineState::Creating as i32);
+    let retry = second.create("m-0001", none()).await.unwrap();
+    assert_eq!(retry.operation_id, interrupted_op);
+    // Released, the resumed Create lands IDLE under that same id, counted.
+    resumed_gate.notify_one();
+    wait_for_state(&second, "m-0001", State::Idle).await;
+    let landed = second
+        .resumed_counts()
+        .into_iter()
+        .find(|(kind, outcome, _)| {
+            *kind == TransitionKind::Create && *outcome == providerkit::ResumeOutcome::Landed
+        })
+        .map(|(_, _, n)| n);
+    assert_eq!(landed, Some(1));
+    let retry = second.create("m-0001", none()).await.unwrap();
+    assert_eq!(retry.operation_id, interrupted_op);
     // Old cursor: full re-list. New op ids never reuse old ones.
     assert_eq!(second.list(&[], 0, &old_rev).machines.len(), 3);
     second.create("m-0002", none()).await.unwrap();
