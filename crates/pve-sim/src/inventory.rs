@@ -483,6 +483,52 @@ impl Shared {
         Ok(json!({"comment": comment, "members": pool_members(&c, poolid)}))
     }
 
+    /// `GET /nodes/{node}/tasks` (pve-manager `PVE::API2::Tasks::node_tasks`):
+    /// newest first; `source` `archive` (the default: finished tasks),
+    /// `active` (running) or `all`; filtered by `typefilter`, `userfilter`
+    /// (a substring), `vmid` (the task's id) and `errors`; paged by `start`
+    /// and `limit`. Without `Sys.Audit` on `/nodes/{node}` a caller sees
+    /// only the tasks it started itself.
+    pub fn node_tasks(&self, node: &str, p: &crate::params::Params) -> ApiResult {
+        let auditor = self.holds(&format!("/nodes/{node}"), "Sys.Audit");
+        let me = self.cfg.token_id.as_str();
+        let source = p.get("source").unwrap_or("archive");
+        let typefilter = p.get("typefilter");
+        let userfilter = p.get("userfilter").map(str::to_lowercase);
+        let vmid = p.get("vmid");
+        let errors = p.bool("errors").unwrap_or(false);
+        let start = p.u64("start").unwrap_or(0) as usize;
+        let limit = p.u64("limit").unwrap_or(50) as usize;
+        let c = self.cluster.lock();
+        let mut tasks: Vec<&crate::tasks::Task> = c
+            .tasks
+            .values()
+            .filter(|t| t.node == node)
+            .filter(|t| match source {
+                "active" => t.exitstatus.is_none(),
+                "all" => true,
+                _ => t.exitstatus.is_some(),
+            })
+            .filter(|t| auditor || t.user == me)
+            .filter(|t| typefilter.is_none_or(|k| t.kind == k))
+            .filter(|t| {
+                userfilter
+                    .as_deref()
+                    .is_none_or(|u| t.user.to_lowercase().contains(u))
+            })
+            .filter(|t| vmid.is_none_or(|v| t.id == v))
+            .filter(|t| !errors || t.exitstatus.as_deref().is_some_and(|s| s != "OK"))
+            .collect();
+        tasks.sort_by_key(|t| std::cmp::Reverse((t.starttime, t.pid)));
+        let rows: Vec<Value> = tasks
+            .into_iter()
+            .skip(start)
+            .take(limit)
+            .map(crate::tasks::Task::list_json)
+            .collect();
+        Ok(Value::Array(rows))
+    }
+
     pub fn task_status(&self, node: &str, upid: &str) -> ApiResult {
         let c = self.cluster.lock();
         match c.tasks.get(upid) {

@@ -45,6 +45,7 @@ pub const ROUTES: &[(&str, &str)] = &[
     ("POST", "/nodes/{node}/qemu/{vmid}/status/shutdown"),
     ("GET", "/nodes/{node}/qemu/{vmid}/status/current"),
     ("DELETE", "/nodes/{node}/qemu/{vmid}"),
+    ("GET", "/nodes/{node}/tasks"),
     ("GET", "/nodes/{node}/tasks/{upid}/status"),
     ("GET", "/nodes/{node}/tasks/{upid}/log"),
     ("POST", "/nodes/{node}/qemu/{vmid}/agent/ping"),
@@ -647,6 +648,7 @@ async fn dispatch(s: &Arc<Shared>, method: &str, template: &str, p: &Params) -> 
         }
         ("GET", "/nodes/{node}/qemu/{vmid}/status/current") => s.status_current(&node, vmid),
         ("DELETE", "/nodes/{node}/qemu/{vmid}") => s.destroy(&node, vmid, p),
+        ("GET", "/nodes/{node}/tasks") => s.node_tasks(&node, p),
         ("GET", "/nodes/{node}/tasks/{upid}/status") => {
             let upid = p.get("upid").unwrap_or_default();
             check_upid(upid)?;

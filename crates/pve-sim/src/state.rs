@@ -246,6 +246,10 @@ impl Cluster {
     pub fn finish_task(&mut self, upid: &str, exitstatus: impl Into<String>) {
         if let Some(t) = self.tasks.get_mut(upid) {
             t.exitstatus = Some(exitstatus.into());
+            t.endtime = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .ok()
+                .map(|d| d.as_secs());
         }
     }
 

@@ -17,6 +17,8 @@ pub struct Task {
     pub user: String,
     /// `None` while running; then `OK`, `WARNINGS: N` or the error text.
     pub exitstatus: Option<String>,
+    /// When it finished (seconds since the epoch).
+    pub endtime: Option<u64>,
     pub log: Vec<String>,
 }
 
@@ -37,6 +39,7 @@ impl Task {
             id: id.to_string(),
             user: user.to_string(),
             exitstatus: None,
+            endtime: None,
             log: Vec::new(),
         }
     }
@@ -55,6 +58,26 @@ impl Task {
         });
         if let Some(es) = &self.exitstatus {
             v["exitstatus"] = json!(es);
+        }
+        v
+    }
+
+    /// One row of a node's task list: a running task has no `status`, a
+    /// finished one its exit status and `endtime`.
+    pub fn list_json(&self) -> Value {
+        let mut v = json!({
+            "upid": self.upid,
+            "node": self.node,
+            "pid": self.pid,
+            "pstart": self.pstart,
+            "starttime": self.starttime,
+            "type": self.kind,
+            "id": self.id,
+            "user": self.user,
+        });
+        if let Some(es) = &self.exitstatus {
+            v["status"] = json!(es);
+            v["endtime"] = json!(self.endtime.unwrap_or(self.starttime));
         }
         v
     }

@@ -31,6 +31,6 @@ pub use tls::{cert_fingerprint, format_fingerprint, parse_fingerprint, parse_fin
 pub use types::{
     exit_ok, Cdrom, CloneParams, ClusterOptions, ClusterVm, ConfigParams, ExecStatus, FileEncoding,
     MigrateParams, NodeInfo, Permissions, PoolMember, StorageStatus, TagAccess, TaskLogLine,
-    TaskState, TaskStatus, VmConfig, VmStatus,
+    TaskState, TaskStatus, TaskSummary, VmConfig, VmStatus,
 };
 pub use upid::Upid;

@@ -510,6 +510,29 @@ pub enum TaskState {
     Stopped,
 }
 
+/// One row of `GET /nodes/{node}/tasks`. A running task has no `status`;
+/// a finished one has its exit status there.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+pub struct TaskSummary {
+    pub upid: String,
+    #[serde(default, rename = "type", deserialize_with = "lenient::opt_string")]
+    pub task_type: Option<String>,
+    /// The VMID (or other object) the task is about: for `qmclone`, the source.
+    #[serde(default, deserialize_with = "lenient::opt_string")]
+    pub id: Option<String>,
+    #[serde(default, deserialize_with = "lenient::opt_string")]
+    pub user: Option<String>,
+    #[serde(default, deserialize_with = "lenient::opt_string")]
+    pub status: Option<String>,
+}
+
+impl TaskSummary {
+    /// Still running (listed without an exit status).
+    pub fn is_running(&self) -> bool {
+        self.status.is_none()
+    }
+}
+
 /// `GET /nodes/{node}/tasks/{upid}/status`.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 pub struct TaskStatus {

@@ -8,7 +8,7 @@ use http::Method;
 use crate::client::PveClient;
 use crate::error::{Cause, PveError};
 use crate::form::{encode_segment, Params};
-use crate::types::{exit_ok, TaskLogLine, TaskState, TaskStatus};
+use crate::types::{exit_ok, TaskLogLine, TaskState, TaskStatus, TaskSummary};
 use crate::upid::Upid;
 
 /// `/nodes/{upid.node}/tasks/{upid}{rest}`.
@@ -28,6 +28,28 @@ impl PveClient {
             Method::GET,
             &task_path(upid, "/status"),
             &Params::new(),
+        )
+        .await
+    }
+
+    /// `GET /nodes/{node}/tasks?source=active&typefilter=T`: the tasks of
+    /// type `task_type` running on `node` that the token may see (its own,
+    /// or every one with `Sys.Audit` on `/nodes/{node}`). PVE lists at most
+    /// `limit` rows; 500 covers any burst one provider starts.
+    pub async fn active_tasks(
+        &self,
+        node: &str,
+        task_type: &str,
+    ) -> Result<Vec<TaskSummary>, PveError> {
+        let mut p = Params::new();
+        p.push("source", "active");
+        p.push("typefilter", task_type);
+        p.push("limit", "500");
+        self.call(
+            "node_tasks",
+            Method::GET,
+            &format!("/nodes/{}/tasks", encode_segment(node)),
+            &p,
         )
         .await
     }
