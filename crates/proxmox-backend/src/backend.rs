@@ -163,6 +163,7 @@ impl Backend for ProxmoxBackend {
             template_vmid: t.template_vmid,
             vcpu: t.vcpu,
             memory_mib: t.memory_mib,
+            resumed: ctx.resumed,
         };
         let vm = self.substrate.clone_vm(&req).await.map_err(be)?;
         Ok(SubstrateHost {

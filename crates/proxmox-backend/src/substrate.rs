@@ -48,6 +48,9 @@ pub struct CloneRequest {
     pub template_vmid: u32,
     pub vcpu: u32,
     pub memory_mib: u64,
+    /// Continues a Create a provider restart interrupted: a clone the
+    /// earlier process started may still be running, with no marker yet.
+    pub resumed: bool,
 }
 
 /// A VM carrying our marker.

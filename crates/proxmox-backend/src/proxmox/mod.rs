@@ -76,6 +76,7 @@ use marker::{machine_tag, TagPolicy};
 use placement::{Placement, RoomGuard};
 use preflight::Preflight;
 use replica::Replicas;
+use restart::InterruptedClones;
 use slots::CloneSlots;
 use vmid::Vmids;
 
@@ -89,6 +90,7 @@ mod options;
 mod placement;
 mod preflight;
 mod replica;
+mod restart;
 mod slots;
 mod vmid;
 
@@ -112,6 +114,7 @@ pub struct PveSubstrate {
     cloner: Cloner,
     replicas: Replicas,
     guest: Guest,
+    restart: InterruptedClones,
     /// One Create per machine id at a time.
     creating: Mutex<HashMap<String, Arc<AsyncMutex<()>>>>,
 }
@@ -153,6 +156,7 @@ impl PveSubstrate {
             Arc::clone(&tags),
         );
         let guest = Guest::new(Arc::clone(&api));
+        let restart = InterruptedClones::new(Arc::clone(&api));
         PveSubstrate {
             api,
             vmids,
@@ -163,6 +167,7 @@ impl PveSubstrate {
             cloner,
             replicas,
             guest,
+            restart,
             creating: Mutex::new(HashMap::new()),
         }
     }
@@ -475,7 +480,25 @@ impl Substrate for PveSubstrate {
         let name = vm_name(&req.instance_type, &req.machine_id);
         let mtag = machine_tag(&req.machine_id);
 
-        let (existing, list) = self.find_existing(req, &name, deadline).await?;
+        let (mut existing, mut list) = self.find_existing(req, &name, deadline).await?;
+        if existing.is_none() && req.resumed {
+            // The process before the restart may have a clone of this
+            // machine still running: wait for it, then look again.
+            let template_node = self.inventory.template_node(req.template_vmid, &list)?;
+            let mut nodes = vec![template_node.as_str()];
+            if req.node != template_node {
+                // A replica's clone runs on the target node.
+                nodes.push(req.node.as_str());
+            }
+            if self
+                .restart
+                .settle(&req.machine_id, &nodes, deadline)
+                .await?
+                > 0
+            {
+                (existing, list) = self.find_existing(req, &name, deadline).await?;
+            }
+        }
         if let Some((vm, tags)) = existing {
             tracing::info!(machine_id = %req.machine_id, vm = %vm, "adopting the VM already marked for this machine");
             let tagged = tags.contains(&mtag) && tags.iter().any(|t| t == MANAGED_TAG);

@@ -119,6 +119,7 @@ pub fn req(machine_id: &str, node: &str) -> CloneRequest {
         template_vmid: 9000,
         vcpu: 2,
         memory_mib: 2048,
+        resumed: false,
     }
 }
 

@@ -504,6 +504,7 @@ async fn through_the_backend_a_failed_staging_is_the_create_error() {
         operation_id: format!("op-{id}"),
         instance_type: "pve.small".into(),
         zone: "pve2".into(),
+        resumed: false,
     };
     let e = backend
         .create(ctx(&ids[0]))

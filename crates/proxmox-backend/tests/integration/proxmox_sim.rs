@@ -683,6 +683,7 @@ async fn lifecycle_through_the_backend() {
             operation_id: "op-c".into(),
             instance_type: "pve.small".into(),
             zone: "pve1".into(),
+            resumed: false,
         })
         .await
         .expect("create");
