@@ -231,8 +231,10 @@ pub struct Args {
     #[arg(long, default_value = "5m", value_parser = parse_duration)]
     pub delete_timeout: Duration,
 
-    /// On SIGINT/SIGTERM, how long in-flight RPCs may take before exit.
-    #[arg(long, default_value = "10s", value_parser = parse_duration)]
+    /// On SIGINT/SIGTERM, how long in-flight RPCs and then transitions in
+    /// flight may take to finish before exit (what is left resumes at the
+    /// next start). Keep it under the pod's terminationGracePeriodSeconds.
+    #[arg(long, default_value = "20s", value_parser = parse_duration)]
     pub shutdown_grace: Duration,
 
     /// Fake backend: simulated duration of each transition.

@@ -122,6 +122,12 @@ pub struct OutcomeLabels {
     pub outcome: String,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ResumedLabels {
+    transition: String,
+    outcome: String,
+}
+
 fn latency_histogram() -> Histogram {
     // 0.5 ms .. ~ 4.4 min: gRPC acks at the low end, clones at the high end.
     Histogram::new(exponential_buckets(0.0005, 2.0, 20))
@@ -369,6 +375,21 @@ impl Collector for MachinesCollector {
                 zone: zone.clone(),
             };
             ConstGauge::new(*count as i64).encode(family.encode_family(&labels)?)?;
+        }
+        // Transitions found in flight at start-up: every pair from 0.
+        let mut family = encoder.encode_descriptor(
+            "bigfleet_proxmox_resumed",
+            "Transitions a provider restart interrupted, by transition and how they ended \
+             (landed or failed after resuming, timed_out before the restart ended, not_resumable)",
+            None,
+            MetricType::Counter,
+        )?;
+        for (kind, outcome, count) in source.engine.resumed_counts() {
+            let labels = ResumedLabels {
+                transition: kind.name().to_string(),
+                outcome: outcome.name().to_string(),
+            };
+            ConstCounter::new(count).encode(family.encode_family(&labels)?)?;
         }
         Ok(())
     }

@@ -362,7 +362,7 @@ pub async fn run(plan: Plan) -> Result<(), RunError> {
     ));
     let engine = signals
         .or_stop(async {
-            Engine::start(backend, store, plan.engine.clone())
+            Engine::load(backend, store, plan.engine.clone())
                 .await
                 .map_err(StartupError::Engine)
         })
@@ -377,6 +377,15 @@ pub async fn run(plan: Plan) -> Result<(), RunError> {
                 fake.restore(&vm, &machine.id);
             }
         }
+    }
+    // After the fake cluster holds the VMs on record, which a resumed Drain
+    // or Delete acts on.
+    let resumed = engine.resume();
+    if resumed > 0 {
+        tracing::info!(
+            resumed,
+            "resumed the transitions a provider restart interrupted"
+        );
     }
 
     let (health_reporter, health_service) = tonic_health::server::health_reporter();
@@ -494,12 +503,14 @@ pub async fn run(plan: Plan) -> Result<(), RunError> {
     // period (a client holding a stream open must not keep us alive).
     let stopping = Arc::new(tokio::sync::Notify::new());
     let shutdown = {
+        let stop_engine = engine.clone();
         let ready = ready.clone();
         let health_reporter = health_reporter.clone();
         let stopping = stopping.clone();
         async move {
             signals.recv().await;
             tracing::info!("shutdown requested: not ready, draining in-flight RPCs");
+            stop_engine.stop_accepting();
             ready.set(false);
             health_reporter
                 .set_not_serving::<CapacityProviderServer<CapacityService>>()
@@ -511,9 +522,16 @@ pub async fn run(plan: Plan) -> Result<(), RunError> {
         }
     };
     let grace = serving.shutdown_grace;
-    let grace_expired = async move {
-        stopping.notified().await;
-        tokio::time::sleep(grace).await;
+    // One bound for the whole shutdown: open RPCs, then transitions landing.
+    let grace_ends = Arc::new(std::sync::OnceLock::new());
+    let grace_expired = {
+        let grace_ends = grace_ends.clone();
+        async move {
+            stopping.notified().await;
+            let ends = tokio::time::Instant::now() + grace;
+            let _ = grace_ends.set(ends);
+            tokio::time::sleep_until(ends).await;
+        }
     };
 
     let incoming = TcpListenerStream::new(grpc_listener);
@@ -548,6 +566,30 @@ pub async fn run(plan: Plan) -> Result<(), RunError> {
         }
     };
     served.map_err(RunError::Serve)?;
+    // Mutations are refused by now: let the transitions in flight land
+    // within what is left of the grace. What is still running stays
+    // transitional in the state and resumes at the next start.
+    let ends = grace_ends
+        .get()
+        .copied()
+        .unwrap_or_else(|| tokio::time::Instant::now() + grace);
+    engine.stop_accepting();
+    let running = engine.transitions_running();
+    if running > 0 {
+        tracing::info!(
+            running,
+            "waiting for transitions in flight to land before exiting"
+        );
+        let left = engine
+            .quiesce(ends.saturating_duration_since(tokio::time::Instant::now()))
+            .await;
+        if left > 0 {
+            tracing::info!(
+                left,
+                "shutdown grace ended with transitions in flight; they resume at the next start"
+            );
+        }
+    }
     tracing::info!("stopped");
     Ok(())
 }
