@@ -304,8 +304,8 @@ impl Preflight<'_> {
                     if let Some(cd) = cfg.cdroms().into_iter().find(pve::Cdrom::is_physical) {
                         physical_cdrom.push((*t, cd.key));
                     }
-                    for path in cfg.sdn_paths() {
-                        bridges.entry(path).or_default().push(*t);
+                    for path in cfg.sdn_paths(&pve::VnetZones::default()) {
+                        bridges.entry(path.to_string()).or_default().push(*t);
                     }
                 }
                 // Named below, with the other missing privileges.
