@@ -14,8 +14,10 @@
 #   --storage LIST        BIGFLEET_PVE_STORAGES   default local-lvm (comma list:
 #                         storages the full clones' disks are allocated on)
 #   --bridge LIST         BIGFLEET_PVE_BRIDGES    default vmbr0 (comma list of
-#                         bridges the template's NICs use; empty = skip)
-#   --sdn-zone NAME       BIGFLEET_PVE_SDN_ZONE   default localnetwork
+#                         bridges or SDN VNets the template's NICs use;
+#                         empty = skip)
+#   --sdn-zone NAME       BIGFLEET_PVE_SDN_ZONE   default: per bridge, the SDN
+#                         VNet's own zone, else localnetwork (pvesh)
 #   --pve-major N         BIGFLEET_PVE_MAJOR      default: read from pveversion
 #   --secret-file PATH    BIGFLEET_SECRET_FILE    also write the secret here (mode 0600)
 #   --rotate-token                                delete and re-create an existing token
@@ -31,7 +33,7 @@ POOL=${BIGFLEET_PVE_POOL:-bigfleet}
 TEMPLATES=${BIGFLEET_TEMPLATE_VMIDS:-9000}
 STORAGES=${BIGFLEET_PVE_STORAGES:-local-lvm}
 BRIDGES=${BIGFLEET_PVE_BRIDGES-vmbr0}
-SDN_ZONE=${BIGFLEET_PVE_SDN_ZONE:-localnetwork}
+SDN_ZONE=${BIGFLEET_PVE_SDN_ZONE:-}
 PVE_MAJOR=${BIGFLEET_PVE_MAJOR:-}
 SECRET_FILE=${BIGFLEET_SECRET_FILE:-}
 ROTATE=0
@@ -199,11 +201,31 @@ done
 # GET /nodes status and the nodes' certificate fingerprints.
 step "ACL /nodes -> PVEAuditor"
 pveum_idempotent acl modify /nodes --users "$USER_ID" --roles PVEAuditor --propagate 1
+# The zone PVE checks a NIC on bridge $1 in (pve-guest-common
+# check_vnet_access): an SDN VNet's own zone, else localnetwork. Reading a
+# VNet that does not exist (a plain bridge) fails, as does the whole /cluster/sdn
+# tree without SDN installed: both mean localnetwork.
+bridge_zone() {
+    local vnet zone=""
+    if [[ -n $SDN_ZONE ]]; then
+        printf '%s' "$SDN_ZONE"
+        return
+    fi
+    if command -v pvesh >/dev/null 2>&1 && vnet=$(pvesh get "/cluster/sdn/vnets/$1" --output-format json 2>/dev/null); then
+        # {"digest":"...","type":"vnet","vnet":"vnet1","zone":"zone1"}
+        zone=$(printf '%s' "$vnet" | sed -n 's/.*"zone"[[:space:]]*:[[:space:]]*"\([^"]*\)".*/\1/p')
+    fi
+    printf '%s' "${zone:-localnetwork}"
+}
+
 if [[ $PVE_MAJOR -ge 8 ]]; then
-    # Since 8.0 cloning a VM whose NIC sits on a bridge needs SDN.Use on it.
+    # Since 8.0 cloning a VM whose NIC sits on a bridge needs SDN.Use on it,
+    # in the bridge's zone; the grant propagates to the VLANs below it (a
+    # NIC's tag and trunks).
     for b in "${bridge_ids[@]}"; do
-        step "ACL /sdn/zones/$SDN_ZONE/$b -> PVESDNUser"
-        pveum_idempotent acl modify "/sdn/zones/$SDN_ZONE/$b" --users "$USER_ID" --roles PVESDNUser --propagate 1
+        zone=$(bridge_zone "$b")
+        step "ACL /sdn/zones/$zone/$b -> PVESDNUser"
+        pveum_idempotent acl modify "/sdn/zones/$zone/$b" --users "$USER_ID" --roles PVESDNUser --propagate 1
     done
 fi
 

@@ -528,8 +528,14 @@ pub struct SimConfig {
     /// `storage 'X' is not online`.
     pub storages_offline: Vec<(String, String)>,
     /// SDN VNets as `(vnet, zone)`: a NIC on one is checked for `SDN.Use`
-    /// on `/sdn/zones/<zone>/<vnet>`; any other bridge is in `localnetwork`.
+    /// on `/sdn/zones/<zone>/<vnet>` (or on its VLANs, see the clone's
+    /// checks); any other bridge is in `localnetwork`. `GET
+    /// /cluster/sdn/vnets` lists them.
     pub sdn_vnets: Vec<(String, String)>,
+    /// pve-network (SDN) is installed, as from PVE 8.1 by default. Without
+    /// it `GET /cluster/sdn/vnets` answers 501 and every bridge is in
+    /// `localnetwork`, whatever [`SimConfig::sdn_vnets`] says.
+    pub sdn_installed: bool,
 }
 
 impl SimConfig {
@@ -608,6 +614,7 @@ impl Default for SimConfig {
             storages_disabled: Vec::new(),
             storages_offline: Vec::new(),
             sdn_vnets: Vec::new(),
+            sdn_installed: true,
         }
     }
 }

@@ -6,6 +6,7 @@
 use std::time::Instant;
 
 use serde_json::{json, Value};
+use sha2::{Digest, Sha256};
 
 use crate::config::TagAccess;
 use crate::sim::Shared;
@@ -403,6 +404,56 @@ impl Shared {
         json!({"keyboard": "en-us", "user-tag-access": uta})
     }
 
+    /// `GET /cluster/sdn/vnets`: the SDN VNets of
+    /// [`crate::SimConfig::sdn_vnets`], sorted by name, as pve-network's
+    /// `API2/Network/SDN/Vnets.pm` index returns them (each VNet's section
+    /// config plus its name and the file's digest), leaving out every VNet
+    /// on whose `/sdn/zones/<zone>/<vnet>` the token holds neither
+    /// `SDN.Audit` nor `SDN.Allocate` (the index is open to every user and
+    /// filters). Without SDN installed pve-manager never registers the path
+    /// (`API2/Cluster.pm`, `$have_sdn`): 501 `Method 'GET
+    /// /cluster/sdn/vnets' not implemented`, as for any unknown path.
+    pub fn sdn_vnets(&self) -> ApiResult {
+        if !self.cfg.sdn_installed {
+            return Err(ApiError::Status(
+                501,
+                "Method 'GET /cluster/sdn/vnets' not implemented".into(),
+            ));
+        }
+        let mut vnets: Vec<&(String, String)> = self.cfg.sdn_vnets.iter().collect();
+        vnets.sort();
+        vnets.dedup_by(|a, b| a.0 == b.0);
+        // vnets.cfg's digest: one for the whole file, in PVE's SHA-1 shape.
+        let file: String = vnets
+            .iter()
+            .map(|(vnet, zone)| format!("vnet: {vnet}\n\tzone {zone}\n\n"))
+            .collect();
+        let digest = hex::encode(Sha256::digest(file.as_bytes()));
+        let rows = vnets
+            .into_iter()
+            .filter(|(vnet, zone)| {
+                let path = format!("/sdn/zones/{zone}/{vnet}");
+                let held = self.effective_privileges(&path);
+                held.iter().any(|p| p == "SDN.Audit" || p == "SDN.Allocate")
+            })
+            .map(|(vnet, zone)| {
+                json!({"vnet": vnet, "zone": zone, "type": "vnet", "digest": &digest[..40]})
+            })
+            .collect();
+        Ok(Value::Array(rows))
+    }
+
+    /// The zone PVE checks a NIC on `bridge` in: an SDN VNet's own, else
+    /// `localnetwork` (pve-guest-common `check_vnet_access`; without SDN
+    /// installed every bridge is in `localnetwork`).
+    pub fn sdn_zone_of(&self, bridge: &str) -> &str {
+        self.cfg
+            .sdn_vnets
+            .iter()
+            .find(|(vnet, _)| vnet == bridge && self.cfg.sdn_installed)
+            .map_or("localnetwork", |(_, zone)| zone.as_str())
+    }
+
     /// `GET /nodes/{node}/qemu/{vmid}/status`: the directory index.
     pub fn status_index(&self, node: &str, vmid: u32) -> ApiResult {
         self.cluster.lock().vm_on(node, vmid)?;
@@ -689,6 +740,8 @@ const PRIVILEGES: &[&str] = &[
     "Datastore.Audit",
     "Pool.Allocate",
     "Pool.Audit",
+    "SDN.Allocate",
+    "SDN.Audit",
     "SDN.Use",
     "Sys.Audit",
     "Sys.Console",
@@ -768,7 +821,7 @@ mod tests {
     fn pve9_renames_only_the_guest_agent_privileges() {
         let (pve8, pve9) = (default_privileges(false), default_privileges(true));
         assert_eq!(pve8, PRIVILEGES, "PVE 8's list as written, in order");
-        assert_eq!((pve8.len(), pve9.len()), (29, 33));
+        assert_eq!((pve8.len(), pve9.len()), (31, 35));
         assert!(pve8.contains(&"VM.Monitor") && !pve9.contains(&"VM.Monitor"));
         let common: Vec<_> = pve8.iter().filter(|p| **p != "VM.Monitor").collect();
         assert!(common.iter().all(|p| pve9.contains(p)), "{pve9:?}");

@@ -91,6 +91,7 @@ pub mod endpoints {
     pub const NODE_STORAGE: &str = "GET /nodes/{node}/storage";
     pub const STORAGE_STATUS: &str = "GET /nodes/{node}/storage/{storage}/status";
     pub const PERMISSIONS: &str = "GET /access/permissions";
+    pub const SDN_VNETS: &str = "GET /cluster/sdn/vnets";
 }
 
 /// Description marker the provider writes (`proxmox-provider.md`).

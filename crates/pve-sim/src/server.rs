@@ -68,6 +68,9 @@ pub const ROUTES: &[(&str, &str)] = &[
     ("GET", "/nodes/{node}/storage/{storage}/status"),
     ("GET", "/access/permissions"),
     ("GET", "/cluster/options"),
+    // pve-network `API2/Network/SDN/Vnets.pm` (index); not in the official
+    // schema file's subset, so validated against `api.json` alone.
+    ("GET", "/cluster/sdn/vnets"),
 ];
 
 const API_PREFIX: &str = "/api2/json";
@@ -441,9 +444,9 @@ fn required_privileges(
             };
             out.push((target, vec!["VM.Allocate"]));
             // PVE 8 and newer: the clone's NICs need SDN.Use on their
-            // bridge, in the VNet's zone or `localnetwork`, or on the VLAN
-            // below it for a NIC with a tag (pve-guest-common
-            // `check_vnet_access`); a NIC with trunks needs the bridge.
+            // bridge, in the VNet's zone or `localnetwork`; on the VLAN
+            // below it for a NIC with a tag, and on each VLAN of its trunks
+            // (pve-guest-common `check_vnet_access`).
             for path in sdn_paths(s, vmid as u32) {
                 out.push((path, vec!["SDN.Use"]));
             }
@@ -534,7 +537,10 @@ fn required_privileges(
 }
 
 /// The SDN paths the NICs of VM `vmid` are checked on (see the clone's
-/// privileges in [`required_privileges`]).
+/// privileges in [`required_privileges`]): as pve-guest-common
+/// `check_vnet_access`, `/sdn/zones/<zone>/<bridge>/<tag>` for the `tag`
+/// and for each VLAN of `trunks` (`10;20-30`), and the bridge's own path
+/// only for a NIC with neither.
 fn sdn_paths(s: &Shared, vmid: u32) -> Vec<String> {
     let config = match s.cluster.lock().vms.get(&vmid) {
         Some(vm) => vm.config_json(),
@@ -559,17 +565,31 @@ fn sdn_paths(s: &Shared, vmid: u32) -> Vec<String> {
         let Some(bridge) = field("bridge=") else {
             continue;
         };
-        let zone = s
-            .cfg
-            .sdn_vnets
-            .iter()
-            .find(|(vnet, _)| vnet == bridge)
-            .map_or("localnetwork", |(_, zone)| zone.as_str());
-        let path = format!("/sdn/zones/{zone}/{bridge}");
-        out.push(match (field("tag="), field("trunks=")) {
-            (Some(tag), None) => format!("{path}/{tag}"),
-            _ => path,
-        });
+        let path = format!("/sdn/zones/{}/{bridge}", s.sdn_zone_of(bridge));
+        let mut vlans: Vec<String> = field("tag=").map(str::to_string).into_iter().collect();
+        vlans.extend(field("trunks=").map(trunk_vlans).unwrap_or_default());
+        if vlans.is_empty() {
+            out.push(path);
+        } else {
+            out.extend(vlans.iter().map(|vlan| format!("{path}/{vlan}")));
+        }
+    }
+    out.sort();
+    out.dedup();
+    out
+}
+
+/// The VLANs of a NIC's `trunks` (`10;20-30`), as pve-guest-common's
+/// `get_tags_from_trunk` expands them: a range whose end is not above its
+/// start is its start alone.
+fn trunk_vlans(trunks: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    for trunk in trunks.split(';').filter(|t| !t.is_empty()) {
+        let (start, end) = trunk.split_once('-').unwrap_or((trunk, ""));
+        match (start.parse::<u32>(), end.parse::<u32>()) {
+            (Ok(a), Ok(b)) if b > a => out.extend((a..=b).map(|v| v.to_string())),
+            _ => out.push(start.to_string()),
+        }
     }
     out
 }
@@ -689,6 +709,7 @@ async fn dispatch(s: &Arc<Shared>, method: &str, template: &str, p: &Params) -> 
         }
         ("GET", "/access/permissions") => Ok(s.permissions(p.get("path"))),
         ("GET", "/cluster/options") => Ok(s.cluster_options()),
+        ("GET", "/cluster/sdn/vnets") => s.sdn_vnets(),
         _ => Err(ApiError::Status(
             501,
             format!("Method '{method} {template}' not implemented"),

@@ -140,6 +140,11 @@ perms = px.access.permissions.get()
 check("VM.Allocate" in perms.get("/", {}), perms)
 check(px.access.permissions.get(path="/vms/100")["/vms/100"].get("VM.PowerMgmt") == 1, "path perms")
 
+step("GET /cluster/sdn/vnets")
+vnets = px.cluster.sdn.vnets.get()
+check([(v["vnet"], v["zone"], v["type"]) for v in vnets] == [("vnet1", "zone1", "vnet")], vnets)
+check(len(vnets[0]["digest"]) == 40, vnets)
+
 # ---- lifecycle ----
 step("GET /cluster/nextid")
 vmid = int(px.cluster.nextid.get())

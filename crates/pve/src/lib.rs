@@ -6,6 +6,7 @@
 //!   The [`client`] module is the transport (configuration, TLS, retries,
 //!   request and decode); the endpoint methods are grouped by PVE resource
 //!   (cluster, VM, guest agent, tasks, storage, access) in private modules.
+//! * [`sdn`] — the SDN VNets and the paths PVE checks a NIC's `SDN.Use` on.
 //! * [`tls`] — CA-chain and/or SHA-256 leaf-pin verification; there is no
 //!   way to turn verification off.
 //! * [`PveError`] — API/transport/task errors with classifiers
@@ -18,6 +19,7 @@ mod api;
 pub mod client;
 pub mod error;
 pub mod form;
+pub mod sdn;
 pub mod tags;
 pub mod tls;
 pub mod types;
@@ -26,6 +28,7 @@ pub mod upid;
 pub use api::{MAX_EXEC_INPUT, MAX_FILE_WRITE_CONTENT};
 pub use client::{ApiCall, ApiObserver, PveClient, PveConfig, RetryPolicy};
 pub use error::{AccessFailure, PveError};
+pub use sdn::{SdnPath, SdnVnet, VnetZones};
 pub use tags::{is_valid_tag, join_tags, normalize_tags, sanitize_tag};
 pub use tls::{cert_fingerprint, format_fingerprint, parse_fingerprint, parse_fingerprints};
 pub use types::{

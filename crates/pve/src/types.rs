@@ -350,7 +350,7 @@ impl VmConfig {
     }
 
     /// The property strings of the VM's NICs (`netN`).
-    fn nics(&self) -> impl Iterator<Item = &str> {
+    pub(crate) fn nics(&self) -> impl Iterator<Item = &str> {
         self.other
             .iter()
             .filter(|(k, _)| {
@@ -398,35 +398,6 @@ impl VmConfig {
                 })
             })
             .collect()
-    }
-
-    /// The SDN paths a clone of this VM needs `SDN.Use` on, one per NIC, in
-    /// the `localnetwork` zone of plain bridges: `/sdn/zones/localnetwork/
-    /// <bridge>`, or `.../<bridge>/<tag>` for a NIC with a VLAN tag
-    /// (pve-guest-common `check_vnet_access`). A NIC with `trunks` carries
-    /// many VLANs: its bridge's path, whose grant covers every VLAN below
-    /// it, is returned. An SDN VNet's zone is its own, which the config does
-    /// not say.
-    pub fn sdn_paths(&self) -> Vec<String> {
-        let mut out: Vec<String> = self
-            .nics()
-            .filter_map(|v| {
-                let field = |name: &str| {
-                    v.split(',')
-                        .find_map(|part| part.trim().strip_prefix(name))
-                        .map(str::trim)
-                        .filter(|x| !x.is_empty())
-                };
-                let path = format!("/sdn/zones/localnetwork/{}", field("bridge=")?);
-                Some(match (field("tag="), field("trunks=")) {
-                    (Some(tag), None) => format!("{path}/{tag}"),
-                    _ => path,
-                })
-            })
-            .collect();
-        out.sort();
-        out.dedup();
-        out
     }
 
     /// The storage ids the VM's disks live on, sorted and deduplicated. Disk
@@ -875,18 +846,6 @@ mod tests {
         }))
         .unwrap();
         assert_eq!(c.bridges(), vec!["vmbr0", "vnet7"]);
-        assert_eq!(
-            c.sdn_paths(),
-            vec![
-                "/sdn/zones/localnetwork/vmbr0",
-                "/sdn/zones/localnetwork/vnet7/20"
-            ]
-        );
-        let trunk: VmConfig = serde_json::from_value(json!({
-            "net0": "virtio=BC:24:11:00:23:28,bridge=vmbr1,trunks=10;20-30"
-        }))
-        .unwrap();
-        assert_eq!(trunk.sdn_paths(), vec!["/sdn/zones/localnetwork/vmbr1"]);
     }
 
     #[test]

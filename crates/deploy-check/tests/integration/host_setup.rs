@@ -343,6 +343,40 @@ fn pve9_uses_guest_agent_privileges() {
 }
 
 #[test]
+fn an_sdn_vnets_grant_is_in_its_own_zone() {
+    let fake = Fake::new("8.3.2");
+    // pvesh as root on a node: a VNet reads back with its zone; anything
+    // else ("sdn vnet 'vmbr0' does not exist") fails.
+    write_exec(
+        &fake.dir.path().join("bin/pvesh"),
+        r#"#!/usr/bin/env bash
+if [[ $1 == get && $2 == /cluster/sdn/vnets/vnet1 ]]; then
+  echo '{"digest":"0a1b","type":"vnet","vnet":"vnet1","zone":"z1"}'; exit 0
+fi
+echo "sdn vnet '${2##*/}' does not exist" >&2; exit 255
+"#,
+    );
+    let sdn_acls = |calls: &[Vec<String>]| -> Vec<String> {
+        calls
+            .iter()
+            .filter_map(|c| c.get(2))
+            .filter(|a| a.starts_with("/sdn/"))
+            .cloned()
+            .collect()
+    };
+    let out = fake.run(&["--bridge", "vmbr0,vnet1"], &[]);
+    assert!(out.status.success(), "{}", text(&out));
+    assert_eq!(
+        sdn_acls(&fake.take_calls()),
+        ["/sdn/zones/localnetwork/vmbr0", "/sdn/zones/z1/vnet1"]
+    );
+    // An explicit zone is used for every bridge, as given.
+    let out = fake.run(&["--bridge", "vnet1", "--sdn-zone", "z2"], &[]);
+    assert!(out.status.success(), "{}", text(&out));
+    assert_eq!(sdn_acls(&fake.take_calls()), ["/sdn/zones/z2/vnet1"]);
+}
+
+#[test]
 fn pve7_skips_sdn_and_an_empty_bridge_list_skips_it_too() {
     let fake = Fake::new("7.4.17");
     let out = fake.run(&[], &[]);

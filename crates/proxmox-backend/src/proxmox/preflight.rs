@@ -7,7 +7,8 @@
 //! uses (`GET /access/permissions`, PVE 8 and PVE 9 names), and whether the
 //! datacenter's `user-tag-access` lets this token set per-machine tags.
 //! Once per start: `/nodes`, `/version`, `/cluster/resources`, a config read
-//! per template, a permissions read per checked path and bridge plus `/`, a pool read
+//! per template, a permissions read per checked path and SDN path plus `/`,
+//! `/cluster/sdn/vnets` (when a template has a NIC on a bridge), a pool read
 //! (with `Pool.Audit`) and `/cluster/options`.
 //!
 //! Privileges, from the API schema's `permissions` of each call the provider
@@ -31,18 +32,21 @@
 //! - with a template whose CD-ROM is the host's drive: `Sys.Console` on `/`
 //!   (refused with the fix rather than granted);
 //! - PVE 8 and newer, on each bridge the templates' NICs use
-//!   (`/sdn/zones/localnetwork/{bridge}`, or `.../{bridge}/{tag}` for a NIC
-//!   with a VLAN tag): `SDN.Use`, warned of rather than refused (an SDN
-//!   VNet's zone is not looked up).
+//!   (`/sdn/zones/{zone}/{bridge}`, or `.../{bridge}/{vlan}` for a NIC's
+//!   VLAN tag and each VLAN of its trunks; `{zone}` an SDN VNet's own, else
+//!   `localnetwork`): `SDN.Use`, refused on a VNet the token can see, warned
+//!   of elsewhere (see [`sdn`]).
 //!
 //! Not needed, so not checked: `Sys.Audit` (`GET /nodes` and the status of
 //! the token's own tasks are open to every user; `/nodes/{node}/status` is
 //! never read), `Pool.Allocate` (the clone's `pool` needs `VM.Allocate`
 //! there), `Pool.Audit` (only used, when held, to confirm the pool exists).
 
+mod sdn;
+
 use std::collections::BTreeSet;
 
-use pve::{AccessFailure, ClusterVm, PveError, TagAccess};
+use pve::{AccessFailure, ClusterVm, PveError, TagAccess, VmConfig};
 
 use super::api::{err, Api};
 use super::inventory::Inventory;
@@ -274,8 +278,8 @@ impl Preflight<'_> {
         let mut storages: BTreeSet<String> = BTreeSet::new();
         // Templates with the host's CD-ROM drive, and its key.
         let mut physical_cdrom: Vec<(u32, String)> = Vec::new();
-        // SDN path (a bridge, or a VLAN of it) -> the templates with a NIC there.
-        let mut bridges: std::collections::BTreeMap<String, Vec<u32>> = Default::default();
+        // The templates' configs, whose NICs the SDN check reads.
+        let mut configs: Vec<(u32, VmConfig)> = Vec::new();
         for t in templates {
             let Some(v) = list.iter().find(|v| v.vmid == *t) else {
                 return Err(SubstrateError::new(format!(
@@ -304,9 +308,7 @@ impl Preflight<'_> {
                     if let Some(cd) = cfg.cdroms().into_iter().find(pve::Cdrom::is_physical) {
                         physical_cdrom.push((*t, cd.key));
                     }
-                    for path in cfg.sdn_paths() {
-                        bridges.entry(path).or_default().push(*t);
-                    }
+                    configs.push((*t, cfg));
                 }
                 // Named below, with the other missing privileges.
                 Err(e) if e.is_forbidden() => {}
@@ -376,8 +378,11 @@ impl Preflight<'_> {
             }
         }
 
+        let mut sdn_refusal = None;
         if major >= 8 && !held_on_pool.is_empty() {
-            self.check_bridges(&bridges, &mut warnings).await;
+            let found = sdn::check(&self.api.client, &configs).await;
+            warnings.extend(found.warnings);
+            sdn_refusal = found.refusal;
         }
         if let Some(pool) = &self.api.opts.pool {
             self.check_pool(pool, &held_on_pool, &gaps).await?;
@@ -386,6 +391,12 @@ impl Preflight<'_> {
             return Err(SubstrateError::with_kind(
                 providerkit::ErrorKind::Refused,
                 self.privilege_message(&gaps, major),
+            ));
+        }
+        if let Some(refusal) = sdn_refusal {
+            return Err(SubstrateError::with_kind(
+                providerkit::ErrorKind::Refused,
+                refusal,
             ));
         }
 
@@ -504,53 +515,6 @@ impl Preflight<'_> {
         )
     }
 
-    /// Where the datacenter's `user-tag-access` refuses new tags to this
-    /// token (no `Sys.Modify` on `/`), every per-machine tag would be a 403.
-    /// The provider then owns its VMs by their description marker alone,
-    /// with a warning, rather than refusing to start: the marker is the
-    /// ownership proof everywhere anyway (nothing is destroyed unless it
-    /// names the machine, and the clone's `bigfleet-` name still marks it in
-    /// the inventory), so the tags are a convenience, and a restricted
-    /// policy is a cluster admin's deliberate choice.
-    /// PVE 8 and newer refuse a clone whose NIC is on a bridge the token may
-    /// not use (`SDN.Use`). A plain bridge sits in the `localnetwork` zone;
-    /// an SDN VNet in its own zone, which this check does not look up. So a
-    /// gap is a warning naming the fix, not a refusal: for a VNet the path
-    /// checked is not the one PVE checks. A NIC with a VLAN tag is checked
-    /// on the VLAN's path below its bridge, as PVE checks it.
-    async fn check_bridges(
-        &self,
-        bridges: &std::collections::BTreeMap<String, Vec<u32>>,
-        warnings: &mut Vec<String>,
-    ) {
-        for (path, users) in bridges {
-            let on = path
-                .strip_prefix("/sdn/zones/localnetwork/")
-                .unwrap_or(path);
-            let (bridge, vlan) = match on.split_once('/') {
-                Some((bridge, tag)) => (bridge, format!(", VLAN {tag}")),
-                None => (on, String::new()),
-            };
-            let held = match self.api.client.permissions(Some(path)).await {
-                Ok(mut p) => p.remove(path).unwrap_or_default(),
-                Err(_) => continue,
-            };
-            if held.contains("SDN.Use") {
-                continue;
-            }
-            let templates: Vec<String> = users.iter().map(u32::to_string).collect();
-            warnings.push(format!(
-                "the API token lacks SDN.Use on {path}: on Proxmox VE 8 and newer every clone of \
-                 template {} (a NIC on bridge {bridge}{vlan}) is refused with `Permission check failed \
-                 ({path}, SDN.Use)`. Grant it with `pveum acl modify {path} --tokens '{}' --roles \
-                 PVESDNUser` (deploy/host-setup/setup-token.sh --bridge {bridge} does this); if \
-                 {bridge} is an SDN VNet, use its zone in the path instead of localnetwork",
-                templates.join(", "),
-                self.api.client.token_id(),
-            ));
-        }
-    }
-
     /// The storages PVE checks `Datastore.AllocateSpace` on for our clones
     /// and migrations: a clone's `storage` parameter when it has one (the
     /// instance type's, else the node's; full clones only), else each of
@@ -632,6 +596,14 @@ impl Preflight<'_> {
         out
     }
 
+    /// Where the datacenter's `user-tag-access` refuses new tags to this
+    /// token (no `Sys.Modify` on `/`), every per-machine tag would be a 403.
+    /// The provider then owns its VMs by their description marker alone,
+    /// with a warning, rather than refusing to start: the marker is the
+    /// ownership proof everywhere anyway (nothing is destroyed unless it
+    /// names the machine, and the clone's `bigfleet-` name still marks it in
+    /// the inventory), so the tags are a convenience, and a restricted
+    /// policy is a cluster admin's deliberate choice.
     async fn check_tag_policy(
         &self,
         sys_modify_on_root: bool,

@@ -353,3 +353,192 @@ async fn the_preflight_checks_sdn_use_on_a_nics_vlan() {
     );
     sim.shutdown().await;
 }
+
+/// The template's NIC on SDN VNet `vnet1` of zone `z1`, the token holding
+/// `SDN.Use` only where `grants` say (and everything else the lifecycle needs).
+async fn vnet_sim(net0: &str, grants: &[&str], extra: SimConfig) -> pve_sim::PveSim {
+    let sim = sim_with(SimConfig {
+        sdn_vnets: vec![("vnet1".into(), "z1".into())],
+        dropped_privileges: [
+            extra.dropped_privileges.clone(),
+            vec![("/".into(), "SDN.Use".into())],
+        ]
+        .concat(),
+        granted_privileges: grants
+            .iter()
+            .map(|path| (path.to_string(), "SDN.Use".into()))
+            .collect(),
+        ..extra
+    })
+    .await;
+    let net0 = net0.to_string();
+    assert!(sim.update_vm(9000, move |vm| {
+        vm.extra.insert("net0".into(), net0);
+    }));
+    sim
+}
+
+const ON_VNET1: &str = "virtio=BC:24:11:00:23:28,bridge=vnet1";
+
+#[tokio::test]
+async fn the_preflight_checks_a_vnets_nic_in_the_vnets_own_zone() {
+    // SDN.Use on the VNet's own path: quiet (before the VNet's zone was
+    // looked up, localnetwork/vnet1 was checked and warned of), and the
+    // clone PVE checks the same way goes through.
+    let sim = vnet_sim(ON_VNET1, &["/sdn/zones/z1/vnet1"], fast()).await;
+    let sub = PveSubstrate::new(client(&sim), opts());
+    let warnings = sub
+        .preflight(&["pve1".into()], &[9000])
+        .await
+        .expect("serves");
+    assert!(warnings.iter().all(|w| !w.contains("SDN")), "{warnings:?}");
+    sub.clone_vm(&req("p/OnDemand/pve.small/pve1/020", "pve1"))
+        .await
+        .expect("the clone is allowed");
+    sim.shutdown().await;
+
+    // SDN.Use only on localnetwork's path of that name: the clone is
+    // refused on the VNet's path, which the preflight names and refuses on.
+    let sim = vnet_sim(ON_VNET1, &["/sdn/zones/localnetwork/vnet1"], fast()).await;
+    let sub = PveSubstrate::new(client(&sim), opts());
+    let e = sub
+        .preflight(&["pve1".into()], &[9000])
+        .await
+        .expect_err("every clone would be refused");
+    assert_eq!(e.kind(), ErrorKind::Refused, "{e}");
+    assert_eq!(
+        e.to_string(),
+        "the API token lacks SDN.Use on /sdn/zones/z1/vnet1: every clone of template 9000 (a NIC \
+         on SDN VNet vnet1 of zone z1) is refused with `Permission check failed \
+         (/sdn/zones/z1/vnet1, SDN.Use)`, as Proxmox VE 8 and newer check each NIC of a clone. \
+         Grant it with `pveum acl modify /sdn/zones/z1/vnet1 --tokens 'bigfleet@pve!autoscaler' \
+         --roles PVESDNUser` (deploy/host-setup/setup-token.sh --bridge vnet1 --sdn-zone z1 does \
+         this)"
+    );
+    let clone = sub
+        .clone_vm(&req("p/OnDemand/pve.small/pve1/021", "pve1"))
+        .await
+        .expect_err("refused by PVE");
+    assert!(
+        clone
+            .to_string()
+            .contains("Permission check failed (/sdn/zones/z1/vnet1, SDN.Use)"),
+        "{clone}"
+    );
+    sim.shutdown().await;
+}
+
+#[tokio::test]
+async fn the_preflight_checks_each_vlan_of_a_trunk_in_the_vnets_zone() {
+    let trunk = "virtio=BC:24:11:00:23:28,bridge=vnet1,trunks=10;20-23";
+    let sim = vnet_sim(
+        trunk,
+        &["/sdn/zones/z1/vnet1/10", "/sdn/zones/z1/vnet1/20"],
+        fast(),
+    )
+    .await;
+    let e = PveSubstrate::new(client(&sim), opts())
+        .preflight(&["pve1".into()], &[9000])
+        .await
+        .expect_err("three VLANs are not granted");
+    assert!(
+        e.to_string().starts_with(
+            "the API token lacks SDN.Use on /sdn/zones/z1/vnet1/<vlan> for VLANs 21-23: every \
+             clone of template 9000 (a NIC on SDN VNet vnet1 of zone z1, VLANs 21-23) is refused \
+             with `Permission check failed (/sdn/zones/z1/vnet1/21, SDN.Use)`"
+        ) && e
+            .to_string()
+            .contains("`pveum acl modify /sdn/zones/z1/vnet1 --tokens"),
+        "{e}"
+    );
+    sim.shutdown().await;
+    // The bridge's grant covers every VLAN below it.
+    let sim = vnet_sim(trunk, &["/sdn/zones/z1/vnet1"], fast()).await;
+    PveSubstrate::new(client(&sim), opts())
+        .preflight(&["pve1".into()], &[9000])
+        .await
+        .expect("every VLAN is granted");
+    sim.shutdown().await;
+}
+
+#[tokio::test]
+async fn without_the_vnets_zone_the_preflight_warns_in_localnetwork_and_says_why() {
+    let grants = ["/sdn/zones/z1/vnet1"];
+    // The listing refused, or SDN not installed (pve-manager then has no
+    // /cluster/sdn): the zone cannot be looked up.
+    for (sdn_installed, cause) in [
+        (
+            true,
+            "PVE API error 403: Permission check failed (/sdn, SDN.Audit)",
+        ),
+        (
+            false,
+            "PVE API error 501: Method 'GET /cluster/sdn/vnets' not implemented",
+        ),
+    ] {
+        let sim = vnet_sim(
+            ON_VNET1,
+            &grants,
+            SimConfig {
+                sdn_installed,
+                ..fast()
+            },
+        )
+        .await;
+        if sdn_installed {
+            sim.faults().fail_next(
+                pve_sim::endpoints::SDN_VNETS,
+                1,
+                403,
+                "Permission check failed (/sdn, SDN.Audit)",
+            );
+        }
+        let warnings = PveSubstrate::new(client(&sim), opts())
+            .preflight(&["pve1".into()], &[9000])
+            .await
+            .expect("a warning, not a refusal");
+        let w = warnings
+            .iter()
+            .find(|w| w.contains("SDN.Use"))
+            .unwrap_or_else(|| panic!("no SDN.Use warning: {warnings:?}"));
+        assert!(
+            w.starts_with("the API token lacks SDN.Use on /sdn/zones/localnetwork/vnet1: ")
+                && w.contains(&format!(
+                    "the SDN VNets could not be listed (GET /cluster/sdn/vnets: {cause}), so the \
+                     zone of vnet1 could not be looked up and localnetwork was assumed"
+                ))
+                && w.contains(
+                    "SDN.Audit on /sdn/zones/<zone>/vnet1 lets this check look the zone up"
+                ),
+            "{w}"
+        );
+        sim.shutdown().await;
+    }
+
+    // A VNet this token may use but not see (no SDN.Audit nor SDN.Allocate
+    // on it): PVE leaves it out of the listing, so it looks like a plain
+    // bridge; a warning, since the clone may well be allowed.
+    let hidden = SimConfig {
+        dropped_privileges: vec![
+            ("/sdn".into(), "SDN.Audit".into()),
+            ("/sdn".into(), "SDN.Allocate".into()),
+        ],
+        ..fast()
+    };
+    let sim = vnet_sim(ON_VNET1, &grants, hidden).await;
+    let sub = PveSubstrate::new(client(&sim), opts());
+    let warnings = sub
+        .preflight(&["pve1".into()], &[9000])
+        .await
+        .expect("a warning, not a refusal");
+    assert!(
+        warnings.iter().any(|w| w
+            .starts_with("the API token lacks SDN.Use on /sdn/zones/localnetwork/vnet1: ")
+            && w.contains("vnet1 is not an SDN VNet this token can see")),
+        "{warnings:?}"
+    );
+    sub.clone_vm(&req("p/OnDemand/pve.small/pve1/022", "pve1"))
+        .await
+        .expect("PVE checks the VNet's zone, where SDN.Use is held");
+    sim.shutdown().await;
+}

@@ -314,3 +314,144 @@ async fn sdn_use_is_checked_on_the_vlan_and_the_vnets_zone() {
     assert_eq!(api.wait_task_of(r).await["exitstatus"], "OK");
     shutdown_clean(sim).await;
 }
+
+#[tokio::test]
+async fn sdn_use_is_checked_on_each_vlan_of_a_trunk() {
+    // pve-guest-common check_vnet_access: with `trunks` (and a `tag`) every
+    // VLAN's own path is checked, never the bridge's.
+    let (sim, api) = start_sim(SimConfig {
+        sdn_vnets: vec![("vnet7".into(), "zonea".into())],
+        dropped_privileges: vec![
+            ("/sdn/zones/zonea/vnet7".into(), "SDN.Use".into()),
+            ("/sdn/zones/localnetwork/vmbr0".into(), "SDN.Use".into()),
+        ],
+        granted_privileges: ["10", "20", "21", "22"]
+            .iter()
+            .map(|v| (format!("/sdn/zones/zonea/vnet7/{v}"), "SDN.Use".into()))
+            .chain([("/sdn/zones/localnetwork/vmbr0/5".into(), "SDN.Use".into())])
+            .collect(),
+        ..fast()
+    })
+    .await;
+    let clone = "/nodes/pve1/qemu/9000/clone";
+    let set_net0 = |net0: &str| {
+        let net0 = net0.to_string();
+        assert!(sim.update_vm(9000, move |vm| {
+            vm.extra.insert("net0".into(), net0);
+        }));
+    };
+    let refused = |path: &str| (403, format!("Permission check failed ({path}, SDN.Use)"));
+    // Every VLAN of the trunk is granted: allowed without the bridge's grant.
+    set_net0("virtio=BC:24:11:00:23:28,bridge=vnet7,trunks=10;20-22");
+    let r = api.post(clone, &[("newid", "300")]).await;
+    assert_eq!(api.wait_task_of(r).await["exitstatus"], "OK");
+    // One VLAN of a range is not.
+    set_net0("virtio=BC:24:11:00:23:28,bridge=vnet7,trunks=10;20-23");
+    let r = api.post(clone, &[("newid", "301")]).await;
+    assert_eq!(
+        (r.status, r.message()),
+        refused("/sdn/zones/zonea/vnet7/23")
+    );
+    // A tag and trunks: both are checked.
+    set_net0("virtio=BC:24:11:00:23:28,bridge=vmbr0,tag=5,trunks=6");
+    let r = api.post(clone, &[("newid", "301")]).await;
+    assert_eq!(
+        (r.status, r.message()),
+        refused("/sdn/zones/localnetwork/vmbr0/6")
+    );
+    set_net0("virtio=BC:24:11:00:23:28,bridge=vmbr0,tag=5,trunks=5");
+    let r = api.post(clone, &[("newid", "301")]).await;
+    assert_eq!(api.wait_task_of(r).await["exitstatus"], "OK");
+    shutdown_clean(sim).await;
+}
+
+#[tokio::test]
+async fn the_vnet_index_lists_only_what_the_token_may_audit() {
+    // pve-network API2/Network/SDN/Vnets.pm: open to every user, filtered by
+    // SDN.Audit or SDN.Allocate on /sdn/zones/<zone>/<vnet>.
+    let (sim, api) = start_sim(SimConfig {
+        sdn_vnets: vec![
+            ("vnet9".into(), "zoneb".into()),
+            ("vnet7".into(), "zonea".into()),
+            ("hidden".into(), "zonea".into()),
+        ],
+        dropped_privileges: vec![
+            ("/sdn/zones/zonea/hidden".into(), "SDN.Audit".into()),
+            ("/sdn/zones/zonea/hidden".into(), "SDN.Allocate".into()),
+            ("/sdn/zones/zoneb".into(), "SDN.Audit".into()),
+        ],
+        ..fast()
+    })
+    .await;
+    let r = api.get("/cluster/sdn/vnets", &[]).await;
+    assert_eq!(r.status, 200, "{:?}", r.body);
+    let rows = r.data().as_array().expect("a list").clone();
+    let names: Vec<(&str, &str, &str)> = rows
+        .iter()
+        .map(|v| {
+            (
+                v["vnet"].as_str().unwrap_or_default(),
+                v["zone"].as_str().unwrap_or_default(),
+                v["type"].as_str().unwrap_or_default(),
+            )
+        })
+        .collect();
+    // vnet9 stays: SDN.Allocate alone lets it be listed.
+    assert_eq!(
+        names,
+        vec![("vnet7", "zonea", "vnet"), ("vnet9", "zoneb", "vnet")]
+    );
+    assert!(rows
+        .iter()
+        .all(|v| v["digest"].as_str().is_some_and(|d| d.len() == 40)));
+    // Neither privilege anywhere: an empty list, not a 403.
+    let (sim2, api2) = start_sim(SimConfig {
+        sdn_vnets: vec![("vnet7".into(), "zonea".into())],
+        dropped_privileges: vec![("/".into(), "*".into())],
+        granted_privileges: vec![("/sdn/zones/zonea/vnet7".into(), "SDN.Use".into())],
+        ..fast()
+    })
+    .await;
+    let r = api2.get("/cluster/sdn/vnets", &[("running", "1")]).await;
+    assert_eq!((r.status, r.data().clone()), (200, json!([])));
+    shutdown_clean(sim2).await;
+    shutdown_clean(sim).await;
+}
+
+#[tokio::test]
+async fn without_sdn_the_vnet_index_is_not_implemented_and_every_bridge_is_local() {
+    // pve-manager API2/Cluster.pm registers `sdn` only when pve-network
+    // loads; pve-guest-common then checks every bridge in localnetwork.
+    let (sim, api) = start_sim(SimConfig {
+        sdn_installed: false,
+        sdn_vnets: vec![("vnet7".into(), "zonea".into())],
+        dropped_privileges: vec![("/sdn/zones/localnetwork/vnet7".into(), "SDN.Use".into())],
+        ..fast()
+    })
+    .await;
+    let r = api.get("/cluster/sdn/vnets", &[]).await;
+    assert_eq!(
+        (r.status, r.message()),
+        (
+            501,
+            "Method 'GET /cluster/sdn/vnets' not implemented".to_string()
+        )
+    );
+    assert!(sim.update_vm(9000, |vm| {
+        vm.extra.insert(
+            "net0".into(),
+            "virtio=BC:24:11:00:23:28,bridge=vnet7".into(),
+        );
+    }));
+    let r = api
+        .post("/nodes/pve1/qemu/9000/clone", &[("newid", "300")])
+        .await;
+    assert_eq!(
+        (r.status, r.message()),
+        (
+            403,
+            "Permission check failed (/sdn/zones/localnetwork/vnet7, SDN.Use)".to_string()
+        )
+    );
+    shutdown_clean(sim).await;
+}

@@ -87,6 +87,8 @@ fn cfg() -> SimConfig {
         clone_duration: Duration::from_millis(100),
         agent_boot_delay: Duration::from_millis(200),
         migrate_duration: Duration::from_millis(100),
+        // One SDN VNet, listed by GET /cluster/sdn/vnets.
+        sdn_vnets: vec![("vnet1".into(), "zone1".into())],
         ..SimConfig::default()
     }
 }

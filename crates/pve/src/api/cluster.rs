@@ -1,5 +1,6 @@
 //! Cluster-wide reads: the VM list (`/cluster/resources`), the next free
-//! VMID, the datacenter options, the node list and the server's release.
+//! VMID, the datacenter options, the SDN VNets, the node list and the
+//! server's release.
 
 use http::Method;
 use serde::Deserialize;
@@ -8,6 +9,7 @@ use serde_json::Value;
 use crate::client::PveClient;
 use crate::error::PveError;
 use crate::form::Params;
+use crate::sdn::SdnVnet;
 use crate::types::{lenient, ClusterOptions, ClusterVm, NodeInfo};
 
 #[derive(Deserialize)]
@@ -92,6 +94,21 @@ impl PveClient {
             )
             .await?;
         Ok(ClusterOptions::from_value(&v))
+    }
+
+    /// `GET /cluster/sdn/vnets`: the SDN VNets, each with its zone. PVE
+    /// lists only those on whose `/sdn/zones/<zone>/<vnet>` the token holds
+    /// `SDN.Audit` or `SDN.Allocate` (an empty list, not a 403, when it
+    /// holds neither anywhere); without SDN installed the path does not
+    /// exist (501 `Method 'GET /cluster/sdn/vnets' not implemented`).
+    pub async fn sdn_vnets(&self) -> Result<Vec<SdnVnet>, PveError> {
+        self.call(
+            "sdn_vnets",
+            Method::GET,
+            "/cluster/sdn/vnets",
+            &Params::new(),
+        )
+        .await
     }
 
     /// `GET /nodes`.

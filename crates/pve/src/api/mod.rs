@@ -1,6 +1,7 @@
 //! The endpoint methods of [`PveClient`](crate::PveClient), one typed method
 //! per call the client supports, grouped by the PVE resource they act on:
-//! `cluster` (cluster-wide reads: VMs, next id, options, nodes, version),
+//! `cluster` (cluster-wide reads: VMs, next id, options, SDN VNets, nodes,
+//! version),
 //! `vm` (one VM's config, power, clone, migrate, template, destroy),
 //! `agent` (the guest agent inside a VM), `tasks` (worker tasks and waiting
 //! for them), `storage` (a node's storages) and `access` (the token's

@@ -785,3 +785,35 @@ async fn debug_output_never_shows_the_secret() {
     assert!(!d.contains(SECRET), "{d}");
     assert!(d.contains(TOKEN_ID));
 }
+
+#[tokio::test]
+async fn sdn_vnets_are_listed_with_their_zones_and_a_missing_sdn_is_a_501() {
+    let (srv, c, _) = setup(|r, i| {
+        assert!(r.path.ends_with("/cluster/sdn/vnets"), "{}", r.path);
+        if i == 0 {
+            ok(json!([
+                {"vnet": "vnet7", "zone": "z1", "type": "vnet", "digest": "0a1b",
+                 "tag": 100, "vlanaware": "1"},
+                {"vnet": "vnet8", "zone": "z2", "type": "vnet", "digest": "0a1b"}
+            ]))
+        } else {
+            // pve-manager without pve-network never registers /cluster/sdn.
+            fail(501, "Method 'GET /cluster/sdn/vnets' not implemented")
+        }
+    })
+    .await;
+    let vnets = c.sdn_vnets().await.unwrap();
+    let zones = pve::VnetZones::new(&vnets);
+    assert_eq!(
+        (
+            zones.zone("vnet7"),
+            zones.zone("vnet8"),
+            zones.zone("vmbr0")
+        ),
+        (Some("z1"), Some("z2"), None)
+    );
+    assert!(vnets[0].vlanaware && vnets[0].tag == Some(100));
+    let e = c.sdn_vnets().await.unwrap_err();
+    assert_eq!(e.status(), Some(501), "{e}");
+    assert_eq!(srv.recorded()[0].method, "GET");
+}
