@@ -37,7 +37,7 @@ run-fake:
 test: lint image-rootfs test-proxmox mutation-check certify-proxmox report-ci certify-pve-sim
 
 test-proxmox:
-	$(CARGO) build -p bigfleet-proxmox -p conformance
+	$(CARGO) build -p bigfleet-proxmox -p conformance -p pve-sim
 	BIGFLEET_IMAGE_ROOTFS=$(abspath $(IMAGE_ROOTFS)) $(CARGO) test --workspace
 
 # The container image's root filesystem, without a Docker engine: the static

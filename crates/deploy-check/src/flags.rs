@@ -78,7 +78,10 @@ fn strip_quotes(t: &str) -> &str {
     t.trim_matches(|c| c == '"' || c == '\'' || c == '`' || c == '(' || c == ')')
 }
 
-fn is_provider_program(token: &str) -> bool {
+/// Whether `token` names the provider binary: `bigfleet-proxmox`, a path
+/// ending in `bin/bigfleet-proxmox` or `bin/proxmox`, or an image reference
+/// `.../bigfleet-proxmox:<tag>`.
+pub fn is_provider_program(token: &str) -> bool {
     let t = strip_quotes(token);
     let base = t.rsplit('/').next().unwrap_or(t);
     t == "bigfleet-proxmox"
@@ -143,8 +146,8 @@ pub fn command_mentions(cmd: &str, file: &str, line: usize) -> Vec<Mention> {
     out
 }
 
-/// Joins shell `\` continuations.
-fn logical_lines(text: &str) -> Vec<(usize, String)> {
+/// Joins shell `\` continuations: (first line's number, the joined line).
+pub fn logical_lines(text: &str) -> Vec<(usize, String)> {
     let mut out = Vec::new();
     let mut cur = String::new();
     let mut start = 0;

@@ -2,12 +2,13 @@
 //! under `docs/`. The tests live in `tests/`; this library holds what they
 //! share: a Helm-compatible renderer for the chart, the manifests it renders
 //! for operators' own validators, the Prometheus Operator objects' documented
-//! shape and the workspace paths.
+//! shape, the docs' example commands and the workspace paths.
 //!
 //! No `helm` binary is available to the build, so [`helm`] renders the chart
 //! with a Go text/template engine plus the handful of Helm/Sprig functions
 //! the chart uses. The chart deliberately sticks to that subset.
 
+pub mod commands;
 pub mod dockerfile;
 pub mod flags;
 pub mod helm;

@@ -104,9 +104,20 @@ pub fn find(name: &str, install: &str) -> Result<PathBuf, String> {
 /// `$CARGO_TARGET_DIR/debug`, else `<workspace>/target/debug`. The error
 /// says how to build it.
 pub fn provider_binary() -> Result<PathBuf, String> {
-    let name = "bigfleet-proxmox";
+    built_binary("bigfleet-proxmox", "BIGFLEET_PROXMOX_BIN")
+}
+
+/// The built Proxmox VE API simulator, found as [`provider_binary`] finds
+/// the provider (`$PVE_SIM_BIN` first).
+pub fn pve_sim_binary() -> Result<PathBuf, String> {
+    built_binary("pve-sim", "PVE_SIM_BIN")
+}
+
+/// The workspace binary `name`: `$env_var`, else next to the running test
+/// executable, else in `$CARGO_TARGET_DIR/debug` or `<workspace>/target/debug`.
+fn built_binary(name: &str, env_var: &str) -> Result<PathBuf, String> {
     let mut candidates = Vec::new();
-    if let Some(p) = std::env::var_os("BIGFLEET_PROXMOX_BIN") {
+    if let Some(p) = std::env::var_os(env_var) {
         candidates.push(PathBuf::from(p));
     }
     if let Ok(exe) = std::env::current_exe() {
@@ -124,9 +135,9 @@ pub fn provider_binary() -> Result<PathBuf, String> {
         .cloned()
         .ok_or_else(|| {
             format!(
-                "the provider binary was not found (looked at {candidates:?}). \
-                 Build it first with `cargo build -p bigfleet-proxmox` (same CARGO_TARGET_DIR \
-                 as this test), or point BIGFLEET_PROXMOX_BIN at it."
+                "the {name} binary was not found (looked at {candidates:?}). \
+                 Build it first with `cargo build -p {name}` (same CARGO_TARGET_DIR \
+                 as this test), or point {env_var} at it."
             )
         })
 }

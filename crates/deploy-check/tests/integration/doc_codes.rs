@@ -13,15 +13,16 @@
 //! statement cannot go unproven.
 
 use std::collections::BTreeMap;
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
-use std::time::{Duration, Instant};
+use std::process::Command;
+use std::time::Duration;
 
 use deploy_check::tools::provider_binary;
 use deploy_check::workspace_root;
+
+use crate::common::{start_provider, Provider};
 
 /// gRPC's canonical code names, as the docs and `ctl` write them.
 const CODES: &[&str] = &[
@@ -481,58 +482,19 @@ fn claims_proven_by_source_and_label_names_hold() {
     }
 }
 
-struct Provider {
-    child: Child,
-    grpc: String,
-    metrics: String,
-}
-
-impl Drop for Provider {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
+/// The built provider on the fake backend, bound to 127.0.0.1.
 fn start() -> Provider {
-    let bin = provider_binary().unwrap_or_else(|e| panic!("{e}"));
-    let mut child = Command::new(&bin)
-        .args(["--use-fake-backend", "--fake-latency", "1ms"])
-        .args(["--addr", "127.0.0.1:0", "--metrics-addr", "127.0.0.1:0"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap_or_else(|e| panic!("starting {}: {e}", bin.display()));
-    let stderr = child.stderr.take().expect("piped stderr");
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-            let _ = tx.send(line);
-        }
-    });
-    let deadline = Instant::now() + Duration::from_secs(60);
-    let mut seen = Vec::new();
-    loop {
-        match rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
-            Ok(line) if provider_testkit::is_startup_line(&line) => {
-                let addr = |key| {
-                    provider_testkit::addr_field(&line, key)
-                        .unwrap_or_else(|e| panic!("{e}"))
-                        .to_string()
-                };
-                return Provider {
-                    grpc: addr("addr"),
-                    metrics: addr("metrics_addr"),
-                    child,
-                };
-            }
-            Ok(line) => seen.push(line),
-            Err(_) => {
-                let _ = child.kill();
-                panic!("the provider did not start:\n{}", seen.join("\n"));
-            }
-        }
-    }
+    let args = [
+        "--use-fake-backend",
+        "--fake-latency",
+        "1ms",
+        "--addr",
+        "127.0.0.1:0",
+        "--metrics-addr",
+        "127.0.0.1:0",
+    ]
+    .map(String::from);
+    start_provider(&args).unwrap_or_else(|e| panic!("the provider did not start: {e}"))
 }
 
 /// `ctl --target <provider> ARGS`: the code it reports (`OK` on success).
@@ -662,7 +624,11 @@ fn live() -> (BTreeMap<Situation, (String, String)>, String) {
     for (situation, args) in runs {
         answers.insert(situation, ctl(&p, &args));
     }
-    let metrics = scrape(&p.metrics);
+    let metrics = scrape(
+        &p.metrics
+            .expect("the start-up line names the metrics listener")
+            .to_string(),
+    );
     (answers, metrics)
 }
 

@@ -3,22 +3,18 @@
 //! exists, the way the real one does. Running the script twice proves it is
 //! idempotent.
 
-use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 use deploy_check::tools::{find, SHELLCHECK_INSTALL};
-use deploy_check::workspace_root;
 
-fn script() -> PathBuf {
-    workspace_root().join("deploy/host-setup/setup-token.sh")
-}
+use crate::common::{setup_token_script, FakePveHost};
 
 #[test]
 fn shellcheck_passes() {
     let sc = find("shellcheck", SHELLCHECK_INSTALL).unwrap_or_else(|e| panic!("{e}"));
     let out = Command::new(sc)
         .arg("--severity=style")
-        .arg(script())
+        .arg(setup_token_script())
         .output()
         .expect("run shellcheck");
     assert!(
@@ -26,98 +22,6 @@ fn shellcheck_passes() {
         "shellcheck found problems in setup-token.sh:\n{}",
         String::from_utf8_lossy(&out.stdout)
     );
-}
-
-/// The fake keeps created objects as files under $FAKE_STATE and appends
-/// each invocation (one argument per field, tab separated) to $FAKE_LOG.
-const FAKE_PVEUM: &str = r#"#!/usr/bin/env bash
-set -euo pipefail
-printf '%s' "pveum" >>"$FAKE_LOG"
-for a in "$@"; do printf '\t%s' "$a" >>"$FAKE_LOG"; done
-printf '\n' >>"$FAKE_LOG"
-exists() { [[ -e "$FAKE_STATE/$1" ]]; }
-create() { touch "$FAKE_STATE/$1"; }
-if [[ -n ${FAKE_FAIL_ON:-} && " $* " == *" $FAKE_FAIL_ON "* ]]; then
-  echo "permission check failed (/, Permissions.Modify)" >&2; exit 2
-fi
-case "$1 $2" in
-  "role add")
-    if exists "role-$3"; then echo "role '$3' already exists" >&2; exit 255; fi
-    create "role-$3" ;;
-  "role modify") exists "role-$3" || { echo "role '$3' does not exist" >&2; exit 255; } ;;
-  "pool add")
-    if exists "pool-$3"; then echo "create pool failed: pool '$3' already exists" >&2; exit 255; fi
-    create "pool-$3" ;;
-  "user add")
-    if exists "user-$3"; then echo "create user failed: user '$3' already exists" >&2; exit 255; fi
-    create "user-$3" ;;
-  "acl modify") ;;
-  "user token")
-    case "$3" in
-      add)
-        if exists "token-$4-$5"; then echo "Token already exists." >&2; exit 255; fi
-        create "token-$4-$5"
-        printf '{"full-tokenid":"%s!%s","info":{"privsep":"0"},"value":"11111111-2222-3333-4444-555555555555"}\n' "$4" "$5" ;;
-      remove) exists "token-$4-$5" || { echo "no such token" >&2; exit 255; }; rm "$FAKE_STATE/token-$4-$5" ;;
-    esac ;;
-  *) echo "fake pveum: unexpected call: $*" >&2; exit 99 ;;
-esac
-"#;
-
-struct Fake {
-    dir: tempfile::TempDir,
-}
-
-impl Fake {
-    fn new(pve_version: &str) -> Fake {
-        let dir = tempfile::tempdir().unwrap();
-        for sub in ["bin", "state"] {
-            std::fs::create_dir(dir.path().join(sub)).unwrap();
-        }
-        write_exec(&dir.path().join("bin/pveum"), FAKE_PVEUM);
-        write_exec(
-            &dir.path().join("bin/pveversion"),
-            &format!("#!/bin/sh\necho 'pve-manager/{pve_version}/0123456789abcdef (running kernel: 6.8.12-4-pve)'\n"),
-        );
-        Fake { dir }
-    }
-
-    fn log_path(&self) -> PathBuf {
-        self.dir.path().join("calls.log")
-    }
-
-    /// Recorded calls since the last `take_calls`.
-    fn take_calls(&self) -> Vec<Vec<String>> {
-        let text = std::fs::read_to_string(self.log_path()).unwrap_or_default();
-        let _ = std::fs::remove_file(self.log_path());
-        text.lines()
-            .map(|l| l.split('\t').skip(1).map(str::to_owned).collect())
-            .collect()
-    }
-
-    fn run(&self, args: &[&str], env: &[(&str, &str)]) -> Output {
-        let path = format!(
-            "{}:{}",
-            self.dir.path().join("bin").display(),
-            std::env::var("PATH").unwrap_or_default()
-        );
-        let mut cmd = Command::new("bash");
-        cmd.arg(script())
-            .args(args)
-            .env("PATH", path)
-            .env("FAKE_LOG", self.log_path())
-            .env("FAKE_STATE", self.dir.path().join("state"));
-        for (k, v) in env {
-            cmd.env(k, v);
-        }
-        cmd.output().unwrap()
-    }
-}
-
-fn write_exec(p: &Path, body: &str) {
-    use std::os::unix::fs::PermissionsExt;
-    std::fs::write(p, body).unwrap();
-    std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o755)).unwrap();
 }
 
 fn text(o: &Output) -> String {
@@ -163,7 +67,7 @@ const PVE8_PRIVS: &[&str] = &[
 
 #[test]
 fn first_run_creates_everything_and_prints_the_secret() {
-    let fake = Fake::new("8.2.4");
+    let fake = FakePveHost::new("8.2.4");
     let secret_file = fake.dir.path().join("token");
     let out = fake.run(
         &[
@@ -270,7 +174,7 @@ fn first_run_creates_everything_and_prints_the_secret() {
 
 #[test]
 fn second_run_is_idempotent() {
-    let fake = Fake::new("8.2.4");
+    let fake = FakePveHost::new("8.2.4");
     let first = fake.run(&[], &[]);
     assert!(first.status.success(), "{}", text(&first));
     fake.take_calls();
@@ -315,7 +219,7 @@ fn second_run_is_idempotent() {
 
 #[test]
 fn pve9_uses_guest_agent_privileges() {
-    let fake = Fake::new("9.0.3");
+    let fake = FakePveHost::new("9.0.3");
     let out = fake.run(
         &["--bridge", "vmbr1,vmbr2"],
         &[("BIGFLEET_PVE_POOL", "fleet")],
@@ -378,7 +282,7 @@ echo "sdn vnet '${2##*/}' does not exist" >&2; exit 255
 
 #[test]
 fn pve7_skips_sdn_and_an_empty_bridge_list_skips_it_too() {
-    let fake = Fake::new("7.4.17");
+    let fake = FakePveHost::new("7.4.17");
     let out = fake.run(&[], &[]);
     assert!(out.status.success(), "{}", text(&out));
     assert!(!fake
@@ -386,7 +290,7 @@ fn pve7_skips_sdn_and_an_empty_bridge_list_skips_it_too() {
         .iter()
         .any(|c| c.iter().any(|a| a.starts_with("/sdn/"))));
 
-    let fake = Fake::new("8.1.0");
+    let fake = FakePveHost::new("8.1.0");
     let out = fake.run(&["--bridge", ""], &[]);
     assert!(out.status.success(), "{}", text(&out));
     assert!(!fake
@@ -396,8 +300,8 @@ fn pve7_skips_sdn_and_an_empty_bridge_list_skips_it_too() {
 }
 
 #[test]
-fn real_failures_stop_the_script() {
-    let fake = Fake::new("8.2.4");
+fn real_failures_stop_the_setup_token_script() {
+    let fake = FakePveHost::new("8.2.4");
     let out = fake.run(&[], &[("FAKE_FAIL_ON", "/nodes")]);
     assert!(!out.status.success(), "{}", text(&out));
     let err = String::from_utf8_lossy(&out.stderr);
@@ -412,7 +316,7 @@ fn real_failures_stop_the_script() {
 
 #[test]
 fn bad_input_is_refused_before_any_call() {
-    let fake = Fake::new("8.2.4");
+    let fake = FakePveHost::new("8.2.4");
     for (args, want) in [
         (vec!["--user", "bigfleet"], "USER@REALM"),
         (vec!["--template-vmid", "90x"], "not a VMID"),

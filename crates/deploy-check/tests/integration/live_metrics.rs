@@ -6,17 +6,14 @@
 //! and labels.
 //!
 //! Boots the built provider (`cargo build -p bigfleet-proxmox`) on the fake
-//! backend, bound to 127.0.0.1 only, waits for /readyz, serves a few RPCs
+//! backend, bound to 127.0.0.1 only, checks /readyz, serves a few RPCs
 //! through `bigfleet-proxmox ctl` so the gRPC series exist, and GETs /metrics
 //! twice: with no `Accept`, as `curl` does, and asking for OpenMetrics, as
 //! Prometheus does.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::io::{BufRead, BufReader, Write};
-use std::net::SocketAddr;
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
-use std::time::{Duration, Instant};
+use std::io::Write;
+use std::process::{Command, Stdio};
 
 use deploy_check::monitoring::{catalogue, read, MACHINE_STATES};
 use deploy_check::tools::{
@@ -25,6 +22,8 @@ use deploy_check::tools::{
 };
 use provider_testkit::http::{get, get_accepting, Response};
 
+use crate::common::{start_provider, Provider};
+
 /// Reads an exposition with Prometheus' Python client (see its docstring).
 const EXPOSITION_PY: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/exposition.py");
 /// What Prometheus 2.x sends: OpenMetrics preferred, the text format accepted.
@@ -32,100 +31,27 @@ const PROMETHEUS_ACCEPT: &str = "application/openmetrics-text;version=1.0.0,\
                                  application/openmetrics-text;version=0.0.1;q=0.75,\
                                  text/plain;version=0.0.4;q=0.5,*/*;q=0.1";
 
-struct Provider {
-    child: Child,
-    grpc_addr: String,
-    metrics_addr: SocketAddr,
-}
-
-impl Drop for Provider {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// Starts the provider and returns once its serving line names the bound
-/// metrics address (the port is picked by the kernel: `127.0.0.1:0`).
+/// The provider on the fake backend, bound to 127.0.0.1 (the ports picked
+/// by the kernel), once it has logged its serving line.
 fn start() -> Provider {
-    let bin = provider_binary().unwrap_or_else(|e| panic!("{e}"));
-    let mut child = Command::new(&bin)
-        .args([
-            "--use-fake-backend",
-            "--addr",
-            "127.0.0.1:0",
-            "--metrics-addr",
-            "127.0.0.1:0",
-            "--fake-latency",
-            "1ms",
-        ])
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap_or_else(|e| panic!("starting {}: {e}", bin.display()));
-    let stderr = child.stderr.take().unwrap();
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-            let _ = tx.send(line);
-        }
-    });
-    let mut seen = Vec::new();
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let (grpc_addr, metrics_addr) = loop {
-        let left = deadline.saturating_duration_since(Instant::now());
-        match rx.recv_timeout(left) {
-            Ok(line) => {
-                let addrs = provider_testkit::is_startup_line(&line)
-                    .then(|| {
-                        let grpc = provider_testkit::addr_field(&line, "addr").ok()?;
-                        let metrics = provider_testkit::addr_field(&line, "metrics_addr").ok()?;
-                        Some((grpc.to_string(), metrics))
-                    })
-                    .flatten();
-                seen.push(line);
-                if let Some(a) = addrs {
-                    break a;
-                }
-            }
-            Err(_) => {
-                let _ = child.kill();
-                panic!(
-                    "the provider did not log its serving line:\n{}",
-                    seen.join("\n")
-                );
-            }
-        }
-    };
-    Provider {
-        child,
-        grpc_addr,
-        metrics_addr,
-    }
-}
-
-/// Polls /readyz until it answers 200 (the provider flips it once serving).
-fn wait_ready(p: &mut Provider) {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        if let Ok(r) = get(p.metrics_addr, "/readyz") {
-            if r.status == 200 {
-                return;
-            }
-        }
-        if let Ok(Some(status)) = p.child.try_wait() {
-            panic!("the provider exited before turning ready: {status}");
-        }
-        assert!(Instant::now() < deadline, "/readyz never answered 200");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    let args = [
+        "--use-fake-backend",
+        "--addr",
+        "127.0.0.1:0",
+        "--metrics-addr",
+        "127.0.0.1:0",
+        "--fake-latency",
+        "1ms",
+    ]
+    .map(String::from);
+    start_provider(&args).unwrap_or_else(|e| panic!("the provider did not start: {e}"))
 }
 
 /// `bigfleet-proxmox ctl --target <provider> <args>`: (success, stdout+stderr).
 fn ctl(p: &Provider, args: &[&str]) -> (bool, String) {
     let bin = provider_binary().unwrap_or_else(|e| panic!("{e}"));
     let out = Command::new(bin)
-        .args(["ctl", "--target", &p.grpc_addr])
+        .args(["ctl", "--target", &p.grpc])
         .args(args)
         .output()
         .expect("run bigfleet-proxmox ctl");
@@ -146,8 +72,13 @@ struct Scrapes {
 }
 
 fn scrape() -> Scrapes {
-    let mut p = start();
-    wait_ready(&mut p);
+    let p = start();
+    let metrics = p
+        .metrics
+        .expect("the serving line names the metrics listener");
+    // The provider turns ready before it logs its serving line.
+    let ready = get(metrics, "/readyz").expect("GET /readyz");
+    assert_eq!(ready.status, 200, "not ready once serving: {}", ready.body);
     // A List that succeeds and a Get that is NotFound, so the gRPC families
     // have series (they appear with the first request).
     let (ok, out) = ctl(&p, &["list", "--max", "3"]);
@@ -156,8 +87,8 @@ fn scrape() -> Scrapes {
     assert!(!ok, "ctl get of an unknown machine succeeded: {out}");
     let scrape = |accept: Option<&str>| {
         let r = match accept {
-            None => get(p.metrics_addr, "/metrics"),
-            Some(accept) => get_accepting(p.metrics_addr, "/metrics", accept),
+            None => get(metrics, "/metrics"),
+            Some(accept) => get_accepting(metrics, "/metrics", accept),
         }
         .expect("GET /metrics");
         assert_eq!(r.status, 200, "{}", r.body);

@@ -3,8 +3,8 @@
 //! (rendered, checked against Kubernetes' schemas, and booting the real
 //! binary), the monitoring files, the host setup script, the live metrics,
 //! and the operator docs (their examples, every flag and default they name,
-//! every gRPC code they state, the README's commands run, and every log line
-//! troubleshooting quotes).
+//! every gRPC code they state, every example command run or listed with why
+//! it cannot be, and every log line troubleshooting quotes).
 
 mod common;
 
