@@ -387,6 +387,7 @@ pub const FUNCS: &[(&str, Func)] = &[
     ("trunc", trunc),
     ("trimSuffix", trim_suffix),
     ("int", int),
+    ("sub", sub),
     ("toString", to_string_fn),
     ("sha256sum", sha256sum),
     ("filesGet", files_get),
@@ -695,6 +696,13 @@ fn int(args: &[Value]) -> Result<Value, FuncError> {
         return Ok(Value::from(0i64));
     }
     Ok(Value::from(as_int("int", v)?))
+}
+
+/// Sprig's `sub A B`: A - B as 64-bit integers.
+fn sub(args: &[Value]) -> Result<Value, FuncError> {
+    let a = as_int("sub", arg("sub", args, 0, 2)?)?;
+    let b = as_int("sub", arg("sub", args, 1, 2)?)?;
+    Ok(Value::from(a.wrapping_sub(b)))
 }
 
 fn to_string_fn(args: &[Value]) -> Result<Value, FuncError> {

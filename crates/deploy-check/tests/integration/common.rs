@@ -273,7 +273,7 @@ impl FakePveHost {
     }
 }
 
-fn write_exec(p: &Path, body: &str) {
+pub fn write_exec(p: &Path, body: &str) {
     use std::os::unix::fs::PermissionsExt;
     std::fs::write(p, body).unwrap();
     std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o755)).unwrap();

@@ -131,7 +131,26 @@ const STORE_UNAVAILABLE: Proof = Source {
     text: "KitError::Store(_) => Code::Unavailable",
 };
 
+/// A mutation after SIGTERM; the live provider here is never stopping when
+/// asked (the engine's own tests drive the refusal), so the mapping is held.
+const SHUTTING_DOWN: Proof = Source {
+    file: "crates/providerkit/src/error.rs",
+    text: "KitError::ShuttingDown(_) => Code::Unavailable",
+};
+
 const CLAIMS: &[Claim] = &[
+    Claim {
+        page: "configuration.md",
+        says: "new mutations are refused (`UNAVAILABLE`) at once",
+        codes: &["UNAVAILABLE"],
+        proofs: &[SHUTTING_DOWN],
+    },
+    Claim {
+        page: "operations.md",
+        says: "refuses every new mutation with `UNAVAILABLE`",
+        codes: &["UNAVAILABLE"],
+        proofs: &[SHUTTING_DOWN],
+    },
     Claim {
         page: "DESIGN.md",
         says: "panics turned into `INTERNAL`",

@@ -9,9 +9,8 @@
 //! - Each page's `ctl` commands run in page order and exit 0 with output:
 //!   against the page's own provider command when it has one (the README),
 //!   else against a fake-backend provider that holds the machines the page
-//!   names, those it reclaims left FAILED by a restart (how
-//!   docs/operations.md says machines become FAILED), under mTLS for the
-//!   commands that pass certificates.
+//!   names, those it reclaims left FAILED by a Create that timed out,
+//!   under mTLS for the commands that pass certificates.
 //! - `make TARGET` is a target of the Makefile (`make -n`: nothing runs).
 //! - setup-token.sh and `pveum` run on a fake Proxmox VE 8 node (the
 //!   recording `pveum` host_setup.rs holds the script against), and a page's
@@ -719,8 +718,9 @@ fn pki(commands: &[(DocCommand, Vec<String>)], dir: &Path) -> Vec<String> {
 
 /// A fake-backend provider holding every machine the group's page names (offerings
 /// sized to the highest index of each type and zone), those a `reclaim`
-/// names FAILED: created while each clone takes an hour, then the provider
-/// restarted, which leaves an interrupted Create FAILED.
+/// names FAILED: created while each clone takes an hour and a Create may
+/// take 200 ms, so each Create times out (a restart no longer fails what it
+/// interrupts: the Create would resume).
 fn fleet(group: &CtlGroup, dir: &Path) -> Provider {
     let ids = &group.machines;
     let names: BTreeSet<&str> = ids.iter().map(|m| m.provider.as_str()).collect();
@@ -757,13 +757,18 @@ fn fleet(group: &CtlGroup, dir: &Path) -> Provider {
     if !failed.is_empty() {
         let slow = [
             args.clone(),
-            ["--fake-latency", "1h"].map(String::from).to_vec(),
+            ["--fake-latency", "1h", "--create-timeout", "200ms"]
+                .map(String::from)
+                .to_vec(),
         ]
         .concat();
         let p = start_provider(&slow).unwrap_or_else(|e| panic!("the fleet did not start: {e}"));
         for id in failed {
             let (ok, out, err) = ctl(&at_target(&["create".to_owned(), id.clone()], &p.grpc));
             assert!(ok, "{}: creating {id} to fail it: {out}{err}", group.page);
+        }
+        for id in failed {
+            await_failed(id, &p.grpc, &group.page);
         }
         let status = p.process.terminate(STOP_WITHIN);
         assert!(status.success(), "the fleet ended {status} on SIGTERM");
@@ -784,12 +789,36 @@ fn fleet(group: &CtlGroup, dir: &Path) -> Provider {
                 .and_then(|m| m["state"].as_str().map(str::to_owned));
             assert!(
                 ok && state.as_deref() == Some("FAILED"),
-                "{}: {id} is not FAILED after the restart: {out}{err}",
+                "{}: {id} is not FAILED after its Create timed out: {out}{err}",
                 group.page
             );
         }
     }
     p
+}
+
+/// Polls `ctl get` until machine `id` is FAILED (its Create timed out), for
+/// at most 30 s: the landing is in the provider's background, with nothing
+/// to subscribe to.
+fn await_failed(id: &str, grpc: &str, page: &str) {
+    let until = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let (ok, out, err) = ctl(&at_target(
+            &["-o", "json", "get", id].map(String::from),
+            grpc,
+        ));
+        let state = serde_json::from_str::<serde_json::Value>(&out)
+            .ok()
+            .and_then(|m| m["state"].as_str().map(str::to_owned));
+        if ok && state.as_deref() == Some("FAILED") {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < until,
+            "{page}: {id} did not fail its Create within 30 s: {out}{err}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
 }
 
 /// A documented `ctl` command dialling `target`: `--target` set in the form

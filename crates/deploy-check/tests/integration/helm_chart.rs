@@ -994,6 +994,16 @@ affinity:
     assert!(r.network_policy.is_some() && r.service_monitor.is_some());
     assert!(r.prometheus_rule.is_some());
     assert_eq!(r.flags()["--provider"], "pve-dc1");
+    // The provider's shutdown bound follows the pod's grace, 10 s inside it.
+    assert_eq!(r.flags()["--shutdown-grace"], "50s");
+}
+
+#[test]
+fn the_shutdown_grace_stays_inside_the_pods() {
+    let fake = "fakeBackend: {enabled: true}\nstate: {enabled: false}\n";
+    assert_eq!(render(fake).flags()["--shutdown-grace"], "20s");
+    let short = format!("{fake}terminationGracePeriodSeconds: 5\n");
+    assert_eq!(render(&short).flags()["--shutdown-grace"], "1s");
 }
 
 /// Resolves a local `$ref` (`#/definitions/x`).

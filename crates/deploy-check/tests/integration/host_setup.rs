@@ -7,7 +7,7 @@ use std::process::{Command, Output};
 
 use deploy_check::tools::{find, SHELLCHECK_INSTALL};
 
-use crate::common::{setup_token_script, FakePveHost};
+use crate::common::{setup_token_script, write_exec, FakePveHost};
 
 #[test]
 fn shellcheck_passes() {
@@ -248,7 +248,7 @@ fn pve9_uses_guest_agent_privileges() {
 
 #[test]
 fn an_sdn_vnets_grant_is_in_its_own_zone() {
-    let fake = Fake::new("8.3.2");
+    let fake = FakePveHost::new("8.3.2");
     // pvesh as root on a node: a VNet reads back with its zone; anything
     // else ("sdn vnet 'vmbr0' does not exist") fails.
     write_exec(
