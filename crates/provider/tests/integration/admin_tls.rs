@@ -6,16 +6,16 @@
 use std::net::SocketAddr;
 use std::path::Path;
 use std::process::Command;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bigfleet_proto::admin::admin_client::AdminClient;
 use bigfleet_proto::admin::ReclaimRequest;
 use serde_json::Value;
 
-use crate::common::{path_str, tls_channel, Pki, Provider, BIN};
+use crate::common::{path_str, tls_channel, Pki, Provider, BIN, POLL};
 
-/// `--fake-latency 30s`: a Create is still running when the process is
-/// killed, so it comes back FAILED after the restart.
+/// `--fake-latency 30s` under `--create-timeout 200ms`: every Create times
+/// out, which leaves its machine FAILED (a restart would resume it).
 fn start(pki: &Pki, state: &Path) -> Provider {
     Provider::start(&[
         "--use-fake-backend",
@@ -23,6 +23,8 @@ fn start(pki: &Pki, state: &Path) -> Provider {
         "4",
         "--fake-latency",
         "30s",
+        "--create-timeout",
+        "200ms",
         "--state",
         path_str(state),
         "--tls-cert",
@@ -90,7 +92,7 @@ async fn reclaim_needs_a_client_cert_from_the_configured_ca() {
     let dir = tempfile::tempdir().expect("tempdir");
     let state = dir.path().join("state.db");
 
-    // A Create interrupted by a kill comes back FAILED after the restart.
+    // A Create that times out leaves its machine FAILED, across a restart.
     let first = start(&pki, &state);
     let list = ctl(
         &pki,
@@ -99,6 +101,11 @@ async fn reclaim_needs_a_client_cert_from_the_configured_ca() {
     );
     let id = list[0]["id"].as_str().expect("a machine id").to_string();
     ctl(&pki, first.grpc, &["create", &id]);
+    let until = Instant::now() + Duration::from_secs(30);
+    while ctl(&pki, first.grpc, &["get", &id])["state"] != "FAILED" {
+        assert!(Instant::now() < until, "the Create never timed out");
+        tokio::time::sleep(POLL).await;
+    }
     drop(first);
     let p = start(&pki, &state);
     assert_eq!(

@@ -730,14 +730,19 @@ fn list_filters_summary_and_short_targets() {
 
 #[test]
 fn reclaim_returns_a_failed_machine_and_refuses_others() {
-    // A Create interrupted by kill -9 comes back FAILED after the restart.
+    // A Create that times out leaves its machine FAILED, across a restart.
     let state_dir = tempfile::tempdir().unwrap();
     let state = state_dir.path().join("state.db").display().to_string();
     let mut args = fake_latency("30s");
-    args.extend(["--state".to_string(), state.clone()]);
+    args.extend(["--create-timeout", "200ms", "--state", &state].map(String::from));
     let first = Provider::start(&args, &[], tempfile::tempdir().unwrap());
     let id = first.first_speculative();
     first.ok(&["create", &id]);
+    let until = Instant::now() + Duration::from_secs(30);
+    while first.json(&["get", &id])["state"] != "FAILED" {
+        assert!(Instant::now() < until, "the Create never timed out");
+        std::thread::sleep(crate::common::POLL);
+    }
     drop(first);
     let p = Provider::start(
         &["--state".to_string(), state],
