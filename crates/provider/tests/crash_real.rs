@@ -34,11 +34,10 @@ use std::time::{Duration, Instant};
 use bigfleet_proto::admin::admin_client::AdminClient;
 use bigfleet_proto::admin::{ReclaimRequest, ReclaimStatus};
 use bigfleet_proto::v1alpha1 as pb;
-use common::{path_str, sim_backend_args, sim_ca_file, start_blocking};
+use common::{marked, path_str, sim_backend_args, sim_ca_file, sim_settled, start_blocking};
 use parking_lot::Mutex;
 use pb::capacity_provider_client::CapacityProviderClient;
 use pb::MachineState as S;
-use proxmox_backend::proxmox::parse_marker;
 use pve_sim::{GuestAgentMode, PveSim, SimConfig, TemplateSpec};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -331,37 +330,6 @@ fn provider_args(sim: &PveSim, ca: &Path, state: &str, slots: usize) -> Vec<Stri
     )
 }
 
-/// The simulator has no task in progress: no VM holds a lock, twice in a row.
-async fn sim_settled(sim: &PveSim) {
-    let deadline = Instant::now() + SETTLE;
-    let mut quiet = 0;
-    while quiet < 2 {
-        let busy = sim
-            .vms()
-            .values()
-            .any(|vm| vm.lock.is_some() || vm.flock > 0);
-        quiet = if busy { 0 } else { quiet + 1 };
-        assert!(Instant::now() < deadline, "the simulator never settled");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
-/// Marked VMs by machine id (`node/vmid` each).
-fn marked(sim: &PveSim) -> BTreeMap<String, Vec<String>> {
-    let mut out: BTreeMap<String, Vec<String>> = BTreeMap::new();
-    for vm in sim.vms().values() {
-        if vm.template {
-            continue;
-        }
-        if let Some(id) = vm.description.as_deref().and_then(parse_marker) {
-            out.entry(id)
-                .or_default()
-                .push(format!("{}/{}", vm.node, vm.vmid));
-        }
-    }
-    out
-}
-
 #[derive(Default, Debug, PartialEq)]
 struct Violations {
     orphans: Vec<String>,
@@ -437,7 +405,7 @@ async fn settle_and_check(
     c: &mut Client,
     known: &BTreeMap<String, Known>,
 ) -> (Vec<pb::Machine>, Violations) {
-    sim_settled(sim).await;
+    sim_settled(sim, SETTLE).await;
     let deadline = Instant::now() + SETTLE;
     loop {
         let machines = list(c).await;

@@ -3,6 +3,7 @@
 //! a deadline, capture stderr, talk HTTP/1.1 to the probes, and kill it on
 //! drop.
 
+use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpListener};
 use std::path::{Path, PathBuf};
@@ -12,6 +13,7 @@ use std::time::{Duration, Instant};
 
 use bigfleet_proto::v1alpha1::capacity_provider_client::CapacityProviderClient;
 use bigfleet_proto::v1alpha1::{ListFilter, Machine, MachineRef, MachineState};
+use proxmox_backend::proxmox::parse_marker;
 use pve_sim::PveSim;
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
 
@@ -394,6 +396,39 @@ pub fn sim_backend_args(sim: &PveSim, ca: &Path, nodes: &str, more: &[&str]) -> 
     ));
     args.extend(more.iter().map(|s| s.to_string()));
     args
+}
+
+/// The simulator's VMs that carry our description marker, by the machine id
+/// it names (`node/vmid` each).
+pub fn marked(sim: &PveSim) -> BTreeMap<String, Vec<String>> {
+    let mut out: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for vm in sim.vms().values() {
+        if vm.template {
+            continue;
+        }
+        if let Some(id) = vm.description.as_deref().and_then(parse_marker) {
+            out.entry(id)
+                .or_default()
+                .push(format!("{}/{}", vm.node, vm.vmid));
+        }
+    }
+    out
+}
+
+/// Waits until the simulator has no task in progress (no VM holds a lock,
+/// twice in a row), failing after `within`.
+pub async fn sim_settled(sim: &PveSim, within: Duration) {
+    let deadline = Instant::now() + within;
+    let mut quiet = 0;
+    while quiet < 2 {
+        let busy = sim
+            .vms()
+            .values()
+            .any(|vm| vm.lock.is_some() || vm.flock > 0);
+        quiet = if busy { 0 } else { quiet + 1 };
+        assert!(Instant::now() < deadline, "the simulator never settled");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }
 
 /// A GET to the probes or `/metrics`: status code and body.

@@ -2,7 +2,8 @@
 //! module): start-up validation, TLS, caller identities under mTLS and the
 //! admin listener, limits,
 //! readiness, observability, secrets in logs, the operator client, and the
-//! binary on the real backend against pve-sim. Most boot the built binary
+//! binary on the real backend against pve-sim, and resumption after a
+//! restart (kill -9 inside each transition, SIGTERM). Most boot the built binary
 //! as a child process; the kill -9 campaigns (`crash`, `crash_real`) stay
 //! binaries of their own, run by name by `make crash-1000` and
 //! `make crash-real`.
@@ -19,6 +20,7 @@ mod observability;
 mod offline_start;
 mod proxmox_qga;
 mod readiness;
+mod resume;
 mod secrets;
 mod startup;
 mod tls;

@@ -49,7 +49,7 @@ struct Sample {
 }
 
 #[derive(Debug, Default)]
-struct Exposition {
+pub(crate) struct Exposition {
     /// family name -> TYPE
     types: BTreeMap<String, String>,
     samples: Vec<Sample>,
@@ -312,7 +312,7 @@ impl Exposition {
             .map(|s| s.value)
     }
 
-    fn must(&self, name: &str, labels: &[(&str, &str)]) -> f64 {
+    pub(crate) fn must(&self, name: &str, labels: &[(&str, &str)]) -> f64 {
         self.get(name, labels)
             .unwrap_or_else(|| panic!("no sample {name}{labels:?} in:\n{:#?}", self.samples))
     }
@@ -362,7 +362,7 @@ fn parser_rejects_malformed_expositions() {
 // ---------------------------------------------------------------------------
 
 /// Scrapes as Prometheus does (asking for OpenMetrics) and parses the answer.
-fn scrape(p: &Provider) -> (String, Exposition) {
+pub(crate) fn scrape(p: &Provider) -> (String, Exposition) {
     let answer = provider_testkit::http::get_accepting(p.metrics, "/metrics", PROMETHEUS_ACCEPT)
         .expect("GET /metrics");
     let body = answer.body;

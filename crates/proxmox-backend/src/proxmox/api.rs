@@ -321,7 +321,11 @@ impl Api {
             let failed = match self.retry_raw(node, deadline, &mut call).await {
                 Ok(upid) => match self.wait_task(&upid, "destroy").await {
                     Ok(()) => return Ok(()),
-                    Err(e) if e.is_not_found() => return Ok(()),
+                    // Another destroy of the VM (one a restarted provider
+                    // left running) held its config lock and removed the
+                    // config before this worker got the lock: `Configuration
+                    // file '.../N.conf' does not exist`. The VM is gone.
+                    Err(e) if e.is_not_found() || e.is_vm_config_missing(vm.vmid) => return Ok(()),
                     Err(e) => e,
                 },
                 Err(e) if e.is_not_found() || e.is_forbidden() => return Ok(()),

@@ -120,6 +120,33 @@ async fn full_lifecycle() {
     sim.shutdown().await;
 }
 
+/// A destroy a dead process left running holds the VM's config lock: the
+/// next process's destroy worker waits it out (PVE waits 10 s for the lock),
+/// then finds the config gone. The VM is gone, which is what Delete wanted.
+#[tokio::test]
+async fn delete_while_an_earlier_destroy_runs_succeeds() {
+    let sim = sim_with(SimConfig {
+        destroy_duration: Duration::from_millis(500),
+        lock_wait: Duration::from_secs(10),
+        ..SimConfig::default()
+    })
+    .await;
+    let sub = PveSubstrate::new(client(&sim), opts());
+    let id = "proxmox/OnDemand/pve.small/pve1/000";
+    let vm = sub.clone_vm(&req(id, "pve1")).await.expect("create");
+    assert!(sim.stop_vm_out_of_band(vm.vmid));
+    client(&sim)
+        .destroy(&vm.node, vm.vmid)
+        .await
+        .expect("the earlier destroy");
+    sub.delete_vm(&vm, id)
+        .await
+        .expect("the VM is gone, whoever destroyed it");
+    assert!(sim.vm(vm.vmid).is_none(), "destroyed");
+    assert_no_violations(&sim);
+    sim.shutdown().await;
+}
+
 #[tokio::test]
 async fn bootstrap_failure_reports_exit_code_and_stderr() {
     let sim = sim_with(SimConfig::default()).await;
