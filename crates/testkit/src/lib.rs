@@ -15,6 +15,9 @@
 //! ([`logs`]); what the host has ([`host`]).
 //!
 //! With `proptest`, the fuzz targets' shared generators (`fuzz`).
+//!
+//! With `store-contract`, the `Store` contract suite every durable store
+//! runs (`store_contract`).
 
 #[cfg(feature = "provider")]
 pub mod engine;
@@ -23,6 +26,8 @@ pub mod fuzz;
 pub mod host;
 pub mod http;
 pub mod logs;
+#[cfg(feature = "store-contract")]
+pub mod store_contract;
 pub mod wait;
 
 use std::net::SocketAddr;
