@@ -36,9 +36,12 @@ run-fake:
 # and the certification lanes (core, cloud, fault, durable, 10k scale).
 test: lint image-rootfs test-proxmox mutation-check certify-proxmox report-ci certify-pve-sim
 
+# The PostgreSQL store's tests need a server: scripts/pg-throwaway.sh starts
+# a throwaway one for the run (unless BIGFLEET_TEST_POSTGRES_URL names one);
+# without PostgreSQL's server binaries they skip, saying so (CI fails them).
 test-proxmox:
 	$(CARGO) build -p bigfleet-proxmox -p conformance -p pve-sim
-	BIGFLEET_IMAGE_ROOTFS=$(abspath $(IMAGE_ROOTFS)) $(CARGO) test --workspace
+	BIGFLEET_IMAGE_ROOTFS=$(abspath $(IMAGE_ROOTFS)) scripts/pg-throwaway.sh run -- $(CARGO) test --workspace
 
 # The container image's root filesystem, without a Docker engine: the static
 # (musl) release binary, CA bundle, passwd/group and /var/lib/bigfleet, built
