@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # A throwaway PostgreSQL cluster for the tests of the PostgreSQL state store:
 # `initdb` into a temporary directory as a non-root user, listening on
-# 127.0.0.1 only (and a socket inside that directory), on a free port.
+# 127.0.0.1 only (and a socket inside that directory), on a free port. With
+# openssl (Debian's postgresql depends on it) it also speaks TLS with a
+# certificate for 127.0.0.1 from a CA made for the run; the URL names that
+# CA (`sslrootcert=`) so tests can connect with sslmode=verify-full.
 #
 #   scripts/pg-throwaway.sh run -- COMMAND...   start, run COMMAND with
 #       BIGFLEET_TEST_POSTGRES_URL set, stop (also on failure or Ctrl-C)
@@ -82,13 +85,18 @@ start() {
     cat "$dir/initdb.log" >&2
     return 1
   }
+  local tls="" ca=""
+  if command -v openssl >/dev/null && make_certificates "$dir" >"$dir/openssl.log" 2>&1; then
+    tls="-c ssl=on -c ssl_cert_file=$dir/server.crt -c ssl_key_file=$dir/server.key"
+    ca="&sslrootcert=$dir/ca.pem"
+  fi
   # A port taken between the pick and the bind fails the start: pick again.
   local attempt
   for attempt in 1 2 3; do
     port=$(free_port)
     if as_owner "$bin/pg_ctl" -D "$dir/data" -l "$dir/data/server.log" -w -t 60 \
-      -o "-c listen_addresses=127.0.0.1 -p $port -k $dir/data -c max_connections=200" start >/dev/null; then
-      echo "postgres://bigfleet@127.0.0.1:$port/postgres?sslmode=disable" >"$dir/url"
+      -o "-c listen_addresses=127.0.0.1 -p $port -k $dir/data -c max_connections=200 $tls" start >/dev/null; then
+      echo "postgres://bigfleet@127.0.0.1:$port/postgres?sslmode=disable$ca" >"$dir/url"
       cat "$dir/url"
       return 0
     fi
@@ -96,6 +104,22 @@ start() {
     tail -5 "$dir/data/server.log" >&2 || true
   done
   return 1
+}
+
+# A CA for this run and a server certificate for 127.0.0.1 signed by it
+# (P-256 keys: quick to make), owned by the cluster's owner.
+make_certificates() {
+  local dir=$1
+  printf '%s\n' 'subjectAltName=IP:127.0.0.1,DNS:localhost' 'basicConstraints=critical,CA:FALSE' \
+    'keyUsage=critical,digitalSignature' 'extendedKeyUsage=serverAuth' >"$dir/server.ext"
+  as_owner openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -days 2 \
+    -subj "/CN=bigfleet throwaway CA" -keyout "$dir/ca.key" -out "$dir/ca.pem" \
+    -addext basicConstraints=critical,CA:TRUE -addext keyUsage=critical,keyCertSign
+  as_owner openssl req -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes \
+    -subj "/CN=127.0.0.1" -keyout "$dir/server.key" -out "$dir/server.csr"
+  as_owner openssl x509 -req -in "$dir/server.csr" -CA "$dir/ca.pem" -CAkey "$dir/ca.key" \
+    -CAcreateserial -days 2 -extfile "$dir/server.ext" -out "$dir/server.crt"
+  as_owner chmod 0600 "$dir/server.key"
 }
 
 stop() {
