@@ -3,7 +3,8 @@
 //! concurrent clients, is SIGKILLed at a random moment, restarts on the same
 //! file, and must still hold everything it acknowledged: fencing marks,
 //! operation ids (idempotent retries), cluster bindings with verbatim
-//! shard_metadata, and the whole inventory with nothing left transitional.
+//! shard_metadata, and the whole inventory, whose interrupted transitions
+//! resume and land (nothing is left transitional).
 //!
 //! Each client owns a disjoint set of machines, so every machine sees one
 //! request at a time and the model knows exactly which request (if any) was
@@ -836,6 +837,10 @@ async fn verify_machine(
     (t, checked)
 }
 
+/// How long resumed transitions get to land after a restart: the fake
+/// backend's latency is milliseconds, so this is only a safety bound.
+const RESUME_BOUND: Duration = Duration::from_secs(10);
+
 async fn list_all(client: &mut Client, ctx: &str) -> Vec<pb::Machine> {
     client
         .list(pb::ListFilter::default())
@@ -855,14 +860,24 @@ async fn verify(
     ctx: &Arc<String>,
     life: usize,
 ) -> (Vec<Track>, Checked) {
-    let listed = list_all(&mut client.clone(), ctx).await;
+    // Interrupted transitions resume: each lands (a stable state, or FAILED
+    // with a reason) within its deadline, here far inside RESUME_BOUND.
+    let until = Instant::now() + RESUME_BOUND;
+    let listed = loop {
+        let listed = list_all(&mut client.clone(), ctx).await;
+        let settled = listed.iter().all(|m| !transitional(state_of(m)));
+        if settled || Instant::now() >= until {
+            break listed;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
     let mut by_id = HashMap::new();
     for m in listed {
         let s = state_of(&m);
         assert!(
             !transitional(s) && s != S::Unspecified,
-            "{ctx}: (d) machine {} is {s:?} after the restart; interrupted transitions must \
-             recover as FAILED or a stable state",
+            "{ctx}: (d) machine {} is {s:?} {RESUME_BOUND:?} after the restart; interrupted \
+             transitions must resume and land, or recover as FAILED",
             m.id
         );
         let id = m.id.clone();

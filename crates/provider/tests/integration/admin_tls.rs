@@ -14,8 +14,8 @@ use serde_json::Value;
 
 use crate::common::{path_str, tls_channel, Pki, Provider, BIN};
 
-/// `--fake-latency 30s`: a Create is still running when the process is
-/// killed, so it comes back FAILED after the restart.
+/// `--fake-latency 30s` with `--create-timeout 300ms`: a Create times out
+/// and lands FAILED (a restart would resume it, not fail it).
 fn start(pki: &Pki, state: &Path) -> Provider {
     Provider::start(&[
         "--use-fake-backend",
@@ -23,6 +23,8 @@ fn start(pki: &Pki, state: &Path) -> Provider {
         "4",
         "--fake-latency",
         "30s",
+        "--create-timeout",
+        "300ms",
         "--state",
         path_str(state),
         "--tls-cert",
@@ -90,7 +92,7 @@ async fn reclaim_needs_a_client_cert_from_the_configured_ca() {
     let dir = tempfile::tempdir().expect("tempdir");
     let state = dir.path().join("state.db");
 
-    // A Create interrupted by a kill comes back FAILED after the restart.
+    // A Create that times out is FAILED, and stays so across a restart.
     let first = start(&pki, &state);
     let list = ctl(
         &pki,
@@ -99,6 +101,11 @@ async fn reclaim_needs_a_client_cert_from_the_configured_ca() {
     );
     let id = list[0]["id"].as_str().expect("a machine id").to_string();
     ctl(&pki, first.grpc, &["create", &id]);
+    let until = std::time::Instant::now() + Duration::from_secs(15);
+    while ctl(&pki, first.grpc, &["get", &id])["state"] != "FAILED" {
+        assert!(std::time::Instant::now() < until, "{id} never timed out");
+        std::thread::sleep(Duration::from_millis(50));
+    }
     drop(first);
     let p = start(&pki, &state);
     assert_eq!(

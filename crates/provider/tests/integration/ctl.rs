@@ -730,14 +730,21 @@ fn list_filters_summary_and_short_targets() {
 
 #[test]
 fn reclaim_returns_a_failed_machine_and_refuses_others() {
-    // A Create interrupted by kill -9 comes back FAILED after the restart.
+    // A Create that times out is FAILED, and stays so across a restart (a
+    // restart alone would resume it).
     let state_dir = tempfile::tempdir().unwrap();
     let state = state_dir.path().join("state.db").display().to_string();
     let mut args = fake_latency("30s");
-    args.extend(["--state".to_string(), state.clone()]);
+    args.extend(["--create-timeout", "300ms", "--state"].map(String::from));
+    args.push(state.clone());
     let first = Provider::start(&args, &[], tempfile::tempdir().unwrap());
     let id = first.first_speculative();
     first.ok(&["create", &id]);
+    let until = std::time::Instant::now() + std::time::Duration::from_secs(15);
+    while first.json(&["get", &id])["state"] != "FAILED" {
+        assert!(std::time::Instant::now() < until, "{id} never timed out");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
     drop(first);
     let p = Provider::start(
         &["--state".to_string(), state],

@@ -240,7 +240,7 @@ impl Engine {
                             .unwrap_or(TransitionKind::Create),
                         outcome,
                     );
-                    recovered.push(failed.id.clone());
+                    recovered.push((failed.id.clone(), failed.last_error.clone()));
                     failed
                 }
                 Some(resume::Found::Resume(p)) => {
@@ -284,7 +284,7 @@ impl Engine {
         let ticket = {
             let mut inner = engine.inner.write();
             let mut changes = Vec::new();
-            for id in &recovered {
+            for (id, _) in &recovered {
                 if let Some(&slot) = inner.index.get(id) {
                     changes.push(inner.bump(slot));
                 }
@@ -296,8 +296,8 @@ impl Engine {
             .durable(ticket)
             .await
             .map_err(StartError::Store)?;
-        for id in &recovered {
-            tracing::warn!(machine_id = %id, "transition interrupted by restart recovered as FAILED");
+        for (id, why) in &recovered {
+            tracing::warn!(machine_id = %id, error = %why, "transition interrupted by restart recovered as FAILED");
         }
         let specs = engine
             .backend

@@ -40,6 +40,19 @@ pub(super) enum TransitionFailure {
         limit: Duration,
         readiness: Option<String>,
     },
+    /// A Configure resumed after a restart (its blob gone) whose node never
+    /// reported ready: nothing says whether the bootstrap ran.
+    #[error(
+        "Configure timed out after {} (deadline exceeded) waiting for the node to become ready \
+         after a provider restart; the bootstrap's outcome is unknown: its blob is never stored, \
+         so it could not be delivered again{}",
+        humanize(*limit),
+        readiness.as_deref().map(|d| format!("; {d}")).unwrap_or_default()
+    )]
+    ResumedConfigureNeverReady {
+        limit: Duration,
+        readiness: Option<String>,
+    },
 }
 
 fn readiness_suffix(detail: Option<&str>) -> String {
@@ -85,26 +98,25 @@ impl Engine {
             Ok(()) => match tokio::time::timeout_at(deadline, self.execute(work)).await {
                 Ok(Ok(outcome)) => Ok(outcome),
                 Ok(Err(source)) => Err(TransitionFailure::Backend(source)),
-                Err(_) => Err(TransitionFailure::TimedOut {
-                    kind,
-                    limit,
+                Err(_) => {
                     // Timed out in the readiness gate: say what the probe said.
-                    readiness: configuring
+                    let readiness = configuring
                         .as_deref()
-                        .and_then(|h| self.backend.readiness_detail(h)),
-                }),
+                        .and_then(|h| self.backend.readiness_detail(h));
+                    Err(if resumed && kind == TransitionKind::Configure {
+                        TransitionFailure::ResumedConfigureNeverReady { limit, readiness }
+                    } else {
+                        TransitionFailure::TimedOut {
+                            kind,
+                            limit,
+                            readiness,
+                        }
+                    })
+                }
             },
         };
-        let succeeded = outcome.is_ok();
-        let landed = self.land(kind, &machine_id, &operation_id, outcome).await;
-        if resumed && landed {
-            let counted = if succeeded {
-                ResumeOutcome::Landed
-            } else {
-                ResumeOutcome::Failed
-            };
-            self.resumed.add(kind, counted);
-        }
+        self.land(kind, &machine_id, &operation_id, outcome, resumed)
+            .await;
     }
 
     pub(super) async fn execute(&self, work: Work) -> Result<Outcome, BackendError> {
@@ -131,18 +143,20 @@ impl Engine {
     }
 
     /// Land an outcome, unless the transition is no longer the current one
-    /// (a late completion after a timeout is discarded). True when landed.
+    /// (a late completion after a timeout is discarded). A `resumed` one is
+    /// counted as it becomes visible.
     pub(super) async fn land(
         &self,
         kind: TransitionKind,
         id: &str,
         operation_id: &str,
         outcome: Result<Outcome, TransitionFailure>,
-    ) -> bool {
+        resumed: bool,
+    ) {
         let ticket = {
             let mut inner = self.inner.write();
             let Some(&slot) = inner.index.get(id) else {
-                return false;
+                return;
             };
             let record = &inner.machines[slot];
             let rev = inner.next_rev();
@@ -160,7 +174,7 @@ impl Engine {
                 Ok(next) => next,
                 Err(_) => {
                     tracing::info!(machine_id = %id, operation_id, "late completion discarded");
-                    return false;
+                    return;
                 }
             };
             if next.state() == State::Failed {
@@ -168,13 +182,20 @@ impl Engine {
             } else {
                 tracing::info!(machine_id = %id, operation_id, to = %next.state(), "transition landed");
             }
+            if resumed {
+                let counted = if next.state() == State::Failed {
+                    ResumeOutcome::Failed
+                } else {
+                    ResumeOutcome::Landed
+                };
+                self.resumed.add(kind, counted);
+            }
             let change = inner.replace(slot, next);
             self.store.submit(vec![change])
         };
         if let Err(e) = self.store.durable(ticket).await {
             tracing::error!(machine_id = %id, error = %e, "could not persist transition outcome");
         }
-        true
     }
 }
 
@@ -234,6 +255,16 @@ mod tests {
             limit: Duration::from_millis(1500),
             readiness: Some("the probe exited 1".into()),
         };
+        let resumed = TransitionFailure::ResumedConfigureNeverReady {
+            limit: Duration::from_secs(600),
+            readiness: Some("the probe exited 1".into()),
+        };
+        assert_eq!(
+            resumed.to_string(),
+            "Configure timed out after 10m (deadline exceeded) waiting for the node to become \
+             ready after a provider restart; the bootstrap's outcome is unknown: its blob is \
+             never stored, so it could not be delivered again; the probe exited 1"
+        );
         assert_eq!(
             gated.to_string(),
             "Configure timed out after 1500ms (deadline exceeded) waiting for the node to \

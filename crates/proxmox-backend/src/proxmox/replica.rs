@@ -142,7 +142,8 @@ impl Step {
             }
             Step::Tag => format!("step 3 of 5, tagging VM {vmid}"),
             Step::Migrate => format!(
-                "step 4 of 5, migrating VM {vmid} offline with its local disks from node {from} to node {to}"
+                "step 4 of 5, migrating VM {vmid} offline (its disks too, where they are local) from \
+                 node {from} to node {to}"
             ),
             Step::Convert => {
                 format!("step 5 of 5, converting VM {vmid} on node {to} to a template")

@@ -174,7 +174,8 @@ impl Vmids {
             }
         }
         Err(SubstrateError::new(format!(
-            "no free VMID in {}-{}: every id is taken or reserved by this process;              widen --vmid-range or free some VMIDs",
+            "no free VMID in {}-{}: every id is taken or reserved by this process; \
+             widen --vmid-range or free some VMIDs",
             range.0, range.1
         )))
     }

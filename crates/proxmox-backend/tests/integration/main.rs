@@ -1,8 +1,9 @@
 //! proxmox-backend's integration tests, one binary (each file a module):
 //! the real substrate against pve-sim (lifecycle, robustness, late clones,
-//! clone bounds, template replicas, preflight, the guest's name) and the transition detail
-//! it reports. The fuzz targets and the replica benchmark stay binaries of
-//! their own (`make fuzz` and `make bench-replicas` run them by name).
+//! clone bounds, template replicas, preflight, the guest's name, a Create
+//! resumed after a restart) and the transition detail it reports. The fuzz
+//! targets and the replica benchmark stay binaries of their own (`make
+//! fuzz` and `make bench-replicas` run them by name).
 
 mod common;
 
@@ -15,4 +16,5 @@ mod proxmox_replicas;
 mod proxmox_robust;
 mod proxmox_sim;
 mod pve_fidelity;
+mod resumed_create;
 mod transition_detail;

@@ -865,3 +865,58 @@ async fn inventory_may_be_stale_and_admin_sets_locks() {
     assert_eq!(r.status, 200);
     sim.shutdown().await;
 }
+
+/// `GET /nodes/{node}/tasks` as pve-manager's node_tasks answers it: a
+/// running task is listed by `source=active` without a status, a finished
+/// one by the default archive with its exit status; `typefilter` and
+/// `vmid` narrow the list.
+#[tokio::test]
+async fn the_node_task_index_lists_running_and_finished_tasks() {
+    let (sim, api) = start_sim(SimConfig {
+        clone_duration: Duration::from_millis(600),
+        ..fast_cfg()
+    })
+    .await;
+    let r = api
+        .post(
+            "/nodes/pve1/qemu/9000/clone",
+            &[("newid", "130"), ("name", "bigfleet-130"), ("full", "1")],
+        )
+        .await;
+    assert_eq!(r.status, 200, "{:?}", r.body);
+    let upid = r.data().as_str().expect("upid").to_string();
+    let active = api
+        .get(
+            "/nodes/pve1/tasks",
+            &[("source", "active"), ("typefilter", "qmclone")],
+        )
+        .await;
+    assert_eq!(active.status, 200, "{:?}", active.body);
+    let rows = active.data().as_array().expect("a list").clone();
+    assert_eq!(rows.len(), 1, "{rows:?}");
+    assert_eq!(rows[0]["upid"], upid.as_str());
+    assert_eq!(rows[0]["type"], "qmclone");
+    assert_eq!(rows[0]["id"], "9000", "a clone's task names its source");
+    assert_eq!(rows[0]["user"], sim.token_id());
+    assert!(rows[0].get("status").is_none(), "running: {rows:?}");
+    // Another node runs nothing; another type filters it out.
+    let other = api.get("/nodes/pve2/tasks", &[("source", "active")]).await;
+    assert_eq!(other.data().as_array().map(Vec::len), Some(0));
+    let none = api
+        .get(
+            "/nodes/pve1/tasks",
+            &[("source", "active"), ("typefilter", "qmstart")],
+        )
+        .await;
+    assert_eq!(none.data().as_array().map(Vec::len), Some(0));
+
+    api.wait_task(&upid).await;
+    let active = api.get("/nodes/pve1/tasks", &[("source", "active")]).await;
+    assert_eq!(active.data().as_array().map(Vec::len), Some(0));
+    let done = api.get("/nodes/pve1/tasks", &[("vmid", "9000")]).await;
+    let rows = done.data().as_array().expect("a list").clone();
+    assert_eq!(rows.len(), 1, "{rows:?}");
+    assert_eq!(rows[0]["status"], "OK");
+    assert!(rows[0]["endtime"].as_u64().is_some());
+    shutdown_clean(sim).await;
+}

@@ -30,6 +30,7 @@ struct HeldBackend {
     hold: AtomicBool,
     release: tokio::sync::Notify,
     readiness: bool,
+    never_ready: bool,
     creates: Mutex<Vec<CreateCtx>>,
     configures: Mutex<usize>,
     ready_probes: Mutex<usize>,
@@ -97,7 +98,7 @@ impl Backend for HeldBackend {
     async fn node_ready(&self, _ctx: &ConfigureCtx) -> Result<bool, BackendError> {
         *self.ready_probes.lock() += 1;
         self.step().await;
-        Ok(true)
+        Ok(!self.never_ready)
     }
 
     async fn drain(&self, ctx: DrainCtx) -> Result<(), BackendError> {
@@ -374,6 +375,46 @@ pub fn shutdown_refuses_mutations_and_waits_for_transitions_to_land<S: StateUnde
         assert_eq!(
             engine.get("m-0").unwrap().state,
             pb::MachineState::Idle as i32
+        );
+    });
+}
+
+#[test]
+fn a_resumed_configure_whose_node_never_gets_ready_says_the_outcome_is_unknown() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("state.db");
+    first_life(&path);
+    // What is left of the Configure's window: 300 ms from now.
+    let conn = rusqlite::Connection::open(&path).unwrap();
+    conn.execute(
+        "UPDATE machines SET deadline_ms = \
+         CAST((julianday('now') - 2440587.5) * 86400000 AS INTEGER) + 300 WHERE id = 'm-2'",
+        [],
+    )
+    .unwrap();
+    drop(conn);
+
+    let rt = runtime();
+    rt.block_on(async {
+        let backend = Arc::new(HeldBackend {
+            readiness: true,
+            never_ready: true,
+            ..HeldBackend::default()
+        });
+        let engine = start(&path, backend.clone()).await;
+        let m = wait_for_state(&engine, "m-2", State::Failed).await;
+        assert!(
+            m.last_error.starts_with("Configure timed out after ")
+                && m.last_error
+                    .contains("after a provider restart; the bootstrap's outcome is unknown"),
+            "{}",
+            m.last_error
+        );
+        assert!(*backend.ready_probes.lock() >= 1);
+        assert_eq!(*backend.configures.lock(), 0);
+        assert_eq!(
+            count(&engine, TransitionKind::Configure, ResumeOutcome::Failed),
+            1
         );
     });
 }
