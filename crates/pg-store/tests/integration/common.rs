@@ -51,4 +51,11 @@ impl StateUnderTest for PgState {
             "UPDATE bigfleet_machines SET started_ms = NULL, deadline_ms = NULL, grace_ms = NULL",
         );
     }
+
+    fn set_deadline_ms(&self, id: &str, deadline_ms: u64) {
+        // Machine ids in the contract are plain ASCII (`m-2`).
+        self.schema.admin(&format!(
+            "UPDATE bigfleet_machines SET deadline_ms = {deadline_ms} WHERE id = '{id}'"
+        ));
+    }
 }

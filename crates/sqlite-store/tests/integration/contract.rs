@@ -49,6 +49,15 @@ impl StateUnderTest for SqliteState {
     fn forget_windows(&self) {
         self.execute("UPDATE machines SET started_ms = NULL, deadline_ms = NULL, grace_ms = NULL");
     }
+
+    fn set_deadline_ms(&self, id: &str, deadline_ms: u64) {
+        let conn = rusqlite::Connection::open(&self.path).expect("open the state file");
+        conn.execute(
+            "UPDATE machines SET deadline_ms = ?1 WHERE id = ?2",
+            rusqlite::params![deadline_ms as i64, id],
+        )
+        .expect("set the deadline");
+    }
 }
 
 provider_testkit::store_contract_tests!(fresh());

@@ -27,6 +27,7 @@ pub use resume::{
     a_configure_without_a_readiness_check_cannot_resume_and_says_why,
     a_record_stored_without_a_window_is_failed_as_before,
     a_restart_after_the_deadline_fails_the_transition_as_timed_out,
+    a_resumed_configure_whose_node_never_gets_ready_says_the_outcome_is_unknown,
     every_interrupted_transition_resumes_under_its_operation_id,
     shutdown_refuses_mutations_and_waits_for_transitions_to_land,
 };
@@ -57,6 +58,10 @@ pub trait StateUnderTest: Send + Sync + 'static {
     /// Clear every stored transition window, as a state written before
     /// windows were stored has them.
     fn forget_windows(&self);
+
+    /// Set machine `id`'s stored transition deadline (wall-clock
+    /// milliseconds), behind the store's back.
+    fn set_deadline_ms(&self, id: &str, deadline_ms: u64);
 }
 
 /// Every case as a `#[test]`: `store_contract_tests!(EXPR)` where `EXPR`
@@ -75,7 +80,8 @@ macro_rules! store_contract_tests {
             a_restart_after_the_deadline_fails_the_transition_as_timed_out,
             a_configure_without_a_readiness_check_cannot_resume_and_says_why,
             a_record_stored_without_a_window_is_failed_as_before,
-            shutdown_refuses_mutations_and_waits_for_transitions_to_land
+            shutdown_refuses_mutations_and_waits_for_transitions_to_land,
+            a_resumed_configure_whose_node_never_gets_ready_says_the_outcome_is_unknown
         );
     };
     (@each $fresh:expr; $($case:ident),*) => {

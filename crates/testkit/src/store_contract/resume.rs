@@ -379,20 +379,17 @@ pub fn shutdown_refuses_mutations_and_waits_for_transitions_to_land<S: StateUnde
     });
 }
 
-#[test]
-fn a_resumed_configure_whose_node_never_gets_ready_says_the_outcome_is_unknown() {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("state.db");
-    first_life(&path);
+pub fn a_resumed_configure_whose_node_never_gets_ready_says_the_outcome_is_unknown<
+    S: StateUnderTest,
+>(
+    state: S,
+) {
+    first_life(&state);
     // What is left of the Configure's window: 300 ms from now.
-    let conn = rusqlite::Connection::open(&path).unwrap();
-    conn.execute(
-        "UPDATE machines SET deadline_ms = \
-         CAST((julianday('now') - 2440587.5) * 86400000 AS INTEGER) + 300 WHERE id = 'm-2'",
-        [],
-    )
-    .unwrap();
-    drop(conn);
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64);
+    state.set_deadline_ms("m-2", now_ms + 300);
 
     let rt = runtime();
     rt.block_on(async {
@@ -401,7 +398,7 @@ fn a_resumed_configure_whose_node_never_gets_ready_says_the_outcome_is_unknown()
             never_ready: true,
             ..HeldBackend::default()
         });
-        let engine = start(&path, backend.clone()).await;
+        let engine = start(&state, backend.clone()).await;
         let m = wait_for_state(&engine, "m-2", State::Failed).await;
         assert!(
             m.last_error.starts_with("Configure timed out after ")
