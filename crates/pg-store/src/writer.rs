@@ -47,6 +47,11 @@ const ADVANCE: &str = "UPDATE bigfleet_meta SET commit_seq = $1 WHERE id = 1 AND
 
 const READ_SEQ: &str = "SELECT commit_seq FROM bigfleet_meta WHERE id = 1";
 
+/// How long the last round before the store stops may take: an unreachable
+/// database must not hold the process's exit for the pool's timeouts
+/// (what it could not commit was never acknowledged).
+const SHUTDOWN_ROUND: Duration = Duration::from_secs(10);
+
 /// How long the writer waits before retrying changes whose commit failed
 /// when no new submission arrives to carry them.
 const RETRY_INTERVAL: Duration = Duration::from_secs(1);
@@ -186,7 +191,21 @@ pub(crate) async fn writer_loop(
         let idle = writer.carry.is_empty() && writer.doubt.is_none();
         let (changes, upto, shutdown) = next_round(&shared, idle).await;
         writer.carry.merge(changes);
-        match round(&shared, &pool, &mut writer).await {
+        let outcome = if shutdown {
+            tokio::time::timeout(SHUTDOWN_ROUND, round(&shared, &pool, &mut writer))
+                .await
+                .unwrap_or_else(|_| {
+                    Err(StoreError::closed(format!(
+                        "PostgreSQL state {}: stopped before the last changes were committed \
+                         (no answer within {}s)",
+                        shared.target,
+                        SHUTDOWN_ROUND.as_secs()
+                    )))
+                })
+        } else {
+            round(&shared, &pool, &mut writer).await
+        };
+        match outcome {
             Ok(()) => shared.failures.lock().clear(),
             Err(error) => {
                 tracing::error!(state = %shared.target, error = %error, "state commit failed");
