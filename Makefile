@@ -15,7 +15,7 @@ BFC := $(DEBUG_DIR)/bfconformance
 SEED_FLAG := $(if $(SEED),--seed $(SEED),)
 
 .PHONY: build build-proxmox run-fake test test-proxmox lint fmt certify-proxmox \
-        report-proxmox report-ci certify-pve-sim scale-100k mutation-check bench bench-memory bench-replicas bench-configure crash-1000 crash-real fuzz \
+        report-proxmox report-ci report-durable-postgres certify-pve-sim scale-100k mutation-check bench bench-memory bench-replicas bench-configure crash-1000 crash-real fuzz \
         image-rootfs chart-render
 
 build:
@@ -33,12 +33,16 @@ run-fake:
 
 # Everything CI runs: lint, the image's root filesystem (booted by
 # deploy-check's image_rootfs test), every crate's tests, the mutation check
-# and the certification lanes (core, cloud, fault, durable, 10k scale).
-test: lint image-rootfs test-proxmox mutation-check certify-proxmox report-ci certify-pve-sim
+# and the certification lanes (core, cloud, fault, durable, 10k scale; the
+# durable lane again with the state in PostgreSQL).
+test: lint image-rootfs test-proxmox mutation-check certify-proxmox report-ci report-durable-postgres certify-pve-sim
 
+# The PostgreSQL store's tests need a server: scripts/pg-throwaway.sh starts
+# a throwaway one for the run (unless BIGFLEET_TEST_POSTGRES_URL names one);
+# without PostgreSQL's server binaries they skip, saying so (CI fails them).
 test-proxmox:
 	$(CARGO) build -p bigfleet-proxmox -p conformance -p pve-sim
-	BIGFLEET_IMAGE_ROOTFS=$(abspath $(IMAGE_ROOTFS)) $(CARGO) test --workspace
+	BIGFLEET_IMAGE_ROOTFS=$(abspath $(IMAGE_ROOTFS)) scripts/pg-throwaway.sh run -- $(CARGO) test --workspace
 
 # The container image's root filesystem, without a Docker engine: the static
 # (musl) release binary, CA bundle, passwd/group and /var/lib/bigfleet, built
@@ -81,6 +85,16 @@ report-proxmox:
 # What CI certifies: every lane, scale at 10k machines.
 report-ci:
 	$(MAKE) report-proxmox PROFILE=core,cloud,fault,durable,scale
+
+# The durable lane with the provider's state in PostgreSQL: a database of
+# its own in a throwaway cluster (scripts/pg-throwaway.sh; needs PostgreSQL's
+# server binaries), JUnit + JSON under $(OUT)/durable-postgres.
+report-durable-postgres:
+	$(CARGO) build -p bigfleet-proxmox -p conformance
+	env -u BIGFLEET_TEST_POSTGRES_URL scripts/pg-throwaway.sh run -- bash -c \
+	  'test -n "$$BIGFLEET_TEST_POSTGRES_URL" || { echo "report-durable-postgres needs PostgreSQL (apt-get install postgresql)" >&2; exit 1; }; \
+	   $(BFC) --provider proxmox --provider-bin $(BIN) --profile durable --durable-state "$$BIGFLEET_TEST_POSTGRES_URL" \
+	     --out $(OUT)/durable-postgres $(SEED_FLAG)'
 
 # The real Proxmox backend against pve-sim: core, cloud and durable lanes,
 # then docs/certification.md's certify-a-real-endpoint recipe as written.

@@ -54,6 +54,9 @@ pub struct RunConfig {
     pub test_timeout: Duration,
     pub log_dir: PathBuf,
     pub durable_slow_latency: String,
+    /// The durable lane's `--state` instead of a fresh file (an empty
+    /// PostgreSQL database's URL, say).
+    pub durable_state: Option<String>,
     /// Print one line per finished test, not only failures.
     pub verbose: bool,
     /// Which baseline runs first (`$BIGFLEET_SRC`).
@@ -100,6 +103,7 @@ impl RunConfig {
                     .unwrap_or(0)
             )),
             durable_slow_latency: "5s".into(),
+            durable_state: None,
             verbose: false,
             baseline: Baseline::from_env(),
             runner_bin: None,
@@ -635,6 +639,7 @@ async fn durable_lane(st: &Arc<State>) -> anyhow::Result<()> {
         seed: cfg.seed,
         slow_latency: cfg.durable_slow_latency.clone(),
         log_dir: cfg.log_dir.clone(),
+        state: cfg.durable_state.clone(),
     };
     let run = durable::prepare(&opts).await?;
     for b in BEHAVIORS {

@@ -181,9 +181,15 @@ pub struct Args {
     #[arg(long, default_value = "24h", value_parser = parse_duration)]
     pub reclaim_failed_after: Duration,
 
-    /// Durable state location; empty = in memory.
+    /// Durable state: a file path (SQLite), or postgres://USER@HOST:PORT/DB?sslmode=...
+    /// (also postgresql://); empty = in memory.
     #[arg(long, default_value = "")]
     pub state: String,
+
+    /// File holding the PostgreSQL password of a postgres:// --state; unset,
+    /// PGPASSWORD, then the password file PGPASSFILE or ~/.pgpass.
+    #[arg(long)]
+    pub state_password_file: Option<PathBuf>,
 
     /// Metrics and probes listener (/metrics, /healthz, /readyz); empty = off.
     /// Unset, it is the default below, and a default that is already taken is

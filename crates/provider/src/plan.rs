@@ -124,8 +124,58 @@ pub struct Plan {
     pub serving: ServingConfig,
     pub reconcile: ReconcileConfig,
     /// The durable state; None keeps it in memory.
-    pub state: Option<PathBuf>,
+    pub state: Option<StateConfig>,
     pub engine: EngineOptions,
+}
+
+/// Where `--state` keeps the state.
+#[derive(Clone, Debug)]
+pub enum StateConfig {
+    /// A path: an SQLite database (or the reference's JSON state, imported).
+    Sqlite(PathBuf),
+    /// A `postgres://` or `postgresql://` URL (boxed: the connection
+    /// settings are large beside a path).
+    Postgres {
+        target: Box<pg_store::Target>,
+        options: pg_store::PgOptions,
+    },
+}
+
+impl StateConfig {
+    /// What the start-up line names as the store (`sqlite:PATH`, the URL).
+    pub fn describe(&self) -> String {
+        match self {
+            StateConfig::Sqlite(path) => format!("sqlite:{}", path.display()),
+            StateConfig::Postgres { target, .. } => target.display().to_string(),
+        }
+    }
+}
+
+/// `--state`: empty keeps the state in memory, a `postgres://` URL names a
+/// database, anything else is a path. `--state-password-file` only means
+/// something with a database.
+fn state(args: &Args) -> Result<Option<StateConfig>, ConfigError> {
+    let state = args.state.trim();
+    if !pg_store::is_postgres_url(state) {
+        if let Some(file) = &args.state_password_file {
+            return Err(ConfigError::invalid(format!(
+                "--state-password-file {} needs --state postgres://...: a state file has no \
+                 password",
+                file.display()
+            )));
+        }
+        return Ok(Some(state)
+            .filter(|s| !s.is_empty())
+            .map(|s| StateConfig::Sqlite(PathBuf::from(s))));
+    }
+    let target = pg_store::Target::parse(state)
+        .map_err(|e| ConfigError::invalid_because(e.to_string(), e))?;
+    Ok(Some(StateConfig::Postgres {
+        target: Box::new(target),
+        options: pg_store::PgOptions {
+            password_file: args.state_password_file.clone(),
+        },
+    }))
 }
 
 fn choose_backend(args: &Args) -> Result<BackendKind, ConfigError> {
@@ -461,9 +511,7 @@ pub fn plan(args: &Args) -> Result<Plan, ConfigError> {
         },
     };
     let engine = engine_options(args)?;
-    let state = Some(args.state.trim())
-        .filter(|s| !s.is_empty())
-        .map(PathBuf::from);
+    let state = state(args)?;
     Ok(Plan {
         backend,
         catalog,
@@ -573,5 +621,61 @@ mod tests {
         assert_eq!(e.kind(), crate::ConfigErrorKind::Unreadable);
         let cause = std::error::Error::source(&e).expect("the I/O cause");
         assert!(cause.downcast_ref::<std::io::Error>().is_some());
+    }
+
+    #[test]
+    fn state_is_nothing_a_path_or_a_postgres_url() {
+        let fake = |extra: &[&str]| {
+            let mut all = vec!["--use-fake-backend"];
+            all.extend_from_slice(extra);
+            plan(&args(&all))
+        };
+        assert!(fake(&[]).expect("plan").state.is_none());
+        let sqlite = fake(&["--state", "/var/lib/bigfleet/state.db"]).expect("plan");
+        assert!(
+            matches!(&sqlite.state, Some(StateConfig::Sqlite(p)) if p.ends_with("state.db")),
+            "{:?}",
+            sqlite.state
+        );
+        let pg = fake(&[
+            "--state",
+            "postgresql://bf@db.example:5433/bigfleet?sslmode=verify-full&sslrootcert=/ca.pem",
+            "--state-password-file",
+            "/run/secrets/pg",
+        ])
+        .expect("plan");
+        let Some(StateConfig::Postgres { target, options }) = &pg.state else {
+            panic!("{:?}", pg.state);
+        };
+        assert_eq!(target.display(), "postgres://bf@db.example:5433/bigfleet");
+        assert_eq!(
+            options.password_file.as_deref(),
+            Some(std::path::Path::new("/run/secrets/pg"))
+        );
+        assert_eq!(
+            pg.state.as_ref().map(StateConfig::describe).as_deref(),
+            Some("postgres://bf@db.example:5433/bigfleet")
+        );
+    }
+
+    #[test]
+    fn a_password_file_without_a_database_or_an_unverified_url_is_refused() {
+        let e = plan(&args(&[
+            "--use-fake-backend",
+            "--state",
+            "state.db",
+            "--state-password-file",
+            "/run/secrets/pg",
+        ]))
+        .expect_err("a file has no password");
+        assert!(e.to_string().contains("needs --state postgres://"), "{e}");
+        let e = plan(&args(&[
+            "--use-fake-backend",
+            "--state",
+            "postgres://bf@db/bigfleet?sslmode=require",
+        ]))
+        .expect_err("require does not verify the server");
+        assert_eq!(e.kind(), crate::ConfigErrorKind::Invalid);
+        assert!(e.to_string().contains("use sslmode=verify-full"), "{e}");
     }
 }

@@ -23,7 +23,7 @@ use crate::guard::{GuardedCapacity, IdentityGuard};
 use crate::identity::IdentityCheck;
 use crate::layers::{CatchPanicLayer, ObserveLayer};
 use crate::metrics::Metrics;
-use crate::plan::{BackendConfig, Plan, ProxmoxAccess, ProxmoxConfig};
+use crate::plan::{BackendConfig, Plan, ProxmoxAccess, ProxmoxConfig, StateConfig};
 use proxmox_backend::backend::ProxmoxBackend;
 use proxmox_backend::fake::FakeCluster;
 use proxmox_backend::proxmox::{PveOptions, PveSubstrate};
@@ -139,9 +139,28 @@ pub fn http_router(metrics: Arc<Metrics>, ready: Readiness) -> Router {
 }
 
 fn open_store(plan: &Plan) -> Result<Arc<dyn Store>, StartupError> {
-    let Some(path) = &plan.state else {
-        return Ok(Arc::new(MemoryStore::new()));
-    };
+    match &plan.state {
+        None => Ok(Arc::new(MemoryStore::new())),
+        Some(StateConfig::Sqlite(path)) => open_sqlite(path),
+        Some(StateConfig::Postgres { target, options }) => {
+            let store = pg_store::PgStore::open(target, options)?;
+            let report = store.report();
+            if report.created {
+                tracing::info!(url = %store.target(), "state created");
+            } else {
+                tracing::info!(
+                    url = %store.target(),
+                    machines = report.machines,
+                    fence_marks = report.fence_marks,
+                    "state loaded"
+                );
+            }
+            Ok(Arc::new(store))
+        }
+    }
+}
+
+fn open_sqlite(path: &std::path::Path) -> Result<Arc<dyn Store>, StartupError> {
     let store = sqlite_store::SqliteStore::open(path)?;
     // Says which of the two happened, so a state that was expected but
     // silently replaced by a fresh one shows in the first lines of the log.
@@ -641,6 +660,6 @@ fn tls_handshakes(
 fn engine_store_name(plan: &Plan) -> String {
     match &plan.state {
         None => "memory".into(),
-        Some(p) => format!("sqlite:{}", p.display()),
+        Some(state) => state.describe(),
     }
 }

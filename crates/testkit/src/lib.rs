@@ -15,6 +15,11 @@
 //! ([`logs`]); what the host has ([`host`]).
 //!
 //! With `proptest`, the fuzz targets' shared generators (`fuzz`).
+//!
+//! With `store-contract`, the `Store` contract suite every durable store
+//! runs (`store_contract`). With `postgres`, a schema of its own per test in
+//! the PostgreSQL test server named by `BIGFLEET_TEST_POSTGRES_URL`
+//! (`postgres`).
 
 #[cfg(feature = "provider")]
 pub mod engine;
@@ -23,6 +28,10 @@ pub mod fuzz;
 pub mod host;
 pub mod http;
 pub mod logs;
+#[cfg(feature = "postgres")]
+pub mod postgres;
+#[cfg(feature = "store-contract")]
+pub mod store_contract;
 pub mod wait;
 
 use std::net::SocketAddr;

@@ -71,6 +71,10 @@ struct Cli {
     only: Option<Vec<String>>,
     #[arg(long, default_value_t = 8)]
     concurrency: usize,
+    /// The durable lane's provider --state, e.g. a postgres:// URL of an empty
+    /// database (default: a fresh state.json in a temporary directory).
+    #[arg(long)]
+    durable_state: Option<String>,
     #[arg(short, long)]
     verbose: bool,
 }
@@ -110,6 +114,7 @@ async fn main_inner(cli: Cli) -> anyhow::Result<bool> {
     cfg.fault_bin = cli.fault_bin.clone();
     cfg.only = cli.only.clone();
     cfg.verbose = cli.verbose;
+    cfg.durable_state = cli.durable_state.clone();
     cfg.expect_caps = cli.expect_cap.clone();
     // A flag given with --provider-arg replaces the runner's default for it.
     let mut defaults = std::mem::take(&mut cfg.provider_args)

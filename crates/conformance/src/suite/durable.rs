@@ -1,6 +1,8 @@
 //! Durability / restart (B1001–B1007): the runner owns the provider process, boots it with
 //! `--state=<dir>/state.json` (named as the published runner names it), drives machines into stable and transitional states, kill -9s it,
 //! restarts it on the same state path and asserts what survived. Lost state FAILS.
+//! `--durable-state` names another state instead (a `postgres://` URL of an
+//! empty database, say).
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::PathBuf;
@@ -48,12 +50,15 @@ pub struct DurableOpts {
     pub slow_latency: String,
     /// Where the provider's output goes (kept after the run).
     pub log_dir: PathBuf,
+    /// The `--state` to use instead of a fresh `state.json`: it must be
+    /// empty (a path that does not exist, a database without the schema).
+    pub state: Option<String>,
 }
 
-fn args(o: &DurableOpts, state: &std::path::Path, latency: Option<&str>) -> Vec<String> {
+fn args(o: &DurableOpts, state: &str, latency: Option<&str>) -> Vec<String> {
     let mut a = o.base_args.clone();
     // One `--state=PATH` argument, as the published runner passes it.
-    a.push(format!("--state={}", state.display()));
+    a.push(format!("--state={state}"));
     if let Some(l) = latency {
         a.push("--fake-latency".into());
         a.push(l.into());
@@ -66,7 +71,10 @@ pub async fn prepare(o: &DurableOpts) -> anyhow::Result<Arc<DurableRun>> {
     let dir = tempfile::tempdir().context("creating the durable-lane state dir")?;
     // The published runner names the state file `*.json`; the provider
     // must take that name as it is.
-    let state = dir.path().join("state.json");
+    let state = match &o.state {
+        Some(state) => state.clone(),
+        None => dir.path().join("state.json").display().to_string(),
+    };
     let log = o.log_dir.join("provider-durable.log");
     let ready = Duration::from_secs(60);
     let (mut proc, client) =

@@ -46,6 +46,7 @@ const SPEC_FLAGS: &[&str] = &[
     "--bootstrap-exec",
     "--reconcile-interval",
     "--state",
+    "--state-password-file",
     "--metrics-addr",
     "--reflection",
     "--tls-cert",

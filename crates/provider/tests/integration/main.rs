@@ -1,9 +1,10 @@
 //! The `bigfleet-proxmox` binary's tests, one test binary (each file a
 //! module): start-up validation, TLS, caller identities under mTLS and the
 //! admin listener, limits,
-//! readiness, observability, secrets in logs, the operator client, and the
-//! binary on the real backend against pve-sim, and resumption after a
-//! restart (kill -9 inside each transition, SIGTERM). Most boot the built binary
+//! readiness, observability, secrets in logs, PostgreSQL state, the
+//! operator client, the binary on the real backend against pve-sim, and
+//! resumption after a restart (kill -9 inside each transition, SIGTERM).
+//! Most boot the built binary
 //! as a child process; the kill -9 campaigns (`crash`, `crash_real`) stay
 //! binaries of their own, run by name by `make crash-1000` and
 //! `make crash-real`.
@@ -18,6 +19,7 @@ mod limits;
 mod list_share;
 mod observability;
 mod offline_start;
+mod pg_state;
 mod proxmox_qga;
 mod readiness;
 mod resume;

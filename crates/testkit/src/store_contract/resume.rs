@@ -1,13 +1,12 @@
-//! A restart costs no capacity: on a SqliteStore, every transition the
+//! A restart costs no capacity: on the store, every transition the
 //! previous process left in flight continues under its operation id and
 //! its original deadline, or ends FAILED saying why it could not.
 //!
 //! Each "process" is a runtime that is dropped with its work still held
 //! (what a kill -9 leaves: the acceptance is durable, the outcome never
-//! landed); the next one opens the same file.
+//! landed); the next one opens the same state.
 
 use std::collections::HashMap;
-use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -15,13 +14,14 @@ use std::time::Duration;
 use async_trait::async_trait;
 use bigfleet_proto::v1alpha1 as pb;
 use parking_lot::Mutex;
-use provider_testkit::engine::wait_for_state;
 use providerkit::{
     Backend, BackendError, CatalogFacts, ConfigureCtx, CreateCtx, DeleteCtx, DrainCtx, Engine,
     EngineOptions, KitError, ResumeOutcome, SlotSpec, State, SubstrateHost, Timeouts, Token,
     TransitionKind,
 };
-use sqlite_store::SqliteStore;
+
+use super::{runtime, StateUnderTest};
+use crate::engine::wait_for_state;
 
 /// A substrate whose every step can be held (a "process" dies while it is)
 /// and that records what each step was asked.
@@ -131,17 +131,11 @@ fn options() -> EngineOptions {
     }
 }
 
-fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap()
-}
-
-async fn start(path: &Path, backend: Arc<HeldBackend>) -> Arc<Engine> {
-    let store = Arc::new(SqliteStore::open(path).unwrap());
-    Engine::start(backend, store, options()).await.unwrap()
+async fn start<S: StateUnderTest>(state: &S, backend: Arc<HeldBackend>) -> Arc<Engine> {
+    let store = Arc::new(state.open());
+    Engine::start(backend, store, options())
+        .await
+        .expect("the engine starts")
 }
 
 fn tok(seq: i64) -> Token {
@@ -156,25 +150,14 @@ fn count(engine: &Engine, kind: TransitionKind, outcome: ResumeOutcome) -> u64 {
         .map_or(0, |(_, _, n)| n)
 }
 
-/// Set every stored transition's deadline to its start: the restart came
-/// after the deadline.
-fn expire_windows(path: &Path) {
-    let conn = rusqlite::Connection::open(path).unwrap();
-    conn.execute(
-        "UPDATE machines SET deadline_ms = started_ms WHERE started_ms IS NOT NULL",
-        [],
-    )
-    .unwrap();
-}
-
 /// The first process: m-0 IDLE, m-1 CONFIGURED, m-2 IDLE; then, held:
 /// m-3 CREATING, m-0 DELETING, m-1 DRAINING (grace 7 s), m-2 CONFIGURING.
 /// Returns the operation ids of the held transitions.
-fn first_life(path: &Path) -> HashMap<&'static str, String> {
+fn first_life<S: StateUnderTest>(state: &S) -> HashMap<&'static str, String> {
     let rt = runtime();
     rt.block_on(async {
         let backend = Arc::new(HeldBackend::default());
-        let engine = start(path, backend.clone()).await;
+        let engine = start(state, backend.clone()).await;
         for (i, id) in ["m-0", "m-1", "m-2"].iter().enumerate() {
             engine.create(id, tok(10 * i as i64 + 1)).await.unwrap();
             wait_for_state(&engine, id, State::Idle).await;
@@ -223,11 +206,8 @@ fn first_life(path: &Path) -> HashMap<&'static str, String> {
     // The runtime drops here with every held step still running: a crash.
 }
 
-#[test]
-fn every_interrupted_transition_resumes_under_its_operation_id() {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("state.db");
-    let ops = first_life(&path);
+pub fn every_interrupted_transition_resumes_under_its_operation_id<S: StateUnderTest>(state: S) {
+    let ops = first_life(&state);
 
     let rt = runtime();
     rt.block_on(async {
@@ -235,7 +215,7 @@ fn every_interrupted_transition_resumes_under_its_operation_id() {
             readiness: true,
             ..HeldBackend::default()
         });
-        let engine = start(&path, backend.clone()).await;
+        let engine = start(&state, backend.clone()).await;
         let idle = wait_for_state(&engine, "m-3", State::Idle).await;
         assert_eq!(idle.host.unwrap().r#ref, "z1/m-3");
         let spec = wait_for_state(&engine, "m-0", State::Speculative).await;
@@ -283,17 +263,14 @@ fn every_interrupted_transition_resumes_under_its_operation_id() {
     });
 }
 
-#[test]
-fn a_restart_after_the_deadline_fails_the_transition_as_timed_out() {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("state.db");
-    first_life(&path);
-    expire_windows(&path);
+pub fn a_restart_after_the_deadline_fails_the_transition_as_timed_out<S: StateUnderTest>(state: S) {
+    first_life(&state);
+    state.expire_windows();
 
     let rt = runtime();
     rt.block_on(async {
         let backend = Arc::new(HeldBackend::default());
-        let engine = start(&path, backend.clone()).await;
+        let engine = start(&state, backend.clone()).await;
         let m = engine.get("m-3").unwrap();
         assert_eq!(m.state, pb::MachineState::Failed as i32);
         assert_eq!(
@@ -315,16 +292,15 @@ fn a_restart_after_the_deadline_fails_the_transition_as_timed_out() {
     });
 }
 
-#[test]
-fn a_configure_without_a_readiness_check_cannot_resume_and_says_why() {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("state.db");
-    first_life(&path);
+pub fn a_configure_without_a_readiness_check_cannot_resume_and_says_why<S: StateUnderTest>(
+    state: S,
+) {
+    first_life(&state);
 
     let rt = runtime();
     rt.block_on(async {
         let backend = HeldBackend::held();
-        let engine = start(&path, backend.clone()).await;
+        let engine = start(&state, backend.clone()).await;
         let m = engine.get("m-2").unwrap();
         assert_eq!(m.state, pb::MachineState::Failed as i32);
         assert!(
@@ -355,22 +331,13 @@ fn a_configure_without_a_readiness_check_cannot_resume_and_says_why() {
     });
 }
 
-#[test]
-fn a_record_stored_without_a_window_is_failed_as_before() {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("state.db");
-    first_life(&path);
-    let conn = rusqlite::Connection::open(&path).unwrap();
-    conn.execute(
-        "UPDATE machines SET started_ms = NULL, deadline_ms = NULL, grace_ms = NULL",
-        [],
-    )
-    .unwrap();
-    drop(conn);
+pub fn a_record_stored_without_a_window_is_failed_as_before<S: StateUnderTest>(state: S) {
+    first_life(&state);
+    state.forget_windows();
 
     let rt = runtime();
     rt.block_on(async {
-        let engine = start(&path, HeldBackend::held()).await;
+        let engine = start(&state, HeldBackend::held()).await;
         let m = engine.get("m-3").unwrap();
         assert_eq!(m.state, pb::MachineState::Failed as i32);
         assert_eq!(
@@ -385,14 +352,11 @@ fn a_record_stored_without_a_window_is_failed_as_before() {
     });
 }
 
-#[test]
-fn shutdown_refuses_mutations_and_waits_for_transitions_to_land() {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("state.db");
+pub fn shutdown_refuses_mutations_and_waits_for_transitions_to_land<S: StateUnderTest>(state: S) {
     let rt = runtime();
     rt.block_on(async {
         let backend = HeldBackend::held();
-        let engine = start(&path, backend.clone()).await;
+        let engine = start(&state, backend.clone()).await;
         engine.create("m-0", tok(1)).await.unwrap();
         assert_eq!(engine.transitions_running(), 1);
         engine.stop_accepting();
@@ -415,20 +379,17 @@ fn shutdown_refuses_mutations_and_waits_for_transitions_to_land() {
     });
 }
 
-#[test]
-fn a_resumed_configure_whose_node_never_gets_ready_says_the_outcome_is_unknown() {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("state.db");
-    first_life(&path);
+pub fn a_resumed_configure_whose_node_never_gets_ready_says_the_outcome_is_unknown<
+    S: StateUnderTest,
+>(
+    state: S,
+) {
+    first_life(&state);
     // What is left of the Configure's window: 300 ms from now.
-    let conn = rusqlite::Connection::open(&path).unwrap();
-    conn.execute(
-        "UPDATE machines SET deadline_ms = \
-         CAST((julianday('now') - 2440587.5) * 86400000 AS INTEGER) + 300 WHERE id = 'm-2'",
-        [],
-    )
-    .unwrap();
-    drop(conn);
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64);
+    state.set_deadline_ms("m-2", now_ms + 300);
 
     let rt = runtime();
     rt.block_on(async {
@@ -437,7 +398,7 @@ fn a_resumed_configure_whose_node_never_gets_ready_says_the_outcome_is_unknown()
             never_ready: true,
             ..HeldBackend::default()
         });
-        let engine = start(&path, backend.clone()).await;
+        let engine = start(&state, backend.clone()).await;
         let m = wait_for_state(&engine, "m-2", State::Failed).await;
         assert!(
             m.last_error.starts_with("Configure timed out after ")

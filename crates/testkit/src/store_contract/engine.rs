@@ -1,18 +1,18 @@
-//! The engine on a SqliteStore survives a restart: ops, fences, binding,
+//! The engine on the store survives a restart: ops, fences, binding,
 //! metadata and inventory come back, and an interrupted transition is FAILED.
 
 use std::collections::HashMap;
-use std::path::Path;
 use std::sync::Arc;
 
 use async_trait::async_trait;
 use bigfleet_proto::v1alpha1 as pb;
-use provider_testkit::engine::wait_for_state;
 use providerkit::{
     Backend, BackendError, CatalogFacts, ConfigureCtx, CreateCtx, DrainCtx, Engine, EngineOptions,
     KitError, SlotSpec, State, SubstrateHost, Token,
 };
-use sqlite_store::SqliteStore;
+
+use super::{runtime, StateUnderTest};
+use crate::engine::wait_for_state;
 
 /// Three slots; configure of `m-hang` never finishes (the "crash" window).
 struct TinyBackend;
@@ -56,25 +56,15 @@ impl Backend for TinyBackend {
     }
 }
 
-async fn start(path: &Path) -> Arc<Engine> {
-    let store = Arc::new(SqliteStore::open(path).unwrap());
+async fn start<S: StateUnderTest>(state: &S) -> Arc<Engine> {
+    let store = Arc::new(state.open());
     Engine::start(Arc::new(TinyBackend), store, EngineOptions::default())
         .await
-        .unwrap()
+        .expect("the engine starts")
 }
 
-fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap()
-}
-
-#[test]
-fn engine_state_survives_restart() {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("state.db");
+/// A second and a third life on the state see what the first left.
+pub fn engine_state_survives_restart<S: StateUnderTest>(state: S) {
     let metadata = HashMap::from([
         ("role".to_string(), "worker".to_string()),
         (
@@ -86,7 +76,7 @@ fn engine_state_survives_restart() {
     // First life: m-1 configured, m-hang stuck in CONFIGURING at the "crash".
     let rt = runtime();
     let (create_op, configure_op, before) = rt.block_on(async {
-        let engine = start(&path).await;
+        let engine = start(&state).await;
         assert_eq!(engine.machine_count(), 3);
         let create = engine.create("m-1", Token::new("s1", 1, 1)).await.unwrap();
         wait_for_state(&engine, "m-1", State::Idle).await;
@@ -126,7 +116,7 @@ fn engine_state_survives_restart() {
 
     let rt = runtime();
     rt.block_on(async {
-        let engine = start(&path).await;
+        let engine = start(&state).await;
         assert_eq!(engine.machine_count(), 3, "no machine lost or duplicated");
 
         let m1 = engine.get("m-1").unwrap();
@@ -198,7 +188,7 @@ fn engine_state_survives_restart() {
     // The recovery itself was made durable: a third life still sees FAILED.
     let rt = runtime();
     rt.block_on(async {
-        let engine = start(&path).await;
+        let engine = start(&state).await;
         let hang = engine.get("m-hang").unwrap();
         assert_eq!(hang.state, State::Failed.to_wire() as i32);
         let m1 = engine.get("m-1").unwrap();

@@ -1,0 +1,333 @@
+//! Durable providerkit state in a PostgreSQL database (`--state
+//! postgres://...`).
+//!
+//! [`Store::submit`] only appends to an in-memory queue; one writer task
+//! drains everything queued into a single transaction and publishes the
+//! highest committed ticket, so one commit acknowledges many concurrent
+//! mutations (group commit), as the SQLite store does. Connections come
+//! from a bounded pool ([`POOL_SIZE`]) that reconnects on demand; a commit
+//! whose answer was lost is resolved by reading a commit sequence written
+//! in the same transaction, never by writing it again (see `writer`). The
+//! schema is versioned and created or migrated at start-up (`schema`).
+//!
+//! The client is `tokio-postgres` (async, the most used PostgreSQL client
+//! in Rust, with the `deadpool-postgres` pool); it runs on a small runtime
+//! of the store's own thread, so [`Store::load`], which is synchronous,
+//! can wait for it from anywhere, and so can `Drop`.
+//!
+//! One provider per database in this version: a second one writing the
+//! same state is detected by the commit sequence and its commits fail
+//! (leadership between replicas comes later).
+//!
+//! Modules: `target` (the URL, TLS and the password), `schema` (what is in
+//! the database), `writer` (group commit and the resolution of lost
+//! answers), `decode` (loading), `error` (messages).
+
+mod decode;
+mod error;
+mod schema;
+mod target;
+mod writer;
+
+use std::path::PathBuf;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
+use futures::future::BoxFuture;
+use providerkit::{Change, Loaded, Store, StoreError, Ticket};
+use tokio::sync::watch;
+
+use crate::error::{pg_error, pool_error};
+use crate::writer::{writer_loop, Shared};
+
+pub use schema::SCHEMA_VERSION;
+pub use target::{is_postgres_url, pgpass_lookup, Target, TargetError, Tls};
+
+/// Connections the store keeps at most: the writer's, one for start-up
+/// loads and one for reading a commit's outcome on a fresh connection
+/// while the writer's is being replaced, and one to spare.
+pub const POOL_SIZE: usize = 4;
+
+/// How long a caller waits for a pooled connection, and a new connection
+/// may take to be made, before the attempt counts as failed.
+const POOL_TIMEOUT: Duration = Duration::from_secs(15);
+
+/// How [`PgStore::open`] connects, besides the URL.
+#[derive(Clone, Debug, Default)]
+pub struct PgOptions {
+    /// A file holding the password (`--state-password-file`); unset, libpq's
+    /// sources are used: `PGPASSWORD`, then `PGPASSFILE` (default
+    /// `~/.pgpass`).
+    pub password_file: Option<PathBuf>,
+}
+
+/// What [`PgStore::open`] found, for the start-up log.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct OpenReport {
+    /// The database had no state schema: it was created.
+    pub created: bool,
+    /// Machine records in the state when it was opened.
+    pub machines: u64,
+    /// Fence marks in the state when it was opened.
+    pub fence_marks: u64,
+}
+
+/// A [`Store`] backed by a PostgreSQL database.
+pub struct PgStore {
+    target: String,
+    report: OpenReport,
+    shared: Arc<Shared>,
+    pool: Pool,
+    done: watch::Receiver<Ticket>,
+    runtime: tokio::runtime::Handle,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl PgStore {
+    /// Connect, create or migrate the schema to [`SCHEMA_VERSION`], and
+    /// start the writer. Blocks until the database answered (or refused).
+    pub fn open(target: &Target, options: &PgOptions) -> Result<PgStore, StoreError> {
+        let name = target.display().to_string();
+        let config_error = |e: TargetError| StoreError::inaccessible(e.to_string()).with_source(e);
+        let config = target
+            .config_with_password(options.password_file.as_deref())
+            .map_err(config_error)?;
+        let manager_config = ManagerConfig {
+            recycling_method: RecyclingMethod::Fast,
+        };
+        let manager = match target.connector().map_err(config_error)? {
+            Some(tls) => Manager::from_config(config, tls, manager_config),
+            None => Manager::from_config(config, tokio_postgres::NoTls, manager_config),
+        };
+        let pool = Pool::builder(manager)
+            .max_size(POOL_SIZE)
+            .wait_timeout(Some(POOL_TIMEOUT))
+            .create_timeout(Some(POOL_TIMEOUT))
+            .recycle_timeout(Some(POOL_TIMEOUT))
+            .runtime(Runtime::Tokio1)
+            .build()
+            .map_err(|e| {
+                StoreError::unavailable(format!(
+                    "PostgreSQL state {name}: cannot build the connection pool: {e}"
+                ))
+                .with_source(e)
+            })?;
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(|e| {
+                StoreError::unavailable(format!(
+                    "PostgreSQL state {name}: cannot start the store's runtime: {e}"
+                ))
+                .with_source(e)
+            })?;
+        let handle = runtime.handle().clone();
+        let shared = Arc::new(Shared::new(name.clone()));
+        let (done_tx, done) = watch::channel(0);
+        let (opened_tx, opened_rx) = std::sync::mpsc::channel();
+        let thread = {
+            let shared = Arc::clone(&shared);
+            let pool = pool.clone();
+            let writer_name = name.clone();
+            std::thread::Builder::new()
+                .name("pg-store-writer".into())
+                .spawn(move || {
+                    runtime.block_on(async move {
+                        let opened = prepare(&writer_name, &pool).await;
+                        let known = opened.as_ref().map(|o| o.commit_seq).ok();
+                        // The opener waits for this answer; gone only if it
+                        // panicked, and then nobody needs the writer.
+                        let _ = opened_tx.send(opened);
+                        if let Some(known) = known {
+                            writer_loop(shared, pool, done_tx, known).await;
+                        }
+                    });
+                })
+                .map_err(|e| {
+                    StoreError::unavailable(format!(
+                        "PostgreSQL state {name}: cannot start the writer thread: {e}"
+                    ))
+                    .with_source(e)
+                })?
+        };
+        let opened = opened_rx.recv().map_err(|e| {
+            StoreError::unavailable(format!(
+                "PostgreSQL state {name}: the writer thread stopped while opening: {e}"
+            ))
+        });
+        let opened = match opened.and_then(|o| o) {
+            Ok(opened) => opened,
+            Err(e) => {
+                // The thread ends by itself after a failed open.
+                if thread.join().is_err() {
+                    tracing::error!(state = %name, "state store writer thread panicked");
+                }
+                return Err(e);
+            }
+        };
+        Ok(PgStore {
+            target: name,
+            report: OpenReport {
+                created: opened.created,
+                machines: opened.machines,
+                fence_marks: opened.fence_marks,
+            },
+            shared,
+            pool,
+            done,
+            runtime: handle,
+            thread: Some(thread),
+        })
+    }
+
+    /// What was found at open.
+    pub fn report(&self) -> &OpenReport {
+        &self.report
+    }
+
+    /// `postgres://USER@HOST:PORT/DB`, never a password.
+    pub fn target(&self) -> &str {
+        &self.target
+    }
+
+    /// Transactions committed so far; submissions per commit shows how
+    /// well group commit is batching.
+    pub fn commits(&self) -> u64 {
+        self.shared.commits.load(Ordering::Relaxed)
+    }
+
+    /// Commits whose answer was lost and that a read of the commit
+    /// sequence found had landed (so they were not written again).
+    pub fn commits_resolved_by_reading(&self) -> u64 {
+        self.shared.resolved_by_reading.load(Ordering::Relaxed)
+    }
+
+    /// Test hook: the next commit lands, but the writer drops its
+    /// connection instead of taking the answer (a connection lost between
+    /// COMMIT and its reply).
+    #[doc(hidden)]
+    pub fn lose_next_commit_answer_for_tests(&self) {
+        self.shared.lose_next_answer.store(true, Ordering::SeqCst);
+    }
+
+    /// Run `work` on the store's runtime and wait for it from this thread
+    /// (which may be any thread, inside another runtime or not).
+    fn run<T: Send + 'static>(
+        &self,
+        work: impl std::future::Future<Output = Result<T, StoreError>> + Send + 'static,
+    ) -> Result<T, StoreError> {
+        let (tx, rx) = std::sync::mpsc::channel();
+        self.runtime.spawn(async move {
+            // Nobody left to answer only if the caller is gone.
+            let _ = tx.send(work.await);
+        });
+        rx.recv().unwrap_or_else(|_| {
+            Err(StoreError::closed(format!(
+                "PostgreSQL state {}: the store stopped",
+                self.target
+            )))
+        })
+    }
+}
+
+async fn prepare(name: &str, pool: &Pool) -> Result<schema::Opened, StoreError> {
+    let mut client = pool
+        .get()
+        .await
+        .map_err(|e| pool_error(name, "cannot connect", e))?;
+    schema::prepare(name, &mut client).await
+}
+
+impl Drop for PgStore {
+    fn drop(&mut self) {
+        // Let the writer commit what is queued (one round), then stop.
+        self.shared.queue.lock().shutdown = true;
+        self.shared.wake.notify_one();
+        if let Some(thread) = self.thread.take() {
+            if thread.join().is_err() {
+                tracing::error!(state = %self.target, "state store writer thread panicked");
+            }
+        }
+    }
+}
+
+impl Store for PgStore {
+    fn load(&self) -> Result<Loaded, StoreError> {
+        let pool = self.pool.clone();
+        let name = self.target.clone();
+        self.run(async move {
+            let mut client = pool
+                .get()
+                .await
+                .map_err(|e| pool_error(&name, "cannot connect", e))?;
+            let tx = client
+                .transaction()
+                .await
+                .map_err(|e| pg_error(&name, "cannot start the load transaction", e))?;
+            let generation: i64 = tx
+                .query_one(
+                    "UPDATE bigfleet_meta SET boot_generation = boot_generation + 1
+                     WHERE id = 1 RETURNING boot_generation",
+                    &[],
+                )
+                .await
+                .map_err(|e| pg_error(&name, "cannot start a new boot generation", e))?
+                .get(0);
+            let mut machines = decode::load_machines(&name, &tx).await?;
+            machines.sort_unstable_by_key(|m| m.rev);
+            let fences = decode::load_fences(&name, &tx).await?;
+            tx.commit()
+                .await
+                .map_err(|e| pg_error(&name, "cannot commit the new boot generation", e))?;
+            Ok(Loaded {
+                machines,
+                fences,
+                boot_generation: u64::try_from(generation).unwrap_or(0),
+            })
+        })
+    }
+
+    fn submit(&self, changes: Vec<Change>) -> Ticket {
+        let mut queue = self.shared.queue.lock();
+        if changes.is_empty() {
+            return queue.issued;
+        }
+        queue.issued += 1;
+        queue.pending.extend(changes);
+        let ticket = queue.issued;
+        drop(queue);
+        self.shared.wake.notify_one();
+        ticket
+    }
+
+    fn durable(&self, ticket: Ticket) -> BoxFuture<'static, Result<(), StoreError>> {
+        let mut done = self.done.clone();
+        let shared = Arc::clone(&self.shared);
+        Box::pin(async move {
+            if done.wait_for(|d| *d >= ticket).await.is_err() {
+                return Err(StoreError::closed(format!(
+                    "PostgreSQL state {}: the writer stopped before ticket {ticket} was committed",
+                    shared.target
+                )));
+            }
+            match shared.failure_for(ticket) {
+                Some(error) => Err(error),
+                None => Ok(()),
+            }
+        })
+    }
+
+    fn describe(&self) -> String {
+        self.target.clone()
+    }
+
+    fn health(&self) -> Result<(), StoreError> {
+        match self.shared.pending_failure() {
+            Some(error) => Err(error),
+            None => Ok(()),
+        }
+    }
+}

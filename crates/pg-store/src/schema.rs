@@ -1,0 +1,123 @@
+//! What is in the database: the versioned schema, created or migrated at
+//! start-up under an advisory lock (two providers starting at once migrate
+//! once), and the checks that refuse a schema from a newer build.
+
+use providerkit::StoreError;
+use tokio_postgres::Client;
+
+use crate::error::pg_error;
+
+/// The schema this build writes. Older schemas are migrated forward at
+/// start-up.
+pub const SCHEMA_VERSION: i64 = 1;
+
+/// The advisory lock key migrations run under ("bigfleet" in ASCII).
+const MIGRATION_LOCK: i64 = 0x6269_6766_6c65_6574;
+
+/// `MIGRATIONS[n]` takes a database from schema `n` to `n + 1`. Table
+/// names carry a `bigfleet_` prefix: the database may hold other things.
+/// The fence marks' keys are `bytea`: a shard id is the client's text and
+/// PostgreSQL's `text` cannot hold a NUL.
+const MIGRATIONS: &[&str] = &[
+    // 0 -> 1: the initial schema, with the transition windows (wall-clock
+    // milliseconds; NULL outside a transition) that SQLite's schema 2 added.
+    // `commit_seq` counts commits: each commit advances it in the same
+    // transaction, so a commit whose answer was lost is resolved by reading.
+    "CREATE TABLE bigfleet_meta (
+         id INTEGER PRIMARY KEY CHECK (id = 1),
+         schema_version BIGINT NOT NULL,
+         boot_generation BIGINT NOT NULL,
+         commit_seq BIGINT NOT NULL
+     );
+     INSERT INTO bigfleet_meta (id, schema_version, boot_generation, commit_seq)
+         VALUES (1, 0, 0, 0);
+     CREATE TABLE bigfleet_machines (
+         id TEXT PRIMARY KEY,
+         rev BIGINT NOT NULL,
+         record BYTEA NOT NULL,
+         op_create TEXT,
+         op_configure TEXT,
+         op_drain TEXT,
+         op_delete TEXT,
+         started_ms BIGINT,
+         deadline_ms BIGINT,
+         grace_ms BIGINT
+     );
+     CREATE TABLE bigfleet_fences (
+         shard_id BYTEA NOT NULL,
+         machine_id BYTEA NOT NULL,
+         epoch BIGINT NOT NULL,
+         sequence BIGINT NOT NULL,
+         PRIMARY KEY (shard_id, machine_id)
+     );",
+];
+
+/// What the database held before start-up.
+pub(crate) struct Opened {
+    pub(crate) created: bool,
+    pub(crate) commit_seq: i64,
+    pub(crate) machines: u64,
+    pub(crate) fence_marks: u64,
+}
+
+/// Create the schema if the database has none, migrate an older one, and
+/// refuse a newer one; all in one transaction under the migration lock.
+pub(crate) async fn prepare(target: &str, client: &mut Client) -> Result<Opened, StoreError> {
+    let err = |action: &str| {
+        let action = action.to_string();
+        move |e| pg_error(target, &action, e)
+    };
+    let tx = client
+        .transaction()
+        .await
+        .map_err(err("cannot start the schema transaction"))?;
+    tx.execute("SELECT pg_advisory_xact_lock($1)", &[&MIGRATION_LOCK])
+        .await
+        .map_err(err("cannot take the migration lock"))?;
+    let exists: bool = tx
+        .query_one("SELECT to_regclass('bigfleet_meta') IS NOT NULL", &[])
+        .await
+        .map_err(err("cannot read the schema"))?
+        .get(0);
+    let version: i64 = if exists {
+        tx.query_one("SELECT schema_version FROM bigfleet_meta WHERE id = 1", &[])
+            .await
+            .map_err(err("cannot read the schema version"))?
+            .get(0)
+    } else {
+        0
+    };
+    if version > SCHEMA_VERSION {
+        return Err(StoreError::incompatible(format!(
+            "PostgreSQL state {target} was written by a newer version (schema {version}, this \
+             build knows up to {SCHEMA_VERSION})"
+        )));
+    }
+    for (from, sql) in MIGRATIONS.iter().enumerate().skip(version.max(0) as usize) {
+        let to = from as i64 + 1;
+        let action = format!("cannot migrate schema {from} to {to}");
+        tx.batch_execute(sql).await.map_err(err(&action))?;
+        tx.execute("UPDATE bigfleet_meta SET schema_version = $1", &[&to])
+            .await
+            .map_err(err(&action))?;
+    }
+    let row = tx
+        .query_one(
+            "SELECT commit_seq,
+                    (SELECT count(*) FROM bigfleet_machines),
+                    (SELECT count(*) FROM bigfleet_fences)
+             FROM bigfleet_meta WHERE id = 1",
+            &[],
+        )
+        .await
+        .map_err(err("cannot read the state"))?;
+    let count = |i: usize| u64::try_from(row.get::<_, i64>(i)).unwrap_or(0);
+    let opened = Opened {
+        created: !exists,
+        commit_seq: row.get(0),
+        machines: count(1),
+        fence_marks: count(2),
+    };
+    tx.commit().await.map_err(err("cannot commit the schema"))?;
+    Ok(opened)
+}
