@@ -505,7 +505,18 @@ async fn kill_nine_campaign_on_the_real_backend() {
             let s = state(machine);
             if s == S::Failed {
                 figures.failed_seen += 1;
-                let newly = !matches!(known.get(&machine.id), Some(Known::Stable(S::Failed)));
+                // Not the same failure seen again: FAILED when the round
+                // began, or with a reclaim of it cut by the kill.
+                let newly = !matches!(
+                    known.get(&machine.id),
+                    Some(
+                        Known::Stable(S::Failed)
+                            | Known::InFlight {
+                                from: S::Failed,
+                                ..
+                            }
+                    )
+                );
                 if newly {
                     *figures
                         .failed_by_reason
