@@ -14,14 +14,16 @@
 //! another process writes this state. When even the read fails, the batch
 //! is kept "in doubt" and resolved the same way before the next write.
 
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use deadpool_postgres::{Object, Pool};
 use parking_lot::Mutex;
-use providerkit::{Change, FenceMark, MachineRecord, StoreError, StoreErrorKind, Ticket};
+use providerkit::{
+    Change, ChangeBatch, FailedCommits, FenceMark, MachineRecord, StoreError, StoreErrorKind,
+    Ticket,
+};
 use tokio::sync::{watch, Notify};
 
 use crate::error::{pg_error, pool_error};
@@ -67,7 +69,7 @@ pub(crate) struct Shared {
     pub(crate) wake: Notify,
     /// Ticket ranges whose commit failed and whose changes are not yet
     /// durable; cleared once everything is.
-    failures: Mutex<Vec<Failure>>,
+    failures: FailedCommits,
     pub(crate) commits: AtomicU64,
     /// Commits whose answer was lost and that a read found had landed.
     pub(crate) resolved_by_reading: AtomicU64,
@@ -84,19 +86,13 @@ pub(crate) struct Queue {
     pub(crate) shutdown: bool,
 }
 
-struct Failure {
-    first: Ticket,
-    last: Ticket,
-    error: StoreError,
-}
-
 impl Shared {
     pub(crate) fn new(target: String) -> Shared {
         Shared {
             target,
             queue: Mutex::new(Queue::default()),
             wake: Notify::new(),
-            failures: Mutex::new(Vec::new()),
+            failures: FailedCommits::default(),
             commits: AtomicU64::new(0),
             resolved_by_reading: AtomicU64::new(0),
             lose_next_answer: AtomicBool::new(false),
@@ -104,74 +100,25 @@ impl Shared {
     }
 
     pub(crate) fn failure_for(&self, ticket: Ticket) -> Option<StoreError> {
-        self.failures
-            .lock()
-            .iter()
-            .find(|f| (f.first..=f.last).contains(&ticket))
-            .map(|f| f.error.clone())
+        self.failures.failure_for(ticket)
     }
 
     /// The latest commit failure whose changes are still not durable.
     pub(crate) fn pending_failure(&self) -> Option<StoreError> {
-        self.failures.lock().last().map(|f| f.error.clone())
-    }
-
-    fn record_failure(&self, first: Ticket, last: Ticket, error: StoreError) {
-        let mut failures = self.failures.lock();
-        // Consecutive failures (a database that is down) coalesce.
-        if let Some(prev) = failures.last_mut() {
-            if prev.last + 1 == first {
-                prev.last = last;
-                prev.error = error;
-                return;
-            }
-        }
-        failures.push(Failure { first, last, error });
+        self.failures.latest()
     }
 }
 
 /// The latest version of every changed row; later changes overwrite earlier.
-#[derive(Default)]
-struct Batch {
-    machines: HashMap<String, Arc<MachineRecord>>,
-    fences: HashMap<(String, String), FenceMark>,
-}
-
-impl Batch {
-    fn merge(&mut self, changes: Vec<Change>) {
-        for change in changes {
-            match change {
-                Change::Machine(record) => {
-                    self.machines.insert(record.id.clone(), record);
-                }
-                Change::Fence(mark) => {
-                    self.fences
-                        .insert((mark.shard_id.clone(), mark.machine_id.clone()), mark);
-                }
-            }
-        }
-    }
-
-    /// `newer`'s rows over this batch's.
-    fn absorb(&mut self, newer: Batch) {
-        self.machines.extend(newer.machines);
-        self.fences.extend(newer.fences);
-    }
-
-    fn is_empty(&self) -> bool {
-        self.machines.is_empty() && self.fences.is_empty()
-    }
-}
-
 /// What the writer knows about the database between rounds.
 struct Writer {
     /// The commit sequence this writer last saw committed.
     known: i64,
     /// Changes not yet known to be durable.
-    carry: Batch,
+    carry: ChangeBatch,
     /// A commit whose outcome is unknown (it would have set the sequence
     /// to the number given) with the changes it carried.
-    doubt: Option<(i64, Batch)>,
+    doubt: Option<(i64, ChangeBatch)>,
 }
 
 /// Drain the queue into one transaction per round until shut down.
@@ -183,7 +130,7 @@ pub(crate) async fn writer_loop(
 ) {
     let mut writer = Writer {
         known,
-        carry: Batch::default(),
+        carry: ChangeBatch::default(),
         doubt: None,
     };
     let mut done: Ticket = 0;
@@ -206,11 +153,11 @@ pub(crate) async fn writer_loop(
             round(&shared, &pool, &mut writer).await
         };
         match outcome {
-            Ok(()) => shared.failures.lock().clear(),
+            Ok(()) => shared.failures.clear(),
             Err(error) => {
                 tracing::error!(state = %shared.target, error = %error, "state commit failed");
                 if upto > done {
-                    shared.record_failure(done + 1, upto, error);
+                    shared.failures.record(done + 1, upto, error);
                 }
             }
         }
@@ -282,7 +229,7 @@ async fn round(shared: &Shared, pool: &Pool, writer: &mut Writer) -> Result<(), 
         let error = match write(shared, pool, &writer.carry, writer.known, next).await {
             Ok(()) => {
                 writer.known = next;
-                writer.carry = Batch::default();
+                writer.carry = ChangeBatch::default();
                 shared.commits.fetch_add(1, Ordering::Relaxed);
                 return Ok(());
             }
@@ -292,7 +239,7 @@ async fn round(shared: &Shared, pool: &Pool, writer: &mut Writer) -> Result<(), 
         match read_seq(shared, pool).await {
             Ok(found) if found == next => {
                 writer.known = next;
-                writer.carry = Batch::default();
+                writer.carry = ChangeBatch::default();
                 shared.resolved_by_reading.fetch_add(1, Ordering::Relaxed);
                 shared.commits.fetch_add(1, Ordering::Relaxed);
                 return Ok(());
@@ -353,7 +300,7 @@ fn timed_out(target: &str, action: &str) -> StoreError {
 async fn write(
     shared: &Shared,
     pool: &Pool,
-    batch: &Batch,
+    batch: &ChangeBatch,
     known: i64,
     next: i64,
 ) -> Result<(), StoreError> {
@@ -389,7 +336,7 @@ async fn write(
 /// the sequence was not where this writer left it (nothing is committed).
 async fn write_batch(
     client: &mut Object,
-    batch: &Batch,
+    batch: &ChangeBatch,
     known: i64,
     next: i64,
 ) -> Result<bool, tokio_postgres::Error> {

@@ -201,6 +201,97 @@ pub trait Store: Send + Sync + 'static {
     }
 }
 
+/// The changes a durable store's writer holds for one commit: the latest
+/// version of every changed row (a later change to a row overwrites an
+/// earlier one, so a group commit writes each row once).
+#[derive(Default)]
+pub struct ChangeBatch {
+    /// machine id -> its record as of the latest change.
+    pub machines: HashMap<String, Arc<MachineRecord>>,
+    /// (shard id, machine id) -> the latest mark.
+    pub fences: HashMap<(String, String), FenceMark>,
+}
+
+impl ChangeBatch {
+    pub fn merge(&mut self, changes: Vec<Change>) {
+        for change in changes {
+            match change {
+                Change::Machine(record) => {
+                    self.machines.insert(record.id.clone(), record);
+                }
+                Change::Fence(mark) => {
+                    self.fences
+                        .insert((mark.shard_id.clone(), mark.machine_id.clone()), mark);
+                }
+            }
+        }
+    }
+
+    /// `newer`'s rows over this batch's.
+    pub fn absorb(&mut self, newer: ChangeBatch) {
+        self.machines.extend(newer.machines);
+        self.fences.extend(newer.fences);
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.machines.is_empty() && self.fences.is_empty()
+    }
+
+    pub fn clear(&mut self) {
+        self.machines.clear();
+        self.fences.clear();
+    }
+}
+
+/// The tickets whose commit failed and are not durable yet, each range with
+/// the error its waiters get: what a durable store's `durable` answers
+/// while its writer keeps retrying.
+#[derive(Default)]
+pub struct FailedCommits {
+    ranges: Mutex<Vec<FailedRange>>,
+}
+
+struct FailedRange {
+    first: Ticket,
+    last: Ticket,
+    error: StoreError,
+}
+
+impl FailedCommits {
+    /// The error of the failed commit that carried `ticket`, if any.
+    pub fn failure_for(&self, ticket: Ticket) -> Option<StoreError> {
+        self.ranges
+            .lock()
+            .iter()
+            .find(|f| (f.first..=f.last).contains(&ticket))
+            .map(|f| f.error.clone())
+    }
+
+    /// The latest commit failure whose changes are still not durable.
+    pub fn latest(&self) -> Option<StoreError> {
+        self.ranges.lock().last().map(|f| f.error.clone())
+    }
+
+    /// Tickets `first..=last` failed with `error`. Consecutive failures (a
+    /// dead disk, a database that is down) coalesce into one range.
+    pub fn record(&self, first: Ticket, last: Ticket, error: StoreError) {
+        let mut ranges = self.ranges.lock();
+        if let Some(prev) = ranges.last_mut() {
+            if prev.last + 1 == first {
+                prev.last = last;
+                prev.error = error;
+                return;
+            }
+        }
+        ranges.push(FailedRange { first, last, error });
+    }
+
+    /// A commit succeeded: everything carried is durable now.
+    pub fn clear(&self) {
+        self.ranges.lock().clear();
+    }
+}
+
 /// The in-memory store: nothing survives the process. With `retaining`, it
 /// keeps a copy of every change so tests can simulate a restart.
 #[derive(Default)]

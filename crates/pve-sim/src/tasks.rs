@@ -44,8 +44,9 @@ impl Task {
         }
     }
 
-    pub fn status_json(&self) -> Value {
-        let mut v = json!({
+    /// The fields the task's status and its task-list row share.
+    fn fields_json(&self) -> Value {
+        json!({
             "upid": self.upid,
             "node": self.node,
             "pid": self.pid,
@@ -54,7 +55,15 @@ impl Task {
             "type": self.kind,
             "id": self.id,
             "user": self.user,
-            "status": if self.exitstatus.is_some() { "stopped" } else { "running" },
+        })
+    }
+
+    pub fn status_json(&self) -> Value {
+        let mut v = self.fields_json();
+        v["status"] = json!(if self.exitstatus.is_some() {
+            "stopped"
+        } else {
+            "running"
         });
         if let Some(es) = &self.exitstatus {
             v["exitstatus"] = json!(es);
@@ -65,16 +74,7 @@ impl Task {
     /// One row of a node's task list: a running task has no `status`, a
     /// finished one its exit status and `endtime`.
     pub fn list_json(&self) -> Value {
-        let mut v = json!({
-            "upid": self.upid,
-            "node": self.node,
-            "pid": self.pid,
-            "pstart": self.pstart,
-            "starttime": self.starttime,
-            "type": self.kind,
-            "id": self.id,
-            "user": self.user,
-        });
+        let mut v = self.fields_json();
         if let Some(es) = &self.exitstatus {
             v["status"] = json!(es);
             v["endtime"] = json!(self.endtime.unwrap_or(self.starttime));

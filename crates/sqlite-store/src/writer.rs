@@ -2,16 +2,14 @@
 //! transaction (group commit), a second copies the WAL into the database
 //! in the background, and failed commits are carried until one succeeds.
 
-use std::collections::HashMap;
 use std::ffi::OsString;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
 use parking_lot::{Condvar, Mutex};
-use providerkit::{Change, FenceMark, MachineRecord, StoreError, StoreErrorKind, Ticket};
+use providerkit::{Change, ChangeBatch, FailedCommits, StoreError, StoreErrorKind, Ticket};
 use rusqlite::Connection;
 use tokio::sync::watch;
 
@@ -49,7 +47,7 @@ pub(crate) struct Shared {
     pub(crate) wake: Condvar,
     /// Ticket ranges whose commit failed and whose changes are not yet
     /// durable; cleared by the next successful commit (which carries them).
-    failures: Mutex<Vec<Failure>>,
+    failures: FailedCommits,
     pub(crate) commits: AtomicU64,
     stop_checkpoints: Mutex<bool>,
     checkpoint_wake: Condvar,
@@ -64,19 +62,13 @@ pub(crate) struct Queue {
     shutdown: bool,
 }
 
-struct Failure {
-    first: Ticket,
-    last: Ticket,
-    error: StoreError,
-}
-
 impl Shared {
     pub(crate) fn new(path: PathBuf) -> Shared {
         Shared {
             path,
             queue: Mutex::new(Queue::default()),
             wake: Condvar::new(),
-            failures: Mutex::new(Vec::new()),
+            failures: FailedCommits::default(),
             commits: AtomicU64::new(0),
             stop_checkpoints: Mutex::new(false),
             checkpoint_wake: Condvar::new(),
@@ -84,29 +76,12 @@ impl Shared {
     }
 
     pub(crate) fn failure_for(&self, ticket: Ticket) -> Option<StoreError> {
-        self.failures
-            .lock()
-            .iter()
-            .find(|f| (f.first..=f.last).contains(&ticket))
-            .map(|f| f.error.clone())
+        self.failures.failure_for(ticket)
     }
 
     /// The latest commit failure whose changes are still not durable.
     pub(crate) fn pending_failure(&self) -> Option<StoreError> {
-        self.failures.lock().last().map(|f| f.error.clone())
-    }
-
-    fn record_failure(&self, first: Ticket, last: Ticket, error: StoreError) {
-        let mut failures = self.failures.lock();
-        // Consecutive failures (a dead disk) coalesce into one range.
-        if let Some(prev) = failures.last_mut() {
-            if prev.last + 1 == first {
-                prev.last = last;
-                prev.error = error;
-                return;
-            }
-        }
-        failures.push(Failure { first, last, error });
+        self.failures.latest()
     }
 }
 
@@ -160,46 +135,15 @@ pub(crate) fn checkpoint_loop(shared: &Shared, conn: Connection) {
 }
 
 /// The latest version of every changed row; later changes overwrite earlier.
-#[derive(Default)]
-struct Batch {
-    machines: HashMap<String, Arc<MachineRecord>>,
-    fences: HashMap<(String, String), FenceMark>,
-}
-
-impl Batch {
-    fn merge(&mut self, changes: Vec<Change>) {
-        for change in changes {
-            match change {
-                Change::Machine(record) => {
-                    self.machines.insert(record.id.clone(), record);
-                }
-                Change::Fence(mark) => {
-                    self.fences
-                        .insert((mark.shard_id.clone(), mark.machine_id.clone()), mark);
-                }
-            }
-        }
-    }
-
-    fn is_empty(&self) -> bool {
-        self.machines.is_empty() && self.fences.is_empty()
-    }
-
-    fn clear(&mut self) {
-        self.machines.clear();
-        self.fences.clear();
-    }
-}
-
 /// Write `changes` in one transaction outside the writer thread (an
 /// import into a database nobody else has open yet).
 pub(crate) fn write_changes(conn: &mut Connection, changes: Vec<Change>) -> rusqlite::Result<()> {
-    let mut batch = Batch::default();
+    let mut batch = ChangeBatch::default();
     batch.merge(changes);
     write_batch(conn, &batch)
 }
 
-fn write_batch(conn: &mut Connection, batch: &Batch) -> rusqlite::Result<()> {
+fn write_batch(conn: &mut Connection, batch: &ChangeBatch) -> rusqlite::Result<()> {
     let tx = conn.transaction()?;
     {
         let mut put = tx.prepare_cached(UPSERT_MACHINE)?;
@@ -242,7 +186,7 @@ pub(crate) fn writer_loop(
     conn: &Mutex<Connection>,
     done_tx: &watch::Sender<Ticket>,
 ) {
-    let mut carry = Batch::default();
+    let mut carry = ChangeBatch::default();
     let mut done: Ticket = 0;
     loop {
         let (changes, upto, shutdown) = {
@@ -271,7 +215,7 @@ pub(crate) fn writer_loop(
             match result {
                 Ok(()) => {
                     carry.clear();
-                    shared.failures.lock().clear();
+                    shared.failures.clear();
                     shared.commits.fetch_add(1, Ordering::Relaxed);
                     limit_wal(shared, conn);
                 }
@@ -284,7 +228,7 @@ pub(crate) fn writer_loop(
                     }
                     tracing::error!(path = %shared.path.display(), error = %error, "state commit failed");
                     if upto > done {
-                        shared.record_failure(done + 1, upto, error);
+                        shared.failures.record(done + 1, upto, error);
                     }
                 }
             }
