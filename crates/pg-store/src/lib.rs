@@ -291,15 +291,10 @@ impl Store for PgStore {
     }
 
     fn submit(&self, changes: Vec<Change>) -> Ticket {
-        let mut queue = self.shared.queue.lock();
-        if changes.is_empty() {
-            return queue.issued;
+        let (ticket, queued) = self.shared.queue.lock().push(changes);
+        if queued {
+            self.shared.wake.notify_one();
         }
-        queue.issued += 1;
-        queue.pending.extend(changes);
-        let ticket = queue.issued;
-        drop(queue);
-        self.shared.wake.notify_one();
         ticket
     }
 

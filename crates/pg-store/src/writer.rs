@@ -21,8 +21,8 @@ use std::time::Duration;
 use deadpool_postgres::{Object, Pool};
 use parking_lot::Mutex;
 use providerkit::{
-    Change, ChangeBatch, FailedCommits, FenceMark, MachineRecord, StoreError, StoreErrorKind,
-    Ticket,
+    Change, ChangeBatch, ChangeQueue, FailedCommits, FenceMark, MachineRecord, StoreError,
+    StoreErrorKind, Ticket,
 };
 use tokio::sync::{watch, Notify};
 
@@ -65,7 +65,7 @@ const COMMIT_TIMEOUT: Duration = Duration::from_secs(30);
 
 pub(crate) struct Shared {
     pub(crate) target: String,
-    pub(crate) queue: Mutex<Queue>,
+    pub(crate) queue: Mutex<ChangeQueue>,
     pub(crate) wake: Notify,
     /// Ticket ranges whose commit failed and whose changes are not yet
     /// durable; cleared once everything is.
@@ -77,20 +77,11 @@ pub(crate) struct Shared {
     pub(crate) lose_next_answer: AtomicBool,
 }
 
-#[derive(Default)]
-pub(crate) struct Queue {
-    /// The last ticket handed out.
-    pub(crate) issued: Ticket,
-    /// Every change submitted since the writer last drained, in order.
-    pub(crate) pending: Vec<Change>,
-    pub(crate) shutdown: bool,
-}
-
 impl Shared {
     pub(crate) fn new(target: String) -> Shared {
         Shared {
             target,
-            queue: Mutex::new(Queue::default()),
+            queue: Mutex::new(ChangeQueue::default()),
             wake: Notify::new(),
             failures: FailedCommits::default(),
             commits: AtomicU64::new(0),

@@ -37,6 +37,6 @@ pub use model::{
     SharedFacts, State, TransitionError, TransitionKind,
 };
 pub use store::{
-    Change, ChangeBatch, FailedCommits, FenceMark, Loaded, MemoryStore, Store, StoreError,
-    StoreErrorKind, StoreErrorSource, Ticket,
+    Change, ChangeBatch, ChangeQueue, FailedCommits, FenceMark, Loaded, MemoryStore, Store,
+    StoreError, StoreErrorKind, StoreErrorSource, Ticket,
 };

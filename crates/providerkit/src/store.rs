@@ -201,6 +201,32 @@ pub trait Store: Send + Sync + 'static {
     }
 }
 
+/// What a durable store's callers hand its writer: changes queued in
+/// submission order, each submission numbered by a ticket.
+#[derive(Default)]
+pub struct ChangeQueue {
+    /// The last ticket handed out.
+    pub issued: Ticket,
+    /// Every change submitted since the writer last drained, in order.
+    pub pending: Vec<Change>,
+    /// Set when the store stops: the writer commits what is queued, then ends.
+    pub shutdown: bool,
+}
+
+impl ChangeQueue {
+    /// Queue `changes`: the ticket that is durable once they are, and
+    /// whether anything was queued (the writer then needs waking). An empty
+    /// submission takes the last ticket: nothing more to wait for.
+    pub fn push(&mut self, changes: Vec<Change>) -> (Ticket, bool) {
+        if changes.is_empty() {
+            return (self.issued, false);
+        }
+        self.issued += 1;
+        self.pending.extend(changes);
+        (self.issued, true)
+    }
+}
+
 /// The changes a durable store's writer holds for one commit: the latest
 /// version of every changed row (a later change to a row overwrites an
 /// earlier one, so a group commit writes each row once).

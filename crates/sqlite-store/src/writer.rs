@@ -9,7 +9,9 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use parking_lot::{Condvar, Mutex};
-use providerkit::{Change, ChangeBatch, FailedCommits, StoreError, StoreErrorKind, Ticket};
+use providerkit::{
+    Change, ChangeBatch, ChangeQueue, FailedCommits, StoreError, StoreErrorKind, Ticket,
+};
 use rusqlite::Connection;
 use tokio::sync::watch;
 
@@ -43,7 +45,7 @@ const WAL_LIMIT_BYTES: u64 = 64 * 1024 * 1024;
 
 pub(crate) struct Shared {
     pub(crate) path: PathBuf,
-    pub(crate) queue: Mutex<Queue>,
+    pub(crate) queue: Mutex<ChangeQueue>,
     pub(crate) wake: Condvar,
     /// Ticket ranges whose commit failed and whose changes are not yet
     /// durable; cleared by the next successful commit (which carries them).
@@ -53,20 +55,11 @@ pub(crate) struct Shared {
     checkpoint_wake: Condvar,
 }
 
-#[derive(Default)]
-pub(crate) struct Queue {
-    /// The last ticket handed out.
-    pub(crate) issued: Ticket,
-    /// Every change submitted since the writer last drained, in order.
-    pub(crate) pending: Vec<Change>,
-    shutdown: bool,
-}
-
 impl Shared {
     pub(crate) fn new(path: PathBuf) -> Shared {
         Shared {
             path,
-            queue: Mutex::new(Queue::default()),
+            queue: Mutex::new(ChangeQueue::default()),
             wake: Condvar::new(),
             failures: FailedCommits::default(),
             commits: AtomicU64::new(0),
