@@ -592,7 +592,6 @@ pub async fn run(plan: Plan) -> Result<(), RunError> {
         .get()
         .copied()
         .unwrap_or_else(|| tokio::time::Instant::now() + grace);
-    engine.stop_accepting();
     let running = engine.transitions_running();
     if running > 0 {
         tracing::info!(

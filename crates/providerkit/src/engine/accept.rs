@@ -249,7 +249,7 @@ impl Engine {
         // Stored with the acceptance, so a restart resumes the transition
         // under the deadline it has now.
         record.in_flight = Some(InFlight::starting(
-            super::resume::now_ms(),
+            crate::model::wall_clock_ms(),
             self.opts.timeouts.for_kind(kind),
             grace,
         ));

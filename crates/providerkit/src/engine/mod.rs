@@ -228,18 +228,12 @@ impl Engine {
         let mut recovered = Vec::new();
         let mut pending = Vec::new();
         let counters = resume::ResumeCounters::default();
-        let now_ms = resume::now_ms();
+        let now_ms = crate::model::wall_clock_ms();
         let readiness = backend.supports_readiness();
         for record in loaded.machines {
             let record = match resume::on_load(&record, now_ms, readiness) {
-                Some(resume::Found::End(failed, outcome)) => {
-                    counters.add(
-                        record
-                            .state()
-                            .transition()
-                            .unwrap_or(TransitionKind::Create),
-                        outcome,
-                    );
+                Some(resume::Found::End(failed, kind, outcome)) => {
+                    counters.add(kind, outcome);
                     recovered.push((failed.id.clone(), failed.last_error.clone()));
                     failed
                 }

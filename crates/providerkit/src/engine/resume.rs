@@ -17,7 +17,7 @@ use tokio::time::Instant;
 use super::worker::humanize;
 use super::{Engine, Work};
 use crate::backend::{ConfigureCtx, CreateCtx, DeleteCtx, DrainCtx};
-use crate::model::{wall_clock_ms, MachineRecord, TransitionKind};
+use crate::model::{MachineRecord, TransitionKind};
 
 /// How a transition found at start-up ended.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -85,7 +85,7 @@ pub(super) enum Found {
     /// Continue it: the record stays as stored.
     Resume(Pending),
     /// End it: the record to store instead, and how it counts.
-    End(MachineRecord, ResumeOutcome),
+    End(MachineRecord, TransitionKind, ResumeOutcome),
 }
 
 /// A transition to resume once the engine is up.
@@ -108,14 +108,14 @@ pub(super) fn on_load(record: &MachineRecord, now_ms: u64, readiness: bool) -> O
         record
             .ended_by_restart(message)
             .ok()
-            .map(|failed| Found::End(failed, outcome))
+            .map(|failed| Found::End(failed, kind, outcome))
     };
     let (Some(window), Some(operation_id)) = (record.in_flight, record.op(kind)) else {
         // Stored before windows were: nothing says how long it may take.
         return record
             .interrupted()
             .ok()
-            .map(|failed| Found::End(failed, ResumeOutcome::NotResumable));
+            .map(|failed| Found::End(failed, kind, ResumeOutcome::NotResumable));
     };
     let remaining = window.remaining(now_ms);
     if remaining.is_zero() {
@@ -255,12 +255,11 @@ impl Engine {
     /// Refuse every mutation from now on (UNAVAILABLE): the process is
     /// shutting down, and what is in flight is left to land or to resume.
     pub fn stop_accepting(&self) {
-        self.stopping
-            .store(true, std::sync::atomic::Ordering::Release);
+        self.stopping.store(true, Ordering::Release);
     }
 
     pub(super) fn is_stopping(&self) -> bool {
-        self.stopping.load(std::sync::atomic::Ordering::Acquire)
+        self.stopping.load(Ordering::Acquire)
     }
 
     /// Transitions whose substrate work is running now.
@@ -290,9 +289,4 @@ impl Engine {
 /// Time left, to the second (a log line, not a measurement).
 fn humanize_left(d: Duration) -> String {
     humanize(Duration::from_secs(d.as_secs().max(1)))
-}
-
-/// The wall clock now, for a transition's stored window.
-pub(super) fn now_ms() -> u64 {
-    wall_clock_ms()
 }
