@@ -14,7 +14,7 @@ BIN := $(DEBUG_DIR)/bigfleet-proxmox
 BFC := $(DEBUG_DIR)/bfconformance
 SEED_FLAG := $(if $(SEED),--seed $(SEED),)
 
-.PHONY: build build-proxmox run-fake test test-proxmox lint fmt certify-proxmox \
+.PHONY: build build-proxmox run-fake test test-proxmox lint fmt certify-proxmox failover \
         report-proxmox report-ci report-durable-postgres certify-pve-sim scale-100k mutation-check bench bench-memory bench-replicas bench-configure crash-1000 crash-real fuzz \
         image-rootfs chart-render
 
@@ -160,6 +160,12 @@ crash-1000:
 # reclaim of every FAILED machine at the end (CI runs 5).
 crash-real:
 	BIGFLEET_CRASH_REAL_ITERATIONS=300 $(CARGO) test -p bigfleet-proxmox --test crash_real -- --nocapture
+
+# Failover between two replicas on one PostgreSQL state, on pve-sim: 20
+# kills (-9) of the leader in a 16-way burst of Creates, with the default
+# lease; prints the longest takeover (the test suite runs 2 rounds).
+failover:
+	scripts/pg-throwaway.sh run -- env BIGFLEET_FAILOVER_ROUNDS=20 $(CARGO) test -p bigfleet-proxmox --test integration failover::failover_under_a_burst -- --nocapture
 
 # The suite must be able to fail: deliberately broken engines are caught.
 mutation-check:

@@ -10,6 +10,8 @@
 #       BIGFLEET_TEST_POSTGRES_URL set, stop (also on failure or Ctrl-C)
 #   scripts/pg-throwaway.sh start DIR           start one in DIR (created
 #       empty) and print its URL (also written to DIR/url)
+#   scripts/pg-throwaway.sh restart DIR         restart it (fast shutdown: open
+#       connections are cut), with the options it was started with
 #   scripts/pg-throwaway.sh stop DIR            stop it and remove DIR
 #   scripts/pg-throwaway.sh bindir              where initdb and pg_ctl are
 #
@@ -130,6 +132,13 @@ stop() {
   rm -rf "$dir"
 }
 
+restart() {
+  local dir=$1 bin
+  bin=$(pg_bindir) || return 1
+  # pg_ctl restart reuses the options of the last start (postmaster.opts).
+  as_owner "$bin/pg_ctl" -D "$dir/data" -l "$dir/data/server.log" -m fast -w -t 60 restart >/dev/null
+}
+
 run() {
   if [ "${1:-}" = "--" ]; then shift; fi
   if [ $# = 0 ]; then
@@ -164,10 +173,11 @@ run() {
 case "${1:-}" in
   run) shift; run "$@" ;;
   start) start "${2:?usage: $0 start DIR}" ;;
+  restart) restart "${2:?usage: $0 restart DIR}" ;;
   stop) stop "${2:?usage: $0 stop DIR}" ;;
   bindir) pg_bindir ;;
   *)
-    echo "usage: $0 run -- COMMAND... | start DIR | stop DIR | bindir" >&2
+    echo "usage: $0 run -- COMMAND... | start DIR | restart DIR | stop DIR | bindir" >&2
     exit 2
     ;;
 esac

@@ -25,6 +25,7 @@
 
 mod decode;
 mod error;
+mod lease;
 mod schema;
 mod target;
 mod writer;
@@ -43,6 +44,7 @@ use tokio::sync::watch;
 use crate::error::{pg_error, pool_error};
 use crate::writer::{writer_loop, Shared};
 
+pub use lease::{Lease, LeaseState};
 pub use schema::SCHEMA_VERSION;
 pub use target::{is_postgres_url, pgpass_lookup, Target, TargetError, Tls};
 
@@ -62,6 +64,11 @@ pub struct PgOptions {
     /// sources are used: `PGPASSWORD`, then `PGPASSFILE` (default
     /// `~/.pgpass`).
     pub password_file: Option<PathBuf>,
+    /// The leader lease epoch this replica holds ([`Lease`]): every commit
+    /// checks it in its own transaction, so once another replica has taken
+    /// the lease nothing of this one is committed. `None`: the store is
+    /// written without a lease (tools, tests).
+    pub lease_epoch: Option<i64>,
 }
 
 /// What [`PgStore::open`] found, for the start-up log.
@@ -73,6 +80,39 @@ pub struct OpenReport {
     pub machines: u64,
     /// Fence marks in the state when it was opened.
     pub fence_marks: u64,
+}
+
+/// A bounded pool of connections to `target`, made on demand.
+pub(crate) fn build_pool(
+    target: &Target,
+    options: &PgOptions,
+    size: usize,
+) -> Result<Pool, StoreError> {
+    let name = target.display().to_string();
+    let config_error = |e: TargetError| StoreError::inaccessible(e.to_string()).with_source(e);
+    let config = target
+        .config_with_password(options.password_file.as_deref())
+        .map_err(config_error)?;
+    let manager_config = ManagerConfig {
+        recycling_method: RecyclingMethod::Fast,
+    };
+    let manager = match target.connector().map_err(config_error)? {
+        Some(tls) => Manager::from_config(config, tls, manager_config),
+        None => Manager::from_config(config, tokio_postgres::NoTls, manager_config),
+    };
+    Pool::builder(manager)
+        .max_size(size)
+        .wait_timeout(Some(POOL_TIMEOUT))
+        .create_timeout(Some(POOL_TIMEOUT))
+        .recycle_timeout(Some(POOL_TIMEOUT))
+        .runtime(Runtime::Tokio1)
+        .build()
+        .map_err(|e| {
+            StoreError::unavailable(format!(
+                "PostgreSQL state {name}: cannot build the connection pool: {e}"
+            ))
+            .with_source(e)
+        })
 }
 
 /// A [`Store`] backed by a PostgreSQL database.
@@ -91,30 +131,7 @@ impl PgStore {
     /// start the writer. Blocks until the database answered (or refused).
     pub fn open(target: &Target, options: &PgOptions) -> Result<PgStore, StoreError> {
         let name = target.display().to_string();
-        let config_error = |e: TargetError| StoreError::inaccessible(e.to_string()).with_source(e);
-        let config = target
-            .config_with_password(options.password_file.as_deref())
-            .map_err(config_error)?;
-        let manager_config = ManagerConfig {
-            recycling_method: RecyclingMethod::Fast,
-        };
-        let manager = match target.connector().map_err(config_error)? {
-            Some(tls) => Manager::from_config(config, tls, manager_config),
-            None => Manager::from_config(config, tokio_postgres::NoTls, manager_config),
-        };
-        let pool = Pool::builder(manager)
-            .max_size(POOL_SIZE)
-            .wait_timeout(Some(POOL_TIMEOUT))
-            .create_timeout(Some(POOL_TIMEOUT))
-            .recycle_timeout(Some(POOL_TIMEOUT))
-            .runtime(Runtime::Tokio1)
-            .build()
-            .map_err(|e| {
-                StoreError::unavailable(format!(
-                    "PostgreSQL state {name}: cannot build the connection pool: {e}"
-                ))
-                .with_source(e)
-            })?;
+        let pool = build_pool(target, options, POOL_SIZE)?;
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
@@ -125,7 +142,7 @@ impl PgStore {
                 .with_source(e)
             })?;
         let handle = runtime.handle().clone();
-        let shared = Arc::new(Shared::new(name.clone()));
+        let shared = Arc::new(Shared::new(name.clone(), options.lease_epoch));
         let (done_tx, done) = watch::channel(0);
         let (opened_tx, opened_rx) = std::sync::mpsc::channel();
         let thread = {
@@ -258,6 +275,7 @@ impl Store for PgStore {
     fn load(&self) -> Result<Loaded, StoreError> {
         let pool = self.pool.clone();
         let name = self.target.clone();
+        let lease_epoch = self.shared.lease_epoch;
         self.run(async move {
             let mut client = pool
                 .get()
@@ -267,6 +285,16 @@ impl Store for PgStore {
                 .transaction()
                 .await
                 .map_err(|e| pg_error(&name, "cannot start the load transaction", e))?;
+            if let Some(mine) = lease_epoch {
+                let found: i64 = tx
+                    .query_one(writer::CHECK_LEASE, &[])
+                    .await
+                    .map_err(|e| pg_error(&name, "cannot read the leader lease", e))?
+                    .get(0);
+                if found != mine {
+                    return Err(writer::deposed(&name, mine, found));
+                }
+            }
             let generation: i64 = tx
                 .query_one(
                     "UPDATE bigfleet_meta SET boot_generation = boot_generation + 1

@@ -9,7 +9,7 @@ use crate::error::pg_error;
 
 /// The schema this build writes. Older schemas are migrated forward at
 /// start-up.
-pub const SCHEMA_VERSION: i64 = 1;
+pub const SCHEMA_VERSION: i64 = 2;
 
 /// The advisory lock key migrations run under ("bigfleet" in ASCII).
 const MIGRATION_LOCK: i64 = 0x6269_6766_6c65_6574;
@@ -50,6 +50,18 @@ const MIGRATIONS: &[&str] = &[
          sequence BIGINT NOT NULL,
          PRIMARY KEY (shard_id, machine_id)
      );",
+    // 1 -> 2: the leader lease. One row; `epoch` grows with every new
+    // holder and every commit checks it (see `lease` and `writer`).
+    // `expires_at` is the database's clock, so replicas never compare
+    // their own clocks; '-infinity' is a lease nobody holds.
+    "CREATE TABLE bigfleet_lease (
+         id INTEGER PRIMARY KEY CHECK (id = 1),
+         epoch BIGINT NOT NULL,
+         holder TEXT NOT NULL,
+         expires_at TIMESTAMPTZ NOT NULL
+     );
+     INSERT INTO bigfleet_lease (id, epoch, holder, expires_at)
+         VALUES (1, 0, '', '-infinity');",
 ];
 
 /// What the database held before start-up.

@@ -47,6 +47,11 @@ const UPSERT_FENCES: &str = "INSERT INTO bigfleet_fences (shard_id, machine_id, 
 
 const ADVANCE: &str = "UPDATE bigfleet_meta SET commit_seq = $1 WHERE id = 1 AND commit_seq = $2";
 
+/// The lease row, locked against a new holder until this transaction ends:
+/// a replica taking the lease waits for the commits in flight, and a commit
+/// that comes after reads the new epoch and writes nothing.
+pub(crate) const CHECK_LEASE: &str = "SELECT epoch FROM bigfleet_lease WHERE id = 1 FOR SHARE";
+
 const READ_SEQ: &str = "SELECT commit_seq FROM bigfleet_meta WHERE id = 1";
 
 /// How long the last round before the store stops may take: an unreachable
@@ -65,6 +70,8 @@ const COMMIT_TIMEOUT: Duration = Duration::from_secs(30);
 
 pub(crate) struct Shared {
     pub(crate) target: String,
+    /// The lease epoch every commit must still find (see [`CHECK_LEASE`]).
+    pub(crate) lease_epoch: Option<i64>,
     pub(crate) queue: Mutex<ChangeQueue>,
     pub(crate) wake: Notify,
     /// Ticket ranges whose commit failed and whose changes are not yet
@@ -78,9 +85,10 @@ pub(crate) struct Shared {
 }
 
 impl Shared {
-    pub(crate) fn new(target: String) -> Shared {
+    pub(crate) fn new(target: String, lease_epoch: Option<i64>) -> Shared {
         Shared {
             target,
+            lease_epoch,
             queue: Mutex::new(ChangeQueue::default()),
             wake: Notify::new(),
             failures: FailedCommits::default(),
@@ -224,7 +232,10 @@ async fn round(shared: &Shared, pool: &Pool, writer: &mut Writer) -> Result<(), 
                 shared.commits.fetch_add(1, Ordering::Relaxed);
                 return Ok(());
             }
-            Err(error) => error,
+            // Nothing was committed: the transaction found the lease taken
+            // and rolled back. Writing again cannot succeed.
+            Err(WriteFailed::Deposed(error)) => return Err(error),
+            Err(WriteFailed::Other(error)) => error,
         };
         tracing::warn!(state = %shared.target, error = %error, "state commit failed; reading whether it landed");
         match read_seq(shared, pool).await {
@@ -286,6 +297,15 @@ fn timed_out(target: &str, action: &str) -> StoreError {
     ))
 }
 
+/// Why a commit did not land.
+enum WriteFailed {
+    /// Another replica holds the lease: nothing was committed, and nothing
+    /// of this store will be.
+    Deposed(StoreError),
+    /// Anything else; whether it landed is settled by reading.
+    Other(StoreError),
+}
+
 /// Commit `batch` as sequence `next`. On any failure the connection is
 /// discarded rather than returned to the pool: its state is unknown.
 async fn write(
@@ -294,50 +314,85 @@ async fn write(
     batch: &ChangeBatch,
     known: i64,
     next: i64,
-) -> Result<(), StoreError> {
+) -> Result<(), WriteFailed> {
     let target = &shared.target;
     let action = "cannot commit changes";
     let mut client = pool
         .get()
         .await
-        .map_err(|e| pool_error(target, action, e))?;
-    let result =
-        tokio::time::timeout(COMMIT_TIMEOUT, write_batch(&mut client, batch, known, next)).await;
+        .map_err(|e| WriteFailed::Other(pool_error(target, action, e)))?;
+    let result = tokio::time::timeout(
+        COMMIT_TIMEOUT,
+        write_batch(&mut client, batch, shared.lease_epoch, known, next),
+    )
+    .await;
     let error = match result {
-        Ok(Ok(true)) => {
+        Ok(Ok(Written::Committed)) => {
             if shared.lose_next_answer.swap(false, Ordering::SeqCst) {
                 drop(Object::take(client));
-                return Err(StoreError::unavailable(format!(
+                return Err(WriteFailed::Other(StoreError::unavailable(format!(
                     "PostgreSQL state {target}: {action}: the answer was lost (test hook)"
-                )));
+                ))));
             }
             return Ok(());
         }
-        Ok(Ok(false)) => StoreError::locked(format!(
+        Ok(Ok(Written::SequenceMoved)) => StoreError::locked(format!(
             "PostgreSQL state {target}: {action}: the commit sequence is no longer {known}"
         )),
+        Ok(Ok(Written::LeaseTaken { mine, found })) => {
+            return Err(WriteFailed::Deposed(deposed(target, mine, found)))
+        }
         Ok(Err(e)) => pg_error(target, action, e),
         Err(_) => timed_out(target, action),
     };
     drop(Object::take(client));
-    Err(error)
+    Err(WriteFailed::Other(error))
 }
 
-/// The batch's rows and the sequence's step in one transaction; false when
-/// the sequence was not where this writer left it (nothing is committed).
+/// The commit of a replica whose lease another replica has taken.
+pub(crate) fn deposed(target: &str, mine: i64, found: i64) -> StoreError {
+    StoreError::locked(format!(
+        "PostgreSQL state {target}: this replica no longer holds the leader lease (it held \
+         epoch {mine}, the lease is at epoch {found}): nothing is committed by a replica that \
+         lost the lease"
+    ))
+}
+
+/// What one commit attempt did.
+enum Written {
+    Committed,
+    /// The sequence was not where this writer left it: nothing committed.
+    SequenceMoved,
+    /// Another replica holds the lease now: nothing committed.
+    LeaseTaken {
+        mine: i64,
+        found: i64,
+    },
+}
+
+/// The batch's rows and the sequence's step in one transaction, under the
+/// lease check when this store writes as a leader.
 async fn write_batch(
     client: &mut Object,
     batch: &ChangeBatch,
+    lease_epoch: Option<i64>,
     known: i64,
     next: i64,
-) -> Result<bool, tokio_postgres::Error> {
+) -> Result<Written, tokio_postgres::Error> {
     let advance = client.prepare_cached(ADVANCE).await?;
     let machines = client.prepare_cached(UPSERT_MACHINES).await?;
     let fences = client.prepare_cached(UPSERT_FENCES).await?;
+    let check_lease = client.prepare_cached(CHECK_LEASE).await?;
     let tx = client.transaction().await?;
+    // Dropping the transaction on an early return rolls it back.
+    if let Some(mine) = lease_epoch {
+        let found: i64 = tx.query_one(&check_lease, &[]).await?.get(0);
+        if found != mine {
+            return Ok(Written::LeaseTaken { mine, found });
+        }
+    }
     if tx.execute(&advance, &[&next, &known]).await? != 1 {
-        // Dropping the transaction rolls it back.
-        return Ok(false);
+        return Ok(Written::SequenceMoved);
     }
     if !batch.machines.is_empty() {
         let records: Vec<&MachineRecord> = batch.machines.values().map(|r| &**r).collect();
@@ -380,5 +435,5 @@ async fn write_batch(
             .await?;
     }
     tx.commit().await?;
-    Ok(true)
+    Ok(Written::Committed)
 }

@@ -70,12 +70,15 @@ impl Admin for AdminService {
 
 /// `--reclaim-failed-after`: sweep for machines held FAILED that long and
 /// reclaim them. A zero hold turns it off.
-pub fn spawn_auto_reclaim(engine: &Arc<Engine>, hold: std::time::Duration) {
+pub fn spawn_auto_reclaim(
+    engine: &Arc<Engine>,
+    hold: std::time::Duration,
+) -> Option<tokio::task::JoinHandle<()>> {
     if hold.is_zero() {
-        return;
+        return None;
     }
     let engine = Arc::clone(engine);
-    tokio::spawn(async move {
+    Some(tokio::spawn(async move {
         let mut sweeper = providerkit::ReclaimSweeper::new(hold);
         let mut tick = tokio::time::interval(sweeper.period());
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -83,5 +86,5 @@ pub fn spawn_auto_reclaim(engine: &Arc<Engine>, hold: std::time::Duration) {
             tick.tick().await;
             sweeper.sweep(&engine).await;
         }
-    });
+    }))
 }

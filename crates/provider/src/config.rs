@@ -191,6 +191,19 @@ pub struct Args {
     #[arg(long)]
     pub state_password_file: Option<PathBuf>,
 
+    /// With a postgres:// --state, replicas share the state and one leader
+    /// serves: how long its lease lasts unless renewed (it renews every
+    /// third of it). A standby takes over within about this long after the
+    /// leader dies. Between 1s and 60s. [default: 5s]
+    #[arg(long, value_parser = parse_duration)]
+    pub lease_ttl: Option<Duration>,
+
+    /// This replica's name in the leader lease, which a standby quotes when
+    /// it refuses an RPC; unique among the live replicas. [default: the host
+    /// name, i.e. the pod name under Kubernetes]
+    #[arg(long)]
+    pub replica_name: Option<String>,
+
     /// Metrics and probes listener (/metrics, /healthz, /readyz); empty = off.
     /// Unset, it is the default below, and a default that is already taken is
     /// a warning (the provider serves without metrics); an address set here

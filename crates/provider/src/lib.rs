@@ -13,6 +13,7 @@ pub mod error;
 pub mod guard;
 pub mod identity;
 pub mod layers;
+pub mod leader;
 pub mod logging;
 pub mod metrics;
 pub mod plan;

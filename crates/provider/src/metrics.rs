@@ -2,7 +2,9 @@
 //! the `/metrics` answer: the Prometheus text format (0.0.4) unless the
 //! scrape's `Accept` asks for OpenMetrics, both encoded by the library.
 
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
+
+use parking_lot::RwLock;
 use std::time::Duration;
 
 use axum::http::{header, HeaderValue, StatusCode};
@@ -11,7 +13,7 @@ use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
 use prometheus_client::metrics::counter::{ConstCounter, Counter};
 use prometheus_client::metrics::family::Family;
-use prometheus_client::metrics::gauge::ConstGauge;
+use prometheus_client::metrics::gauge::{ConstGauge, Gauge};
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::Registry;
@@ -144,8 +146,11 @@ pub struct Metrics {
     pub reconcile: Family<OutcomeLabels, Counter>,
     /// Calls refused under mTLS for their certificate's identity.
     pub identity_rejected: Family<IdentityLabels, Counter>,
-    /// The engine the machine gauge counts, once it has started.
-    machines: Arc<OnceLock<MachineSource>>,
+    /// The engine the machine gauge counts while this replica leads.
+    machines: Arc<RwLock<Option<MachineSource>>>,
+    /// 1 while this replica is the leader of a shared state (or serves a
+    /// state of its own), 0 while it is a standby or starting.
+    pub leader: Gauge,
 }
 
 /// What `bigfleet_proxmox_machines` is computed from at scrape time.
@@ -210,7 +215,14 @@ impl Metrics {
             identity_rejected.clone(),
         );
         registry.register_collector(Box::new(ProcessCollector));
-        let machines = Arc::new(OnceLock::new());
+        let leader = Gauge::default();
+        registry.register(
+            "bigfleet_proxmox_leader",
+            "1 while this replica serves (the leader of a PostgreSQL state, or the only \
+             replica of a state file), 0 while it is a standby or starting",
+            leader.clone(),
+        );
+        let machines = Arc::new(RwLock::new(None));
         registry.register_collector(Box::new(MachinesCollector {
             source: machines.clone(),
         }));
@@ -246,6 +258,7 @@ impl Metrics {
             reconcile,
             identity_rejected,
             machines,
+            leader,
         })
     }
 
@@ -294,7 +307,15 @@ impl Metrics {
     /// Count this engine's machines at every scrape from now on. Counting
     /// at scrape time keeps the gauge off every request's path.
     pub fn observe_engine(&self, engine: Arc<Engine>, zones: Vec<String>) {
-        let _ = self.machines.set(MachineSource { engine, zones });
+        self.leader.set(1);
+        *self.machines.write() = Some(MachineSource { engine, zones });
+    }
+
+    /// This replica stopped leading: its engine is gone and the machine
+    /// gauges disappear with it (the leader reports them).
+    pub fn forget_engine(&self) {
+        self.leader.set(0);
+        *self.machines.write() = None;
     }
 
     /// A refusal series that exists at 0 from now on, so an alert on its
@@ -348,7 +369,7 @@ impl ApiObserver for Metrics {
 
 /// `bigfleet_proxmox_machines{state,zone}`, from the engine at scrape time.
 struct MachinesCollector {
-    source: Arc<OnceLock<MachineSource>>,
+    source: Arc<RwLock<Option<MachineSource>>>,
 }
 
 impl std::fmt::Debug for MachinesCollector {
@@ -359,7 +380,8 @@ impl std::fmt::Debug for MachinesCollector {
 
 impl Collector for MachinesCollector {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
-        let Some(source) = self.source.get() else {
+        let source = self.source.read();
+        let Some(source) = source.as_ref() else {
             return Ok(());
         };
         let census = source.engine.census(&source.zones);

@@ -94,7 +94,7 @@ pub struct Catalog {
 }
 
 /// The listeners and how they serve.
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 pub struct ServingConfig {
     /// The label stamped on every HostRef (and on the start-up line).
     pub provider: String,
@@ -138,8 +138,25 @@ pub enum StateConfig {
     Postgres {
         target: Box<pg_store::Target>,
         options: pg_store::PgOptions,
+        lease: LeaseConfig,
     },
 }
+
+/// The leader lease of a PostgreSQL state (`--lease-ttl`, `--replica-name`).
+#[derive(Clone, Debug)]
+pub struct LeaseConfig {
+    pub ttl: Duration,
+    pub replica: String,
+}
+
+/// `--lease-ttl` when unset: a standby takes over within about this long
+/// plus one attempt, well inside the 10 s the takeover is allowed.
+pub const DEFAULT_LEASE_TTL: Duration = Duration::from_secs(5);
+
+/// Shortest and longest `--lease-ttl`: below a second a loaded database or
+/// a GC pause deposes a healthy leader; above a minute a dead leader stops
+/// scaling for that long.
+const LEASE_TTL_RANGE: (Duration, Duration) = (Duration::from_secs(1), Duration::from_secs(60));
 
 impl StateConfig {
     /// What the start-up line names as the store (`sqlite:PATH`, the URL).
@@ -164,6 +181,12 @@ fn state(args: &Args) -> Result<Option<StateConfig>, ConfigError> {
                 file.display()
             )));
         }
+        if args.lease_ttl.is_some() || args.replica_name.is_some() {
+            return Err(ConfigError::invalid(
+                "--lease-ttl and --replica-name need --state postgres://...: only replicas \
+                 sharing a PostgreSQL state elect a leader (a state file serves one replica)",
+            ));
+        }
         return Ok(Some(state)
             .filter(|s| !s.is_empty())
             .map(|s| StateConfig::Sqlite(PathBuf::from(s))));
@@ -174,8 +197,45 @@ fn state(args: &Args) -> Result<Option<StateConfig>, ConfigError> {
         target: Box::new(target),
         options: pg_store::PgOptions {
             password_file: args.state_password_file.clone(),
+            lease_epoch: None,
         },
+        lease: lease(args)?,
     }))
+}
+
+fn lease(args: &Args) -> Result<LeaseConfig, ConfigError> {
+    let ttl = args.lease_ttl.unwrap_or(DEFAULT_LEASE_TTL);
+    let (shortest, longest) = LEASE_TTL_RANGE;
+    if ttl < shortest || ttl > longest {
+        return Err(ConfigError::invalid(format!(
+            "--lease-ttl {} is out of range: use between {} and {}",
+            humantime::format_duration(ttl),
+            humantime::format_duration(shortest),
+            humantime::format_duration(longest)
+        )));
+    }
+    let replica = match &args.replica_name {
+        Some(name) => name.trim().to_string(),
+        None => host_name(),
+    };
+    if replica.is_empty() || replica.len() > 253 || replica.chars().any(char::is_control) {
+        return Err(ConfigError::invalid(
+            "--replica-name must be 1 to 253 printable characters: give each replica a unique \
+             name (the pod name under Kubernetes)",
+        ));
+    }
+    Ok(LeaseConfig { ttl, replica })
+}
+
+/// The host name (the pod name under Kubernetes), from `HOSTNAME` or the
+/// kernel; a fixed word when neither is readable, which the log shows.
+fn host_name() -> String {
+    std::env::var("HOSTNAME")
+        .ok()
+        .or_else(|| std::fs::read_to_string("/proc/sys/kernel/hostname").ok())
+        .map(|name| name.trim().to_string())
+        .filter(|name| !name.is_empty())
+        .unwrap_or_else(|| "unnamed-replica".to_string())
 }
 
 fn choose_backend(args: &Args) -> Result<BackendKind, ConfigError> {
@@ -644,9 +704,16 @@ mod tests {
             "/run/secrets/pg",
         ])
         .expect("plan");
-        let Some(StateConfig::Postgres { target, options }) = &pg.state else {
+        let Some(StateConfig::Postgres {
+            target,
+            options,
+            lease,
+        }) = &pg.state
+        else {
             panic!("{:?}", pg.state);
         };
+        assert_eq!(lease.ttl, DEFAULT_LEASE_TTL);
+        assert!(!lease.replica.is_empty(), "the host name by default");
         assert_eq!(target.display(), "postgres://bf@db.example:5433/bigfleet");
         assert_eq!(
             options.password_file.as_deref(),
@@ -655,6 +722,53 @@ mod tests {
         assert_eq!(
             pg.state.as_ref().map(StateConfig::describe).as_deref(),
             Some("postgres://bf@db.example:5433/bigfleet")
+        );
+    }
+
+    #[test]
+    fn the_lease_flags_need_a_database_and_a_sane_ttl() {
+        let e = plan(&args(&["--use-fake-backend", "--lease-ttl", "5s"]))
+            .expect_err("no lease without a database");
+        assert!(e.to_string().contains("need --state postgres://"), "{e}");
+        let url = "postgres://bf@db/bigfleet?sslmode=verify-full";
+        let e = plan(&args(&[
+            "--use-fake-backend",
+            "--state",
+            url,
+            "--lease-ttl",
+            "100ms",
+        ]))
+        .expect_err("too short");
+        assert!(
+            e.to_string()
+                .contains("--lease-ttl 100ms is out of range: use between 1s and 1m"),
+            "{e}"
+        );
+        let e = plan(&args(&[
+            "--use-fake-backend",
+            "--state",
+            url,
+            "--replica-name",
+            " ",
+        ]))
+        .expect_err("empty");
+        assert!(e.to_string().contains("--replica-name must be"), "{e}");
+        let ok = plan(&args(&[
+            "--use-fake-backend",
+            "--state",
+            url,
+            "--lease-ttl",
+            "3s",
+            "--replica-name",
+            "pod-1",
+        ]))
+        .expect("plan");
+        let Some(StateConfig::Postgres { lease, .. }) = &ok.state else {
+            panic!("{:?}", ok.state);
+        };
+        assert_eq!(
+            (lease.ttl, lease.replica.as_str()),
+            (Duration::from_secs(3), "pod-1")
         );
     }
 

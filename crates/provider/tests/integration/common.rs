@@ -203,6 +203,11 @@ impl Drop for Starting {
     }
 }
 
+/// What a replica of a shared PostgreSQL state logs once its listeners are
+/// up, leader or not.
+pub const REPLICA_LINE: &str =
+    "replica of a shared PostgreSQL state: standby until it holds the leader lease";
+
 /// A running provider; killed on drop.
 pub struct Provider {
     child: Child,
@@ -245,6 +250,41 @@ impl Provider {
         };
         provider.wait_ready(STARTUP_DEADLINE);
         provider
+    }
+
+    /// Start a replica of a shared PostgreSQL state with ephemeral ports
+    /// plus `args`, and return once it has said it is a replica (it may be
+    /// a standby; it serves once [`Provider::wait_ready`] returns).
+    pub fn start_replica(args: &[&str]) -> Provider {
+        let mut child = Command::new(BIN)
+            .args(["--addr", "127.0.0.1:0", "--metrics-addr", "127.0.0.1:0"])
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn bigfleet-proxmox");
+        let logs = Logs::spawn_reader(child.stderr.take().expect("stderr"));
+        let Some(line) = logs.wait_for(STARTUP_DEADLINE, |l| {
+            provider_testkit::field(l, "msg").as_deref() == Some(REPLICA_LINE)
+        }) else {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!(
+                "bigfleet-proxmox {args:?} never said it is a replica; stderr:\n{}",
+                logs.text()
+            );
+        };
+        let parse = |key: &str| -> SocketAddr {
+            provider_testkit::addr_field(&line, key).unwrap_or_else(|e| panic!("{e}"))
+        };
+        Provider {
+            grpc: parse("addr"),
+            metrics: parse("metrics_addr"),
+            child,
+            logs,
+            startup_line: line,
+        }
     }
 
     /// Poll /readyz until it answers 200 `ready`.

@@ -14,6 +14,7 @@ mod common;
 mod admin_tls;
 mod configure_load;
 mod ctl;
+mod failover;
 mod identity;
 mod limits;
 mod list_share;

@@ -43,6 +43,15 @@ where
     }
 }
 
+/// Asked before every HTTP attempt: an `Err` means the request is not sent
+/// and the call fails with [`PveError::NotAdmitted`] carrying it. A caller
+/// that may lose the right to act on the cluster (a replica deposed as
+/// leader) plugs in here, so no request leaves after that moment, whatever
+/// task would send it.
+pub trait RequestGate: Send + Sync {
+    fn admit(&self) -> Result<(), Box<dyn std::error::Error + Send + Sync + 'static>>;
+}
+
 /// Client configuration. `Debug` never shows the token secret.
 #[derive(Clone)]
 pub struct PveConfig {
@@ -64,6 +73,8 @@ pub struct PveConfig {
     pub pool_idle_timeout: Duration,
     pub retry: RetryPolicy,
     pub observer: Option<Arc<dyn ApiObserver>>,
+    /// Consulted before every HTTP attempt (see [`RequestGate`]).
+    pub gate: Option<Arc<dyn RequestGate>>,
 }
 
 impl PveConfig {
@@ -85,6 +96,7 @@ impl PveConfig {
             pool_idle_timeout: DEFAULT_POOL_IDLE,
             retry: RetryPolicy::default(),
             observer: None,
+            gate: None,
         }
     }
 }
@@ -112,6 +124,7 @@ impl fmt::Debug for PveConfig {
             .field("pool_idle_timeout", &self.pool_idle_timeout)
             .field("retry", &self.retry)
             .field("observer", &self.observer.is_some())
+            .field("gate", &self.gate.is_some())
             .finish()
     }
 }

@@ -24,7 +24,7 @@ mod decode;
 mod request;
 mod retry;
 
-pub use config::{ApiCall, ApiObserver, PveConfig, DEFAULT_POOL_IDLE, MAX_POOL_IDLE};
+pub use config::{ApiCall, ApiObserver, PveConfig, RequestGate, DEFAULT_POOL_IDLE, MAX_POOL_IDLE};
 pub use retry::RetryPolicy;
 
 type HttpClient = Client<HttpsConnector<HttpConnector>, Full<Bytes>>;
@@ -38,6 +38,7 @@ struct Inner {
     request_timeout: Duration,
     retry: RetryPolicy,
     observer: Option<Arc<dyn ApiObserver>>,
+    gate: Option<Arc<dyn RequestGate>>,
 }
 
 /// Async PVE API client. Cheap to clone (shared connection pool).
@@ -120,6 +121,7 @@ impl PveClient {
                 request_timeout: cfg.request_timeout,
                 retry: cfg.retry,
                 observer: cfg.observer,
+                gate: cfg.gate,
             }),
         })
     }

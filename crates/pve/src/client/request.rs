@@ -103,6 +103,12 @@ impl PveClient {
         path: &str,
         params: &Params,
     ) -> Result<T, PveError> {
+        if let Some(gate) = &self.inner.gate {
+            gate.admit().map_err(|e| PveError::NotAdmitted {
+                op,
+                source: Cause::from(e),
+            })?;
+        }
         let has_body = *method == Method::POST || *method == Method::PUT;
         let mut url = format!("{}{}", self.inner.base, path);
         if !has_body && !params.is_empty() {

@@ -138,6 +138,16 @@ pub enum PveError {
         last_error: Option<Cause>,
     },
 
+    /// The client's [`crate::RequestGate`] refused the request: it was not
+    /// sent, so it cannot have been applied. Never retried.
+    #[error("PVE {op} not sent: {source}")]
+    NotAdmitted {
+        op: &'static str,
+        /// What the gate said.
+        #[source]
+        source: Cause,
+    },
+
     /// A looked-up object (e.g. a pool) is absent from an otherwise successful answer.
     #[error("{0} does not exist")]
     NotFound(String),

@@ -817,3 +817,51 @@ async fn sdn_vnets_are_listed_with_their_zones_and_a_missing_sdn_is_a_501() {
     assert_eq!(e.status(), Some(501), "{e}");
     assert_eq!(srv.recorded()[0].method, "GET");
 }
+
+/// A gate that admits while its flag is set.
+struct Flag(std::sync::atomic::AtomicBool);
+
+impl pve::RequestGate for Flag {
+    fn admit(&self) -> Result<(), Box<dyn std::error::Error + Send + Sync + 'static>> {
+        if self.0.load(Ordering::SeqCst) {
+            Ok(())
+        } else {
+            Err("the caller may not act now".into())
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_shut_gate_sends_nothing_and_says_why() {
+    let leaf = self_signed_leaf(&["localhost"]);
+    let srv = serve(&leaf, |_, _| ok(json!(UPID_CLONE))).await;
+    let gate = std::sync::Arc::new(Flag(std::sync::atomic::AtomicBool::new(true)));
+    let (mut cfg, _calls) = config(&srv.url(), None, vec![leaf.fingerprint()]);
+    cfg.gate = Some(gate.clone());
+    let c = pve::PveClient::new(cfg).unwrap();
+    let params = CloneParams {
+        newid: 112,
+        ..CloneParams::default()
+    };
+    c.clone_vm("pve1", 9000, &params).await.expect("admitted");
+    assert_eq!(srv.recorded().len(), 1);
+
+    gate.0.store(false, Ordering::SeqCst);
+    let e = c
+        .clone_vm("pve1", 9000, &params)
+        .await
+        .expect_err("refused");
+    assert!(
+        matches!(e, PveError::NotAdmitted { op: "clone", .. }),
+        "{e:?}"
+    );
+    assert_eq!(
+        e.to_string(),
+        "PVE clone not sent: the caller may not act now"
+    );
+    assert_eq!(
+        e.source().map(|s| s.to_string()).as_deref(),
+        Some("the caller may not act now")
+    );
+    assert_eq!(srv.recorded().len(), 1, "nothing reached the server");
+}

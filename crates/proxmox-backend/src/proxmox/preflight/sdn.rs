@@ -79,13 +79,16 @@ pub(in crate::proxmox) async fn check(client: &PveClient, configs: &[(u32, VmCon
             users.entry(path).or_default().push(*t);
         }
     }
-    let reads = stream::iter(users.keys().map(|path| async move {
+    // Each read owns its path: a closure over borrowed paths makes this
+    // future `Send` only for one lifetime, which a caller spawning it as a
+    // task cannot use.
+    let reads = stream::iter(users.keys().cloned().map(|path| async move {
         let acl = path.to_string();
         let held = match client.permissions(Some(&acl)).await {
             Ok(mut p) => p.remove(&acl).unwrap_or_default(),
             Err(_) => return None,
         };
-        (!held.contains("SDN.Use")).then(|| path.clone())
+        (!held.contains("SDN.Use")).then_some(path)
     }))
     .buffered(READS_IN_FLIGHT)
     .collect::<Vec<_>>()

@@ -1,0 +1,126 @@
+//! The leader lease: one holder at a time under a growing epoch, taken
+//! back at once by the replica that holds it, renewed only by its holder,
+//! released for a standby; and a store opened under an epoch commits
+//! nothing once another replica holds the lease.
+
+use std::time::Duration;
+
+use pg_store::{Lease, LeaseState, PgOptions, PgStore};
+use provider_testkit::store_contract::{machine, record};
+use providerkit::{State, Store, StoreErrorKind};
+
+use crate::common::{fresh, PgState};
+
+fn durable(store: &PgStore, ticket: providerkit::Ticket) -> Result<(), providerkit::StoreError> {
+    futures::executor::block_on(store.durable(ticket))
+}
+
+const TTL: Duration = Duration::from_secs(30);
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime")
+}
+
+fn lease(rt: &tokio::runtime::Runtime, state: &PgState) -> Lease {
+    rt.block_on(Lease::connect(&state.target(), &PgOptions::default()))
+        .expect("connect the lease")
+}
+
+fn epoch(found: LeaseState) -> i64 {
+    match found {
+        LeaseState::Acquired { epoch, .. } => epoch,
+        LeaseState::Held { .. } => panic!("not acquired: {found:?}"),
+    }
+}
+
+#[test]
+fn one_holder_at_a_time_until_it_expires_or_is_released() {
+    let Some(state) = fresh() else { return };
+    let rt = runtime();
+    let a = lease(&rt, &state);
+    let b = lease(&rt, &state);
+    let first = epoch(rt.block_on(a.try_acquire("a", TTL)).expect("a"));
+    match rt.block_on(b.try_acquire("b", TTL)).expect("b") {
+        LeaseState::Held {
+            holder,
+            epoch,
+            expires_in,
+        } => {
+            assert_eq!((holder.as_str(), epoch), ("a", first));
+            assert!(expires_in > Duration::from_secs(20), "{expires_in:?}");
+        }
+        other => panic!("b took a held lease: {other:?}"),
+    }
+    // Restarted in place under its name, a takes its lease back at once.
+    let again = epoch(rt.block_on(a.try_acquire("a", TTL)).expect("a again"));
+    assert_eq!(again, first + 1);
+    assert!(
+        rt.block_on(a.renew(first, TTL)).expect("renew").is_none(),
+        "an old epoch renews nothing"
+    );
+    assert!(rt.block_on(a.renew(again, TTL)).expect("renew").is_some());
+    // Released, it is b's at b's next attempt.
+    rt.block_on(a.release(again)).expect("release");
+    let taken = epoch(rt.block_on(b.try_acquire("b", TTL)).expect("b"));
+    assert_eq!(taken, again + 1);
+    assert!(rt.block_on(a.renew(again, TTL)).expect("renew").is_none());
+    // A release under a lost epoch leaves the holder's lease alone.
+    rt.block_on(a.release(again)).expect("release");
+    assert!(matches!(
+        rt.block_on(a.try_acquire("a", TTL)).expect("a"),
+        LeaseState::Held { .. }
+    ));
+    // Expired (here: set in the past), anyone takes it.
+    state
+        .schema
+        .admin("UPDATE bigfleet_lease SET expires_at = now() - interval '1 second'");
+    assert_eq!(
+        epoch(rt.block_on(a.try_acquire("a", TTL)).expect("a")),
+        taken + 1
+    );
+}
+
+#[test]
+fn a_store_under_a_lost_lease_commits_nothing() {
+    let Some(state) = fresh() else { return };
+    let rt = runtime();
+    let a = lease(&rt, &state);
+    let mine = epoch(rt.block_on(a.try_acquire("a", TTL)).expect("a"));
+    let options = PgOptions {
+        lease_epoch: Some(mine),
+        ..PgOptions::default()
+    };
+    let store = PgStore::open(&state.target(), &options).expect("open");
+    store.load().expect("load under the lease");
+    let t = store.submit(vec![machine(record("m-1", 1, State::Idle))]);
+    durable(&store, t).expect("the holder commits");
+
+    // Another replica takes the lease.
+    let b = lease(&rt, &state);
+    state
+        .schema
+        .admin("UPDATE bigfleet_lease SET expires_at = now() - interval '1 second'");
+    let theirs = epoch(rt.block_on(b.try_acquire("b", TTL)).expect("b"));
+    let t = store.submit(vec![machine(record("m-2", 2, State::Idle))]);
+    let err = durable(&store, t).expect_err("a deposed leader must not write");
+    assert_eq!(err.kind(), StoreErrorKind::Locked);
+    assert!(
+        err.to_string().contains(&format!(
+            "this replica no longer holds the leader lease (it held epoch {mine}, the lease is \
+             at epoch {theirs})"
+        )),
+        "{err}"
+    );
+    assert_eq!(
+        state
+            .schema
+            .query_i64("SELECT count(*) FROM bigfleet_machines"),
+        1,
+        "only the holder's commit is there"
+    );
+    let err = store.load().expect_err("nor start a boot generation");
+    assert_eq!(err.kind(), StoreErrorKind::Locked);
+}
