@@ -1,8 +1,10 @@
 //! The `bigfleet-proxmox` binary's composition root: configuration
 //! ([`config`], validated once into a [`Plan`] of sub-configurations by
-//! [`plan()`]), serving ([`serve::run`]: the gRPC server, the metrics and
-//! probe listener, the reconcile loop), metrics, logging, TLS and the
-//! caller identities of mTLS ([`identity`], applied by [`guard`]). The
+//! [`plan()`]), serving ([`serve::run`]: the gRPC server and the metrics
+//! and probe listener ([`probes`]), over terms of serving ([`terms`]: the
+//! engine, the reconcile loop; one term per leader lease held, [`leader`],
+//! with a PostgreSQL state), metrics, logging, TLS and the caller
+//! identities of mTLS ([`identity`], applied by [`guard`]). The
 //! Proxmox policy lives in `proxmox-backend`, the contract engine in
 //! `providerkit`, the operator client in `bigfleet-ctl`.
 
@@ -17,7 +19,9 @@ pub mod leader;
 pub mod logging;
 pub mod metrics;
 pub mod plan;
+pub mod probes;
 pub mod serve;
+pub mod terms;
 pub mod tls;
 
 pub use error::{ConfigError, ConfigErrorKind, StartupError};

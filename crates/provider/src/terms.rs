@@ -1,0 +1,445 @@
+//! Serving in terms: a term builds the backend on a store, loads the
+//! state, resumes what was in flight and serves it, until it ends. With a
+//! state file the process has one term; replicas of a PostgreSQL state
+//! serve a term while they hold the leader lease and stand by in between
+//! ([`lead_terms`]).
+
+use std::sync::Arc;
+
+use bigfleet_proto::admin::admin_server::AdminServer;
+use bigfleet_proto::serving::capacity_provider_server::CapacityProviderServer;
+use pg_store::Lease;
+use providerkit::service::CapacityService;
+use providerkit::{Engine, MemoryStore, Store};
+use proxmox_backend::backend::ProxmoxBackend;
+use proxmox_backend::fake::FakeCluster;
+use proxmox_backend::proxmox::{PveOptions, PveSubstrate};
+use proxmox_backend::substrate::{Metered, Substrate, VmRef};
+use tonic_health::ServingStatus;
+
+use crate::error::StartupError;
+use crate::guard::{GuardedCapacity, IdentityGuard};
+use crate::leader::{hold_lease, wait_for_lease, Standby, Switched, Term};
+use crate::metrics::Metrics;
+use crate::plan::{BackendConfig, LeaseConfig, Plan, ProxmoxAccess, ProxmoxConfig, StateConfig};
+use crate::probes::{follow_store_health, set_health, Readiness, STORE_HEALTH_PERIOD};
+
+pub(crate) fn open_store(plan: &Plan) -> Result<Arc<dyn Store>, StartupError> {
+    match &plan.state {
+        None => Ok(Arc::new(MemoryStore::new())),
+        Some(StateConfig::Sqlite(path)) => open_sqlite(path),
+        Some(StateConfig::Postgres {
+            target, options, ..
+        }) => {
+            let store = pg_store::PgStore::open(target, options)?;
+            let report = store.report();
+            if report.created {
+                tracing::info!(url = %store.target(), "state created");
+            } else {
+                tracing::info!(
+                    url = %store.target(),
+                    machines = report.machines,
+                    fence_marks = report.fence_marks,
+                    "state loaded"
+                );
+            }
+            Ok(Arc::new(store))
+        }
+    }
+}
+
+fn open_sqlite(path: &std::path::Path) -> Result<Arc<dyn Store>, StartupError> {
+    let store = sqlite_store::SqliteStore::open(path)?;
+    // Says which of the two happened, so a state that was expected but
+    // silently replaced by a fresh one shows in the first lines of the log.
+    let report = store.report();
+    match &report.origin {
+        sqlite_store::Origin::Created => {
+            tracing::info!(path = %store.path().display(), "state created");
+        }
+        sqlite_store::Origin::Loaded => tracing::info!(
+            path = %store.path().display(),
+            machines = report.machines,
+            fence_marks = report.fence_marks,
+            "state loaded"
+        ),
+        sqlite_store::Origin::Imported(imported) => tracing::info!(
+            path = %store.path().display(),
+            backup = %imported.backup.display(),
+            machines = report.machines,
+            fence_marks = report.fence_marks,
+            operation_ids = imported.operation_ids,
+            "state imported from the reference implementation's JSON file"
+        ),
+    }
+    Ok(Arc::new(store))
+}
+
+/// The real substrate, checked against the cluster before serving: the
+/// token works, every zone is a node, every template in use is visible.
+async fn proxmox_substrate(
+    plan: &Plan,
+    proxmox: &ProxmoxConfig,
+    gate: Option<Arc<Term>>,
+) -> Result<Arc<dyn Substrate>, StartupError> {
+    let substrate = Arc::new(pve_substrate(&proxmox.access, &proxmox.options, gate)?);
+    let catalog = &plan.catalog;
+    let mut templates: Vec<u32> = catalog
+        .slots
+        .iter()
+        .filter_map(|s| {
+            catalog
+                .types
+                .get(&s.facts.instance_type)
+                .map(|t| t.template_vmid)
+        })
+        .collect();
+    templates.sort_unstable();
+    templates.dedup();
+    tracing::info!(
+        url = %proxmox.access.api_url,
+        nodes = %catalog.zones.join(","),
+        "checking the Proxmox cluster before serving"
+    );
+    let warnings = substrate
+        .preflight(&catalog.zones, &templates)
+        .await
+        .map_err(StartupError::Preflight)?;
+    for warning in warnings {
+        tracing::warn!(warning = %warning, "Proxmox preflight");
+    }
+    Ok(substrate)
+}
+
+/// The client and the substrate; the options were validated by the plan.
+fn pve_substrate(
+    access: &ProxmoxAccess,
+    options: &PveOptions,
+    gate: Option<Arc<Term>>,
+) -> Result<PveSubstrate, StartupError> {
+    let mut config = pve::PveConfig::new(
+        access.api_url.clone(),
+        access.token_id.clone(),
+        access.token_secret.clone(),
+    );
+    config.ca_pem = access.ca_pem.clone();
+    config.fingerprints = access.fingerprints.clone();
+    config.gate = gate.map(|term| term as Arc<dyn pve::RequestGate>);
+    let client = pve::PveClient::new(config).map_err(StartupError::ProxmoxClient)?;
+    if options.readiness_command.is_empty() {
+        tracing::warn!(
+            "--readiness-command is empty: the node-readiness gate is off and a \
+                     machine may report CONFIGURED before its node can take pods"
+        );
+    }
+    Ok(PveSubstrate::new(client, options.clone()))
+}
+
+/// The gRPC services whose calls go to the leader's engine: forwarded
+/// while this replica serves, UNAVAILABLE otherwise.
+#[derive(Clone)]
+pub(crate) struct Served {
+    pub(crate) capacity: Switched<CapacityProviderServer<GuardedCapacity>>,
+    pub(crate) admin: Switched<AdminServer<crate::admin::AdminService>>,
+    /// The engine of the term being served, for shutdown.
+    pub(crate) engine: Arc<parking_lot::RwLock<Option<Arc<Engine>>>>,
+}
+
+/// What every term of serving is built from; shared by the terms of a
+/// process.
+pub(crate) struct TermContext {
+    pub(crate) plan: Plan,
+    pub(crate) metrics: Arc<Metrics>,
+    pub(crate) guard: Arc<IdentityGuard>,
+    pub(crate) ready: Readiness,
+    pub(crate) health: tonic_health::server::HealthReporter,
+    pub(crate) served: Served,
+}
+
+/// One term of serving: the engine and the tasks that work for it, which
+/// stop when the term is dropped.
+pub(crate) struct Leading {
+    engine: Arc<Engine>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Drop for Leading {
+    fn drop(&mut self) {
+        for task in &self.tasks {
+            task.abort();
+        }
+    }
+}
+
+impl TermContext {
+    /// Build the backend on `store`, load the state, resume what a restart
+    /// interrupted. With a `gate`, every Proxmox request asks it first.
+    pub(crate) async fn start(
+        &self,
+        store: Arc<dyn Store>,
+        gate: Option<Arc<Term>>,
+    ) -> Result<Arc<Engine>, StartupError> {
+        let plan = &self.plan;
+        let catalog = &plan.catalog;
+        let (inner, fake): (Arc<dyn Substrate>, _) = match &plan.backend {
+            BackendConfig::Fake { latency } => {
+                let fake = Arc::new(FakeCluster::new(catalog.zones.clone(), *latency));
+                (fake.clone(), Some(fake))
+            }
+            BackendConfig::Proxmox(proxmox) => {
+                (proxmox_substrate(plan, proxmox, gate).await?, None)
+            }
+        };
+        let substrate: Arc<dyn Substrate> = Arc::new(Metered::new(inner, self.metrics.clone()));
+        let backend = Arc::new(ProxmoxBackend::new(
+            catalog.slots.clone(),
+            catalog.types.clone(),
+            catalog.pricing.clone(),
+            substrate,
+        ));
+        let engine = Engine::load(backend, store, plan.engine.clone())
+            .await
+            .map_err(StartupError::Engine)?;
+        if let Some(fake) = &fake {
+            for machine in engine.list(&[], 0, &[]).machines {
+                if let Some(vm) = machine
+                    .host
+                    .as_ref()
+                    .and_then(|h| VmRef::parse(&h.r#ref).ok())
+                {
+                    fake.restore(&vm, &machine.id);
+                }
+            }
+        }
+        // After the fake cluster holds the VMs on record, which a resumed
+        // Drain or Delete acts on.
+        let resumed = engine.resume();
+        if resumed > 0 {
+            tracing::info!(
+                resumed,
+                "resumed the transitions a provider restart interrupted"
+            );
+        }
+        Ok(engine)
+    }
+
+    /// Serve `engine`: route the RPCs to it, start its background work,
+    /// report SERVING.
+    pub(crate) async fn lead(&self, engine: Arc<Engine>) -> Leading {
+        let plan = &self.plan;
+        let served = &self.served;
+        served.capacity.lead(
+            GuardedCapacity::new(CapacityService::new(engine.clone()), self.guard.clone())
+                .into_server(),
+        );
+        served.admin.lead(
+            crate::admin::AdminService::new(engine.clone(), self.guard.clone()).into_server(),
+        );
+        *served.engine.write() = Some(engine.clone());
+        self.metrics
+            .observe_engine(engine.clone(), plan.catalog.zones.clone());
+        let mut tasks = Vec::new();
+        if let Some(task) =
+            crate::admin::spawn_auto_reclaim(&engine, plan.reconcile.reclaim_failed_after)
+        {
+            tasks.push(task);
+        }
+        if !plan.reconcile.interval.is_zero() {
+            tasks.push(tokio::spawn(reconcile_loop(
+                engine.clone(),
+                self.metrics.clone(),
+                plan.reconcile.interval,
+            )));
+        }
+        self.ready.set_store_ok(true);
+        self.ready.set(true);
+        set_health(self.health.clone(), ServingStatus::Serving).await;
+        tasks.push(tokio::spawn(follow_store_health(
+            engine.clone(),
+            self.ready.clone(),
+            self.health.clone(),
+            STORE_HEALTH_PERIOD,
+        )));
+        Leading { engine, tasks }
+    }
+
+    /// The term ended: refuse everything at once, then stop its work.
+    async fn stand_by(&self, leading: Leading) {
+        self.served.capacity.stand_by();
+        self.served.admin.stand_by();
+        *self.served.engine.write() = None;
+        self.ready.set(false);
+        leading.engine.stop_accepting();
+        self.metrics.forget_engine();
+        drop(leading);
+        set_health(self.health.clone(), ServingStatus::NotServing).await;
+    }
+}
+
+/// Reconcile every `period`; an unchanged pass bumps nothing.
+async fn reconcile_loop(engine: Arc<Engine>, metrics: Arc<Metrics>, period: std::time::Duration) {
+    let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        match engine.reconcile().await {
+            Ok(report) => {
+                metrics.observe_reconcile(true);
+                if report.added + report.refreshed + report.reattached + report.detached > 0 {
+                    tracing::info!(
+                        added = report.added,
+                        refreshed = report.refreshed,
+                        reattached = report.reattached,
+                        detached = report.detached,
+                        "reconcile changed the inventory"
+                    );
+                }
+            }
+            Err(e) => {
+                metrics.observe_reconcile(false);
+                tracing::warn!(error = %e, "reconcile failed");
+            }
+        }
+    }
+}
+
+/// What a replica of a shared PostgreSQL state needs to lead.
+pub(crate) struct SharedState {
+    pub(crate) target: pg_store::Target,
+    pub(crate) options: pg_store::PgOptions,
+    pub(crate) config: LeaseConfig,
+    pub(crate) lease: Arc<Lease>,
+    pub(crate) standby: Standby,
+}
+
+/// Replicas sharing a PostgreSQL state: wait for the lease, serve while it
+/// is held, stand by when it is lost, and give it up once `release` is
+/// set (shutdown, after the transitions in flight had their grace).
+pub(crate) async fn lead_terms(
+    context: Arc<TermContext>,
+    shared: SharedState,
+    mut stopping: tokio::sync::watch::Receiver<bool>,
+    mut release: tokio::sync::watch::Receiver<bool>,
+    first_serving: impl FnOnce() + Send + 'static,
+) {
+    let SharedState {
+        target,
+        options,
+        config,
+        lease,
+        standby,
+    } = shared;
+    let mut first_serving = Some(first_serving);
+    loop {
+        let term = Arc::new(Term::default());
+        let epoch = tokio::select! {
+            epoch = wait_for_lease(lease.clone(), config.clone(), term.clone(), standby.clone()) => epoch,
+            () = raised(&mut stopping) => return,
+        };
+        tracing::info!(replica = %config.replica, epoch, "took the leader lease: loading the state");
+        let mut hold = {
+            let (lease, config, term) = (lease.clone(), config.clone(), term.clone());
+            tokio::spawn(async move { hold_lease(&lease, &config, &term, epoch).await })
+        };
+        let started = {
+            let store_options = pg_store::PgOptions {
+                lease_epoch: Some(epoch),
+                ..options.clone()
+            };
+            let target = target.clone();
+            let context = context.clone();
+            let gate = term.clone();
+            async move {
+                let opened = tokio::task::spawn_blocking(move || {
+                    pg_store::PgStore::open(&target, &store_options)
+                })
+                .await;
+                let store = match opened {
+                    Ok(store) => {
+                        let store = store.map_err(StartupError::from)?;
+                        let report = store.report();
+                        tracing::info!(
+                            url = %store.target(),
+                            machines = report.machines,
+                            fence_marks = report.fence_marks,
+                            "state loaded"
+                        );
+                        store
+                    }
+                    Err(e) => {
+                        return Err(StartupError::Store(providerkit::StoreError::unavailable(
+                            format!("the state store could not be opened: {e}"),
+                        )))
+                    }
+                };
+                context.start(Arc::new(store), Some(gate)).await
+            }
+        };
+        let started = tokio::select! {
+            started = started => started,
+            lost = &mut hold => {
+                let lost = lost.map_or_else(|e| e.to_string(), |l| l.to_string());
+                tracing::warn!(epoch, reason = %lost, "lost the leader lease while loading the state: standing by");
+                continue;
+            }
+            () = raised(&mut release) => {
+                hold.abort();
+                give_up(&lease, &term, epoch).await;
+                return;
+            }
+        };
+        let engine = match started {
+            Ok(engine) => engine,
+            Err(e) => {
+                hold.abort();
+                tracing::error!(epoch, error = %e, "cannot serve as the leader: giving the lease up and standing by");
+                give_up(&lease, &term, epoch).await;
+                tokio::select! {
+                    () = tokio::time::sleep(config.ttl) => continue,
+                    () = raised(&mut stopping) => return,
+                }
+            }
+        };
+        let leading = context.lead(engine).await;
+        tracing::info!(replica = %config.replica, epoch, "serving as the leader");
+        if let Some(first) = first_serving.take() {
+            first();
+        }
+        tokio::select! {
+            lost = &mut hold => {
+                let lost = lost.map_or_else(|e| e.to_string(), |l| l.to_string());
+                standby.lost();
+                context.stand_by(leading).await;
+                tracing::warn!(epoch, reason = %lost, "lost the leader lease: stopped all work and standing by");
+            }
+            () = raised(&mut release) => {
+                hold.abort();
+                context.stand_by(leading).await;
+                give_up(&lease, &term, epoch).await;
+                return;
+            }
+        }
+    }
+}
+
+/// Resolves once `flag` is set (or its sender is gone, which only happens
+/// when the process is ending).
+async fn raised(flag: &mut tokio::sync::watch::Receiver<bool>) {
+    let _ = flag.wait_for(|set| *set).await;
+}
+
+/// End the term and release the lease so a standby need not wait for it
+/// to expire.
+async fn give_up(lease: &Lease, term: &Term, epoch: i64) {
+    term.end();
+    match tokio::time::timeout(std::time::Duration::from_secs(5), lease.release(epoch)).await {
+        Ok(Ok(())) => tracing::info!(epoch, "released the leader lease"),
+        Ok(Err(e)) => {
+            tracing::warn!(epoch, error = %e, "cannot release the leader lease; a standby takes it when it expires")
+        }
+        Err(_) => tracing::warn!(
+            epoch,
+            "releasing the leader lease did not finish in time; a standby takes it when it expires"
+        ),
+    }
+}
