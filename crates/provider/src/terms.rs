@@ -2,7 +2,7 @@
 //! state, resumes what was in flight and serves it, until it ends. With a
 //! state file the process has one term; replicas of a PostgreSQL state
 //! serve a term while they hold the leader lease and stand by in between
-//! ([`lead_terms`]).
+//! (`lead_terms`).
 
 use std::sync::Arc;
 
