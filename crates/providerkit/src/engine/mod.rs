@@ -30,6 +30,7 @@ mod mutants;
 mod options;
 mod reclaim;
 mod resume;
+mod running;
 mod worker;
 
 pub use list::ListPage;
@@ -37,7 +38,7 @@ pub use list::ListPage;
 pub use options::Mutants;
 pub use options::{echo_prefix, EngineOptions, Limits, Timeouts, ECHO_PREFIX_CHARS};
 pub use reclaim::{Census, ReclaimError, ReclaimHandle, ReclaimOutcome, ReclaimSweeper};
-pub use resume::ResumeOutcome;
+pub use running::ResumeOutcome;
 
 const INVENTORY_BATCH: usize = 2048;
 
@@ -194,8 +195,8 @@ pub struct Engine {
     reclaims: tokio::sync::Mutex<()>,
     /// Transitions found in flight at load time, until [`Engine::resume`].
     pending_resumes: parking_lot::Mutex<Vec<resume::Pending>>,
-    resumed: resume::ResumeCounters,
-    in_flight: Arc<resume::InFlightCount>,
+    resumed: running::ResumeCounters,
+    in_flight: Arc<running::InFlightCount>,
     /// Set when shutdown begins: mutations are refused from then on.
     stopping: std::sync::atomic::AtomicBool,
 }
@@ -227,7 +228,7 @@ impl Engine {
         let mut inner = Inner::default();
         let mut recovered = Vec::new();
         let mut pending = Vec::new();
-        let counters = resume::ResumeCounters::default();
+        let counters = running::ResumeCounters::default();
         let now_ms = crate::model::wall_clock_ms();
         let readiness = backend.supports_readiness();
         for record in loaded.machines {

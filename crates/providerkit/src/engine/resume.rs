@@ -8,77 +8,17 @@
 //! what an earlier attempt left) or, when it cannot continue, landed FAILED
 //! with a `last_error` that says why.
 
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::time::Instant;
 
+use super::running::ResumeOutcome;
 use super::worker::humanize;
 use super::{Engine, Work};
 use crate::backend::{ConfigureCtx, CreateCtx, DeleteCtx, DrainCtx};
 use crate::model::{MachineRecord, TransitionKind};
-
-/// How a transition found at start-up ended.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum ResumeOutcome {
-    /// Resumed, and reached the transition's target state.
-    Landed,
-    /// Resumed, and failed (the machine is FAILED with the substrate's error).
-    Failed,
-    /// Its deadline had passed by the restart: FAILED, timed out.
-    TimedOut,
-    /// It could not continue: a Configure without a readiness check (the
-    /// bootstrap blob is never stored), or a record written before windows
-    /// were stored. FAILED, saying why.
-    NotResumable,
-}
-
-impl ResumeOutcome {
-    pub const ALL: [ResumeOutcome; 4] = [
-        ResumeOutcome::Landed,
-        ResumeOutcome::Failed,
-        ResumeOutcome::TimedOut,
-        ResumeOutcome::NotResumable,
-    ];
-
-    /// The label value in metrics.
-    pub fn name(self) -> &'static str {
-        match self {
-            ResumeOutcome::Landed => "landed",
-            ResumeOutcome::Failed => "failed",
-            ResumeOutcome::TimedOut => "timed_out",
-            ResumeOutcome::NotResumable => "not_resumable",
-        }
-    }
-
-    fn index(self) -> usize {
-        self as usize
-    }
-}
-
-/// Counts of transitions found at start-up, per kind and outcome.
-#[derive(Default)]
-pub(super) struct ResumeCounters {
-    counts: [[AtomicU64; 4]; 4],
-}
-
-impl ResumeCounters {
-    pub(super) fn add(&self, kind: TransitionKind, outcome: ResumeOutcome) {
-        self.counts[kind.index()][outcome.index()].fetch_add(1, Ordering::Relaxed);
-    }
-
-    fn snapshot(&self) -> Vec<(TransitionKind, ResumeOutcome, u64)> {
-        let mut out = Vec::with_capacity(16);
-        for kind in TransitionKind::ALL {
-            for outcome in ResumeOutcome::ALL {
-                let n = self.counts[kind.index()][outcome.index()].load(Ordering::Relaxed);
-                out.push((kind, outcome, n));
-            }
-        }
-        out
-    }
-}
 
 /// What start-up decided for one transitional record.
 pub(super) enum Found {
@@ -184,36 +124,6 @@ pub(super) fn on_load(record: &MachineRecord, now_ms: u64, readiness: bool) -> O
     }))
 }
 
-/// How many transitions are running, and a wake-up when none is.
-#[derive(Default)]
-pub(super) struct InFlightCount {
-    running: AtomicUsize,
-    idle: tokio::sync::Notify,
-}
-
-impl InFlightCount {
-    pub(super) fn enter(self: &Arc<Self>) -> InFlightGuard {
-        self.running.fetch_add(1, Ordering::AcqRel);
-        InFlightGuard(Arc::clone(self))
-    }
-
-    pub(super) fn running(&self) -> usize {
-        self.running.load(Ordering::Acquire)
-    }
-}
-
-/// One running transition; dropping it (landed, or its task ended) counts
-/// it out.
-pub(super) struct InFlightGuard(Arc<InFlightCount>);
-
-impl Drop for InFlightGuard {
-    fn drop(&mut self) {
-        if self.0.running.fetch_sub(1, Ordering::AcqRel) == 1 {
-            self.0.idle.notify_waiters();
-        }
-    }
-}
-
 impl Engine {
     /// Start the transitions found in flight at load time (once; later calls
     /// find nothing). Returns how many were resumed.
@@ -271,18 +181,7 @@ impl Engine {
     /// many were still running (they stay transitional in the store and
     /// resume at the next start).
     pub async fn quiesce(&self, bound: Duration) -> usize {
-        let until = Instant::now() + bound;
-        loop {
-            // Registered before the check, so a landing in between wakes us.
-            let idle = self.in_flight.idle.notified();
-            let running = self.in_flight.running();
-            if running == 0 {
-                return 0;
-            }
-            if tokio::time::timeout_at(until, idle).await.is_err() {
-                return self.in_flight.running();
-            }
-        }
+        self.in_flight.wait_idle(Instant::now() + bound).await
     }
 }
 

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::resume::{InFlightGuard, ResumeOutcome};
+use super::running::{InFlightGuard, ResumeOutcome};
 use super::{Engine, Outcome, Work};
 use crate::backend::BackendError;
 use crate::model::{State, TransitionKind};
