@@ -79,13 +79,7 @@ pub async fn follow_store_health(
         } else {
             ServingStatus::NotServing
         };
-        health
-            .set_service_status(
-                <CapacityProviderServer<CapacityService> as tonic::server::NamedService>::NAME,
-                status,
-            )
-            .await;
-        health.set_service_status("", status).await;
+        set_health(health.clone(), status).await;
     }
 }
 
@@ -115,6 +109,7 @@ pub fn http_router(metrics: Arc<Metrics>, ready: Readiness) -> Router {
         .with_state((metrics, ready))
 }
 
+/// gRPC health of the CapacityProvider service and of the server (`""`).
 pub async fn set_health(health: tonic_health::server::HealthReporter, status: ServingStatus) {
     health
         .set_service_status(

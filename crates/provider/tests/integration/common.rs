@@ -221,41 +221,16 @@ impl Provider {
     /// Start with ephemeral gRPC and metrics ports on 127.0.0.1 plus
     /// `args`, and return once the startup line is out and /readyz is 200.
     pub fn start(args: &[&str]) -> Provider {
-        let mut child = Command::new(BIN)
-            .args(["--addr", "127.0.0.1:0", "--metrics-addr", "127.0.0.1:0"])
-            .args(args)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("spawn bigfleet-proxmox");
-        let logs = Logs::spawn_reader(child.stderr.take().expect("stderr"));
-        let Some(line) = logs.wait_for(STARTUP_DEADLINE, provider_testkit::is_startup_line) else {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!(
-                "bigfleet-proxmox {args:?} never logged its startup line; stderr:\n{}",
-                logs.text()
-            );
-        };
-        let parse = |key: &str| -> SocketAddr {
-            provider_testkit::addr_field(&line, key).unwrap_or_else(|e| panic!("{e}"))
-        };
-        let provider = Provider {
-            grpc: parse("addr"),
-            metrics: parse("metrics_addr"),
-            child,
-            logs,
-            startup_line: line,
-        };
+        let provider = Provider::spawn_until(args, "its startup line", |l| {
+            provider_testkit::is_startup_line(l)
+        });
         provider.wait_ready(STARTUP_DEADLINE);
         provider
     }
 
-    /// Start a replica of a shared PostgreSQL state with ephemeral ports
-    /// plus `args`, and return once it has said it is a replica (it may be
-    /// a standby; it serves once [`Provider::wait_ready`] returns).
-    pub fn start_replica(args: &[&str]) -> Provider {
+    /// Start with ephemeral ports plus `args` and wait for the first line
+    /// `first` accepts, which names the listeners (`addr`, `metrics_addr`).
+    fn spawn_until(args: &[&str], what: &str, first: impl Fn(&str) -> bool) -> Provider {
         let mut child = Command::new(BIN)
             .args(["--addr", "127.0.0.1:0", "--metrics-addr", "127.0.0.1:0"])
             .args(args)
@@ -265,13 +240,11 @@ impl Provider {
             .spawn()
             .expect("spawn bigfleet-proxmox");
         let logs = Logs::spawn_reader(child.stderr.take().expect("stderr"));
-        let Some(line) = logs.wait_for(STARTUP_DEADLINE, |l| {
-            provider_testkit::field(l, "msg").as_deref() == Some(REPLICA_LINE)
-        }) else {
+        let Some(line) = logs.wait_for(STARTUP_DEADLINE, first) else {
             let _ = child.kill();
             let _ = child.wait();
             panic!(
-                "bigfleet-proxmox {args:?} never said it is a replica; stderr:\n{}",
+                "bigfleet-proxmox {args:?} never logged {what}; stderr:\n{}",
                 logs.text()
             );
         };
@@ -285,6 +258,15 @@ impl Provider {
             logs,
             startup_line: line,
         }
+    }
+
+    /// Start a replica of a shared PostgreSQL state with ephemeral ports
+    /// plus `args`, and return once it has said it is a replica (it may be
+    /// a standby; it serves once [`Provider::wait_ready`] returns).
+    pub fn start_replica(args: &[&str]) -> Provider {
+        Provider::spawn_until(args, "that it is a replica", |l| {
+            provider_testkit::field(l, "msg").as_deref() == Some(REPLICA_LINE)
+        })
     }
 
     /// Poll /readyz until it answers 200 `ready`.

@@ -45,6 +45,19 @@ fn replica_with(base: &[String], name: &str, more: &[&str]) -> Provider {
     tokio::task::block_in_place(|| Provider::start_replica(&args))
 }
 
+/// pve-sim with the clone worker's real timeline, each clone taking
+/// `clone_duration`.
+async fn simulator(clone_duration: Duration) -> PveSim {
+    PveSim::start(SimConfig {
+        guest_agent: GuestAgentMode::BuiltIn,
+        clone_timeline: true,
+        clone_duration,
+        ..SimConfig::default()
+    })
+    .await
+    .expect("simulator")
+}
+
 fn ready(p: &Provider) {
     tokio::task::block_in_place(|| p.wait_ready(WITHIN));
 }
@@ -163,16 +176,9 @@ async fn a_leader_frozen_past_its_lease_commits_and_sends_nothing_once_woken() {
     let Some(schema) = provider_testkit::postgres::fresh() else {
         return;
     };
-    let sim = PveSim::start(SimConfig {
-        guest_agent: GuestAgentMode::BuiltIn,
-        clone_timeline: true,
-        // The clone outlasts the freeze: the frozen leader wakes up
-        // waiting for it.
-        clone_duration: Duration::from_secs(4),
-        ..SimConfig::default()
-    })
-    .await
-    .expect("simulator");
+    // The clone outlasts the freeze: the frozen leader wakes up waiting
+    // for it.
+    let sim = simulator(Duration::from_secs(4)).await;
     let (_ca_dir, ca) = sim_ca_file(&sim);
     let base = sim_backend_args(
         &sim,
@@ -285,13 +291,7 @@ async fn failover_under_a_burst_loses_nothing() {
     let Some(schema) = provider_testkit::postgres::fresh() else {
         return;
     };
-    let sim = PveSim::start(SimConfig {
-        guest_agent: GuestAgentMode::BuiltIn,
-        clone_timeline: true,
-        ..SimConfig::default()
-    })
-    .await
-    .expect("simulator");
+    let sim = simulator(SimConfig::default().clone_duration).await;
     let (_ca_dir, ca) = sim_ca_file(&sim);
     let seeds = BURST.to_string();
     let base = sim_backend_args(
@@ -316,24 +316,7 @@ async fn failover_under_a_burst_loses_nothing() {
     for round in 0..rounds() {
         let sequence = round as i64 * 10;
         let mut c = leader.client().await;
-        let slots: Vec<String> = list(&mut c)
-            .await
-            .into_iter()
-            .filter(|m| m.state == MachineState::Speculative as i32)
-            .map(|m| m.id)
-            .collect();
-        assert_eq!(slots.len(), BURST, "round {round}: every slot free");
-        let (acks_tx, mut acks) = tokio::sync::mpsc::unbounded_channel();
-        for id in slots.clone() {
-            let mut c = c.clone();
-            let acks_tx = acks_tx.clone();
-            tokio::spawn(async move {
-                if c.create(create(&id, sequence + 1)).await.is_ok() {
-                    let _ = acks_tx.send(id);
-                }
-            });
-        }
-        drop(acks_tx);
+        let (mut acks, _calls) = burst(&mut c, sequence + 1, Duration::ZERO).await;
         // Kill after a varying number of acknowledgements.
         let kill_after = 1 + round % 8;
         let mut acked = Vec::new();
@@ -363,17 +346,7 @@ async fn failover_under_a_burst_loses_nothing() {
 
         let mut c = leader.client().await;
         let settled = settle(&mut c, round).await;
-        for id in &acked {
-            let m = settled
-                .iter()
-                .find(|m| &m.id == id)
-                .expect("an acknowledged machine is listed");
-            assert_eq!(
-                m.state,
-                MachineState::Idle as i32,
-                "round {round}: acknowledged Create of {id} did not land: {m:?}"
-            );
-        }
+        all_landed(&settled, &acked, round);
         check_vms(&sim, &settled, round);
 
         // Free every slot for the next round.
@@ -400,6 +373,40 @@ async fn failover_under_a_burst_loses_nothing() {
         longest.as_millis()
     );
     sim.shutdown().await;
+}
+
+/// Creates on BURST free slots at once, the second half of them each `stagger`
+/// times its place later: the ids acknowledged, as they are, and the calls.
+async fn burst(
+    c: &mut Client,
+    sequence: i64,
+    stagger: Duration,
+) -> (
+    tokio::sync::mpsc::UnboundedReceiver<String>,
+    Vec<tokio::task::JoinHandle<()>>,
+) {
+    let slots: Vec<String> = list(c)
+        .await
+        .into_iter()
+        .filter(|m| m.state == MachineState::Speculative as i32)
+        .map(|m| m.id)
+        .collect();
+    assert!(slots.len() >= BURST, "not enough free slots: {slots:?}");
+    let (acks_tx, acks) = tokio::sync::mpsc::unbounded_channel();
+    let mut calls = Vec::new();
+    for (i, id) in slots.into_iter().take(BURST).enumerate() {
+        let mut c = c.clone();
+        let acks_tx = acks_tx.clone();
+        calls.push(tokio::spawn(async move {
+            if i >= BURST / 2 {
+                tokio::time::sleep(stagger * i as u32).await;
+            }
+            if c.create(create(&id, sequence)).await.is_ok() {
+                let _ = acks_tx.send(id);
+            }
+        }));
+    }
+    (acks, calls)
 }
 
 async fn list(c: &mut Client) -> Vec<bigfleet_proto::v1alpha1::Machine> {
@@ -436,6 +443,21 @@ async fn settle(c: &mut Client, round: usize) -> Vec<bigfleet_proto::v1alpha1::M
             "round {round}: still transitional: {moving:?}"
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// Every acknowledged Create landed IDLE.
+fn all_landed(machines: &[bigfleet_proto::v1alpha1::Machine], acked: &[String], round: usize) {
+    for id in acked {
+        let m = machines
+            .iter()
+            .find(|m| &m.id == id)
+            .expect("an acknowledged machine is listed");
+        assert_eq!(
+            m.state,
+            MachineState::Idle as i32,
+            "round {round}: acknowledged Create of {id} did not land: {m:?}"
+        );
     }
 }
 
@@ -557,29 +579,8 @@ async fn a_database_restart_mid_burst_loses_nothing_acknowledged() {
         tokio::task::block_in_place(|| Provider::start(&args))
     };
     let mut c = p.client().await;
-    let slots: Vec<String> = list(&mut c)
-        .await
-        .into_iter()
-        .filter(|m| m.state == MachineState::Speculative as i32)
-        .map(|m| m.id)
-        .collect();
-    assert!(slots.len() >= BURST, "{slots:?}");
-    let (acks_tx, mut acks) = tokio::sync::mpsc::unbounded_channel();
-    let mut calls = Vec::new();
-    for (i, id) in slots.into_iter().take(BURST).enumerate() {
-        let mut c = c.clone();
-        let acks_tx = acks_tx.clone();
-        calls.push(tokio::spawn(async move {
-            // Half before the restart, half during and after it.
-            if i >= BURST / 2 {
-                tokio::time::sleep(Duration::from_millis(20 * i as u64)).await;
-            }
-            if c.create(create(&id, 1)).await.is_ok() {
-                let _ = acks_tx.send(id);
-            }
-        }));
-    }
-    drop(acks_tx);
+    // Half before the restart, half during and after it.
+    let (mut acks, calls) = burst(&mut c, 1, Duration::from_millis(20)).await;
     let mut acked = Vec::new();
     while acked.len() < BURST / 4 {
         acked.push(acks.recv().await.expect("some Creates are acknowledged"));
@@ -593,17 +594,7 @@ async fn a_database_restart_mid_burst_loses_nothing_acknowledged() {
     }
     ready(&p);
     let settled = settle(&mut c, 0).await;
-    for id in &acked {
-        let m = settled
-            .iter()
-            .find(|m| &m.id == id)
-            .expect("an acknowledged machine is listed");
-        assert_eq!(
-            m.state,
-            MachineState::Idle as i32,
-            "acknowledged Create of {id} did not land: {m:?}"
-        );
-    }
+    all_landed(&settled, &acked, 0);
     assert!(acked.len() >= BURST / 4, "{acked:?}");
     assert!(
         p.stderr().contains("(57P01)") || p.stderr().contains("(57P03)"),
