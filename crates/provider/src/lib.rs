@@ -2,7 +2,8 @@
 //! ([`config`], validated once into a [`Plan`] of sub-configurations by
 //! [`plan()`]), serving ([`serve::run`]: the gRPC server, the metrics and
 //! probe listener, the reconcile loop), metrics, logging, TLS and the
-//! caller identities of mTLS ([`identity`], applied by [`guard`]). The
+//! caller identities of mTLS ([`identity`], applied by [`guard`]), and
+//! `state copy` ([`state_copy`]). The
 //! Proxmox policy lives in `proxmox-backend`, the contract engine in
 //! `providerkit`, the operator client in `bigfleet-ctl`.
 
@@ -17,6 +18,7 @@ pub mod logging;
 pub mod metrics;
 pub mod plan;
 pub mod serve;
+pub mod state_copy;
 pub mod tls;
 
 pub use error::{ConfigError, ConfigErrorKind, StartupError};
