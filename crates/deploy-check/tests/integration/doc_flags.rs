@@ -91,6 +91,12 @@ const CTL_FLAGS: &[&str] = &[
     "--until",
 ];
 
+/// Flags the leadership between replicas on PostgreSQL adds to the
+/// provider, which the chart passes (`state.postgres.leaseTTL`) and the docs
+/// name ahead of them: accepted where they are mentioned, and required of
+/// the binary and of docs/configuration.md once `--help` lists them.
+const LEADERSHIP_FLAGS: &[&str] = &["--lease-ttl", "--replica-name"];
+
 /// Flags of other tools that prose mentions on their own, outside a command:
 /// kubectl drain's grace period and timeout (the provider appends them to
 /// --drain-command), pveum's token option, and the conformance runner's
@@ -192,14 +198,15 @@ fn unknown(
         .into_iter()
         .chain(OTHER_TOOL_FLAGS.iter().map(|s| s.to_string()))
         .collect();
+    let planned = |flag: &str| LEADERSHIP_FLAGS.contains(&flag);
     let mut bad = Vec::new();
     for m in mentions {
         let ok = if m.ctl {
             ctl(m.ctl_sub.as_deref()).contains(&m.flag)
         } else if m.explicit {
-            provider.contains(&m.flag)
+            provider.contains(&m.flag) || planned(&m.flag)
         } else {
-            provider.contains(&m.flag) || extra.contains(&m.flag)
+            provider.contains(&m.flag) || extra.contains(&m.flag) || planned(&m.flag)
         };
         if !ok {
             bad.push(format!(
