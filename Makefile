@@ -54,7 +54,8 @@ image-rootfs:
 	scripts/build-static.sh rootfs $(IMAGE_ROOTFS)
 
 # The chart's manifests as `helm template` writes them, one file for the
-# chart's defaults and one per values example in docs/, into OUT (default
+# chart's defaults, one for three replicas on PostgreSQL and one per values
+# example in docs/, into OUT (default
 # reports/chart); deploy-check's kubernetes_validate test validates the same set.
 CHART_OUT = $(if $(filter command line environment,$(origin OUT)),$(OUT),$(OUT)/chart)
 chart-render:

@@ -49,6 +49,8 @@ pub enum Kind {
     Serve(Vec<String>),
     /// `bigfleet-proxmox ctl` with these arguments (after `ctl`).
     Ctl(Vec<String>),
+    /// `bigfleet-proxmox state copy` with these arguments (after `copy`).
+    StateCopy(Vec<String>),
     /// `make TARGET VAR=VALUE...`.
     Make { target: String, vars: Vec<String> },
     /// Another tool (kubectl, helm, pveum, ...).
@@ -262,8 +264,11 @@ pub fn kind(words: &[String]) -> Kind {
             .take_while(|w| !OPERATORS.contains(&w.as_str()))
             .cloned()
             .collect();
-        return match args.split_first() {
-            Some((first, rest)) if first == "ctl" => Kind::Ctl(rest.to_vec()),
+        return match args.as_slice() {
+            [first, rest @ ..] if first == "ctl" => Kind::Ctl(rest.to_vec()),
+            [first, second, rest @ ..] if first == "state" && second == "copy" => {
+                Kind::StateCopy(rest.to_vec())
+            }
             _ => Kind::Serve(args),
         };
     }
@@ -370,6 +375,10 @@ mod tests {
         assert_eq!(
             kind(&words("cargo run -q -p bigfleet-proxmox -- ctl get 'a/b'")),
             Kind::Ctl(words("get a/b"))
+        );
+        assert_eq!(
+            kind(&words("bigfleet-proxmox state copy --from a --to b")),
+            Kind::StateCopy(words("--from a --to b"))
         );
         assert_eq!(
             kind(&words("cargo run -p pve-sim -- --listen x")),

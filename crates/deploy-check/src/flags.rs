@@ -42,6 +42,9 @@ pub struct Mention {
     pub ctl: bool,
     /// `ctl` subcommand, when known.
     pub ctl_sub: Option<String>,
+    /// The `state` subcommand (`copy`) when it follows `bigfleet-proxmox
+    /// state`: the flag is that subcommand's, not the server's.
+    pub state_sub: Option<String>,
     /// `true` when the text names the provider as the program explicitly.
     pub explicit: bool,
     pub file: String,
@@ -108,10 +111,15 @@ pub fn command_mentions(cmd: &str, file: &str, line: usize) -> Vec<Mention> {
     for part in cmd.split(['|', ';']).flat_map(|p| p.split("&&")) {
         let tokens: Vec<&str> = part.split_whitespace().collect();
         let start = tokens.iter().position(|t| is_provider_program(t));
-        let mention = |flag: String, ctl: bool, ctl_sub: Option<String>, explicit: bool| Mention {
+        let mention = |flag: String,
+                       ctl: bool,
+                       ctl_sub: Option<String>,
+                       state_sub: Option<String>,
+                       explicit: bool| Mention {
             flag,
             ctl,
             ctl_sub,
+            state_sub,
             explicit,
             file: file.to_owned(),
             line,
@@ -120,16 +128,16 @@ pub fn command_mentions(cmd: &str, file: &str, line: usize) -> Vec<Mention> {
             Some(i) => {
                 let rest = &tokens[i + 1..];
                 let ctl = rest.first().map(|t| strip_quotes(t)) == Some("ctl");
-                let sub = if ctl {
-                    rest.get(1)
-                        .map(|s| strip_quotes(s).to_owned())
-                        .filter(|s| !s.starts_with('-'))
-                } else {
-                    None
-                };
+                let state = rest.first().map(|t| strip_quotes(t)) == Some("state");
+                let second = rest
+                    .get(1)
+                    .map(|s| strip_quotes(s).to_owned())
+                    .filter(|s| !s.starts_with('-'));
+                let sub = if ctl { second.clone() } else { None };
+                let state_sub = if state { second } else { None };
                 for t in rest {
                     for f in scan(t) {
-                        out.push(mention(f, ctl, sub.clone(), true));
+                        out.push(mention(f, ctl, sub.clone(), state_sub.clone(), true));
                     }
                 }
             }
@@ -137,7 +145,7 @@ pub fn command_mentions(cmd: &str, file: &str, line: usize) -> Vec<Mention> {
                 let other = program_of(&tokens).is_some_and(|p| OTHER_TOOLS.contains(&p.as_str()));
                 if !other {
                     for f in scan(part) {
-                        out.push(mention(f, false, None, false));
+                        out.push(mention(f, false, None, None, false));
                     }
                 }
             }
@@ -205,6 +213,7 @@ pub fn markdown_mentions(text: &str, file: &str) -> Vec<Mention> {
             flag,
             ctl: false,
             ctl_sub: None,
+            state_sub: None,
             explicit: false,
             file: file.to_owned(),
             line: n + 1,
@@ -548,6 +557,11 @@ mod tests {
         .is_empty());
         let m = command_mentions("bigfleet-proxmox ctl get id --target a:1", "f", 1);
         assert!(m[0].ctl && m[0].ctl_sub.as_deref() == Some("get"));
+        assert!(m[0].state_sub.is_none());
+        let m = command_mentions("bigfleet-proxmox state copy --from a --to b", "f", 1);
+        assert!(m
+            .iter()
+            .all(|m| !m.ctl && m.state_sub.as_deref() == Some("copy") && m.explicit));
         let m = command_mentions("--reflection false", "f", 1);
         assert_eq!(m[0].flag, "--reflection");
         assert!(!m[0].explicit);

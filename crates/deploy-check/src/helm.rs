@@ -386,6 +386,7 @@ pub const FUNCS: &[(&str, Func)] = &[
     ("join", join),
     ("trunc", trunc),
     ("trimSuffix", trim_suffix),
+    ("contains", contains),
     ("int", int),
     ("sub", sub),
     ("toString", to_string_fn),
@@ -690,6 +691,13 @@ fn trim_suffix(args: &[Value]) -> Result<Value, FuncError> {
     Ok(Value::from(s.strip_suffix(&suffix).unwrap_or(&s)))
 }
 
+/// Sprig's `contains SUBSTR S`: whether S holds SUBSTR.
+fn contains(args: &[Value]) -> Result<Value, FuncError> {
+    let needle = as_str("contains", arg("contains", args, 0, 2)?)?;
+    let s = as_str("contains", arg("contains", args, 1, 2)?)?;
+    Ok(Value::Bool(s.contains(&needle)))
+}
+
 fn int(args: &[Value]) -> Result<Value, FuncError> {
     let v = arg("int", args, 0, 1)?;
     if matches!(v, Value::NoValue | Value::Nil) {
@@ -851,6 +859,16 @@ mod tests {
         )
         .unwrap();
         assert_eq!(out, "hi bob|d|p,q|\n  a:\n  - x\n  z: 1");
+    }
+
+    #[test]
+    fn contains_finds_a_substring() {
+        let out = render(
+            "{{ if contains \"?\" .Values.u }}q{{ else }}n{{ end }}{{ contains \"x\" .Values.v }}",
+            "u: a?b\nv: abc\n",
+        )
+        .unwrap();
+        assert_eq!(out, "qfalse");
     }
 
     #[test]

@@ -1,6 +1,6 @@
 //! The chart's rendered manifests as operators' own tools see them: one
-//! multi-document file for the chart's defaults and one per values example
-//! in `docs/` (what `make chart-render` writes and the `kubernetes_validate`
+//! multi-document file for the chart's defaults, one for three replicas on
+//! PostgreSQL, and one per values example in `docs/` (what `make chart-render` writes and the `kubernetes_validate`
 //! test validates), and the Kubernetes minor versions the chart claims in
 //! its `kubeVersion`.
 
@@ -18,6 +18,19 @@ proxmox:
 credentials:
   token: {secretName: pve-token}
   ca: {secretName: pve-ca}
+";
+
+/// High availability on PostgreSQL, over [`REQUIRED_VALUES`]: three
+/// replicas (a rolling update, a PodDisruptionBudget, pod anti-affinity),
+/// the password and CloudNativePG's CA Secret mounted, no PVC.
+pub const POSTGRES_HA_VALUES: &str = "\
+replicaCount: 3
+state:
+  postgres:
+    url: postgres://bigfleet@pg-rw.databases.svc:5432/bigfleet?sslmode=verify-full
+    password: {secretName: pg-app, secretKey: password}
+    ca: {secretName: pg-ca}
+    leaseTTL: 8s
 ";
 
 /// Why the manifests could not be produced.
@@ -159,11 +172,24 @@ pub fn value_sets(chart: &Chart, root: &Path) -> Result<Vec<ValueSet>, ManifestE
         .find(|e| e.name == "install-1")
         .map(|e| e.values.clone())
         .ok_or(ManifestError::NoBaseExample)?;
-    let mut sets = vec![ValueSet {
-        name: "default".to_owned(),
-        from: "the chart's values.yaml, with only the values it requires set".to_owned(),
-        values: parse("REQUIRED_VALUES", REQUIRED_VALUES)?,
-    }];
+    let required = parse("REQUIRED_VALUES", REQUIRED_VALUES)?;
+    let mut postgres_ha = required.clone();
+    merge(
+        &mut postgres_ha,
+        &parse("POSTGRES_HA_VALUES", POSTGRES_HA_VALUES)?,
+    );
+    let mut sets = vec![
+        ValueSet {
+            name: "default".to_owned(),
+            from: "the chart's values.yaml, with only the values it requires set".to_owned(),
+            values: required,
+        },
+        ValueSet {
+            name: "postgres-ha".to_owned(),
+            from: "three replicas on PostgreSQL (deploy-check's POSTGRES_HA_VALUES)".to_owned(),
+            values: postgres_ha,
+        },
+    ];
     for mut example in examples {
         if example.name != "install-1" {
             let mut merged = base.clone();

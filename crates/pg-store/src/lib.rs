@@ -21,9 +21,11 @@
 //!
 //! Modules: `target` (the URL, TLS and the password), `schema` (what is in
 //! the database), `writer` (group commit and the resolution of lost
-//! answers), `decode` (loading), `error` (messages).
+//! answers), `decode` (loading), `dump` (the whole state out and into an
+//! empty one, for `state copy`), `error` (messages).
 
 mod decode;
+mod dump;
 mod error;
 mod lease;
 mod schema;

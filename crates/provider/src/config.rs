@@ -269,11 +269,17 @@ pub struct Args {
     pub log_level: String,
 }
 
+// One value per process, parsed once: the size of its largest variant
+// costs nothing worth a box.
+#[allow(clippy::large_enum_variant)]
 #[derive(Subcommand, Debug, Clone)]
 pub enum Command {
     /// Operator client for a running provider: list, summary, get, create,
     /// configure, drain, delete, reclaim and watch machines.
     Ctl(bigfleet_ctl::CtlArgs),
+    /// Work on a stopped provider's durable state: copy it whole between
+    /// SQLite and PostgreSQL (`state copy --from ... --to ...`).
+    State(crate::state_copy::StateArgs),
 }
 
 /// `0` means zero; otherwise humantime (`50ms`, `2m`, `1h30m`).

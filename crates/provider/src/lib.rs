@@ -3,8 +3,9 @@
 //! [`plan()`]), serving ([`serve::run`]: the gRPC server and the metrics
 //! and probe listener ([`probes`]), over terms of serving ([`terms`]: the
 //! engine, the reconcile loop; one term per leader lease held, [`leader`],
-//! with a PostgreSQL state), metrics, logging, TLS and the caller
-//! identities of mTLS ([`identity`], applied by [`guard`]). The
+//! with a PostgreSQL state), metrics, logging, TLS, the caller identities
+//! of mTLS ([`identity`], applied by [`guard`]), and `state copy`
+//! ([`state_copy`]). The
 //! Proxmox policy lives in `proxmox-backend`, the contract engine in
 //! `providerkit`, the operator client in `bigfleet-ctl`.
 
@@ -21,6 +22,7 @@ pub mod metrics;
 pub mod plan;
 pub mod probes;
 pub mod serve;
+pub mod state_copy;
 pub mod terms;
 pub mod tls;
 

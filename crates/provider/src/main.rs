@@ -5,6 +5,7 @@ use clap::Parser;
 use bigfleet_proxmox::config::{Args, Command, DEFAULT_LOG_LEVEL};
 use bigfleet_proxmox::logging::{self, LogError};
 use bigfleet_proxmox::serve::RunError;
+use bigfleet_proxmox::state_copy::{self, StateArgs, StateCommand};
 
 fn runtime() -> std::io::Result<tokio::runtime::Runtime> {
     tokio::runtime::Builder::new_multi_thread()
@@ -31,11 +32,30 @@ fn ctl(ctl: bigfleet_ctl::CtlArgs) -> ExitCode {
     }
 }
 
+/// `state copy`: one summary line on stdout, or one error line on stderr.
+fn state(state: StateArgs) -> ExitCode {
+    match state.command {
+        StateCommand::Copy(copy) => match state_copy::run(&copy) {
+            Ok(summary) => {
+                println!("{summary}");
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("error: {e}");
+                // 2: the command line needs fixing and nothing was opened.
+                ExitCode::from(e.exit_code())
+            }
+        },
+    }
+}
+
 fn main() -> ExitCode {
     bigfleet_proxmox::budget::tune_allocator();
     let mut args = Args::parse();
-    if let Some(Command::Ctl(args)) = args.command.take() {
-        return ctl(args);
+    match args.command.take() {
+        Some(Command::Ctl(args)) => return ctl(args),
+        Some(Command::State(args)) => return state(args),
+        None => {}
     }
     // A fatal error is one line in the chosen format, like every other:
     // `invalid configuration` before anything starts, `startup failed` once

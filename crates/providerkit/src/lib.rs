@@ -16,6 +16,7 @@ pub mod fence;
 pub mod listen;
 pub mod model;
 pub mod service;
+pub mod state_copy;
 pub mod store;
 
 pub use backend::{
@@ -36,6 +37,7 @@ pub use model::{
     wall_clock_ms, CatalogFacts, Facts, FactsInterner, InFlight, MachineRecord, RecordError,
     SharedFacts, State, TransitionError, TransitionKind,
 };
+pub use state_copy::{copy_state, CopyError, CopyReport, RestoreError, StateDump};
 pub use store::{
     Change, ChangeBatch, ChangeQueue, FailedCommits, FenceMark, Loaded, MemoryStore, Store,
     StoreError, StoreErrorKind, StoreErrorSource, Ticket,

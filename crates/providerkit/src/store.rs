@@ -13,6 +13,7 @@ use futures::future::BoxFuture;
 use parking_lot::Mutex;
 
 use crate::model::MachineRecord;
+use crate::state_copy::{RestoreError, StateDump};
 
 /// Position of a submission in the store's log; durable once committed.
 pub type Ticket = u64;
@@ -346,6 +347,48 @@ impl MemoryStore {
             retain: true,
             ..MemoryStore::default()
         }
+    }
+}
+
+/// The in-memory store copies too: what providerkit's own tests of
+/// `state_copy` copy, and a model of what a durable store does.
+impl StateDump for MemoryStore {
+    fn dump(&self) -> Result<Loaded, StoreError> {
+        let inner = self.inner.lock();
+        let mut machines: Vec<MachineRecord> =
+            inner.machines.values().map(|m| (**m).clone()).collect();
+        machines.sort_by_key(|m| m.rev);
+        Ok(Loaded {
+            machines,
+            fences: inner.fences.values().cloned().collect(),
+            boot_generation: inner.generation,
+        })
+    }
+
+    /// A restore is explicit, so it keeps the state even in a store that
+    /// does not retain changes.
+    fn restore(&self, state: &Loaded) -> Result<(), RestoreError> {
+        let mut inner = self.inner.lock();
+        if !inner.machines.is_empty() || !inner.fences.is_empty() {
+            return Err(RestoreError::NotEmpty {
+                target: "memory".to_string(),
+                machines: inner.machines.len() as u64,
+                fence_marks: inner.fences.len() as u64,
+            });
+        }
+        for record in &state.machines {
+            inner
+                .machines
+                .insert(record.id.clone(), Arc::new(record.clone()));
+        }
+        for mark in &state.fences {
+            inner.fences.insert(
+                (mark.shard_id.clone(), mark.machine_id.clone()),
+                mark.clone(),
+            );
+        }
+        inner.generation = inner.generation.max(state.boot_generation);
+        Ok(())
     }
 }
 

@@ -18,9 +18,11 @@
 //!
 //! Modules: `schema` (what is on disk), `lock` (one writer), `writer`
 //! (group commit and checkpoints), `decode` (loading), `import` (the
-//! reference implementation's state), `error` (messages).
+//! reference implementation's state), `dump` (the whole state out and into
+//! an empty one, for `state copy`), `error` (messages).
 
 mod decode;
+mod dump;
 mod error;
 mod import;
 mod lock;

@@ -138,6 +138,17 @@ pub(crate) fn write_changes(conn: &mut Connection, changes: Vec<Change>) -> rusq
 
 fn write_batch(conn: &mut Connection, batch: &ChangeBatch) -> rusqlite::Result<()> {
     let tx = conn.transaction()?;
+    write_rows(&tx, batch)?;
+    tx.commit()
+}
+
+/// Every row of `batch` into the caller's transaction (the writer's
+/// commits, and a restore into an empty state that checks it is empty in
+/// the same transaction).
+pub(crate) fn write_rows(
+    tx: &rusqlite::Transaction<'_>,
+    batch: &ChangeBatch,
+) -> rusqlite::Result<()> {
     {
         let mut put = tx.prepare_cached(UPSERT_MACHINE)?;
         for record in batch.machines.values() {
@@ -168,7 +179,7 @@ fn write_batch(conn: &mut Connection, batch: &ChangeBatch) -> rusqlite::Result<(
             ])?;
         }
     }
-    tx.commit()
+    Ok(())
 }
 
 /// Drain the queue into one transaction per round until shut down. Changes

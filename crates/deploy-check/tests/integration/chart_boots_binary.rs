@@ -1,8 +1,9 @@
 //! The arguments the Helm chart renders are accepted by the real binary:
 //! the fake-backend release (with durable state and offerings, and with the
-//! clone and storage values set) boots to `serving CapacityProvider`, and a
-//! real-backend release fails on the missing token file rather than on an
-//! unknown flag or value.
+//! clone and storage values set) boots to `serving CapacityProvider`, a
+//! real-backend release fails on the missing token file and a release on
+//! PostgreSQL on the unreachable database, rather than on an unknown flag
+//! or value.
 //!
 //! Needs the built provider (`cargo build -p bigfleet-proxmox`).
 
@@ -191,4 +192,45 @@ tls: {enabled: true, mtls: true, secretName: s, clientIdentity: any}
     // clap would say "unexpected argument"; validation names the token file.
     assert!(!err.contains("unexpected argument"), "{err}");
     assert!(err.contains("--proxmox-token-file"), "{err}");
+}
+
+/// A release on PostgreSQL: the binary takes the state URL and the mounted
+/// password file the chart renders, and fails on the database it cannot
+/// reach, naming it, rather than on a flag.
+#[test]
+fn postgres_release_parses_and_fails_on_the_unreachable_database() {
+    let bin = provider_binary().unwrap_or_else(|e| panic!("{e}"));
+    let dir = workdir();
+    let values = format!(
+        "{}replicaCount: 2\n",
+        fake_values(true).replace(
+            "state: {enabled: true}",
+            "state:\n  enabled: true\n  postgres:\n    url: \
+             postgres://bigfleet@127.0.0.1:1/bigfleet?sslmode=disable\n    \
+             password: {secretName: pg-app}"
+        )
+    );
+    let args = localise(chart_args(&values), dir.path());
+    let password = dir.path().join("etc/postgres-password/password");
+    assert!(
+        args.iter()
+            .any(|a| *a == format!("--state-password-file={}", password.display())),
+        "{args:?}"
+    );
+    std::fs::create_dir_all(password.parent().unwrap()).unwrap();
+    std::fs::write(&password, "not-the-password\n").unwrap();
+    let out = Command::new(&bin).args(&args).output().unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!err.contains("unexpected argument"), "{err}");
+    assert!(!err.contains("invalid configuration"), "{err}");
+    assert!(
+        err.contains("postgres://bigfleet@127.0.0.1:1/bigfleet"),
+        "{err}"
+    );
+    assert!(!err.contains("not-the-password"), "{err}");
+    assert!(
+        !dir.path().join("state/state.db").exists(),
+        "no SQLite state beside PostgreSQL"
+    );
 }

@@ -11,6 +11,8 @@
 //!   else against a fake-backend provider that holds the machines the page
 //!   names, those it reclaims left FAILED by a Create that timed out,
 //!   under mTLS for the commands that pass certificates.
+//! - `bigfleet-proxmox state copy` copies a state a stopped fake-backend
+//!   provider wrote into a new file.
 //! - `make TARGET` is a target of the Makefile (`make -n`: nothing runs).
 //! - setup-token.sh and `pveum` run on a fake Proxmox VE 8 node (the
 //!   recording `pveum` host_setup.rs holds the script against), and a page's
@@ -137,6 +139,38 @@ const NOT_RUN: &[(&str, &str)] = &[
     (
         "kubectl -n bigfleet scale deploy/pve-dc1-bigfleet-proxmox --replicas=0",
         "needs a Kubernetes cluster",
+    ),
+    (
+        "kubectl apply -f bigfleet-pg.yaml",
+        "needs a Kubernetes cluster with CloudNativePG",
+    ),
+    (
+        "kubectl -n bigfleet wait cluster/bigfleet-pg --for=condition=Ready --timeout=10m",
+        "needs a Kubernetes cluster with CloudNativePG",
+    ),
+    (
+        "kubectl -n bigfleet wait --for=delete pod -l app.kubernetes.io/instance=pve-dc1 \
+         --timeout=5m",
+        "needs a Kubernetes cluster",
+    ),
+    (
+        "kubectl apply -f bigfleet-state-copy.yaml",
+        "needs a Kubernetes cluster; configuration.md's `state copy` command runs here, and \
+         the binary's tests copy between SQLite and PostgreSQL",
+    ),
+    (
+        "kubectl -n bigfleet wait job/bigfleet-state-copy --for=condition=Complete --timeout=10m",
+        "needs a Kubernetes cluster",
+    ),
+    (
+        "kubectl -n bigfleet logs job/bigfleet-state-copy",
+        "needs a Kubernetes cluster",
+    ),
+    (
+        "helm upgrade pve-dc1 deploy/helm/bigfleet-proxmox -n bigfleet -f values.yaml -f \
+         values-postgres.yaml",
+        "needs a Kubernetes cluster; kubernetes_validate.rs validates the manifests of these \
+         values and chart_boots_binary.rs runs the binary with the PostgreSQL arguments",
     ),
 ];
 
@@ -998,5 +1032,82 @@ fn documented_host_setup_commands_run_against_a_recording_pveum() {
                  (script, in order: {script_calls:?})"
             );
         }
+    }
+}
+
+/// `args` without `flag` and its value, in either form.
+fn without_flag(args: &[String], flag: &str) -> Vec<String> {
+    let eq = format!("{flag}=");
+    let mut out = Vec::with_capacity(args.len());
+    let mut skip_value = false;
+    for a in args {
+        if skip_value {
+            skip_value = false;
+        } else if a == flag {
+            skip_value = true;
+        } else if !a.starts_with(&eq) {
+            out.push(a.clone());
+        }
+    }
+    out
+}
+
+/// The documented `state copy` commands run: from a state a fake-backend
+/// provider (run as the docs run it, then stopped) wrote, into a new file.
+/// Both sides become files of this test's (a documented PostgreSQL URL is
+/// the operator's database; pg-store's and the binary's tests copy to and
+/// from PostgreSQL), and the password files go with the URLs.
+#[test]
+fn documented_state_copy_commands_copy_a_stopped_providers_state() {
+    let runs: Vec<(DocCommand, Vec<String>)> = commands()
+        .into_iter()
+        .filter_map(|(c, k)| match k {
+            Kind::StateCopy(args) => Some((c, args)),
+            _ => None,
+        })
+        .collect();
+    assert!(!runs.is_empty(), "the docs show no `state copy` command");
+    let bin = provider_binary().unwrap_or_else(|e| panic!("{e}"));
+    for (c, args) in runs {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let source = dir.path().join("source.db");
+        let target = dir.path().join("target.db");
+        let provider = serve(
+            &c,
+            &[
+                "--use-fake-backend".to_owned(),
+                "--addr".to_owned(),
+                ANY_PORT.to_owned(),
+                "--metrics-addr".to_owned(),
+                ANY_PORT.to_owned(),
+                "--state".to_owned(),
+                source.display().to_string(),
+            ],
+        );
+        assert_serves_and_stops(&c, provider);
+        let args = without_flag(&args, "--from-password-file");
+        let args = without_flag(&args, "--to-password-file");
+        let args = replace_flag(&args, "--from", |_| source.display().to_string());
+        let args = replace_flag(&args, "--to", |_| target.display().to_string());
+        let out = Command::new(&bin)
+            .args(["state", "copy"])
+            .args(&args)
+            .output()
+            .expect("run bigfleet-proxmox state copy");
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success() && stdout.starts_with("copied "),
+            "{}: `{}` (run as {args:?}) failed ({}):\n{stdout}{}",
+            c.at(),
+            c.text,
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(
+            target.exists(),
+            "{}: no copy at {}",
+            c.at(),
+            target.display()
+        );
     }
 }

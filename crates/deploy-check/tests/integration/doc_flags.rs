@@ -91,6 +91,16 @@ const CTL_FLAGS: &[&str] = &[
     "--until",
 ];
 
+/// Flags of `bigfleet-proxmox state copy`. A Job's manifest in the docs
+/// names them one per line, away from the program, so they are accepted
+/// there too.
+const STATE_COPY_FLAGS: &[&str] = &[
+    "--from",
+    "--to",
+    "--from-password-file",
+    "--to-password-file",
+];
+
 /// Flags of other tools that prose mentions on their own, outside a command:
 /// kubectl drain's grace period and timeout (the provider appends them to
 /// --drain-command), pveum's token option, and the conformance runner's
@@ -187,6 +197,7 @@ fn unknown(
     mentions: &[Mention],
     provider: &BTreeSet<String>,
     ctl: &dyn Fn(Option<&str>) -> BTreeSet<String>,
+    state_copy: &BTreeSet<String>,
 ) -> Vec<String> {
     let extra: BTreeSet<String> = setup_script_options()
         .into_iter()
@@ -196,17 +207,25 @@ fn unknown(
     for m in mentions {
         let ok = if m.ctl {
             ctl(m.ctl_sub.as_deref()).contains(&m.flag)
+        } else if let Some(sub) = &m.state_sub {
+            sub == "copy" && state_copy.contains(&m.flag)
         } else if m.explicit {
             provider.contains(&m.flag)
         } else {
-            provider.contains(&m.flag) || extra.contains(&m.flag)
+            provider.contains(&m.flag) || extra.contains(&m.flag) || state_copy.contains(&m.flag)
         };
         if !ok {
             bad.push(format!(
                 "{}:{}: {}{}",
                 m.file,
                 m.line,
-                if m.ctl { "ctl " } else { "" },
+                if m.ctl {
+                    "ctl "
+                } else if m.state_sub.is_some() {
+                    "state "
+                } else {
+                    ""
+                },
                 m.flag
             ));
         }
@@ -230,7 +249,8 @@ fn documented_in_configuration() -> BTreeSet<String> {
 fn documented_flags_are_in_the_spec_table() {
     let spec: BTreeSet<String> = SPEC_FLAGS.iter().map(|s| s.to_string()).collect();
     let ctl: BTreeSet<String> = CTL_FLAGS.iter().map(|s| s.to_string()).collect();
-    let bad = unknown(&mentions(), &spec, &|_| ctl.clone());
+    let state_copy: BTreeSet<String> = STATE_COPY_FLAGS.iter().map(|s| s.to_string()).collect();
+    let bad = unknown(&mentions(), &spec, &|_| ctl.clone(), &state_copy);
     assert!(
         bad.is_empty(),
         "flags that are not provider flags:\n{}",
@@ -291,7 +311,21 @@ fn documented_flags_are_accepted_by_the_binary() {
             .cloned()
             .unwrap_or_default()
     };
-    let bad = unknown(&mentions, &provider, &ctl);
+    let state_copy = help_flags(
+        &help(&bin, &["state", "copy"])
+            .unwrap_or_else(|| panic!("{} state copy --help failed", bin.display())),
+    );
+    let listed: BTreeSet<String> = STATE_COPY_FLAGS.iter().map(|s| s.to_string()).collect();
+    let state_copy_own: BTreeSet<String> = state_copy
+        .iter()
+        .filter(|f| *f != "--help")
+        .cloned()
+        .collect();
+    assert_eq!(
+        state_copy_own, listed,
+        "`state copy --help` and STATE_COPY_FLAGS disagree"
+    );
+    let bad = unknown(&mentions, &provider, &ctl, &state_copy);
     assert!(
         bad.is_empty(),
         "flags named in docs/ or deploy/ that `bigfleet-proxmox --help` does not list:\n{}",

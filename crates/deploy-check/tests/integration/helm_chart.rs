@@ -17,6 +17,7 @@ use k8s_openapi::api::core::v1::{
     ConfigMap, Container, PersistentVolumeClaim, Service, ServiceAccount,
 };
 use k8s_openapi::api::networking::v1::NetworkPolicy;
+use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -67,6 +68,7 @@ struct Rendered {
     config_maps: Vec<ConfigMap>,
     pvcs: Vec<PersistentVolumeClaim>,
     network_policy: Option<NetworkPolicy>,
+    pdb: Option<PodDisruptionBudget>,
     service_monitor: Option<ServiceMonitor>,
     prometheus_rule: Option<PrometheusRule>,
     /// PrometheusRule and ConfigMaps as rendered, for content checks.
@@ -123,6 +125,7 @@ fn render_in(overrides: &str, cluster: &Cluster) -> Rendered {
             "ConfigMap" => out.config_maps.push(strict(doc, &json)),
             "PersistentVolumeClaim" => out.pvcs.push(strict(doc, &json)),
             "NetworkPolicy" => out.network_policy = Some(strict(doc, &json)),
+            "PodDisruptionBudget" => out.pdb = Some(strict(doc, &json)),
             "ServiceMonitor" | "PrometheusRule" => {
                 operator::check(&json)
                     .unwrap_or_else(|e| panic!("{}: {e}\n{}", doc.template, doc.yaml));
@@ -955,7 +958,17 @@ proxmox: {templateVMID: 9001, tlsFingerprint: "AB:CD", templateReplicas: false, 
 credentials: {token: {secretName: pve-token, secretKey: secret}, ca: {secretName: pve-ca, secretKey: ca.pem}}
 offerings: {content: '[{"instance_type": "pve.small", "zone": "pve1", "count": 2}]'}
 instanceTypes: {content: '{"pve.small": {"vcpu": 2, "memory_mib": 2048, "storage": "nvme"}}'}
-state: {persistence: {size: 2Gi, storageClass: fast, accessModes: [ReadWriteOncePod]}}
+replicaCount: 2
+state:
+  persistence: {size: 2Gi, storageClass: fast, accessModes: [ReadWriteOncePod]}
+  postgres:
+    url: postgres://bf@db.example:5432/bigfleet?sslmode=verify-full
+    password: {secretName: pg, secretKey: pw}
+    ca: {secretName: pg-ca, configMapName: "", key: ca.pem}
+    leaseTTL: 1m30s
+rollingUpdate: {maxUnavailable: 100%, maxSurge: 1}
+podDisruptionBudget: {enabled: true, minAvailable: 50%}
+podAntiAffinity: {enabled: true, topologyKey: topology.kubernetes.io/zone}
 tls: {enabled: true, mtls: true, secretName: provider-tls}
 log: {format: json, level: debug}
 extraArgs: ["--reconcile-interval=5m"]
@@ -994,6 +1007,21 @@ affinity:
     assert!(r.network_policy.is_some() && r.service_monitor.is_some());
     assert!(r.prometheus_rule.is_some());
     assert_eq!(r.flags()["--provider"], "pve-dc1");
+    let rolling = r
+        .deployment()
+        .spec
+        .as_ref()
+        .unwrap()
+        .strategy
+        .as_ref()
+        .unwrap();
+    assert_eq!(
+        rolling.rolling_update.as_ref().unwrap().max_unavailable,
+        Some(k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::String("100%".into()))
+    );
+    // The values' node affinity and the chart's anti-affinity side by side.
+    let affinity = pod_spec(&r).affinity.as_ref().unwrap();
+    assert!(affinity.node_affinity.is_some() && affinity.pod_anti_affinity.is_some());
     // The provider's shutdown bound follows the pod's grace, 10 s inside it.
     assert_eq!(r.flags()["--shutdown-grace"], "50s");
 }
@@ -1458,4 +1486,246 @@ fn templates_use_only_values_that_values_yaml_defines() {
         }
     }
     assert!(checked > 50, "only {checked} value references found");
+}
+
+/// PostgreSQL state with three replicas, the password from a Secret and
+/// the CA from CloudNativePG's `<cluster>-ca` Secret.
+const POSTGRES_HA: &str = r#"
+replicaCount: 3
+state:
+  postgres:
+    url: postgres://bigfleet@pg-rw.databases.svc:5432/bigfleet?sslmode=verify-full
+    password: {secretName: pg-app, secretKey: password}
+    ca: {secretName: pg-ca}
+    leaseTTL: 8s
+"#;
+
+fn pod_spec(r: &Rendered) -> &k8s_openapi::api::core::v1::PodSpec {
+    r.deployment()
+        .spec
+        .as_ref()
+        .unwrap()
+        .template
+        .spec
+        .as_ref()
+        .unwrap()
+}
+
+#[test]
+fn postgres_state_replaces_the_volume_with_the_url_its_password_and_ca() {
+    let r = render(&format!("{MINIMAL_CA}{POSTGRES_HA}"));
+    let f = r.flags();
+    assert_eq!(
+        f["--state"],
+        "postgres://bigfleet@pg-rw.databases.svc:5432/bigfleet?sslmode=verify-full\
+         &sslrootcert=/etc/bigfleet/postgres-ca/ca.crt"
+    );
+    assert_eq!(
+        f["--state-password-file"],
+        "/etc/bigfleet/postgres-password/password"
+    );
+    assert_eq!(f["--lease-ttl"], "8s");
+    assert!(r.pvcs.is_empty(), "no PVC with PostgreSQL");
+    assert!(volume(&r, "state").is_none() && mount(&r, "state").is_none());
+    let pm = mount(&r, "postgres-password").expect("password mount");
+    assert_eq!(pm.mount_path, "/etc/bigfleet/postgres-password");
+    assert_eq!(pm.read_only, Some(true));
+    let pv = volume(&r, "postgres-password")
+        .unwrap()
+        .secret
+        .as_ref()
+        .unwrap();
+    assert_eq!(pv.secret_name.as_deref(), Some("pg-app"));
+    assert_eq!(pv.items.as_ref().unwrap()[0].key, "password");
+    assert_eq!(pv.default_mode, Some(0o440));
+    let cm = mount(&r, "postgres-ca").expect("CA mount");
+    assert_eq!(cm.mount_path, "/etc/bigfleet/postgres-ca");
+    assert_eq!(cm.read_only, Some(true));
+    let cv = volume(&r, "postgres-ca").unwrap().secret.as_ref().unwrap();
+    assert_eq!(cv.secret_name.as_deref(), Some("pg-ca"));
+    assert_eq!(cv.items.as_ref().unwrap()[0].path, "ca.crt");
+    // Rotating the password restarts the pods, as the token's does.
+    assert!(pod_annotations(&r).contains_key("checksum/postgres-password"));
+}
+
+#[test]
+fn several_replicas_roll_and_spread_over_nodes_and_a_budget_is_opt_in() {
+    let r = render(&format!("{MINIMAL_CA}{POSTGRES_HA}"));
+    let spec = r.deployment().spec.as_ref().unwrap();
+    assert_eq!(spec.replicas, Some(3));
+    let strategy = spec.strategy.as_ref().unwrap();
+    assert_eq!(strategy.type_.as_deref(), Some("RollingUpdate"));
+    let rolling = strategy.rolling_update.as_ref().unwrap();
+    use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+    // Only the leader is ever Ready: a lower maxUnavailable stalls.
+    assert_eq!(
+        rolling.max_unavailable,
+        Some(IntOrString::String("100%".into()))
+    );
+    assert_eq!(rolling.max_surge, Some(IntOrString::Int(1)));
+    // A budget would keep a drain from ever evicting the leader.
+    assert!(r.pdb.is_none(), "no budget by default");
+
+    let with_budget = render(&format!(
+        "{MINIMAL_CA}{POSTGRES_HA}podDisruptionBudget: {{enabled: true}}\n"
+    ));
+    let pdb = with_budget.pdb.as_ref().expect("a PodDisruptionBudget");
+    let pdb_spec = pdb.spec.as_ref().unwrap();
+    assert_eq!(pdb_spec.min_available, Some(IntOrString::Int(1)));
+    assert_eq!(
+        pdb_spec.selector.as_ref().unwrap().match_labels,
+        spec.selector.match_labels
+    );
+
+    let anti = pod_spec(&r)
+        .affinity
+        .as_ref()
+        .and_then(|a| a.pod_anti_affinity.as_ref())
+        .expect("pod anti-affinity");
+    assert!(anti
+        .required_during_scheduling_ignored_during_execution
+        .is_none());
+    let preferred = anti
+        .preferred_during_scheduling_ignored_during_execution
+        .as_ref()
+        .unwrap();
+    assert_eq!(preferred.len(), 1);
+    let term = &preferred[0].pod_affinity_term;
+    assert_eq!(term.topology_key, "kubernetes.io/hostname");
+    assert_eq!(
+        term.label_selector.as_ref().unwrap().match_labels,
+        spec.selector.match_labels
+    );
+    // The readiness probe (/readyz: 503 on a standby) is what keeps the
+    // Service on the leader.
+    let probe = r.container().readiness_probe.as_ref().unwrap();
+    assert_eq!(
+        probe.http_get.as_ref().unwrap().path.as_deref(),
+        Some("/readyz")
+    );
+}
+
+#[test]
+fn one_replica_on_postgres_rolls_without_a_budget_or_spreading() {
+    let r = render(&format!(
+        "{MINIMAL_CA}state: {{postgres: {{url: 'postgresql://bf@db:5432/bf'}}}}\n"
+    ));
+    let spec = r.deployment().spec.as_ref().unwrap();
+    assert_eq!(spec.replicas, Some(1));
+    assert_eq!(
+        spec.strategy.as_ref().unwrap().type_.as_deref(),
+        Some("RollingUpdate")
+    );
+    assert!(r.pdb.is_none());
+    assert!(pod_spec(&r).affinity.is_none());
+    let f = r.flags();
+    assert_eq!(f["--state"], "postgresql://bf@db:5432/bf");
+    assert!(!f.contains_key("--state-password-file") && !f.contains_key("--lease-ttl"));
+    assert!(volume(&r, "postgres-password").is_none() && volume(&r, "postgres-ca").is_none());
+    assert!(r.pvcs.is_empty());
+}
+
+#[test]
+fn a_ca_from_a_config_map_starts_the_query_when_the_url_has_none() {
+    let r = render(&format!(
+        "{MINIMAL_CA}state: {{postgres: {{url: 'postgres://bf@db/bf', ca: {{configMapName: db-ca, key: root.pem}}}}}}\n"
+    ));
+    assert_eq!(
+        r.flags()["--state"],
+        "postgres://bf@db/bf?sslrootcert=/etc/bigfleet/postgres-ca/root.pem"
+    );
+    let v = volume(&r, "postgres-ca").unwrap();
+    assert!(v.secret.is_none());
+    let cm = v.config_map.as_ref().unwrap();
+    assert_eq!(cm.name, "db-ca");
+    assert_eq!(cm.items.as_ref().unwrap()[0].key, "root.pem");
+}
+
+#[test]
+fn anti_affinity_yields_to_the_values_own_and_can_be_off() {
+    let theirs = format!(
+        "{MINIMAL_CA}{POSTGRES_HA}affinity:\n  podAntiAffinity:\n    \
+         requiredDuringSchedulingIgnoredDuringExecution:\n      \
+         - topologyKey: topology.kubernetes.io/zone\n        \
+         labelSelector: {{matchLabels: {{app: x}}}}\n"
+    );
+    let r = render(&theirs);
+    let anti = pod_spec(&r)
+        .affinity
+        .as_ref()
+        .and_then(|a| a.pod_anti_affinity.as_ref())
+        .unwrap();
+    assert!(anti
+        .preferred_during_scheduling_ignored_during_execution
+        .is_none());
+    assert_eq!(
+        anti.required_during_scheduling_ignored_during_execution
+            .as_ref()
+            .unwrap()[0]
+            .topology_key,
+        "topology.kubernetes.io/zone"
+    );
+    let off = render(&format!(
+        "{MINIMAL_CA}{POSTGRES_HA}podAntiAffinity: {{enabled: false}}\npodDisruptionBudget: {{enabled: false}}\n"
+    ));
+    assert!(pod_spec(&off).affinity.is_none());
+    assert!(off.pdb.is_none());
+}
+
+#[test]
+fn several_replicas_without_postgres_are_refused_naming_the_fix() {
+    // helm checks the schema first: it names the value to set.
+    let e = render_err(&format!("{MINIMAL_CA}replicaCount: 2\n"));
+    assert!(e.contains("/state/postgres/url"), "{e}");
+    // A render that skips the schema (helm --skip-schema-validation) meets
+    // the template's own refusal, which says what to do.
+    let mut chart = chart();
+    chart.schema = None;
+    let e = chart
+        .render(
+            &values(&format!("{MINIMAL_CA}replicaCount: 2\n")),
+            &Release::default(),
+        )
+        .expect_err("refused")
+        .to_string();
+    assert!(
+        e.contains("replicaCount above 1 needs the state in PostgreSQL: set state.postgres.url"),
+        "{e}"
+    );
+    // Nor with the state switched off, even with a URL left in the values.
+    let e = render_err(&format!(
+        "{MINIMAL_CA}replicaCount: 2\nstate: {{enabled: false, postgres: {{url: 'postgres://bf@db/bf'}}}}\n"
+    ));
+    assert!(e.contains("/state/enabled"), "{e}");
+}
+
+#[test]
+fn postgres_values_that_cannot_work_are_refused() {
+    for (values, why) in [
+        (
+            "state: {postgres: {url: 'postgres://bf:hunter2@db/bf'}}",
+            "/state/postgres/url",
+        ),
+        ("state: {postgres: {url: 'mysql://bf@db/bf'}}", "/state/postgres/url"),
+        (
+            "state: {postgres: {url: 'postgres://bf@db/bf', leaseTTL: 'soon'}}",
+            "/state/postgres/leaseTTL",
+        ),
+        ("replicaCount: 0", "/replicaCount"),
+        (
+            "state: {postgres: {url: 'postgres://bf@db/bf', ca: {secretName: a, configMapName: b}}}",
+            "set secretName or configMapName, not both",
+        ),
+        (
+            "state: {postgres: {url: 'postgres://bf@db/bf?sslrootcert=/x', ca: {secretName: a}}}",
+            "drop sslrootcert= from the URL",
+        ),
+        (
+            "state: {enabled: false, postgres: {url: 'postgres://bf@db/bf'}}",
+            "state.postgres.url needs state.enabled: true",
+        ),
+    ] {
+        let e = render_err(&format!("{MINIMAL_CA}{values}\n"));
+        assert!(e.contains(why), "{values}: {e}");
+    }
 }

@@ -83,10 +83,12 @@ fn render_writes_the_defaults_and_every_documented_example() {
                 .into_owned()
         })
         .collect();
-    // The chart's defaults, install.md's values and its two fragments,
-    // observability.md's Prometheus Operator example.
+    // The chart's defaults, three replicas on PostgreSQL, install.md's
+    // values and its fragments, observability.md's Prometheus Operator
+    // example.
     for want in [
         "default.yaml",
+        "postgres-ha.yaml",
         "install-1.yaml",
         "install-2.yaml",
         "install-3.yaml",
@@ -104,6 +106,7 @@ fn render_writes_the_defaults_and_every_documented_example() {
         "ServiceAccount",
         "NetworkPolicy",
         "PersistentVolumeClaim",
+        "PodDisruptionBudget",
         "ConfigMap",
         "ServiceMonitor",
         "PrometheusRule",

@@ -1,9 +1,9 @@
 //! The `bigfleet-proxmox` binary's tests, one test binary (each file a
 //! module): start-up validation, TLS, caller identities under mTLS and the
 //! admin listener, limits,
-//! readiness, observability, secrets in logs, PostgreSQL state, the
-//! operator client, the binary on the real backend against pve-sim, and
-//! resumption after a restart (kill -9 inside each transition, SIGTERM).
+//! readiness, observability, secrets in logs, PostgreSQL state, `state
+//! copy` between stores, the operator client, the binary on the real
+//! backend against pve-sim, and resumption after a restart (kill -9 inside each transition, SIGTERM).
 //! Most boot the built binary
 //! as a child process; the kill -9 campaigns (`crash`, `crash_real`) stay
 //! binaries of their own, run by name by `make crash-1000` and
@@ -26,4 +26,5 @@ mod readiness;
 mod resume;
 mod secrets;
 mod startup;
+mod state_copy;
 mod tls;

@@ -4,8 +4,8 @@
 //! turns every case into a `#[test]` of the calling crate.
 //!
 //! What a store proves here: records and fence marks round-trip, group
-//! commit batches, boot generations grow, a big state loads quickly
-//! (`store`); the engine on it survives a restart (`engine`); and every
+//! commit batches, boot generations grow, a big state loads quickly, a
+//! whole state dumps and restores exactly (`store`); the engine on it survives a restart (`engine`); and every
 //! transition a restart interrupted resumes or fails saying why
 //! (`resume`). What only one store can show (its files, its locks, its
 //! failure modes) stays in that store's own tests.
@@ -20,7 +20,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use bigfleet_proto::v1alpha1 as pb;
-use providerkit::{CatalogFacts, Change, FenceMark, MachineRecord, State, Store};
+use providerkit::{CatalogFacts, Change, FenceMark, MachineRecord, State, StateDump};
 
 pub use engine::engine_state_survives_restart;
 pub use resume::{
@@ -32,6 +32,7 @@ pub use resume::{
     shutdown_refuses_mutations_and_waits_for_transitions_to_land,
 };
 pub use store::{
+    a_whole_state_restores_and_dumps_back_exactly,
     boot_generation_increases_across_opens_and_loads, group_commit_batches_concurrent_submits,
     load_of_many_machines_is_fast, round_trip_survives_reopen,
 };
@@ -40,7 +41,9 @@ pub use store::{
 /// several times in turn (each open is a new process's store; the previous
 /// one is dropped first).
 pub trait StateUnderTest: Send + Sync + 'static {
-    type Store: Store;
+    /// A `Store` whose whole state can be dumped and restored (every
+    /// durable store's, for `state copy`).
+    type Store: StateDump;
 
     /// Open the state; panics (naming why) when it cannot.
     fn open(&self) -> Self::Store;
@@ -75,6 +78,7 @@ macro_rules! store_contract_tests {
             group_commit_batches_concurrent_submits,
             boot_generation_increases_across_opens_and_loads,
             load_of_many_machines_is_fast,
+            a_whole_state_restores_and_dumps_back_exactly,
             engine_state_survives_restart,
             every_interrupted_transition_resumes_under_its_operation_id,
             a_restart_after_the_deadline_fails_the_transition_as_timed_out,

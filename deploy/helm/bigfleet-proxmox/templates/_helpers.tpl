@@ -2,7 +2,7 @@
 Named templates shared by the manifests. The chart keeps to a small template
 subset (values, if/else, range, include, default, quote, required, fail,
 toYaml | nindent, join, trunc, trimSuffix, sha256sum, dict, dig, keys,
-sortAlpha, index, lookup and .Files.Get) so crates/deploy-check can render and validate it without a helm
+sortAlpha, contains, index, lookup and .Files.Get) so crates/deploy-check can render and validate it without a helm
 binary.
 */}}
 
@@ -44,6 +44,41 @@ app.kubernetes.io/component: capacity-provider
 {{- .Values.state.persistence.existingClaim -}}
 {{- else -}}
 {{- printf "%s-state" (include "bigfleet-proxmox.fullname" .) -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+Where the state is: "true" (a non-empty string) or "" (false), for `if`.
+postgres: state.enabled with state.postgres.url set; sqlite: state.enabled
+without it (the file on the PVC).
+*/}}
+{{- define "bigfleet-proxmox.postgres" -}}
+{{- if and .Values.state.enabled .Values.state.postgres.url -}}true{{- end -}}
+{{- end -}}
+
+{{- define "bigfleet-proxmox.sqlite" -}}
+{{- if and .Values.state.enabled (not .Values.state.postgres.url) -}}true{{- end -}}
+{{- end -}}
+
+{{- define "bigfleet-proxmox.postgresCA" -}}
+{{- if or .Values.state.postgres.ca.secretName .Values.state.postgres.ca.configMapName -}}true{{- end -}}
+{{- end -}}
+
+{{/*
+--state's URL: state.postgres.url, with sslrootcert= naming the mounted CA
+file when a CA is set.
+*/}}
+{{- define "bigfleet-proxmox.postgresURL" -}}
+{{- $url := .Values.state.postgres.url -}}
+{{- if include "bigfleet-proxmox.postgresCA" . -}}
+{{- $file := printf "/etc/bigfleet/postgres-ca/%s" .Values.state.postgres.ca.key -}}
+{{- if contains "?" $url -}}
+{{- printf "%s&sslrootcert=%s" $url $file -}}
+{{- else -}}
+{{- printf "%s?sslrootcert=%s" $url $file -}}
+{{- end -}}
+{{- else -}}
+{{- $url -}}
 {{- end -}}
 {{- end -}}
 
@@ -111,6 +146,22 @@ too; failing here keeps a broken release from ever being applied.
 {{- end -}}
 {{- if and (eq (default "full" .Values.proxmox.cloneMode) "linked") .Values.proxmox.nodeStorage -}}
 {{- fail "proxmox.cloneMode linked keeps every clone's disks on its template's storage (PVE refuses a target storage for linked clones): empty proxmox.nodeStorage, or set proxmox.cloneMode full" -}}
+{{- end -}}
+{{- if gt (int .Values.replicaCount) 1 -}}
+{{- if not (include "bigfleet-proxmox.postgres" .) -}}
+{{- fail "replicaCount above 1 needs the state in PostgreSQL: set state.postgres.url (see docs/install.md, High availability on PostgreSQL), or set replicaCount to 1 (an SQLite state is one file that one process owns)" -}}
+{{- end -}}
+{{- end -}}
+{{- if .Values.state.postgres.url -}}
+{{- if not .Values.state.enabled -}}
+{{- fail "state.postgres.url needs state.enabled: true (state.enabled false keeps the state in memory)" -}}
+{{- end -}}
+{{- if and .Values.state.postgres.ca.secretName .Values.state.postgres.ca.configMapName -}}
+{{- fail "state.postgres.ca: set secretName or configMapName, not both" -}}
+{{- end -}}
+{{- if and (include "bigfleet-proxmox.postgresCA" .) (contains "sslrootcert=" .Values.state.postgres.url) -}}
+{{- fail "state.postgres.url carries sslrootcert= and state.postgres.ca is set: drop sslrootcert= from the URL (the chart names the mounted CA file)" -}}
+{{- end -}}
 {{- end -}}
 {{- if .Values.tls.enabled -}}
 {{- if not .Values.tls.secretName -}}

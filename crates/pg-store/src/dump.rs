@@ -1,0 +1,179 @@
+//! The whole state out and into an empty state, for `state copy`
+//! (providerkit's [`StateDump`]): a read in one snapshot that starts no
+//! boot generation, and a restore that checks the state is empty and
+//! writes everything in one transaction.
+//!
+//! The restore's rows are plain inserts (a conflict would mean the state
+//! was not empty), sent in chunks so a state of 100k machines is a few
+//! statements, not 100k round trips. It also advances the commit sequence:
+//! a provider that is (wrongly) running on the target finds the sequence
+//! moved at its next commit and fails it, rather than writing over the
+//! restored state.
+
+use providerkit::{FenceMark, Loaded, MachineRecord, RestoreError, StateDump, Store, StoreError};
+use tokio_postgres::IsolationLevel;
+
+use crate::error::{pg_error, pool_error};
+use crate::{decode, PgStore};
+
+/// Rows per insert statement.
+const CHUNK: usize = 5_000;
+
+const INSERT_MACHINES: &str = "INSERT INTO bigfleet_machines
+     (id, rev, record, op_create, op_configure, op_drain, op_delete,
+      started_ms, deadline_ms, grace_ms)
+     SELECT * FROM UNNEST($1::text[], $2::int8[], $3::bytea[], $4::text[], $5::text[],
+                          $6::text[], $7::text[], $8::int8[], $9::int8[], $10::int8[])";
+
+const INSERT_FENCES: &str = "INSERT INTO bigfleet_fences (shard_id, machine_id, epoch, sequence)
+     SELECT * FROM UNNEST($1::bytea[], $2::bytea[], $3::int8[], $4::int8[])";
+
+/// Postgres integers are signed; a revision, window or generation past
+/// i64 is never real.
+fn int(v: u64) -> i64 {
+    i64::try_from(v).unwrap_or(i64::MAX)
+}
+
+impl StateDump for PgStore {
+    fn dump(&self) -> Result<Loaded, StoreError> {
+        let pool = self.pool.clone();
+        let name = self.target.clone();
+        self.run(async move {
+            let mut client = pool
+                .get()
+                .await
+                .map_err(|e| pool_error(&name, "cannot connect", e))?;
+            // One snapshot: the records, the marks and the generation are
+            // one moment's.
+            let tx = client
+                .build_transaction()
+                .isolation_level(IsolationLevel::RepeatableRead)
+                .read_only(true)
+                .start()
+                .await
+                .map_err(|e| pg_error(&name, "cannot start the read transaction", e))?;
+            let generation: i64 = tx
+                .query_one(
+                    "SELECT boot_generation FROM bigfleet_meta WHERE id = 1",
+                    &[],
+                )
+                .await
+                .map_err(|e| pg_error(&name, "cannot read the boot generation", e))?
+                .get(0);
+            let mut machines = decode::load_machines(&name, &tx).await?;
+            machines.sort_unstable_by_key(|m| m.rev);
+            let fences = decode::load_fences(&name, &tx).await?;
+            tx.commit()
+                .await
+                .map_err(|e| pg_error(&name, "cannot end the read transaction", e))?;
+            Ok(Loaded {
+                machines,
+                fences,
+                boot_generation: u64::try_from(generation).unwrap_or(0),
+            })
+        })
+    }
+
+    fn restore(&self, state: &Loaded) -> Result<(), RestoreError> {
+        let pool = self.pool.clone();
+        let name = self.target.clone();
+        let described = self.describe();
+        let state = state.clone();
+        let outcome = self.run(async move {
+            let mut client = pool
+                .get()
+                .await
+                .map_err(|e| pool_error(&name, "cannot connect", e))?;
+            let tx = client
+                .transaction()
+                .await
+                .map_err(|e| pg_error(&name, "cannot start the restore transaction", e))?;
+            // The meta row's lock keeps a writer's commit out until this
+            // transaction ends, so the counts stay true.
+            tx.execute("SELECT 1 FROM bigfleet_meta WHERE id = 1 FOR UPDATE", &[])
+                .await
+                .map_err(|e| pg_error(&name, "cannot lock the state", e))?;
+            let row = tx
+                .query_one(
+                    "SELECT (SELECT count(*) FROM bigfleet_machines),
+                            (SELECT count(*) FROM bigfleet_fences)",
+                    &[],
+                )
+                .await
+                .map_err(|e| pg_error(&name, "cannot count the state", e))?;
+            let count = |i: usize| u64::try_from(row.get::<_, i64>(i)).unwrap_or(0);
+            let (machines, fence_marks) = (count(0), count(1));
+            if machines > 0 || fence_marks > 0 {
+                return Ok(Some((machines, fence_marks)));
+            }
+            let write =
+                |e: tokio_postgres::Error| pg_error(&name, "cannot write the restored state", e);
+            for chunk in state.machines.chunks(CHUNK) {
+                insert_machines(&tx, chunk).await.map_err(write)?;
+            }
+            for chunk in state.fences.chunks(CHUNK) {
+                insert_fences(&tx, chunk).await.map_err(write)?;
+            }
+            tx.execute(
+                "UPDATE bigfleet_meta SET boot_generation = GREATEST(boot_generation, $1),
+                     commit_seq = commit_seq + 1 WHERE id = 1",
+                &[&int(state.boot_generation)],
+            )
+            .await
+            .map_err(|e| pg_error(&name, "cannot write the boot generation", e))?;
+            tx.commit()
+                .await
+                .map_err(|e| pg_error(&name, "cannot commit the restored state", e))?;
+            Ok(None)
+        })?;
+        match outcome {
+            Some((machines, fence_marks)) => Err(RestoreError::NotEmpty {
+                target: described,
+                machines,
+                fence_marks,
+            }),
+            None => Ok(()),
+        }
+    }
+}
+
+async fn insert_machines(
+    tx: &tokio_postgres::Transaction<'_>,
+    records: &[MachineRecord],
+) -> Result<u64, tokio_postgres::Error> {
+    let encoded: Vec<_> = records.iter().map(|r| r.encoded()).collect();
+    let ids: Vec<&str> = records.iter().map(|r| r.id.as_str()).collect();
+    let revs: Vec<i64> = records.iter().map(|r| int(r.rev)).collect();
+    let blobs: Vec<&[u8]> = encoded.iter().map(|e| e.as_bytes()).collect();
+    let op =
+        |i: usize| -> Vec<Option<&str>> { records.iter().map(|r| r.ops[i].as_deref()).collect() };
+    let window = |f: fn(&providerkit::InFlight) -> u64| -> Vec<Option<i64>> {
+        records
+            .iter()
+            .map(|r| r.in_flight.as_ref().map(|w| int(f(w))))
+            .collect()
+    };
+    let (create, configure, drain, delete) = (op(0), op(1), op(2), op(3));
+    let started = window(|w| w.started_ms);
+    let deadline = window(|w| w.deadline_ms);
+    let grace = window(|w| w.grace_ms);
+    tx.execute(
+        INSERT_MACHINES,
+        &[
+            &ids, &revs, &blobs, &create, &configure, &drain, &delete, &started, &deadline, &grace,
+        ],
+    )
+    .await
+}
+
+async fn insert_fences(
+    tx: &tokio_postgres::Transaction<'_>,
+    marks: &[FenceMark],
+) -> Result<u64, tokio_postgres::Error> {
+    let shards: Vec<&[u8]> = marks.iter().map(|m| m.shard_id.as_bytes()).collect();
+    let machine_ids: Vec<&[u8]> = marks.iter().map(|m| m.machine_id.as_bytes()).collect();
+    let epochs: Vec<i64> = marks.iter().map(|m| m.epoch).collect();
+    let sequences: Vec<i64> = marks.iter().map(|m| m.sequence).collect();
+    tx.execute(INSERT_FENCES, &[&shards, &machine_ids, &epochs, &sequences])
+        .await
+}
