@@ -15,7 +15,7 @@ BFC := $(DEBUG_DIR)/bfconformance
 SEED_FLAG := $(if $(SEED),--seed $(SEED),)
 
 .PHONY: build build-proxmox run-fake test test-proxmox lint fmt certify-proxmox failover \
-        report-proxmox report-ci report-durable-postgres certify-pve-sim scale-100k mutation-check bench bench-memory bench-replicas bench-configure crash-1000 crash-real fuzz \
+        report-proxmox report-ci report-durable-postgres certify-pve-sim scale-100k mutation-check bench bench-memory bench-postgres bench-replicas bench-configure crash-1000 crash-real fuzz \
         image-rootfs chart-render
 
 build:
@@ -122,6 +122,21 @@ bench:
 	$(CARGO) bench -p sqlite-store --bench store_bench -- 2 | tee -a bench/latest.txt
 	$(MAKE) bench-replicas
 	$(MAKE) bench-configure
+	$(MAKE) bench-postgres
+
+# Issue #24's figures, appended to bench/latest.txt: durable Create acks at
+# 16 callers with the state in SQLite and in PostgreSQL at 10k and 100k
+# machines, takeover between two replicas on one PostgreSQL state at 100k
+# (kill -9 of the leader to the standby's /readyz 200, 3 rounds) and the
+# PostgreSQL-backed provider's peak RSS; ends in `pg_acks_goal=` and
+# `takeover_goal_ms=` lines. A throwaway PostgreSQL on loopback
+# (scripts/pg-throwaway.sh; needs its server binaries), a database per run.
+bench-postgres:
+	$(CARGO) build --release -p bigfleet-proxmox -p loadgen
+	env -u BIGFLEET_TEST_POSTGRES_URL scripts/pg-throwaway.sh run -- bash -c \
+	  'test -n "$$BIGFLEET_TEST_POSTGRES_URL" || { echo "bench-postgres needs PostgreSQL (apt-get install postgresql)" >&2; exit 1; }; \
+	   $(RELEASE_DIR)/loadgen --provider-bin $(RELEASE_DIR)/bigfleet-proxmox --sizes 10000,100000 \
+	     --only postgres --state-url "$$BIGFLEET_TEST_POSTGRES_URL" --out bench/latest.txt'
 
 # Configure with 64 KiB and 1 MiB blobs on pve-sim, one at a time and 4 in
 # parallel: the slowest Configure, the provider's CPU seconds, and Get p99

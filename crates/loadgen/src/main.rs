@@ -1,6 +1,7 @@
 //! Load generator for the BigFleet capacity provider: boots (or dials) a
 //! provider on the fake backend and prints one `key=value` line per figure.
 
+mod durable;
 mod provider;
 mod scenarios;
 mod stats;
@@ -19,7 +20,7 @@ use scenarios::{Bench, Profile};
 
 #[derive(Parser, Debug)]
 #[command(
-    about = "Benchmarks a BigFleet capacity provider (Get/List/Create/lifecycle/RSS/startup)"
+    about = "Benchmarks a BigFleet capacity provider (Get/List/Create/lifecycle/RSS/startup; durable state in SQLite and PostgreSQL, takeover)"
 )]
 struct Args {
     /// Provider binary to boot once per inventory size (fake backend, in memory).
@@ -63,6 +64,11 @@ struct Args {
     /// Inventory size for the unread-List scenario.
     #[arg(long, default_value_t = 20_000)]
     unread_size: usize,
+    /// PostgreSQL server for the `postgres` scenario
+    /// (postgres://USER@HOST:PORT/DB?sslmode=disable, a loopback server):
+    /// each of its runs creates a database of its own there and drops it.
+    #[arg(long)]
+    state_url: Option<String>,
     /// Seconds allowed for a provider boot before giving up.
     #[arg(long, default_value_t = 120)]
     boot_timeout_secs: u64,
@@ -176,6 +182,12 @@ async fn run(args: Args) -> Result<()> {
     if args.get_rps == 0 {
         bail!("--get-rps must be positive");
     }
+    if args.only.contains(&scenarios::Scenario::Postgres) && args.state_url.is_none() {
+        bail!("--only postgres needs --state-url postgres://... (scripts/pg-throwaway.sh run -- ... provides one in BIGFLEET_TEST_POSTGRES_URL)");
+    }
+    if args.state_url.is_some() && args.target.is_some() {
+        bail!("--state-url boots its own providers: it cannot be used with --target");
+    }
     let out = match &args.out {
         Some(path) => {
             if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
@@ -224,6 +236,31 @@ async fn run(args: Args) -> Result<()> {
         );
     }
     let boot_timeout = Duration::from_secs(args.boot_timeout_secs);
+    if !profile.only_postgres() {
+        in_memory(&args, &profile, boot_timeout, &mut report).await?;
+    }
+    if let (true, Some(url)) = (profile.runs(scenarios::Scenario::Postgres), &args.state_url) {
+        durable::run(
+            &args.provider_bin,
+            url,
+            &args.sizes,
+            boot_timeout,
+            &profile,
+            &mut report,
+        )
+        .await?;
+    }
+    Ok(())
+}
+
+/// The in-memory boots at each size, the unread Lists, the memory goals and
+/// the restart with a SQLite state.
+async fn in_memory(
+    args: &Args,
+    profile: &Profile,
+    boot_timeout: Duration,
+    report: &mut Report,
+) -> Result<()> {
     // VmHWM (KiB) per size, for the memory goals at the end.
     let mut peaks: Vec<(usize, u64)> = Vec::new();
     let mut unread_growth_kib: Option<u64> = None;
@@ -247,8 +284,8 @@ async fn run(args: Args) -> Result<()> {
                 rss as f64 / 1024.0
             ));
         }
-        let bench = Bench::connect(&provider.addr, &profile, provider.pid()).await?;
-        let outcome = bench.run_all(size, &mut report, args.get_rps).await;
+        let bench = Bench::connect(&provider.addr, profile, provider.pid()).await?;
+        let outcome = bench.run_all(size, report, args.get_rps).await;
         match provider.memory_kib() {
             Ok((hwm, rss)) => {
                 peaks.push((size, hwm));
@@ -271,7 +308,7 @@ async fn run(args: Args) -> Result<()> {
             args.unread_size,
             boot_timeout,
             profile.provider_cpu,
-            &mut report,
+            report,
         )
         .await
         {
@@ -283,17 +320,12 @@ async fn run(args: Args) -> Result<()> {
             )),
         }
     }
-    memory_goals(&peaks, unread_growth_kib, args.unread_size, &mut report);
+    memory_goals(&peaks, unread_growth_kib, args.unread_size, report);
 
     let largest = args.sizes.iter().copied().max().unwrap_or(1000);
-    if let Err(e) = scenarios::restart_with_state(
-        &args.provider_bin,
-        largest,
-        boot_timeout,
-        &profile,
-        &mut report,
-    )
-    .await
+    if let Err(e) =
+        scenarios::restart_with_state(&args.provider_bin, largest, boot_timeout, profile, report)
+            .await
     {
         report.line(format!(
             "restart_state_ms=skipped size={largest} reason=\"{}\"",

@@ -45,6 +45,10 @@ pub enum Scenario {
     Lifecycle,
     /// Full Lists that the client never reads (its own provider boot).
     UnreadList,
+    /// Durable Create acks with the state in SQLite, then in PostgreSQL;
+    /// takeover between two replicas on a PostgreSQL state; peak RSS with
+    /// PostgreSQL. Needs `--state-url` and runs only when named.
+    Postgres,
 }
 
 pub struct Profile {
@@ -54,14 +58,26 @@ pub struct Profile {
     pub provider_cpu: Option<usize>,
     get_duration: Duration,
     list_runs: usize,
-    create_cap_per_level: usize,
+    pub(crate) create_cap_per_level: usize,
     lifecycle_machines: usize,
     lifecycle_cycles: usize,
+    /// Leader kills in the takeover run (the PostgreSQL scenario).
+    pub(crate) takeover_rounds: usize,
 }
 
 impl Profile {
     pub fn runs(&self, scenario: Scenario) -> bool {
+        // The PostgreSQL scenario needs a server: only when asked for.
+        if scenario == Scenario::Postgres {
+            return self.only.contains(&scenario);
+        }
         self.only.is_empty() || self.only.contains(&scenario)
+    }
+
+    /// Whether the PostgreSQL scenario is all that was asked for (the
+    /// in-memory boots and the SQLite restart are then skipped).
+    pub fn only_postgres(&self) -> bool {
+        !self.only.is_empty() && self.only.iter().all(|s| *s == Scenario::Postgres)
     }
 
     pub fn full() -> Profile {
@@ -73,6 +89,7 @@ impl Profile {
             create_cap_per_level: 4000,
             lifecycle_machines: 32,
             lifecycle_cycles: 3,
+            takeover_rounds: 3,
         }
     }
 
@@ -85,20 +102,21 @@ impl Profile {
             create_cap_per_level: 500,
             lifecycle_machines: 16,
             lifecycle_cycles: 2,
+            takeover_rounds: 1,
         }
     }
 }
 
 pub struct Bench<'a> {
-    endpoint: Endpoint,
-    client: Client,
+    pub(crate) endpoint: Endpoint,
+    pub(crate) client: Client,
     profile: &'a Profile,
     /// The provider's pid when it runs here: its CPU time per operation is
     /// reported, which the shared CPU does not distort the way wall time is.
     provider_pid: Option<u32>,
     /// Fencing epoch for this run: the start time, so a rerun against the
     /// same endpoint is always strictly newer than the previous run's marks.
-    epoch: i64,
+    pub(crate) epoch: i64,
 }
 
 async fn dial(endpoint: &Endpoint) -> Result<Client> {
@@ -118,7 +136,7 @@ fn token_epoch() -> i64 {
         .max(1)
 }
 
-fn full_filter() -> ListFilter {
+pub(crate) fn full_filter() -> ListFilter {
     ListFilter::default()
 }
 
@@ -458,7 +476,7 @@ impl<'a> Bench<'a> {
     }
 }
 
-fn create_req(id: &str, epoch: i64, seq: i64) -> CreateRequest {
+pub(crate) fn create_req(id: &str, epoch: i64, seq: i64) -> CreateRequest {
     CreateRequest {
         machine_id: id.to_string(),
         shard_id: SHARD.into(),
@@ -471,7 +489,7 @@ fn create_req(id: &str, epoch: i64, seq: i64) -> CreateRequest {
 /// connections; returns per-call latencies, the wall time (connections are
 /// made before the clock starts) and the span over which `pid`'s CPU time is
 /// measured. Any failed call fails the run.
-async fn run_concurrently<F, Fut>(
+pub(crate) async fn run_concurrently<F, Fut>(
     endpoint: &Endpoint,
     level: usize,
     conns: usize,
@@ -520,7 +538,7 @@ where
 }
 
 /// The CPU time a provider process spends from `start` on.
-struct CpuSpan {
+pub(crate) struct CpuSpan {
     pid: Option<u32>,
     before: Option<Duration>,
 }
@@ -535,7 +553,7 @@ impl CpuSpan {
 
     /// Microseconds per operation so far, or `skipped` when the process is
     /// not one this run started (or `ops` is zero).
-    fn us_per_op(&self, ops: usize) -> String {
+    pub(crate) fn us_per_op(&self, ops: usize) -> String {
         match (self.before, self.pid.and_then(process_cpu)) {
             (Some(before), Some(after)) if ops > 0 => format!(
                 "{:.0}",
