@@ -21,10 +21,12 @@ credentials:
 ";
 
 /// High availability on PostgreSQL, over [`REQUIRED_VALUES`]: three
-/// replicas (a rolling update, a PodDisruptionBudget, pod anti-affinity),
-/// the password and CloudNativePG's CA Secret mounted, no PVC.
+/// replicas (a rolling update, pod anti-affinity, and the opt-in
+/// PodDisruptionBudget), the password and CloudNativePG's CA Secret
+/// mounted, no PVC.
 pub const POSTGRES_HA_VALUES: &str = "\
 replicaCount: 3
+podDisruptionBudget: {enabled: true}
 state:
   postgres:
     url: postgres://bigfleet@pg-rw.databases.svc:5432/bigfleet?sslmode=verify-full

@@ -138,7 +138,40 @@ const SHUTTING_DOWN: Proof = Source {
     text: "KitError::ShuttingDown(_) => Code::Unavailable",
 };
 
+/// A standby's refusal; the live provider here has a state of its own and
+/// is never a standby (the provider's failover tests drive it through two
+/// replicas), so the line that answers it is held.
+const STANDBY_REFUSES: Proof = Source {
+    file: "crates/provider/src/leader.rs",
+    text: "tonic::Status::unavailable(format!(",
+};
+
 const CLAIMS: &[Claim] = &[
+    Claim {
+        page: "DESIGN.md",
+        says: "forwards, or answers UNAVAILABLE naming the leader",
+        codes: &["UNAVAILABLE"],
+        proofs: &[STANDBY_REFUSES],
+    },
+    Claim {
+        page: "configuration.md",
+        says: "every RPC `UNAVAILABLE` with `replica B is a standby",
+        codes: &["UNAVAILABLE"],
+        proofs: &[STANDBY_REFUSES],
+    },
+    Claim {
+        page: "operations.md",
+        says:
+            "a call that reaches a standby anyway is refused `UNAVAILABLE` with the leader's name",
+        codes: &["UNAVAILABLE"],
+        proofs: &[STANDBY_REFUSES],
+    },
+    Claim {
+        page: "troubleshooting.md",
+        says: "A call that reaches a standby is refused `UNAVAILABLE` naming the leader",
+        codes: &["UNAVAILABLE"],
+        proofs: &[STANDBY_REFUSES],
+    },
     Claim {
         page: "configuration.md",
         says: "new mutations are refused (`UNAVAILABLE`) at once",

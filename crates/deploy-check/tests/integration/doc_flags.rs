@@ -47,6 +47,8 @@ const SPEC_FLAGS: &[&str] = &[
     "--reconcile-interval",
     "--state",
     "--state-password-file",
+    "--lease-ttl",
+    "--replica-name",
     "--metrics-addr",
     "--reflection",
     "--tls-cert",

@@ -26,6 +26,7 @@ const METRICS: &[(&str, &str)] = &[
     ("bigfleet_proxmox_machines", "gauge"),
     ("bigfleet_proxmox_identity_rejected_total", "counter"),
     ("bigfleet_proxmox_resumed_total", "counter"),
+    ("bigfleet_proxmox_leader", "gauge"),
 ];
 
 fn doc(name: &str) -> String {
