@@ -469,7 +469,7 @@ pub struct SimConfig {
     /// How long an offline migration task copies the VM.
     pub migrate_duration: Duration,
     /// Each node's physical memory: its `maxmem` in `/nodes` and
-    /// `/cluster/resources`, and `memory.total` of its status.
+    /// `/cluster/resources`, and `memory.total` of its status (16 TiB).
     pub node_memory: NodeMemory,
     /// Max captured bytes per exec output stream before `*-truncated` (qemu-ga: 16 MiB).
     pub exec_output_limit: usize,
@@ -633,8 +633,9 @@ pub struct NodeMemory {
 }
 
 impl NodeMemory {
-    /// Ample, so that seeded fleets and every default lane fit.
-    pub const DEFAULT: u64 = 256 << 30;
+    /// Ample, so that seeded fleets (1000 VMs on one node) and every
+    /// certification lane's Creates fit: 16 TiB.
+    pub const DEFAULT: u64 = 16 << 40;
 
     /// Every node has `bytes`.
     pub fn every_node(bytes: u64) -> NodeMemory {

@@ -26,7 +26,7 @@ struct Args {
     /// Each node's memory (its `maxmem`): SIZE for every node, or
     /// NODE=SIZE,... per node (mixable: `16G,pve2=32G`). Sizes are bytes or
     /// K/M/G/T (= KiB/MiB/GiB/TiB).
-    #[arg(long, default_value = "256G", value_parser = |s: &str| s.parse::<NodeMemory>())]
+    #[arg(long, default_value = "16T", value_parser = |s: &str| s.parse::<NodeMemory>())]
     node_memory: NodeMemory,
     /// Templates as VMID[@NODE][:shared], comma-separated (node defaults to the first).
     #[arg(long, default_value = "9000", value_delimiter = ',')]
