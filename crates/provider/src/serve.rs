@@ -363,8 +363,15 @@ pub async fn run(plan: Plan) -> Result<(), RunError> {
     }
     let catalog = &plan.catalog;
     let (inner, fake): (Arc<dyn Substrate>, _) = match &plan.backend {
-        BackendConfig::Fake { latency } => {
-            let fake = Arc::new(FakeCluster::new(catalog.zones.clone(), *latency));
+        BackendConfig::Fake {
+            latency,
+            node_memory_mib,
+            node_memory_limit,
+        } => {
+            let fake = Arc::new(
+                FakeCluster::new(catalog.zones.clone(), *latency)
+                    .with_node_memory(*node_memory_mib, *node_memory_limit),
+            );
             (fake.clone(), Some(fake))
         }
         BackendConfig::Proxmox(proxmox) => (
@@ -381,7 +388,7 @@ pub async fn run(plan: Plan) -> Result<(), RunError> {
     ));
     let engine = signals
         .or_stop(async {
-            Engine::load(backend, store, plan.engine.clone())
+            Engine::load(backend.clone(), store, plan.engine.clone())
                 .await
                 .map_err(StartupError::Engine)
         })
@@ -393,7 +400,11 @@ pub async fn run(plan: Plan) -> Result<(), RunError> {
                 .as_ref()
                 .and_then(|h| VmRef::parse(&h.r#ref).ok())
             {
-                fake.restore(&vm, &machine.id);
+                let memory_mib = catalog
+                    .types
+                    .get(&machine.facts.instance_type)
+                    .map_or(0, |t| t.memory_mib);
+                fake.restore(&vm, &machine.id, memory_mib);
             }
         }
     }
