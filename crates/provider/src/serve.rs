@@ -222,6 +222,29 @@ async fn proxmox_substrate(
     Ok(substrate)
 }
 
+/// One INFO line per node: its memory, what is committed there, and how
+/// many more machines of each instance type offered on it fit under the
+/// node memory guard's limit.
+async fn log_node_memory(backend: &ProxmoxBackend, zones: &[String], limit: f64) {
+    const MIB_PER_GIB: f64 = 1024.0;
+    for room in backend.observe_memory(zones).await {
+        let fits: Vec<String> = backend
+            .fits(&room)
+            .into_iter()
+            .map(|(t, n)| format!("{t}={n}"))
+            .collect();
+        tracing::info!(
+            node = %room.node,
+            memory_gib = format!("{:.1}", room.memory_mib as f64 / MIB_PER_GIB),
+            committed_gib = format!("{:.1}", room.committed_mib as f64 / MIB_PER_GIB),
+            limit_gib = format!("{:.1}", room.limit_mib as f64 / MIB_PER_GIB),
+            node_memory_limit = limit,
+            fits = %fits.join(","),
+            "node memory room"
+        );
+    }
+}
+
 /// The client and the substrate; the options were validated by the plan.
 fn pve_substrate(
     access: &ProxmoxAccess,
@@ -417,6 +440,7 @@ pub async fn run(plan: Plan) -> Result<(), RunError> {
             "resumed the transitions a provider restart interrupted"
         );
     }
+    log_node_memory(&backend, &catalog.zones, plan.backend.node_memory_limit()).await;
 
     let (health_reporter, health_service) = tonic_health::server::health_reporter();
     let reflection = if serving.reflection {
@@ -461,12 +485,15 @@ pub async fn run(plan: Plan) -> Result<(), RunError> {
         .add_service(
             GuardedCapacity::new(CapacityService::new(engine.clone()), guard.clone()).into_server(),
         )
-        .add_service(crate::admin::AdminService::new(engine.clone(), guard).into_server())
+        .add_service(
+            crate::admin::AdminService::new(engine.clone(), guard, backend.clone()).into_server(),
+        )
         .add_service(health_service)
         .add_optional_service(reflection)
         .add_optional_service(reflection_alpha);
 
     metrics.observe_engine(engine.clone(), catalog.zones.clone());
+    metrics.observe_memory(backend.clone());
     crate::admin::spawn_auto_reclaim(&engine, plan.reconcile.reclaim_failed_after);
 
     // Reconcile in the background; an unchanged pass bumps nothing.

@@ -17,6 +17,7 @@ mod ctl;
 mod identity;
 mod limits;
 mod list_share;
+mod node_memory;
 mod observability;
 mod offline_start;
 mod pg_state;
