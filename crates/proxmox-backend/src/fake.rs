@@ -105,23 +105,29 @@ impl FakeCluster {
     }
 
     /// The node's view for the guard: its running VMs, those of machines
-    /// holding a claim there left out (the claim counts them).
+    /// holding a claim there left out (the claim counts them), as one sum
+    /// (the fake's claims match nothing by name).
     fn view(&self, node: &str) -> NodeView {
-        let state = self.state.lock();
+        // Asked once, not per VM: a lane's Creates each read a node of
+        // thousands of VMs.
+        let claimants = self.guard.claimants(node);
+        let running_mib: u64 = self
+            .state
+            .lock()
+            .vms
+            .values()
+            .filter(|v| v.node == node && v.running)
+            .filter(|v| v.machine_id.is_empty() || !claimants.contains(&v.machine_id))
+            .map(|v| v.memory_mib)
+            .sum();
         NodeView {
             memory_mib: self.node_memory_mib,
-            vms: state
-                .vms
-                .iter()
-                .filter(|(_, v)| v.node == node && v.running)
-                .filter(|(_, v)| v.machine_id.is_empty() || !self.guard.holds(node, &v.machine_id))
-                .map(|(&vmid, v)| CountedVm {
-                    vmid,
-                    name: Some(v.name.clone()),
-                    memory_mib: v.memory_mib,
-                    unnamed_clone: false,
-                })
-                .collect(),
+            vms: vec![CountedVm {
+                vmid: 0,
+                name: None,
+                memory_mib: running_mib,
+                unnamed_clone: false,
+            }],
         }
     }
 
@@ -342,5 +348,47 @@ impl Substrate for FakeCluster {
     async fn drain(&self, vm: &VmRef, _grace: Duration) -> Result<(), SubstrateError> {
         self.step(1).await;
         self.with_vm(vm, |v| v.bootstrap_bytes = None)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn req(n: usize) -> CloneRequest {
+        CloneRequest {
+            machine_id: format!("p/OnDemand/pve.small/pve-a/{n:03}"),
+            operation_id: format!("op-{n}"),
+            instance_type: "pve.small".into(),
+            node: "pve-a".into(),
+            template_vmid: 9000,
+            vcpu: 2,
+            memory_mib: 4096,
+            resumed: false,
+        }
+    }
+
+    #[tokio::test]
+    async fn the_fake_nodes_go_through_the_same_guard() {
+        let fake =
+            FakeCluster::new(vec!["pve-a".into()], Duration::ZERO).with_node_memory(16 * 1024, 1.0);
+        let foreign = fake.run_foreign("pve-a", 4096);
+        let mut held = Vec::new();
+        for n in 0..3 {
+            held.push(fake.admit(&req(n)).await.expect("fits").expect("claimed"));
+            fake.clone_vm(&req(n)).await.expect("cloned");
+        }
+        let refused = fake.admit(&req(3)).await.expect_err("full");
+        assert_eq!((refused.committed_mib, refused.left_mib), (16 * 1024, 0));
+        // Landed: the claims go, the running VMs count instead, once.
+        drop(held);
+        assert!(fake.admit(&req(3)).await.is_err(), "still full");
+        // Unadmitted, the clone checks by itself and refuses too.
+        let e = fake.clone_vm(&req(3)).await.expect_err("refused");
+        assert!(e.to_string().contains("no memory"), "{e}");
+        assert!(fake.stop_out_of_band(foreign));
+        assert!(fake.admit(&req(3)).await.expect("room").is_some());
+        let room = &fake.memory_rooms()[0];
+        assert_eq!(room.committed_mib, 16 * 1024);
     }
 }

@@ -253,6 +253,16 @@ impl MemoryGuard {
             .is_some_and(|n| n.claims.contains_key(machine_id))
     }
 
+    /// The machines holding a claim on `node`.
+    pub fn claimants(&self, node: &str) -> HashSet<String> {
+        self.ledger
+            .lock()
+            .nodes
+            .get(node)
+            .map(|n| n.claims.keys().cloned().collect())
+            .unwrap_or_default()
+    }
+
     /// Another holder of a claim the machine already has on the node (its
     /// admission's, when the Create runs); `None` when it has none.
     pub fn rejoin(self: &Arc<Self>, node: &str, machine_id: &str) -> Option<Reservation> {
