@@ -138,7 +138,25 @@ const SHUTTING_DOWN: Proof = Source {
     text: "KitError::ShuttingDown(_) => Code::Unavailable",
 };
 
+/// A Create the node memory guard refuses: the backend's refusal maps here.
+const NO_ROOM: Proof = Source {
+    file: "crates/providerkit/src/error.rs",
+    text: "KitError::Exhausted(_) => Code::ResourceExhausted",
+};
+
 const CLAIMS: &[Claim] = &[
+    Claim {
+        page: "configuration.md",
+        says: "is refused at once with `RESOURCE_EXHAUSTED`, before any transition",
+        codes: &["RESOURCE_EXHAUSTED"],
+        proofs: &[NO_ROOM],
+    },
+    Claim {
+        page: "troubleshooting.md",
+        says: "The shard's Create fails at once with `RESOURCE_EXHAUSTED`",
+        codes: &["RESOURCE_EXHAUSTED"],
+        proofs: &[NO_ROOM],
+    },
     Claim {
         page: "configuration.md",
         says: "new mutations are refused (`UNAVAILABLE`) at once",
