@@ -279,8 +279,9 @@ pub async fn run(args: CtlArgs) -> Result<(), CtlError> {
             let text = match output {
                 Output::Json => json(&rows)?,
                 Output::Table => match &rooms {
+                    // Above the counts, which keep ending on their `(all)` line.
                     Some(rooms) if !rooms.is_empty() => {
-                        format!("{}\n{}", summary_table(&rows), room_table(rooms))
+                        format!("{}\n{}", room_table(rooms), summary_table(&rows))
                     }
                     _ => summary_table(&rows),
                 },

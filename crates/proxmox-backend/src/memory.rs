@@ -24,6 +24,9 @@
 //!
 //! The real substrate and the fake one feed the same guard, each with its
 //! own view of the node, so the fake backend's lanes certify this code.
+//!
+//! One file (about 600 lines with its tests): the ledger, the view tickets
+//! and the reservations share one private state, and each drop edits it.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};

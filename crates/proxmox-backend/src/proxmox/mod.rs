@@ -81,7 +81,7 @@ use placement::{Placement, RoomGuard};
 use preflight::Preflight;
 use replica::Replicas;
 use restart::InterruptedClones;
-use room::{ClaimError, NodeMemory};
+use room::NodeMemory;
 use slots::CloneSlots;
 use vmid::Vmids;
 
@@ -201,58 +201,6 @@ impl PveSubstrate {
         }
         .run(nodes, templates)
         .await
-    }
-
-    /// Reads the memory room of each of `nodes` now (the start-up line);
-    /// a node that cannot be read is left out with a warning.
-    async fn memory_rooms_now(&self, nodes: &[String]) -> Vec<NodeRoom> {
-        let deadline = self.api.deadline();
-        let mut rooms = Vec::new();
-        for node in nodes {
-            match self.memory.observe(node, deadline).await {
-                Ok(room) => rooms.push(room),
-                Err(e) => {
-                    tracing::warn!(node = %node, error = %e, "cannot read the node's memory; its room is unknown until a Create there reads it");
-                }
-            }
-        }
-        rooms
-    }
-
-    /// The memory claim of a Create about to clone: its admission's when
-    /// it has one, else a fresh check (a Create that reached the substrate
-    /// without one: admitted while the guard could not read the node, or
-    /// driven directly); a resumed Create claims without a check (the
-    /// process before admitted it). `None`: the guard is off, or the node
-    /// cannot be read now.
-    async fn claim_memory(
-        &self,
-        req: &CloneRequest,
-        deadline: Instant,
-    ) -> Result<Option<Reservation>, SubstrateError> {
-        let guard = self.memory.guard();
-        if !guard.enabled() {
-            return Ok(None);
-        }
-        if let Some(held) = guard.rejoin(&req.node, &req.machine_id) {
-            return Ok(Some(held));
-        }
-        match self.memory.claim(req, req.resumed, deadline).await {
-            Ok(held) => Ok(Some(held)),
-            Err(ClaimError::NoRoom(no_room)) => Err(SubstrateError::caused_by(
-                ErrorKind::Permanent,
-                "the node memory guard refused the clone",
-                no_room,
-            )),
-            Err(ClaimError::Unread(e)) => {
-                // An offline or unreachable node: the clone waits for it
-                // anyway, and a node that comes back holds none of the VMs
-                // it lost; refusing here would fail a Create the node
-                // could hold.
-                tracing::warn!(machine_id = %req.machine_id, node = %req.node, error = %e, "the node memory guard cannot read the node; cloning without its check");
-                Ok(None)
-            }
-        }
     }
 
     /// One inventory read (see [`Inventory::scan`]), with late duplicate
@@ -524,19 +472,7 @@ impl PveSubstrate {
 #[async_trait]
 impl Substrate for PveSubstrate {
     async fn admit(&self, req: &CloneRequest) -> Result<Option<Reservation>, NoRoom> {
-        if !self.memory.guard().enabled() {
-            return Ok(None);
-        }
-        match self.memory.claim(req, false, self.api.deadline()).await {
-            Ok(held) => Ok(Some(held)),
-            Err(ClaimError::NoRoom(no_room)) => Err(no_room),
-            Err(ClaimError::Unread(e)) => {
-                // Not a reason to refuse: the clone checks again, and a
-                // failure there says why.
-                tracing::warn!(machine_id = %req.machine_id, node = %req.node, error = %e, "the node memory guard cannot read the node; admitting the Create, its clone checks again");
-                Ok(None)
-            }
-        }
+        self.memory.admit(req).await
     }
 
     fn memory_rooms(&self) -> Vec<NodeRoom> {
@@ -544,7 +480,7 @@ impl Substrate for PveSubstrate {
     }
 
     async fn observe_memory(&self, nodes: &[String]) -> Vec<NodeRoom> {
-        self.memory_rooms_now(nodes).await
+        self.memory.rooms_now(nodes).await
     }
 
     async fn clone_vm(&self, req: &CloneRequest) -> Result<VmRef, SubstrateError> {
@@ -568,7 +504,7 @@ impl Substrate for PveSubstrate {
         // A resumed Create holds its memory from the start, before it looks
         // for its clone: what the process before started counts at once.
         let mut memory = if req.resumed {
-            self.claim_memory(req, deadline).await?
+            self.memory.claim_for_clone(req, deadline).await?
         } else {
             None
         };
@@ -607,7 +543,7 @@ impl Substrate for PveSubstrate {
 
         let template_node = self.inventory.template_node(req.template_vmid, &list)?;
         if memory.is_none() {
-            memory = self.claim_memory(req, deadline).await?;
+            memory = self.memory.claim_for_clone(req, deadline).await?;
         }
         // From the template itself, or its replica on the target node.
         let vm = self

@@ -19,6 +19,7 @@
 
 use std::collections::HashSet;
 use std::sync::Arc;
+use std::time::Duration;
 
 use pve::ClusterVm;
 use tokio::time::Instant;
@@ -31,12 +32,18 @@ use crate::memory::{
 use crate::proxmox::vm_name;
 use crate::substrate::{CloneRequest, SubstrateError};
 
+/// How long a read for an admission or the start-up line may take: the
+/// Create RPC (or the start) waits for it, so a node slow to answer is
+/// admitted unchecked (its clone checks again) rather than held up for the
+/// whole retry window.
+const QUICK_READ: Duration = Duration::from_secs(10);
+
 /// PVE's default `memory` (MiB), what a VM without the option has.
 const PVE_DEFAULT_MEMORY_MIB: u64 = 512;
 
 /// Why a claim was not made.
 #[derive(Debug)]
-pub(super) enum ClaimError {
+enum ClaimError {
     NoRoom(NoRoom),
     /// The node's memory or VMs could not be read.
     Unread(SubstrateError),
@@ -130,7 +137,7 @@ impl NodeMemory {
 
     /// Checks and claims the memory of `req` on its node. With `force`,
     /// claims without checking (a Create the process before admitted).
-    pub(super) async fn claim(
+    async fn claim(
         &self,
         req: &CloneRequest,
         force: bool,
@@ -146,12 +153,85 @@ impl NodeMemory {
             .map_err(ClaimError::NoRoom)
     }
 
-    /// The room of `node` now (start-up line, metrics), claiming nothing.
-    pub(super) async fn observe(
+    /// Before a Create is accepted: its claim, `Ok(None)` with the guard off
+    /// or the node unreadable within [`QUICK_READ`] (the clone checks
+    /// again, and a failure there says why), `Err` when it has no room.
+    pub(super) async fn admit(&self, req: &CloneRequest) -> Result<Option<Reservation>, NoRoom> {
+        if !self.guard.enabled() {
+            return Ok(None);
+        }
+        let deadline = Instant::now() + QUICK_READ;
+        match tokio::time::timeout(QUICK_READ, self.claim(req, false, deadline)).await {
+            Ok(Ok(held)) => Ok(Some(held)),
+            Ok(Err(ClaimError::NoRoom(no_room))) => Err(no_room),
+            Ok(Err(ClaimError::Unread(e))) => {
+                tracing::warn!(machine_id = %req.machine_id, node = %req.node, error = %e, "the node memory guard cannot read the node; admitting the Create, its clone checks again");
+                Ok(None)
+            }
+            Err(_) => {
+                tracing::warn!(machine_id = %req.machine_id, node = %req.node, "the node memory guard cannot read the node; admitting the Create, its clone checks again");
+                Ok(None)
+            }
+        }
+    }
+
+    /// The memory claim of a Create about to clone: its admission's when
+    /// it has one, else a fresh check (a Create that reached the substrate
+    /// without one: admitted while the guard could not read the node, or
+    /// driven directly); a resumed Create claims without a check (the
+    /// process before admitted it). `None`: the guard is off, or the node
+    /// cannot be read now.
+    pub(super) async fn claim_for_clone(
         &self,
-        node: &str,
+        req: &CloneRequest,
         deadline: Instant,
-    ) -> Result<NodeRoom, SubstrateError> {
+    ) -> Result<Option<Reservation>, SubstrateError> {
+        if !self.guard.enabled() {
+            return Ok(None);
+        }
+        if let Some(held) = self.guard.rejoin(&req.node, &req.machine_id) {
+            return Ok(Some(held));
+        }
+        match self.claim(req, req.resumed, deadline).await {
+            Ok(held) => Ok(Some(held)),
+            Err(ClaimError::NoRoom(no_room)) => Err(SubstrateError::caused_by(
+                providerkit::ErrorKind::Permanent,
+                "the node memory guard refused the clone",
+                no_room,
+            )),
+            Err(ClaimError::Unread(e)) => {
+                // An offline or unreachable node: the clone waits for it
+                // anyway, and a node that comes back holds none of the VMs
+                // it lost; refusing here would fail a Create the node
+                // could hold.
+                tracing::warn!(machine_id = %req.machine_id, node = %req.node, error = %e, "the node memory guard cannot read the node; cloning without its check");
+                Ok(None)
+            }
+        }
+    }
+
+    /// Reads the memory room of each of `nodes` now (the start-up line);
+    /// a node that cannot be read within [`QUICK_READ`] is left out with a
+    /// warning.
+    pub(super) async fn rooms_now(&self, nodes: &[String]) -> Vec<NodeRoom> {
+        let mut rooms = Vec::new();
+        for node in nodes {
+            let deadline = Instant::now() + QUICK_READ;
+            match tokio::time::timeout(QUICK_READ, self.observe(node, deadline)).await {
+                Ok(Ok(room)) => rooms.push(room),
+                Ok(Err(e)) => {
+                    tracing::warn!(node = %node, error = %e, "cannot read the node's memory; its room is unknown until a Create there reads it");
+                }
+                Err(_) => {
+                    tracing::warn!(node = %node, error = "no answer in time", "cannot read the node's memory; its room is unknown until a Create there reads it");
+                }
+            }
+        }
+        rooms
+    }
+
+    /// The room of `node` now (start-up line, metrics), claiming nothing.
+    async fn observe(&self, node: &str, deadline: Instant) -> Result<NodeRoom, SubstrateError> {
         let ticket = self.guard.reading();
         let view = self.read(node, deadline).await?;
         Ok(self.guard.observe(node, &ticket, &view))
