@@ -8,7 +8,7 @@
 //! - the configured memory (`maxmem`, the `memory` option; a balloon
 //!   minimum does not reduce it) of every VM that runs there or is about to,
 //!   whoever owns it, as the substrate's [`NodeView`] lists them;
-//! - the provider's own Creates in flight there ([`Claim`]s: not yet
+//! - the provider's own Creates in flight there (their claims: not yet
 //!   visible as running VMs);
 //! - this Create;
 //!
@@ -55,7 +55,7 @@ pub struct NodeView {
     pub memory_mib: u64,
     /// Only the VMs that count (running or about to run; templates and
     /// stopped VMs do not), with the provider's own clones in flight left
-    /// out: their [`Claim`]s count them.
+    /// out: their claims count them.
     pub vms: Vec<CountedVm>,
 }
 
