@@ -87,7 +87,8 @@ pub enum CtlCommand {
         #[arg(long, value_parser = clap::value_parser!(i32).range(0..))]
         max: Option<i32>,
     },
-    /// Counts of machines by state, per zone and instance type.
+    /// Counts of machines by state, per zone and instance type, under each
+    /// zone's memory room when the provider reports it.
     Summary,
     /// Show one machine.
     Get {

@@ -26,7 +26,8 @@ use bigfleet_proto::v1alpha1::{
 
 use crate::dial::{connect, connect_with_deadline, Session};
 use crate::render::{
-    cell, emit, json, list_table, machine_details, summarize, summary_table, AckView, MachineView,
+    attach_rooms, cell, emit, json, list_table, machine_details, room_table, summarize,
+    summary_table, AckView, MachineView,
 };
 use crate::wait::{wait_for, watch};
 
@@ -261,10 +262,29 @@ pub async fn run(args: CtlArgs) -> Result<(), CtlError> {
                 .await
                 .map_err(|s| session.status_error("List", &s))?
                 .into_inner();
-            let rows = summarize(&list.machines);
+            let mut rows = summarize(&list.machines);
+            // Room per zone, from providers that report it; an older
+            // provider (UNIMPLEMENTED) or a refused identity leaves it out.
+            let rooms = match session
+                .admin
+                .node_memory(bigfleet_proto::admin::NodeMemoryRequest {})
+                .await
+            {
+                Ok(resp) => Some(resp.into_inner().nodes),
+                Err(_) => None,
+            };
+            if let Some(rooms) = &rooms {
+                attach_rooms(&mut rows, rooms);
+            }
             let text = match output {
                 Output::Json => json(&rows)?,
-                Output::Table => summary_table(&rows),
+                Output::Table => match &rooms {
+                    // Above the counts, which keep ending on their `(all)` line.
+                    Some(rooms) if !rooms.is_empty() => {
+                        format!("{}\n{}", room_table(rooms), summary_table(&rows))
+                    }
+                    _ => summary_table(&rows),
+                },
             };
             emit(&text)
         }
@@ -701,6 +721,44 @@ mod tests {
         let last = table.lines().last().unwrap();
         assert!(
             last.starts_with("(all)") && last.trim_end().ends_with('3'),
+            "{table}"
+        );
+    }
+
+    #[test]
+    fn summary_rows_carry_their_zones_room() {
+        use bigfleet_proto::admin::{NodeRoom, TypeFit};
+        let mut a = machine();
+        a.zone = "pve1".into();
+        a.instance_type = "pve.small".into();
+        let mut b = a.clone();
+        b.instance_type = "pve.huge".into();
+        let mut rows = summarize(&[a, b]);
+        let gib = 1u64 << 30;
+        let rooms = vec![NodeRoom {
+            node: "pve1".into(),
+            memory_bytes: 16 * gib,
+            committed_bytes: 12 * gib,
+            limit_bytes: 16 * gib,
+            fits: vec![TypeFit {
+                instance_type: "pve.small".into(),
+                count: 1,
+            }],
+        }];
+        attach_rooms(&mut rows, &rooms);
+        let small = rows
+            .iter()
+            .find(|r| r.instance_type == "pve.small")
+            .unwrap();
+        let room = small.room.as_ref().expect("room");
+        assert_eq!((room.committed_bytes, room.fits), (12 * gib, Some(1)));
+        let huge = rows.iter().find(|r| r.instance_type == "pve.huge").unwrap();
+        assert_eq!(huge.room.as_ref().unwrap().fits, None, "not offered there");
+        let table = room_table(&rooms);
+        assert!(
+            table.contains("16.0 GiB")
+                && table.contains("4.0 GiB")
+                && table.contains("pve.small=1"),
             "{table}"
         );
     }

@@ -5,6 +5,7 @@ use std::collections::BTreeMap;
 use std::io::Write;
 use std::time::Duration;
 
+use bigfleet_proto::admin::NodeRoom;
 use bigfleet_proto::v1alpha1::{CapacityType, Machine, MachineState};
 use serde::Serialize;
 use tonic::Code;
@@ -312,6 +313,71 @@ pub(crate) struct SummaryRow {
     /// State name -> machines in it (every state, zeros included).
     pub(crate) counts: BTreeMap<String, usize>,
     pub(crate) total: usize,
+    /// The zone's memory room, when the provider reports it (NodeMemory).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) room: Option<RowRoom>,
+}
+
+/// The node memory guard's room of a summary row's zone, and how many
+/// more machines of the row's type fit there.
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub(crate) struct RowRoom {
+    pub(crate) memory_bytes: u64,
+    pub(crate) committed_bytes: u64,
+    pub(crate) limit_bytes: u64,
+    /// `None` when the type is not offered in the zone.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) fits: Option<u64>,
+}
+
+/// Adds each zone's room (from the provider's NodeMemory) to its rows.
+pub(crate) fn attach_rooms(rows: &mut [SummaryRow], rooms: &[NodeRoom]) {
+    for row in rows.iter_mut() {
+        if let Some(room) = rooms.iter().find(|r| r.node == row.zone) {
+            row.room = Some(RowRoom {
+                memory_bytes: room.memory_bytes,
+                committed_bytes: room.committed_bytes,
+                limit_bytes: room.limit_bytes,
+                fits: room
+                    .fits
+                    .iter()
+                    .find(|f| f.instance_type == row.instance_type)
+                    .map(|f| f.count),
+            });
+        }
+    }
+}
+
+/// Bytes as GiB with one decimal.
+fn gib(bytes: u64) -> String {
+    format!("{:.1} GiB", bytes as f64 / f64::from(1u32 << 30))
+}
+
+/// The per-zone room table under the summary: memory, committed, limit,
+/// what is left, and how many more machines of each offered type fit.
+pub(crate) fn room_table(rooms: &[NodeRoom]) -> String {
+    let header = ["ZONE", "MEMORY", "COMMITTED", "LIMIT", "LEFT", "FITS"];
+    let mut sorted: Vec<&NodeRoom> = rooms.iter().collect();
+    sorted.sort_by(|a, b| a.node.cmp(&b.node));
+    let body: Vec<Vec<String>> = sorted
+        .into_iter()
+        .map(|r| {
+            let fits: Vec<String> = r
+                .fits
+                .iter()
+                .map(|f| format!("{}={}", cell(&f.instance_type), f.count))
+                .collect();
+            vec![
+                cell(&r.node),
+                gib(r.memory_bytes),
+                gib(r.committed_bytes),
+                gib(r.limit_bytes),
+                gib(r.limit_bytes.saturating_sub(r.committed_bytes)),
+                fits.join(","),
+            ]
+        })
+        .collect();
+    render_table(&header, &body)
 }
 
 pub(crate) fn summarize(machines: &[Machine]) -> Vec<SummaryRow> {
@@ -333,6 +399,7 @@ pub(crate) fn summarize(machines: &[Machine]) -> Vec<SummaryRow> {
             zone,
             instance_type,
             counts,
+            room: None,
         })
         .collect()
 }

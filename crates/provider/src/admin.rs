@@ -6,8 +6,12 @@
 use std::sync::Arc;
 
 use bigfleet_proto::admin::admin_server::{Admin, AdminServer};
-use bigfleet_proto::admin::{ReclaimRequest, ReclaimResponse, ReclaimStatus};
+use bigfleet_proto::admin::{
+    NodeMemoryRequest, NodeMemoryResponse, NodeRoom, ReclaimRequest, ReclaimResponse,
+    ReclaimStatus, TypeFit,
+};
 use providerkit::{Engine, ReclaimOutcome};
+use proxmox_backend::backend::ProxmoxBackend;
 use tonic::{Request, Response, Status};
 
 use crate::guard::IdentityGuard;
@@ -16,11 +20,21 @@ use crate::identity::Need;
 pub struct AdminService {
     engine: Arc<Engine>,
     guard: Arc<IdentityGuard>,
+    /// Whose node memory guard NodeMemory reports.
+    backend: Arc<ProxmoxBackend>,
 }
 
 impl AdminService {
-    pub fn new(engine: Arc<Engine>, guard: Arc<IdentityGuard>) -> AdminService {
-        AdminService { engine, guard }
+    pub fn new(
+        engine: Arc<Engine>,
+        guard: Arc<IdentityGuard>,
+        backend: Arc<ProxmoxBackend>,
+    ) -> AdminService {
+        AdminService {
+            engine,
+            guard,
+            backend,
+        }
     }
 
     pub fn into_server(self) -> AdminServer<AdminService> {
@@ -65,6 +79,36 @@ impl Admin for AdminService {
             ReclaimOutcome::AlreadySpeculative(_) => ReclaimStatus::AlreadySpeculative,
         };
         Ok(Response::new(response(status, outcome.machine().rev)))
+    }
+
+    async fn node_memory(
+        &self,
+        request: Request<NodeMemoryRequest>,
+    ) -> Result<Response<NodeMemoryResponse>, Status> {
+        // What Get and List may see: room is no secret of an admin's.
+        self.guard.admit(&request, "NodeMemory", Need::Read)?;
+        const MIB: u64 = 1 << 20;
+        let nodes = self
+            .backend
+            .memory_rooms()
+            .into_iter()
+            .map(|room| NodeRoom {
+                fits: self
+                    .backend
+                    .fits(&room)
+                    .into_iter()
+                    .map(|(instance_type, count)| TypeFit {
+                        instance_type,
+                        count,
+                    })
+                    .collect(),
+                memory_bytes: room.memory_mib.saturating_mul(MIB),
+                committed_bytes: room.committed_mib.saturating_mul(MIB),
+                limit_bytes: room.limit_mib.saturating_mul(MIB),
+                node: room.node,
+            })
+            .collect();
+        Ok(Response::new(NodeMemoryResponse { nodes }))
     }
 }
 

@@ -260,6 +260,19 @@ pub struct Args {
     #[arg(long, default_value = "50ms", value_parser = parse_duration)]
     pub fake_latency: Duration,
 
+    /// Fake backend: each zone's memory for the node memory guard (bytes or
+    /// K/M/G/T/P, powers of 1024); the default fits any lane's offerings.
+    #[arg(long, default_value = "1024T", value_parser = proxmox_backend::memory::parse_size_mib)]
+    pub fake_node_memory: u64,
+
+    /// The node memory guard: a Create is refused, before anything starts,
+    /// when the configured memory of the VMs running or about to run on its
+    /// node (whoever owns them), the Creates in flight there and its own
+    /// would pass this share of the node's memory. 1.0 never commits more
+    /// than the node has; 0 turns the guard off.
+    #[arg(long, default_value = "1.0", value_parser = proxmox_backend::memory::parse_limit)]
+    pub node_memory_limit: f64,
+
     /// Log line format on stderr.
     #[arg(long, value_enum, default_value = "text")]
     pub log_format: LogFormat,

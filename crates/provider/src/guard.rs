@@ -23,7 +23,7 @@ use crate::metrics::Metrics;
 
 /// The RPCs the guard checks, with what each needs (a mutation's
 /// `shard_id` is the request's; any one stands for the kind here).
-pub const GUARDED: [(&str, Need<'static>); 7] = [
+pub const GUARDED: [(&str, Need<'static>); 8] = [
     ("Create", Need::ActFor { shard_id: "" }),
     ("Configure", Need::ActFor { shard_id: "" }),
     ("Drain", Need::ActFor { shard_id: "" }),
@@ -31,6 +31,7 @@ pub const GUARDED: [(&str, Need<'static>); 7] = [
     ("Get", Need::Read),
     ("List", Need::Read),
     ("Reclaim", Need::Admin),
+    ("NodeMemory", Need::Read),
 ];
 
 /// At most one refusal line per RPC and reason in this period; the next

@@ -19,6 +19,7 @@ use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::Registry;
 
 use providerkit::{Engine, ErrorKind, State};
+use proxmox_backend::backend::ProxmoxBackend;
 use proxmox_backend::substrate::{ApiObserver, API_OPS};
 
 /// The exposition formats `/metrics` serves.
@@ -114,6 +115,11 @@ pub struct MachineLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct NodeLabels {
+    node: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct IdentityLabels {
     pub rpc: String,
     pub reason: String,
@@ -151,6 +157,9 @@ pub struct Metrics {
     /// 1 while this replica is the leader of a shared state (or serves a
     /// state of its own), 0 while it is a standby or starting.
     pub leader: Gauge,
+    /// The backend whose node memory guard the memory gauges read, while
+    /// this replica leads.
+    memory: Arc<RwLock<Option<Arc<ProxmoxBackend>>>>,
 }
 
 /// What `bigfleet_proxmox_machines` is computed from at scrape time.
@@ -215,6 +224,10 @@ impl Metrics {
             identity_rejected.clone(),
         );
         registry.register_collector(Box::new(ProcessCollector));
+        let memory = Arc::new(RwLock::new(None));
+        registry.register_collector(Box::new(MemoryCollector {
+            source: Arc::clone(&memory),
+        }));
         let leader = Gauge::default();
         registry.register(
             "bigfleet_proxmox_leader",
@@ -259,6 +272,7 @@ impl Metrics {
             identity_rejected,
             machines,
             leader,
+            memory,
         })
     }
 
@@ -316,6 +330,13 @@ impl Metrics {
     pub fn forget_engine(&self) {
         self.leader.set(0);
         *self.machines.write() = None;
+        *self.memory.write() = None;
+    }
+
+    /// Report the node memory guard's room per node at every scrape from
+    /// now on (as last checked: at start-up and by each Create).
+    pub fn observe_memory(&self, backend: Arc<ProxmoxBackend>) {
+        *self.memory.write() = Some(backend);
     }
 
     /// A refusal series that exists at 0 from now on, so an alert on its
@@ -412,6 +433,60 @@ impl Collector for MachinesCollector {
                 outcome: outcome.name().to_string(),
             };
             ConstCounter::new(count).encode(family.encode_family(&labels)?)?;
+        }
+        Ok(())
+    }
+}
+
+/// Which MiB figure of a node's room a gauge reports.
+type RoomValue = fn(&proxmox_backend::memory::NodeRoom) -> u64;
+
+/// `bigfleet_proxmox_node_memory_{committed,limit}_bytes{node}`, from the
+/// node memory guard at scrape time.
+struct MemoryCollector {
+    source: Arc<RwLock<Option<Arc<ProxmoxBackend>>>>,
+}
+
+impl std::fmt::Debug for MemoryCollector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("MemoryCollector")
+    }
+}
+
+impl Collector for MemoryCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        // A clone, so the lock is not held while the rooms are read.
+        let Some(backend) = self.source.read().clone() else {
+            return Ok(());
+        };
+        let rooms = backend.memory_rooms();
+        const MIB: i64 = 1 << 20;
+        let families: [(&str, &str, RoomValue); 2] = [
+            (
+                "bigfleet_proxmox_node_memory_committed_bytes",
+                "Configured memory of the VMs running or about to run on the node (whoever \
+                 owns them) plus the provider's Creates in flight there, as the node memory \
+                 guard last checked it",
+                |r| r.committed_mib,
+            ),
+            (
+                "bigfleet_proxmox_node_memory_limit_bytes",
+                "What the node memory guard lets be committed on the node: \
+                 --node-memory-limit x its memory (its whole memory when the guard is off)",
+                |r| r.limit_mib,
+            ),
+        ];
+        for (name, help, value) in families {
+            let mut family = encoder.encode_descriptor(name, help, None, MetricType::Gauge)?;
+            for room in &rooms {
+                let labels = NodeLabels {
+                    node: room.node.clone(),
+                };
+                let bytes = i64::try_from(value(room))
+                    .unwrap_or(i64::MAX)
+                    .saturating_mul(MIB);
+                ConstGauge::new(bytes).encode(family.encode_family(&labels)?)?;
+            }
         }
         Ok(())
     }

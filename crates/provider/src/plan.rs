@@ -68,13 +68,26 @@ pub struct ProxmoxConfig {
 #[derive(Debug)]
 pub enum BackendConfig {
     Proxmox(Box<ProxmoxConfig>),
-    /// The in-memory simulator; each transition takes `latency`.
+    /// The in-memory simulator; each transition takes `latency`; each zone
+    /// has `node_memory_mib` under the guard's `node_memory_limit`.
     Fake {
         latency: Duration,
+        node_memory_mib: u64,
+        node_memory_limit: f64,
     },
 }
 
 impl BackendConfig {
+    /// `--node-memory-limit`, whichever the substrate.
+    pub fn node_memory_limit(&self) -> f64 {
+        match self {
+            BackendConfig::Proxmox(p) => p.options.node_memory_limit,
+            BackendConfig::Fake {
+                node_memory_limit, ..
+            } => *node_memory_limit,
+        }
+    }
+
     pub fn kind(&self) -> BackendKind {
         match self {
             BackendConfig::Proxmox(_) => BackendKind::Proxmox,
@@ -400,6 +413,7 @@ fn pve_options(args: &Args, catalog: &Catalog) -> Result<PveOptions, ConfigError
         template_replicas: args.template_replicas,
         clone_mode: args.clone_mode,
         node_storage: args.node_storage.0.clone(),
+        node_memory_limit: args.node_memory_limit,
         type_storage: catalog
             .types
             .iter()
@@ -568,6 +582,8 @@ pub fn plan(args: &Args) -> Result<Plan, ConfigError> {
         })),
         None => BackendConfig::Fake {
             latency: args.fake_latency,
+            node_memory_mib: args.fake_node_memory,
+            node_memory_limit: args.node_memory_limit,
         },
     };
     let engine = engine_options(args)?;
@@ -664,7 +680,7 @@ mod tests {
         assert_eq!(plan.backend.kind(), BackendKind::Fake);
         assert!(matches!(
             plan.backend,
-            BackendConfig::Fake { latency } if latency == Duration::from_millis(7)
+            BackendConfig::Fake { latency, .. } if latency == Duration::from_millis(7)
         ));
     }
 

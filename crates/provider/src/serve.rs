@@ -252,8 +252,8 @@ pub async fn run(plan: Plan) -> Result<(), RunError> {
             // One replica on a state of its own: it serves as soon as the
             // state is loaded, before the listener answers anything.
             let store = open_store(&context.plan)?;
-            let engine = signals.or_stop(context.start(store, None)).await?;
-            single_term = Some(context.lead(engine).await);
+            let started = signals.or_stop(context.start(store, None)).await?;
+            single_term = Some(context.lead(started).await);
             log_serving(&context.plan, &local_addr, &metrics_local);
             None
         }

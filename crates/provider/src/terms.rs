@@ -156,6 +156,35 @@ pub(crate) struct TermContext {
     pub(crate) served: Served,
 }
 
+/// A term's engine, loaded and resumed, and the backend it drives.
+pub(crate) struct Started {
+    engine: Arc<Engine>,
+    backend: Arc<ProxmoxBackend>,
+}
+
+/// One INFO line per node: its memory, what is committed there, and how
+/// many more machines of each instance type offered on it fit under the
+/// node memory guard's limit.
+async fn log_node_memory(backend: &ProxmoxBackend, zones: &[String], limit: f64) {
+    const MIB_PER_GIB: f64 = 1024.0;
+    for room in backend.observe_memory(zones).await {
+        let fits: Vec<String> = backend
+            .fits(&room)
+            .into_iter()
+            .map(|(t, n)| format!("{t}={n}"))
+            .collect();
+        tracing::info!(
+            node = %room.node,
+            memory_gib = format!("{:.1}", room.memory_mib as f64 / MIB_PER_GIB),
+            committed_gib = format!("{:.1}", room.committed_mib as f64 / MIB_PER_GIB),
+            limit_gib = format!("{:.1}", room.limit_mib as f64 / MIB_PER_GIB),
+            node_memory_limit = limit,
+            fits = %fits.join(","),
+            "node memory room"
+        );
+    }
+}
+
 /// One term of serving: the engine and the tasks that work for it, which
 /// stop when the term is dropped.
 pub(crate) struct Leading {
@@ -178,12 +207,19 @@ impl TermContext {
         &self,
         store: Arc<dyn Store>,
         gate: Option<Arc<Term>>,
-    ) -> Result<Arc<Engine>, StartupError> {
+    ) -> Result<Started, StartupError> {
         let plan = &self.plan;
         let catalog = &plan.catalog;
         let (inner, fake): (Arc<dyn Substrate>, _) = match &plan.backend {
-            BackendConfig::Fake { latency } => {
-                let fake = Arc::new(FakeCluster::new(catalog.zones.clone(), *latency));
+            BackendConfig::Fake {
+                latency,
+                node_memory_mib,
+                node_memory_limit,
+            } => {
+                let fake = Arc::new(
+                    FakeCluster::new(catalog.zones.clone(), *latency)
+                        .with_node_memory(*node_memory_mib, *node_memory_limit),
+                );
                 (fake.clone(), Some(fake))
             }
             BackendConfig::Proxmox(proxmox) => {
@@ -197,7 +233,7 @@ impl TermContext {
             catalog.pricing.clone(),
             substrate,
         ));
-        let engine = Engine::load(backend, store, plan.engine.clone())
+        let engine = Engine::load(backend.clone(), store, plan.engine.clone())
             .await
             .map_err(StartupError::Engine)?;
         if let Some(fake) = &fake {
@@ -207,7 +243,11 @@ impl TermContext {
                     .as_ref()
                     .and_then(|h| VmRef::parse(&h.r#ref).ok())
                 {
-                    fake.restore(&vm, &machine.id);
+                    let memory_mib = catalog
+                        .types
+                        .get(&machine.facts.instance_type)
+                        .map_or(0, |t| t.memory_mib);
+                    fake.restore(&vm, &machine.id, memory_mib);
                 }
             }
         }
@@ -220,12 +260,14 @@ impl TermContext {
                 "resumed the transitions a provider restart interrupted"
             );
         }
-        Ok(engine)
+        log_node_memory(&backend, &catalog.zones, plan.backend.node_memory_limit()).await;
+        Ok(Started { engine, backend })
     }
 
     /// Serve `engine`: route the RPCs to it, start its background work,
     /// report SERVING.
-    pub(crate) async fn lead(&self, engine: Arc<Engine>) -> Leading {
+    pub(crate) async fn lead(&self, started: Started) -> Leading {
+        let Started { engine, backend } = started;
         let plan = &self.plan;
         let served = &self.served;
         served.capacity.lead(
@@ -233,11 +275,13 @@ impl TermContext {
                 .into_server(),
         );
         served.admin.lead(
-            crate::admin::AdminService::new(engine.clone(), self.guard.clone()).into_server(),
+            crate::admin::AdminService::new(engine.clone(), self.guard.clone(), backend.clone())
+                .into_server(),
         );
         *served.engine.write() = Some(engine.clone());
         self.metrics
             .observe_engine(engine.clone(), plan.catalog.zones.clone());
+        self.metrics.observe_memory(backend);
         let mut tasks = Vec::new();
         if let Some(task) =
             crate::admin::spawn_auto_reclaim(&engine, plan.reconcile.reclaim_failed_after)
@@ -388,8 +432,8 @@ pub(crate) async fn lead_terms(
                 return;
             }
         };
-        let engine = match started {
-            Ok(engine) => engine,
+        let started = match started {
+            Ok(started) => started,
             Err(e) => {
                 hold.abort();
                 tracing::error!(epoch, error = %e, "cannot serve as the leader: giving the lease up and standing by");
@@ -400,7 +444,7 @@ pub(crate) async fn lead_terms(
                 }
             }
         };
-        let leading = context.lead(engine).await;
+        let leading = context.lead(started).await;
         tracing::info!(replica = %config.replica, epoch, "serving as the leader");
         if let Some(first) = first_serving.take() {
             first();

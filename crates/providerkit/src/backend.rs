@@ -116,6 +116,8 @@ impl PartialEq for BackendError {
     }
 }
 
+impl Eq for BackendError {}
+
 /// One slot the substrate offers: its identity and catalogue facts (shared
 /// by every slot of an offering), plus the host currently attached to it, if
 /// the substrate already has one.
@@ -145,6 +147,44 @@ pub struct CreateCtx {
     /// clone still running, a VM not yet marked) that must be found and
     /// adopted, never duplicated.
     pub resumed: bool,
+}
+
+/// A Create about to be accepted: what the substrate needs to decide whether
+/// it has room for the machine.
+#[derive(Clone, Debug)]
+pub struct AdmitCtx {
+    pub machine_id: String,
+    pub instance_type: String,
+    pub zone: String,
+}
+
+/// A Create's claim on the substrate's capacity, taken by
+/// [`Backend::admit_create`] before the Create is accepted and held by the
+/// engine until the Create's outcome has landed (or the Create was not
+/// accepted after all). Dropping it gives the claim back, so whatever it
+/// holds releases its claim in its own `Drop`.
+pub struct Admission(Option<Box<dyn Send + Sync>>);
+
+impl Admission {
+    /// Admitted with nothing held (a substrate with no capacity to guard).
+    pub fn unguarded() -> Admission {
+        Admission(None)
+    }
+
+    /// Admitted; `claim` is held until the Create's outcome lands.
+    pub fn holding(claim: impl Send + Sync + 'static) -> Admission {
+        Admission(Some(Box::new(claim)))
+    }
+}
+
+impl std::fmt::Debug for Admission {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.0.is_some() {
+            "Admission(holding)"
+        } else {
+            "Admission(unguarded)"
+        })
+    }
 }
 
 #[derive(Clone)]
@@ -206,6 +246,18 @@ pub struct ReclaimCtx {
 pub trait Backend: Send + Sync + 'static {
     /// The slots this substrate offers, with any host already attached.
     async fn describe(&self) -> Result<Vec<SlotSpec>, BackendError>;
+
+    /// Asked before a Create of a SPECULATIVE machine is accepted, outside
+    /// the state lock: whether the substrate has room for it now. `Ok`
+    /// admits it (the claim is held until the outcome lands); `Err` refuses
+    /// it synchronously: the RPC fails with RESOURCE_EXHAUSTED and the
+    /// error's text, the machine stays SPECULATIVE, and nothing is started.
+    /// Only "no room" should refuse: a substrate that cannot tell now
+    /// should admit and let [`Backend::create`] decide (its failure lands
+    /// FAILED as usual). The default admits everything.
+    async fn admit_create(&self, _ctx: &AdmitCtx) -> Result<Admission, BackendError> {
+        Ok(Admission::unguarded())
+    }
 
     /// Provision a host for the slot; returns its substrate reference.
     async fn create(&self, ctx: CreateCtx) -> Result<SubstrateHost, BackendError>;

@@ -27,6 +27,10 @@ pub enum KitError {
     Conflict(#[source] TransitionError),
     #[error("state store: {0}")]
     Store(#[source] StoreError),
+    /// A Create the substrate has no room for now
+    /// ([`crate::Backend::admit_create`] refused it): nothing was accepted.
+    #[error("{0}")]
+    Exhausted(#[source] crate::backend::BackendError),
     /// A mutation that arrived after shutdown began: another replica, or
     /// this one after its restart, takes it.
     #[error("{0}")]
@@ -41,6 +45,7 @@ impl KitError {
             KitError::Fenced(_) => Code::FailedPrecondition,
             KitError::Unimplemented(_) => Code::Unimplemented,
             KitError::Conflict(_) => Code::Aborted,
+            KitError::Exhausted(_) => Code::ResourceExhausted,
             KitError::Store(_) => Code::Unavailable,
             KitError::ShuttingDown(_) => Code::Unavailable,
         }

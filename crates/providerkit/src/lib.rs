@@ -20,8 +20,8 @@ pub mod state_copy;
 pub mod store;
 
 pub use backend::{
-    Backend, BackendError, Cause, ConfigureCtx, CreateCtx, DeleteCtx, DrainCtx, ErrorKind,
-    ReclaimCtx, SlotSpec, SubstrateHost,
+    Admission, AdmitCtx, Backend, BackendError, Cause, ConfigureCtx, CreateCtx, DeleteCtx,
+    DrainCtx, ErrorKind, ReclaimCtx, SlotSpec, SubstrateHost,
 };
 #[cfg(feature = "mutants")]
 pub use engine::Mutants;

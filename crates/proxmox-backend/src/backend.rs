@@ -7,8 +7,8 @@ use std::sync::Arc;
 use async_trait::async_trait;
 use bigfleet_proto::v1alpha1 as pb;
 use providerkit::{
-    Backend, BackendError, CatalogFacts, ConfigureCtx, CreateCtx, DeleteCtx, DrainCtx, ReclaimCtx,
-    SlotSpec, SubstrateHost,
+    Admission, AdmitCtx, Backend, BackendError, CatalogFacts, ConfigureCtx, CreateCtx, DeleteCtx,
+    DrainCtx, ErrorKind, ReclaimCtx, SlotSpec, SubstrateHost,
 };
 
 use crate::catalog::{self, InstanceType, Pricing, Slot};
@@ -42,6 +42,36 @@ impl ProxmoxBackend {
             pricing,
             substrate,
         }
+    }
+
+    /// Each node's memory room as the node memory guard last saw it.
+    pub fn memory_rooms(&self) -> Vec<crate::memory::NodeRoom> {
+        self.substrate.memory_rooms()
+    }
+
+    /// Reads each of `nodes`' memory room now (see [`Self::memory_rooms`]).
+    pub async fn observe_memory(&self, nodes: &[String]) -> Vec<crate::memory::NodeRoom> {
+        self.substrate.observe_memory(nodes).await
+    }
+
+    /// How many more machines of each instance type offered on `node` fit
+    /// in `room`, by type name.
+    pub fn fits(&self, room: &crate::memory::NodeRoom) -> Vec<(String, u64)> {
+        let mut offered: Vec<&str> = self
+            .slots
+            .iter()
+            .filter(|s| s.facts.zone == room.node)
+            .map(|s| s.facts.instance_type.as_str())
+            .collect();
+        offered.sort_unstable();
+        offered.dedup();
+        offered
+            .into_iter()
+            .filter_map(|name| {
+                let t = self.types.get(name)?;
+                Some((name.to_string(), room.fits(t.memory_mib)))
+            })
+            .collect()
     }
 
     /// Every VM whose marker names `machine_id`, oldest VMID first.
@@ -146,6 +176,39 @@ impl Backend for ProxmoxBackend {
         orphans.sort_by(|a, b| a.0.cmp(&b.0));
         specs.extend(orphans.iter().map(|(id, vm)| self.orphan_spec(id, vm)));
         Ok(specs)
+    }
+
+    /// The node memory guard's check: a Create its node has no memory for
+    /// is refused before anything starts (the machine stays SPECULATIVE).
+    async fn admit_create(&self, ctx: &AdmitCtx) -> Result<Admission, BackendError> {
+        // An unknown type fails in `create` with its own message.
+        let Some(t) = self.types.get(&ctx.instance_type) else {
+            return Ok(Admission::unguarded());
+        };
+        let req = CloneRequest {
+            machine_id: ctx.machine_id.clone(),
+            operation_id: String::new(),
+            instance_type: ctx.instance_type.clone(),
+            node: ctx.zone.clone(),
+            template_vmid: t.template_vmid,
+            vcpu: t.vcpu,
+            memory_mib: t.memory_mib,
+            resumed: false,
+        };
+        match self.substrate.admit(&req).await {
+            Ok(Some(held)) => Ok(Admission::holding(held)),
+            Ok(None) => Ok(Admission::unguarded()),
+            Err(no_room) => {
+                tracing::info!(machine_id = %ctx.machine_id, node = %ctx.zone, error = %no_room, "create refused: no memory on the node");
+                // Room may come back (a VM stops, a Create fails): the shard
+                // may try this slot again later, and another node now.
+                Err(BackendError::caused_by(
+                    ErrorKind::Transient,
+                    no_room.to_string(),
+                    Arc::new(no_room),
+                ))
+            }
+        }
     }
 
     async fn create(&self, ctx: CreateCtx) -> Result<SubstrateHost, BackendError> {

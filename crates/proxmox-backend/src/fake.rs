@@ -1,14 +1,28 @@
 //! The fake backend's substrate: an in-memory Proxmox cluster (VMIDs,
 //! nodes, power state, a guest agent that runs the bootstrap hook and the
 //! drain). Testing and certification only; selected explicitly.
+//!
+//! Its nodes have a memory size and go through the same node memory guard
+//! as a real cluster's ([`crate::memory`]), so the certification lanes
+//! exercise the guard's admission path; the default size is large enough
+//! that no lane's offerings fill a node.
 
 use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
 use parking_lot::Mutex;
+use providerkit::ErrorKind;
 
+use crate::memory::{
+    ClaimRequest, CountedVm, MemoryGuard, NoRoom, NodeRoom, NodeView, Reservation,
+};
 use crate::substrate::{CloneRequest, ManagedVm, Substrate, SubstrateError, VmRef};
+
+/// Each fake node's memory unless told otherwise: 1 PiB, far beyond any
+/// lane's offerings (10 000 machines of 64 GiB fit on one node).
+pub const DEFAULT_FAKE_NODE_MEMORY_MIB: u64 = 1 << 30;
 
 #[derive(Clone, Debug)]
 pub struct FakeVm {
@@ -19,11 +33,16 @@ pub struct FakeVm {
     pub running: bool,
     /// Size of the last bootstrap blob delivered (the blob itself is not kept).
     pub bootstrap_bytes: Option<usize>,
+    /// Configured memory, MiB.
+    pub memory_mib: u64,
 }
 
 pub struct FakeCluster {
     nodes: Vec<String>,
     latency: Duration,
+    /// Every node's memory, MiB.
+    node_memory_mib: u64,
+    guard: Arc<MemoryGuard>,
     state: Mutex<FakeState>,
 }
 
@@ -42,10 +61,13 @@ impl FakeState {
 }
 
 impl FakeCluster {
+    /// Nodes of [`DEFAULT_FAKE_NODE_MEMORY_MIB`] under a limit of 1.0.
     pub fn new(nodes: Vec<String>, latency: Duration) -> FakeCluster {
         FakeCluster {
             nodes,
             latency,
+            node_memory_mib: DEFAULT_FAKE_NODE_MEMORY_MIB,
+            guard: MemoryGuard::new(1.0),
             state: Mutex::new(FakeState {
                 vms: BTreeMap::new(),
                 by_machine: HashMap::new(),
@@ -54,13 +76,86 @@ impl FakeCluster {
         }
     }
 
+    /// Every node has `node_memory_mib`; the guard's limit is `limit` of it
+    /// (0 = off).
+    pub fn with_node_memory(mut self, node_memory_mib: u64, limit: f64) -> FakeCluster {
+        self.node_memory_mib = node_memory_mib;
+        self.guard = MemoryGuard::new(limit);
+        self
+    }
+
+    /// Starts a VM no machine owns on `node` (a test's foreign VM).
+    pub fn run_foreign(&self, node: &str, memory_mib: u64) -> u32 {
+        let mut state = self.state.lock();
+        let vmid = state.next_vmid;
+        state.next_vmid += 1;
+        state.vms.insert(
+            vmid,
+            FakeVm {
+                node: node.to_string(),
+                name: format!("foreign-{vmid}"),
+                machine_id: String::new(),
+                operation_id: String::new(),
+                running: true,
+                bootstrap_bytes: None,
+                memory_mib,
+            },
+        );
+        vmid
+    }
+
+    /// The node's view for the guard: its running VMs, those of machines
+    /// holding a claim there left out (the claim counts them), as one sum
+    /// (the fake's claims match nothing by name).
+    fn view(&self, node: &str) -> NodeView {
+        // Asked once, not per VM: a lane's Creates each read a node of
+        // thousands of VMs.
+        let claimants = self.guard.claimants(node);
+        let running_mib: u64 = self
+            .state
+            .lock()
+            .vms
+            .values()
+            .filter(|v| v.node == node && v.running)
+            .filter(|v| v.machine_id.is_empty() || !claimants.contains(&v.machine_id))
+            .map(|v| v.memory_mib)
+            .sum();
+        NodeView {
+            memory_mib: self.node_memory_mib,
+            vms: vec![CountedVm {
+                vmid: 0,
+                name: None,
+                memory_mib: running_mib,
+                unnamed_clone: false,
+            }],
+        }
+    }
+
+    /// Checks and claims the memory of `req` (see [`crate::memory`]).
+    fn claim(&self, req: &CloneRequest, force: bool) -> Result<Reservation, NoRoom> {
+        let ticket = self.guard.reading();
+        let view = self.view(&req.node);
+        self.guard.claim(
+            &ticket,
+            &view,
+            &ClaimRequest {
+                machine_id: req.machine_id.clone(),
+                node: req.node.clone(),
+                instance_type: req.instance_type.clone(),
+                memory_mib: req.memory_mib,
+                vm_name: String::new(),
+            },
+            force,
+        )
+    }
+
     pub fn vms(&self) -> BTreeMap<u32, FakeVm> {
         self.state.lock().vms.clone()
     }
 
     /// Re-create a VM the provider's durable state says exists: the fake
     /// cluster lives in memory, but real VMs outlive a provider restart.
-    pub fn restore(&self, vm: &VmRef, machine_id: &str) {
+    pub fn restore(&self, vm: &VmRef, machine_id: &str, memory_mib: u64) {
         let mut state = self.state.lock();
         state.next_vmid = state.next_vmid.max(vm.vmid.saturating_add(1));
         if !state.vms.contains_key(&vm.vmid) {
@@ -73,6 +168,7 @@ impl FakeCluster {
                     operation_id: String::new(),
                     running: true,
                     bootstrap_bytes: None,
+                    memory_mib,
                 },
             );
         }
@@ -113,6 +209,29 @@ impl FakeCluster {
 
 #[async_trait]
 impl Substrate for FakeCluster {
+    async fn admit(&self, req: &CloneRequest) -> Result<Option<Reservation>, NoRoom> {
+        if !self.guard.enabled() || !self.nodes.contains(&req.node) {
+            return Ok(None);
+        }
+        self.claim(req, false).map(Some)
+    }
+
+    fn memory_rooms(&self) -> Vec<NodeRoom> {
+        self.guard.rooms()
+    }
+
+    async fn observe_memory(&self, nodes: &[String]) -> Vec<NodeRoom> {
+        nodes
+            .iter()
+            .filter(|n| self.nodes.contains(n))
+            .map(|node| {
+                let ticket = self.guard.reading();
+                let view = self.view(node);
+                self.guard.observe(node, &ticket, &view)
+            })
+            .collect()
+    }
+
     async fn clone_vm(&self, req: &CloneRequest) -> Result<VmRef, SubstrateError> {
         if !self.nodes.contains(&req.node) {
             return Err(SubstrateError::new(format!(
@@ -132,6 +251,20 @@ impl Substrate for FakeCluster {
                 }
             }
         }
+        // As the real substrate: the admission's claim, or a check of its own.
+        let _memory = match self.guard.rejoin(&req.node, &req.machine_id) {
+            Some(held) => Some(held),
+            None if self.guard.enabled() => {
+                Some(self.claim(req, req.resumed).map_err(|no_room| {
+                    SubstrateError::caused_by(
+                        ErrorKind::Permanent,
+                        "the node memory guard refused the clone",
+                        no_room,
+                    )
+                })?)
+            }
+            None => None,
+        };
         self.step(2).await;
         let vmid = {
             let mut state = self.state.lock();
@@ -146,6 +279,7 @@ impl Substrate for FakeCluster {
                     operation_id: req.operation_id.clone(),
                     running: false,
                     bootstrap_bytes: None,
+                    memory_mib: req.memory_mib,
                 },
             );
             vmid
@@ -214,5 +348,47 @@ impl Substrate for FakeCluster {
     async fn drain(&self, vm: &VmRef, _grace: Duration) -> Result<(), SubstrateError> {
         self.step(1).await;
         self.with_vm(vm, |v| v.bootstrap_bytes = None)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn req(n: usize) -> CloneRequest {
+        CloneRequest {
+            machine_id: format!("p/OnDemand/pve.small/pve-a/{n:03}"),
+            operation_id: format!("op-{n}"),
+            instance_type: "pve.small".into(),
+            node: "pve-a".into(),
+            template_vmid: 9000,
+            vcpu: 2,
+            memory_mib: 4096,
+            resumed: false,
+        }
+    }
+
+    #[tokio::test]
+    async fn the_fake_nodes_go_through_the_same_guard() {
+        let fake =
+            FakeCluster::new(vec!["pve-a".into()], Duration::ZERO).with_node_memory(16 * 1024, 1.0);
+        let foreign = fake.run_foreign("pve-a", 4096);
+        let mut held = Vec::new();
+        for n in 0..3 {
+            held.push(fake.admit(&req(n)).await.expect("fits").expect("claimed"));
+            fake.clone_vm(&req(n)).await.expect("cloned");
+        }
+        let refused = fake.admit(&req(3)).await.expect_err("full");
+        assert_eq!((refused.committed_mib, refused.left_mib), (16 * 1024, 0));
+        // Landed: the claims go, the running VMs count instead, once.
+        drop(held);
+        assert!(fake.admit(&req(3)).await.is_err(), "still full");
+        // Unadmitted, the clone checks by itself and refuses too.
+        let e = fake.clone_vm(&req(3)).await.expect_err("refused");
+        assert!(e.to_string().contains("no memory"), "{e}");
+        assert!(fake.stop_out_of_band(foreign));
+        assert!(fake.admit(&req(3)).await.expect("room").is_some());
+        let room = &fake.memory_rooms()[0];
+        assert_eq!(room.committed_mib, 16 * 1024);
     }
 }

@@ -7,6 +7,7 @@
 //! - [`proxmox`]: the real substrate over the `pve` client (markers, VMID
 //!   choice, inventory, guest agent, clones);
 //! - [`fake`]: the in-memory substrate for certification;
+//! - [`memory`]: the node memory guard both substrates check before a clone;
 //! - [`backend`]: maps slots and transitions onto a substrate.
 //!
 //! It knows nothing of gRPC serving, flags or processes: the binary
@@ -15,6 +16,7 @@
 pub mod backend;
 pub mod catalog;
 pub mod fake;
+pub mod memory;
 pub mod proxmox;
 pub mod redact;
 pub mod substrate;

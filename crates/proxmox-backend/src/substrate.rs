@@ -7,6 +7,8 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 use providerkit::{BackendError, Cause, ErrorKind};
 
+use crate::memory::{NoRoom, NodeRoom, Reservation};
+
 /// A VM on one node: `HostRef.ref` is `<node>/<vmid>`.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct VmRef {
@@ -143,6 +145,22 @@ impl From<SubstrateError> for BackendError {
 
 #[async_trait]
 pub trait Substrate: Send + Sync + 'static {
+    /// Before a Create is accepted: checks that its node has memory for it
+    /// (see [`crate::memory`]) and claims it until the reservation drops.
+    /// `Ok(None)`: nothing to guard, or the room could not be read now (the
+    /// clone checks again); `Err`: no room, refuse the Create.
+    async fn admit(&self, _req: &CloneRequest) -> Result<Option<Reservation>, NoRoom> {
+        Ok(None)
+    }
+    /// Each node's memory room as last seen, by node name.
+    fn memory_rooms(&self) -> Vec<NodeRoom> {
+        Vec::new()
+    }
+    /// Reads the memory room of each of `nodes` now (a node that cannot be
+    /// read is left out, with a warning).
+    async fn observe_memory(&self, _nodes: &[String]) -> Vec<NodeRoom> {
+        Vec::new()
+    }
     /// Clone, size, mark, start and wait for the guest agent. A VM already
     /// marked for this machine id is adopted (and powered on) instead.
     async fn clone_vm(&self, req: &CloneRequest) -> Result<VmRef, SubstrateError>;
@@ -213,6 +231,15 @@ impl Metered {
 
 #[async_trait]
 impl Substrate for Metered {
+    async fn admit(&self, req: &CloneRequest) -> Result<Option<Reservation>, NoRoom> {
+        self.inner.admit(req).await
+    }
+    fn memory_rooms(&self) -> Vec<NodeRoom> {
+        self.inner.memory_rooms()
+    }
+    async fn observe_memory(&self, nodes: &[String]) -> Vec<NodeRoom> {
+        self.inner.observe_memory(nodes).await
+    }
     async fn clone_vm(&self, req: &CloneRequest) -> Result<VmRef, SubstrateError> {
         self.timed("CloneVM", self.inner.clone_vm(req)).await
     }

@@ -468,6 +468,9 @@ pub struct SimConfig {
     pub form_semicolon_separator: bool,
     /// How long an offline migration task copies the VM.
     pub migrate_duration: Duration,
+    /// Each node's physical memory: its `maxmem` in `/nodes` and
+    /// `/cluster/resources`, and `memory.total` of its status (16 TiB).
+    pub node_memory: NodeMemory,
     /// Max captured bytes per exec output stream before `*-truncated` (qemu-ga: 16 MiB).
     pub exec_output_limit: usize,
     /// Range `GET /cluster/nextid` searches.
@@ -599,6 +602,7 @@ impl Default for SimConfig {
             agent_latin1: true,
             form_semicolon_separator: true,
             migrate_duration: Duration::from_millis(200),
+            node_memory: NodeMemory::default(),
             exec_output_limit: 16 * 1024 * 1024,
             vmid_range: (100, 999_999),
             guest_agent: GuestAgentMode::Auto,
@@ -617,4 +621,111 @@ impl Default for SimConfig {
             sdn_installed: true,
         }
     }
+}
+
+/// Each node's physical memory in bytes: one size for every node, with
+/// per-node exceptions.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NodeMemory {
+    /// Nodes not named in `per_node`.
+    pub every_node: u64,
+    pub per_node: std::collections::BTreeMap<String, u64>,
+}
+
+impl NodeMemory {
+    /// Ample, so that seeded fleets (1000 VMs on one node) and every
+    /// certification lane's Creates fit: 16 TiB.
+    pub const DEFAULT: u64 = 16 << 40;
+
+    /// Every node has `bytes`.
+    pub fn every_node(bytes: u64) -> NodeMemory {
+        NodeMemory {
+            every_node: bytes,
+            per_node: Default::default(),
+        }
+    }
+
+    /// `node` has `bytes`, the others what they had.
+    pub fn with_node(mut self, node: &str, bytes: u64) -> NodeMemory {
+        self.per_node.insert(node.to_string(), bytes);
+        self
+    }
+
+    /// The memory of `node`, in bytes.
+    pub fn of(&self, node: &str) -> u64 {
+        self.per_node.get(node).copied().unwrap_or(self.every_node)
+    }
+}
+
+impl Default for NodeMemory {
+    fn default() -> NodeMemory {
+        NodeMemory::every_node(NodeMemory::DEFAULT)
+    }
+}
+
+/// `SIZE` (every node) or `NODE=SIZE`, comma-separated and mixable:
+/// `16G`, `pve1=16GiB,pve2=32G`, `8G,pve3=64G`.
+impl FromStr for NodeMemory {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<NodeMemory, String> {
+        let mut out = NodeMemory::default();
+        if s.trim().is_empty() {
+            return Err("node memory is empty: give SIZE (e.g. 16G) or NODE=SIZE,...".into());
+        }
+        for part in s.split(',').map(str::trim) {
+            match part.split_once('=') {
+                Some((node, size)) => {
+                    let node = node.trim();
+                    if node.is_empty() {
+                        return Err(format!("{part:?}: NODE=SIZE needs a node name"));
+                    }
+                    out.per_node.insert(
+                        node.to_string(),
+                        parse_size(size).map_err(|e| format!("node {node}: {e}"))?,
+                    );
+                }
+                None => out.every_node = parse_size(part)?,
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// A memory size: plain bytes, or a number with a binary unit, `K`/`M`/`G`/`T`
+/// or `KiB`/`MiB`/`GiB`/`TiB` (both mean powers of 1024, as PVE sizes do).
+/// Decimal units (`GB`) are refused rather than guessed at.
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let shift = match unit.trim() {
+        "" | "B" => 0,
+        "K" | "KiB" => 10,
+        "M" | "MiB" => 20,
+        "G" | "GiB" => 30,
+        "T" | "TiB" => 40,
+        "KB" | "MB" | "GB" | "TB" => {
+            return Err(format!(
+                "size {t:?}: decimal units are ambiguous here; write {}{} or {}{}iB (powers of 1024), or bytes",
+                num,
+                &unit.trim()[..1],
+                num,
+                &unit.trim()[..1]
+            ))
+        }
+        other => {
+            return Err(format!(
+                "size {t:?}: unknown unit {other:?}; use bytes or K, M, G, T (or KiB, MiB, GiB, TiB)"
+            ))
+        }
+    };
+    let n: u64 = num.parse().map_err(|_| {
+        format!("size {t:?}: expected a whole number followed by an optional unit (e.g. 16G)")
+    })?;
+    if n == 0 {
+        return Err(format!("size {t:?}: a node needs some memory"));
+    }
+    n.checked_mul(1u64 << shift)
+        .ok_or_else(|| format!("size {t:?} does not fit in 64 bits of bytes"))
 }

@@ -49,11 +49,11 @@ impl Shared {
                     "level": "",
                 });
                 if n.online {
-                    let mem = node_mem(&c, name);
+                    let mem = node_mem(&c, name).min(self.cfg.node_memory.of(name));
                     v["cpu"] = json!(0.05);
                     v["maxcpu"] = json!(64);
                     v["mem"] = json!(mem);
-                    v["maxmem"] = json!(256u64 << 30);
+                    v["maxmem"] = json!(self.cfg.node_memory.of(name));
                     v["uptime"] = json!(86400);
                 }
                 v
@@ -88,12 +88,12 @@ impl Shared {
                 let mut row = json!({
                     "id": format!("node/{name}"), "type": "node", "node": name,
                     "status": if n.online { "online" } else { "offline" },
-                    "maxcpu": NODE_CPUS, "maxmem": NODE_MEM, "level": "",
+                    "maxcpu": NODE_CPUS, "maxmem": self.cfg.node_memory.of(name), "level": "",
                     "cgroup-mode": 2,
                 });
                 if n.online {
                     row["cpu"] = json!(0.05);
-                    row["mem"] = json!(node_mem(&c, name));
+                    row["mem"] = json!(node_mem(&c, name).min(self.cfg.node_memory.of(name)));
                     row["disk"] = json!(4u64 << 30);
                     row["maxdisk"] = json!(ROOTFS_BYTES);
                     row["uptime"] = json!(self.node_uptime());
@@ -225,7 +225,9 @@ impl Shared {
     /// for offline nodes before getting here).
     pub fn node_status(&self, node: &str) -> Value {
         let c = self.cluster.lock();
-        let used = node_mem(&c, node) + (2u64 << 30);
+        let total = self.cfg.node_memory.of(node);
+        // The host itself uses some; never more than there is.
+        let used = (node_mem(&c, node) + (2u64 << 30)).min(total);
         json!({
             "uptime": self.node_uptime(),
             "cpu": 0.05,
@@ -237,7 +239,7 @@ impl Shared {
                 "model": "QEMU Virtual CPU version 2.5+", "mhz": "2400.000",
                 "hvm": "1", "user_hz": 100, "flags": "fpu vme de pse tsc msr pae mce",
             },
-            "memory": {"total": NODE_MEM, "used": used, "free": NODE_MEM.saturating_sub(used)},
+            "memory": {"total": total, "used": used, "free": total - used},
             "swap": {"total": 8u64 << 30, "used": 0, "free": 8u64 << 30},
             "rootfs": {
                 "total": ROOTFS_BYTES, "used": 4u64 << 30,
@@ -796,7 +798,6 @@ fn default_privileges(pve9: bool) -> Vec<&'static str> {
 pub(crate) const PVE_VERSION: &str = "8.3.2";
 pub(crate) const PVE_REPOID: &str = "3e76eec21c4a14a7";
 const NODE_CPUS: u32 = 64;
-const NODE_MEM: u64 = 256 << 30;
 const ROOTFS_BYTES: u64 = 100 << 30;
 
 fn pool_members(c: &Cluster, pool: &str) -> Value {

@@ -48,8 +48,8 @@ use tokio::task::JoinHandle;
 
 pub use agent::{GuestExec, GuestHandler, GuestOutput};
 pub use config::{
-    find_qemu_ga, GuestAgentMode, HttpServerVersion, SimConfig, StorageKind, StorageSpec,
-    TagAccess, TagStyle, TemplateSpec, GUEST_AGENT_ENV,
+    find_qemu_ga, parse_size, GuestAgentMode, HttpServerVersion, NodeMemory, SimConfig,
+    StorageKind, StorageSpec, TagAccess, TagStyle, TemplateSpec, GUEST_AGENT_ENV,
 };
 pub use faults::Faults;
 pub use guest_root::{GUEST_ROOT_ENV, TEMPLATE_HOSTNAME};

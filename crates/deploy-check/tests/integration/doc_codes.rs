@@ -146,6 +146,12 @@ const STANDBY_REFUSES: Proof = Source {
     text: "tonic::Status::unavailable(format!(",
 };
 
+/// A Create the node memory guard refuses: the backend's refusal maps here.
+const NO_ROOM: Proof = Source {
+    file: "crates/providerkit/src/error.rs",
+    text: "KitError::Exhausted(_) => Code::ResourceExhausted",
+};
+
 const CLAIMS: &[Claim] = &[
     Claim {
         page: "DESIGN.md",
@@ -171,6 +177,18 @@ const CLAIMS: &[Claim] = &[
         says: "A call that reaches a standby is refused `UNAVAILABLE` naming the leader",
         codes: &["UNAVAILABLE"],
         proofs: &[STANDBY_REFUSES],
+    },
+    Claim {
+        page: "configuration.md",
+        says: "is refused at once with `RESOURCE_EXHAUSTED`, before any transition",
+        codes: &["RESOURCE_EXHAUSTED"],
+        proofs: &[NO_ROOM],
+    },
+    Claim {
+        page: "troubleshooting.md",
+        says: "The shard's Create fails at once with `RESOURCE_EXHAUSTED`",
+        codes: &["RESOURCE_EXHAUSTED"],
+        proofs: &[NO_ROOM],
     },
     Claim {
         page: "configuration.md",

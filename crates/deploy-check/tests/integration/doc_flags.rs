@@ -74,6 +74,8 @@ const SPEC_FLAGS: &[&str] = &[
     "--template-replicas",
     "--clone-mode",
     "--node-storage",
+    "--node-memory-limit",
+    "--fake-node-memory",
 ];
 
 /// Flags of `bigfleet-proxmox ctl <sub>` (the operator CLI); `--state`,

@@ -27,6 +27,8 @@ const METRICS: &[(&str, &str)] = &[
     ("bigfleet_proxmox_identity_rejected_total", "counter"),
     ("bigfleet_proxmox_resumed_total", "counter"),
     ("bigfleet_proxmox_leader", "gauge"),
+    ("bigfleet_proxmox_node_memory_committed_bytes", "gauge"),
+    ("bigfleet_proxmox_node_memory_limit_bytes", "gauge"),
 ];
 
 fn doc(name: &str) -> String {

@@ -18,6 +18,7 @@ mod failover;
 mod identity;
 mod limits;
 mod list_share;
+mod node_memory;
 mod observability;
 mod offline_start;
 mod pg_state;

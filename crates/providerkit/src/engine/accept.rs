@@ -8,7 +8,9 @@ use tokio::time::Instant;
 
 use super::options::echo_prefix;
 use super::{Ack, Engine, Inner, Params, Work};
-use crate::backend::{ConfigureCtx, CreateCtx, DeleteCtx, DrainCtx};
+use crate::backend::{
+    Admission, AdmitCtx, BackendError, ConfigureCtx, CreateCtx, DeleteCtx, DrainCtx,
+};
 use crate::error::KitError;
 use crate::fence::Token;
 use crate::model::{Begin, InFlight, State, TransitionKind};
@@ -103,11 +105,30 @@ impl Engine {
             )));
         }
         let kind = params.kind();
+        // Asked before the lock, as it may call the substrate; a refusal is
+        // answered only after fencing and idempotency have had their say.
+        let admission = match kind {
+            TransitionKind::Create => self.admit(id).await,
+            _ => None,
+        };
+        let (admission, refusal) = match admission {
+            Some(Ok(held)) => (Some(held), None),
+            Some(Err(refused)) => (None, Some(refused)),
+            None => (None, None),
+        };
         let mut work = None;
         let (result, ticket) = {
             let mut inner = self.inner.write();
             let mut changes = Vec::new();
-            let result = self.decide(&mut inner, id, &token, params, &mut changes, &mut work);
+            let result = self.decide(
+                &mut inner,
+                id,
+                &token,
+                params,
+                refusal,
+                &mut changes,
+                &mut work,
+            );
             (result, self.store.submit(changes))
         };
         if let Some(work) = work {
@@ -120,10 +141,34 @@ impl Engine {
                 resumed: false,
             };
             let guard = self.in_flight.enter();
-            tokio::spawn(async move { engine.run(attempt, work, ticket, guard).await });
+            tokio::spawn(async move {
+                engine.run(attempt, work, ticket, guard).await;
+                // The Create's claim on the substrate lasts until its
+                // outcome has landed.
+                drop(admission);
+            });
         }
         self.store.durable(ticket).await.map_err(KitError::Store)?;
         result
+    }
+
+    /// The substrate's admission of a Create, asked only while the machine
+    /// is SPECULATIVE (a repeated Create of a machine already on its way is
+    /// never refused for room). `None`: not asked.
+    async fn admit(&self, id: &str) -> Option<Result<Admission, BackendError>> {
+        let ctx = {
+            let inner = self.inner.read();
+            let record = &inner.machines[*inner.index.get(id)?];
+            if record.state() != State::Speculative {
+                return None;
+            }
+            AdmitCtx {
+                machine_id: id.to_string(),
+                instance_type: record.facts.instance_type.clone(),
+                zone: record.facts.zone.clone(),
+            }
+        };
+        Some(self.backend.admit_create(&ctx).await)
     }
 
     pub(super) fn fence(
@@ -185,12 +230,17 @@ impl Engine {
         Ok(())
     }
 
+    // The request's parts and the state it writes to are each one argument,
+    // as every caller has them apart; a struct would only be built to be
+    // taken apart here.
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn decide(
         &self,
         inner: &mut Inner,
         id: &str,
         token: &Token,
         params: Params,
+        refusal: Option<BackendError>,
         changes: &mut Vec<Change>,
         work: &mut Option<Work>,
     ) -> Result<Ack, KitError> {
@@ -225,6 +275,12 @@ impl Engine {
                     machine: Arc::clone(&inner.machines[slot]),
                 });
             }
+        }
+        // The substrate refused room for it: nothing is accepted, the
+        // machine stays SPECULATIVE (a machine elsewhere keeps its own
+        // out-of-position answer).
+        if let Some(refused) = refusal.filter(|_| state == State::Speculative) {
+            return Err(KitError::Exhausted(refused));
         }
         let begin = match &params {
             Params::Create => Begin::Create,

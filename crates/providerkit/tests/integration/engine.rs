@@ -10,8 +10,8 @@ use bigfleet_proto::v1alpha1 as pb;
 use parking_lot::Mutex;
 use provider_testkit::engine::{start, start_on, wait_for_state};
 use providerkit::{
-    Backend, BackendError, CatalogFacts, ConfigureCtx, CreateCtx, DeleteCtx, DrainCtx, Engine,
-    KitError, MemoryStore, SlotSpec, State, SubstrateHost, Token, TransitionKind,
+    Admission, AdmitCtx, Backend, BackendError, CatalogFacts, ConfigureCtx, CreateCtx, DeleteCtx,
+    DrainCtx, Engine, KitError, MemoryStore, SlotSpec, State, SubstrateHost, Token, TransitionKind,
 };
 use tokio::sync::Notify;
 
@@ -34,6 +34,19 @@ struct ScriptedBackend {
     readiness: Option<Arc<AtomicUsize>>,
     ready_after: usize,
     next_vm: AtomicUsize,
+    /// Creates admitted at once (claims held); `room` of them fit.
+    admitted: Arc<AtomicUsize>,
+    room: Option<usize>,
+    admissions_asked: AtomicUsize,
+}
+
+/// One admitted Create's claim: counted while held.
+struct Claim(Arc<AtomicUsize>);
+
+impl Drop for Claim {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 fn slot(id: &str) -> SlotSpec {
@@ -64,6 +77,9 @@ impl ScriptedBackend {
             readiness: None,
             ready_after: 0,
             next_vm: AtomicUsize::new(100),
+            admitted: Arc::new(AtomicUsize::new(0)),
+            room: None,
+            admissions_asked: AtomicUsize::new(0),
         }
     }
 
@@ -102,6 +118,20 @@ impl ScriptedBackend {
 impl Backend for ScriptedBackend {
     async fn describe(&self) -> Result<Vec<SlotSpec>, BackendError> {
         Ok(self.slots.lock().clone())
+    }
+    async fn admit_create(&self, ctx: &AdmitCtx) -> Result<Admission, BackendError> {
+        self.admissions_asked.fetch_add(1, Ordering::SeqCst);
+        let Some(room) = self.room else {
+            return Ok(Admission::unguarded());
+        };
+        if self.admitted.fetch_add(1, Ordering::SeqCst) >= room {
+            self.admitted.fetch_sub(1, Ordering::SeqCst);
+            return Err(BackendError::new(format!(
+                "zone {} is full: no room for {}",
+                ctx.zone, ctx.machine_id
+            )));
+        }
+        Ok(Admission::holding(Claim(Arc::clone(&self.admitted))))
     }
     async fn create(&self, _ctx: CreateCtx) -> Result<SubstrateHost, BackendError> {
         self.act(TransitionKind::Create).await?;
@@ -207,6 +237,60 @@ async fn full_lifecycle_sets_and_clears_host_binding_metadata() {
     let again = engine.create(id, none()).await.unwrap();
     assert_ne!(again.operation_id, create.operation_id);
     assert_ne!(again.operation_id, del.operation_id);
+}
+
+#[tokio::test]
+async fn a_create_without_room_is_refused_before_anything_and_its_claim_ends_when_it_lands() {
+    let gate = Arc::new(Notify::new());
+    let backend = Arc::new(ScriptedBackend {
+        room: Some(1),
+        ..ScriptedBackend::new(3)
+    });
+    backend.script(TransitionKind::Create, Script::Gate(Arc::clone(&gate)));
+    let engine = start(backend.clone()).await;
+    engine.create("m-0000", tok("s", 1, 1)).await.expect("fits");
+    provider_testkit::wait::until("the first Create runs", Duration::from_secs(5), || {
+        backend.calls(TransitionKind::Create) == 1
+    })
+    .await;
+    assert_eq!(
+        backend.admitted.load(Ordering::SeqCst),
+        1,
+        "held while it runs"
+    );
+    // A repeat of an accepted Create is not asked about room again.
+    let asked = backend.admissions_asked.load(Ordering::SeqCst);
+    engine
+        .create("m-0000", tok("s", 1, 2))
+        .await
+        .expect("idempotent");
+    assert_eq!(backend.admissions_asked.load(Ordering::SeqCst), asked);
+
+    let err = engine.create("m-0001", tok("s", 1, 1)).await.unwrap_err();
+    assert!(matches!(err, KitError::Exhausted(_)), "{err:?}");
+    assert_eq!(err.code(), tonic::Code::ResourceExhausted);
+    assert_eq!(err.to_string(), "zone pve-a is full: no room for m-0001");
+    let refused = engine.get("m-0001").unwrap();
+    assert_eq!(state_of(&engine, "m-0001"), State::Speculative);
+    assert!(refused.last_error.is_empty() && refused.host.is_none());
+    assert_eq!(backend.calls(TransitionKind::Create), 1, "nothing started");
+    // Fencing still answers first, and the refused call advanced the mark.
+    let err = engine.create("m-0001", tok("s", 1, 1)).await.unwrap_err();
+    assert!(matches!(err, KitError::Fenced(_)), "{err:?}");
+
+    // Landing gives the claim back: the next Create fits.
+    gate.notify_one();
+    wait_for_state(&engine, "m-0000", State::Idle).await;
+    provider_testkit::wait::until("the claim is given back", Duration::from_secs(5), || {
+        backend.admitted.load(Ordering::SeqCst) == 0
+    })
+    .await;
+    gate.notify_one();
+    engine
+        .create("m-0001", tok("s", 1, 2))
+        .await
+        .expect("room again");
+    wait_for_state(&engine, "m-0001", State::Idle).await;
 }
 
 #[tokio::test]

@@ -183,6 +183,11 @@ impl Inventory {
         self.pending.lock().get(machine_id).cloned()
     }
 
+    /// The VMIDs of the clones this process has started and not settled.
+    pub(super) fn pending_vmids(&self) -> HashSet<u32> {
+        self.pending.lock().values().map(|vm| vm.vmid).collect()
+    }
+
     /// A clone for `machine_id` is being started at `vm`.
     pub(super) fn set_pending(&self, machine_id: &str, vm: &VmRef) {
         self.pending

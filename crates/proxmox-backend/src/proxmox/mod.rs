@@ -27,6 +27,7 @@
 //! - `late`: clones given up as not applied that land late.
 //! - `clone`: cloning and marking one machine's VM.
 //! - `replica`: per-node template replicas.
+//! - `room`: the node memory guard's reads (a node's memory and VMs).
 //! - `guest`: the guest agent: blob delivery, bootstrap, readiness, drain.
 //! - `preflight`: the start-up check.
 //! - `marker`, `options`: the marker policy and the options (no state).
@@ -35,7 +36,9 @@
 //! or replica, room), and the per-machine Create lock.
 //!
 //! Cost model (API calls per operation, independent of cluster size):
-//! Create = 1 inventory read + 1 `nextid` + clone + task polls + 1 config PUT +
+//! Create = 2 reads for the node memory guard at admission (`/nodes` and
+//! `/nodes/{node}/qemu`; none with `--node-memory-limit 0`) + 1 inventory
+//! read + 1 `nextid` + clone + task polls + 1 config PUT +
 //! start + task polls + agent pings, + 1 storage status read per full clone
 //! (the room check). The first Create per template also reads the
 //! template's config once (disk storages and sizes), the first cross-node
@@ -66,6 +69,7 @@ use pve::{ClusterVm, PveClient, PveError, VmStatus};
 use tokio::sync::Mutex as AsyncMutex;
 use tokio::time::Instant;
 
+use crate::memory::{NoRoom, NodeRoom, Reservation};
 use crate::substrate::{CloneRequest, ManagedVm, Substrate, SubstrateError, VmRef};
 use api::{err_at, Api, Probe};
 use clone::{Cloner, ClonerParts};
@@ -77,6 +81,7 @@ use placement::{Placement, RoomGuard};
 use preflight::Preflight;
 use replica::Replicas;
 use restart::InterruptedClones;
+use room::NodeMemory;
 use slots::CloneSlots;
 use vmid::Vmids;
 
@@ -91,6 +96,7 @@ mod placement;
 mod preflight;
 mod replica;
 mod restart;
+mod room;
 mod slots;
 mod vmid;
 
@@ -115,6 +121,7 @@ pub struct PveSubstrate {
     replicas: Replicas,
     guest: Guest,
     restart: InterruptedClones,
+    memory: NodeMemory,
     /// One Create per machine id at a time.
     creating: Mutex<HashMap<String, Arc<AsyncMutex<()>>>>,
 }
@@ -157,6 +164,7 @@ impl PveSubstrate {
         );
         let guest = Guest::new(Arc::clone(&api));
         let restart = InterruptedClones::new(Arc::clone(&api));
+        let memory = NodeMemory::new(Arc::clone(&api), Arc::clone(&inventory));
         PveSubstrate {
             api,
             vmids,
@@ -168,6 +176,7 @@ impl PveSubstrate {
             replicas,
             guest,
             restart,
+            memory,
             creating: Mutex::new(HashMap::new()),
         }
     }
@@ -462,6 +471,18 @@ impl PveSubstrate {
 
 #[async_trait]
 impl Substrate for PveSubstrate {
+    async fn admit(&self, req: &CloneRequest) -> Result<Option<Reservation>, NoRoom> {
+        self.memory.admit(req).await
+    }
+
+    fn memory_rooms(&self) -> Vec<NodeRoom> {
+        self.memory.guard().rooms()
+    }
+
+    async fn observe_memory(&self, nodes: &[String]) -> Vec<NodeRoom> {
+        self.memory.rooms_now(nodes).await
+    }
+
     async fn clone_vm(&self, req: &CloneRequest) -> Result<VmRef, SubstrateError> {
         if req.machine_id.trim().is_empty() || req.node.trim().is_empty() {
             return Err(SubstrateError::new(
@@ -480,6 +501,13 @@ impl Substrate for PveSubstrate {
         let name = vm_name(&req.instance_type, &req.machine_id);
         let mtag = machine_tag(&req.machine_id);
 
+        // A resumed Create holds its memory from the start, before it looks
+        // for its clone: what the process before started counts at once.
+        let mut memory = if req.resumed {
+            self.memory.claim_for_clone(req, deadline).await?
+        } else {
+            None
+        };
         let (mut existing, mut list) = self.find_existing(req, &name, deadline).await?;
         if existing.is_none() && req.resumed {
             // The process before the restart may have a clone of this
@@ -514,6 +542,9 @@ impl Substrate for PveSubstrate {
         }
 
         let template_node = self.inventory.template_node(req.template_vmid, &list)?;
+        if memory.is_none() {
+            memory = self.memory.claim_for_clone(req, deadline).await?;
+        }
         // From the template itself, or its replica on the target node.
         let vm = self
             .clone_planned(req, &template_node, &list, &name, deadline)
@@ -524,6 +555,8 @@ impl Substrate for PveSubstrate {
         self.guest.wait_agent(&vm).await?;
         self.inventory.clear_pending(&req.machine_id);
         tracing::info!(machine_id = %req.machine_id, vm = %vm, "VM created and its guest agent answers");
+        // Held until here: the VM now runs and every later read sees it.
+        drop(memory);
         Ok(vm)
     }
 

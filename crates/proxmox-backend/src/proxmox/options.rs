@@ -116,6 +116,11 @@ pub struct PveOptions {
     /// Storage a clone's disks (and a template replica's) go to, by node
     /// (`--node-storage`). Unset: the template's own storage id.
     pub node_storage: BTreeMap<String, String>,
+    /// The node memory guard's limit, a share of each node's memory
+    /// (`--node-memory-limit`): a clone is refused when the configured
+    /// memory of what runs or is about to run there, the Creates in flight
+    /// and its own would pass it. 0 turns the guard off.
+    pub node_memory_limit: f64,
 }
 
 impl Default for PveOptions {
@@ -142,6 +147,7 @@ impl Default for PveOptions {
             clone_mode: CloneMode::Full,
             type_storage: BTreeMap::new(),
             node_storage: BTreeMap::new(),
+            node_memory_limit: 1.0,
         }
     }
 }
@@ -173,6 +179,13 @@ impl PveOptions {
             return Err(ConfigError::Invalid(
                 "--max-parallel-clones must be at least 1".into(),
             ));
+        }
+        if !self.node_memory_limit.is_finite() || self.node_memory_limit < 0.0 {
+            return Err(ConfigError::Invalid(format!(
+                "--node-memory-limit {} is invalid: it is a share of each node's memory, \
+                 0 (off) or more, e.g. 1.0",
+                self.node_memory_limit
+            )));
         }
         let (lo, hi) = self.vmid_range;
         if lo < 100 || hi < lo || hi > 999_999_999 {
@@ -271,6 +284,14 @@ mod tests {
             ..PveOptions::default()
         };
         assert!(bad.validate().is_err());
+        for limit in [-0.5, f64::NAN, f64::INFINITY] {
+            let bad = PveOptions {
+                node_memory_limit: limit,
+                ..PveOptions::default()
+            };
+            let e = bad.validate().unwrap_err().to_string();
+            assert!(e.contains("--node-memory-limit"), "{limit}: {e}");
+        }
     }
 
     #[test]

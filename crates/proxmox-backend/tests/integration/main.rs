@@ -9,6 +9,7 @@ mod common;
 
 mod configurations;
 mod guest_hostname;
+mod node_memory;
 mod preflight;
 mod proxmox_clone_bound;
 mod proxmox_late_clone;

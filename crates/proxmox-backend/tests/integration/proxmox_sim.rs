@@ -523,13 +523,21 @@ async fn api_call_accounting_with_1000_marked_vms() {
     assert!(steady <= 2, "steady reconcile {steady}");
     assert!(after <= 2, "reconcile after lifecycle {after}");
     for (op, m) in [
-        ("Create", &create),
         ("Configure", &configure),
         ("Drain", &drain),
         ("Delete", &delete),
     ] {
         assert!(sum(m) <= 10, "{op} took {} calls: {m:?}", sum(m));
     }
+    // Besides, the node memory guard reads the node's memory and its VMs
+    // once per Create (at admission, here in the clone as nothing admitted
+    // it): two more calls, whatever the cluster's size.
+    let guard_reads = [endpoints::NODES, endpoints::NODE_VMS]
+        .iter()
+        .map(|e| create.get(*e).copied().unwrap_or(0))
+        .sum::<u64>();
+    assert_eq!(guard_reads, 2, "{create:?}");
+    assert!(sum(&create) - guard_reads <= 10, "Create took {create:?}");
     // The adoption check is the inventory listing; the one config read is the
     // template's (its disk storage keys the clone bound), once per process.
     assert_eq!(create.get(endpoints::CONFIG_GET).copied().unwrap_or(0), 1);

@@ -7,7 +7,8 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use clap::{ArgAction, Parser};
 use pve_sim::{
-    GuestAgentMode, HttpServerVersion, PveSim, SimConfig, TagAccess, TagStyle, TemplateSpec,
+    GuestAgentMode, HttpServerVersion, NodeMemory, PveSim, SimConfig, TagAccess, TagStyle,
+    TemplateSpec,
 };
 
 #[derive(Parser, Debug)]
@@ -22,6 +23,11 @@ struct Args {
     /// Comma-separated node names.
     #[arg(long, default_value = "pve1,pve2", value_delimiter = ',')]
     nodes: Vec<String>,
+    /// Each node's memory (its `maxmem`): SIZE for every node, or
+    /// NODE=SIZE,... per node (mixable: `16G,pve2=32G`). Sizes are bytes or
+    /// K/M/G/T (= KiB/MiB/GiB/TiB).
+    #[arg(long, default_value = "16T", value_parser = |s: &str| s.parse::<NodeMemory>())]
+    node_memory: NodeMemory,
     /// Templates as VMID[@NODE][:shared], comma-separated (node defaults to the first).
     #[arg(long, default_value = "9000", value_delimiter = ',')]
     templates: Vec<String>,
@@ -165,6 +171,12 @@ async fn main() -> Result<()> {
     let Some(first) = a.nodes.first().cloned() else {
         bail!("--nodes must name at least one node");
     };
+    if let Some(unknown) = a.node_memory.per_node.keys().find(|n| !a.nodes.contains(n)) {
+        bail!(
+            "--node-memory names node {unknown:?}, which is not in --nodes ({})",
+            a.nodes.join(",")
+        );
+    }
     let templates = a
         .templates
         .iter()
@@ -193,6 +205,7 @@ async fn main() -> Result<()> {
         agent_latin1: a.agent_latin1,
         form_semicolon_separator: a.form_semicolon_separator,
         migrate_duration: a.migrate_duration,
+        node_memory: a.node_memory,
         pool_acl: a.pool_acl,
         clone_timeline: a.clone_timeline,
         tag_access: a.tag_access,

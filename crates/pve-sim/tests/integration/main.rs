@@ -9,6 +9,7 @@ mod api;
 mod configurations;
 mod failure_modes;
 mod fidelity;
+mod memory;
 mod proxmoxer;
 mod qga;
 mod realism;

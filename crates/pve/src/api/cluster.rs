@@ -111,6 +111,28 @@ impl PveClient {
         .await
     }
 
+    /// `GET /nodes/{node}/qemu`: the node's QEMU VMs, templates included, as
+    /// the node itself reports them (qemu-server `vmstatus`): `status`,
+    /// `maxmem` (the configured memory in bytes), `lock` and `template` are
+    /// current, without the RRD lag of `/cluster/resources`. Its rows carry
+    /// no `node`; it is filled in. Lists only the VMs the token may audit.
+    pub async fn node_vms(&self, node: &str) -> Result<Vec<ClusterVm>, PveError> {
+        let path = format!("/nodes/{}/qemu", crate::form::encode_segment(node));
+        let mut vms: Vec<ClusterVm> = self
+            .call("node_vms", Method::GET, &path, &Params::new())
+            .await?;
+        for v in &mut vms {
+            v.node = node.to_string();
+            if v.id.is_empty() {
+                v.id = format!("qemu/{}", v.vmid);
+            }
+            if v.kind.is_empty() {
+                v.kind = "qemu".to_string();
+            }
+        }
+        Ok(vms)
+    }
+
     /// `GET /nodes`.
     pub async fn nodes(&self) -> Result<Vec<NodeInfo>, PveError> {
         self.call("nodes", Method::GET, "/nodes", &Params::new())
