@@ -633,6 +633,28 @@ fn clone_args(r: &Rendered) -> Vec<String> {
 }
 
 #[test]
+fn the_node_memory_limit_renders_its_flag_only_when_set() {
+    let limit = |r: &Rendered| -> Vec<String> {
+        r.args()
+            .into_iter()
+            .filter(|a| a.starts_with("--node-memory-limit"))
+            .collect()
+    };
+    assert!(limit(&render(MINIMAL_CA)).is_empty());
+    for (value, want) in [
+        ("\"0\"", "--node-memory-limit=0"),
+        ("\"1.5\"", "--node-memory-limit=1.5"),
+    ] {
+        let r = render(&with_minimal(&format!(
+            "proxmox: {{nodeMemoryLimit: {value}}}"
+        )));
+        assert_eq!(limit(&r), [want], "{value}");
+    }
+    let e = render_err(&with_minimal("proxmox: {nodeMemoryLimit: \"lots\"}"));
+    assert!(e.contains("nodeMemoryLimit"), "{e}");
+}
+
+#[test]
 fn clone_values_render_no_flag_at_the_provider_defaults() {
     for extra in [
         "{}",
