@@ -1,7 +1,7 @@
 //! The load path: machine rows decoded into records (the transition window
 //! from its columns), fence marks as they are.
 
-use providerkit::{FactsInterner, FenceMark, InFlight, MachineRecord, StoreError};
+use providerkit::{FactsInterner, FenceMark, InFlight, Loaded, MachineRecord, StoreError};
 use tokio_postgres::{Row, Transaction};
 
 use crate::error::pg_error;
@@ -12,6 +12,27 @@ fn invalid(target: &str, detail: impl std::fmt::Display) -> StoreError {
         "PostgreSQL state {target} is not a valid state: {detail}; restore a backup or point \
          --state at another database"
     ))
+}
+
+/// The whole state as `tx` sees it: the boot generation, every record in
+/// revision order and every fence mark (a load and a dump read the same).
+pub(crate) async fn load_state(target: &str, tx: &Transaction<'_>) -> Result<Loaded, StoreError> {
+    let generation: i64 = tx
+        .query_one(
+            "SELECT boot_generation FROM bigfleet_meta WHERE id = 1",
+            &[],
+        )
+        .await
+        .map_err(|e| pg_error(target, "cannot read the boot generation", e))?
+        .get(0);
+    let mut machines = load_machines(target, tx).await?;
+    machines.sort_unstable_by_key(|m| m.rev);
+    let fences = load_fences(target, tx).await?;
+    Ok(Loaded {
+        machines,
+        fences,
+        boot_generation: u64::try_from(generation).unwrap_or(0),
+    })
 }
 
 pub(crate) async fn load_machines(

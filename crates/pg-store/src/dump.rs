@@ -14,6 +14,7 @@ use providerkit::{FenceMark, Loaded, MachineRecord, RestoreError, StateDump, Sto
 use tokio_postgres::IsolationLevel;
 
 use crate::error::{pg_error, pool_error};
+use crate::rows::{int, send_fences, send_machines};
 use crate::{decode, PgStore};
 
 /// Rows per insert statement.
@@ -27,12 +28,6 @@ const INSERT_MACHINES: &str = "INSERT INTO bigfleet_machines
 
 const INSERT_FENCES: &str = "INSERT INTO bigfleet_fences (shard_id, machine_id, epoch, sequence)
      SELECT * FROM UNNEST($1::bytea[], $2::bytea[], $3::int8[], $4::int8[])";
-
-/// Postgres integers are signed; a revision, window or generation past
-/// i64 is never real.
-fn int(v: u64) -> i64 {
-    i64::try_from(v).unwrap_or(i64::MAX)
-}
 
 impl StateDump for PgStore {
     fn dump(&self) -> Result<Loaded, StoreError> {
@@ -52,25 +47,11 @@ impl StateDump for PgStore {
                 .start()
                 .await
                 .map_err(|e| pg_error(&name, "cannot start the read transaction", e))?;
-            let generation: i64 = tx
-                .query_one(
-                    "SELECT boot_generation FROM bigfleet_meta WHERE id = 1",
-                    &[],
-                )
-                .await
-                .map_err(|e| pg_error(&name, "cannot read the boot generation", e))?
-                .get(0);
-            let mut machines = decode::load_machines(&name, &tx).await?;
-            machines.sort_unstable_by_key(|m| m.rev);
-            let fences = decode::load_fences(&name, &tx).await?;
+            let loaded = decode::load_state(&name, &tx).await?;
             tx.commit()
                 .await
                 .map_err(|e| pg_error(&name, "cannot end the read transaction", e))?;
-            Ok(Loaded {
-                machines,
-                fences,
-                boot_generation: u64::try_from(generation).unwrap_or(0),
-            })
+            Ok(loaded)
         })
     }
 
@@ -109,10 +90,16 @@ impl StateDump for PgStore {
             let write =
                 |e: tokio_postgres::Error| pg_error(&name, "cannot write the restored state", e);
             for chunk in state.machines.chunks(CHUNK) {
-                insert_machines(&tx, chunk).await.map_err(write)?;
+                let records: Vec<&MachineRecord> = chunk.iter().collect();
+                send_machines(&tx, INSERT_MACHINES, &records)
+                    .await
+                    .map_err(write)?;
             }
             for chunk in state.fences.chunks(CHUNK) {
-                insert_fences(&tx, chunk).await.map_err(write)?;
+                let marks: Vec<&FenceMark> = chunk.iter().collect();
+                send_fences(&tx, INSERT_FENCES, &marks)
+                    .await
+                    .map_err(write)?;
             }
             tx.execute(
                 "UPDATE bigfleet_meta SET boot_generation = GREATEST(boot_generation, $1),
@@ -135,45 +122,4 @@ impl StateDump for PgStore {
             None => Ok(()),
         }
     }
-}
-
-async fn insert_machines(
-    tx: &tokio_postgres::Transaction<'_>,
-    records: &[MachineRecord],
-) -> Result<u64, tokio_postgres::Error> {
-    let encoded: Vec<_> = records.iter().map(|r| r.encoded()).collect();
-    let ids: Vec<&str> = records.iter().map(|r| r.id.as_str()).collect();
-    let revs: Vec<i64> = records.iter().map(|r| int(r.rev)).collect();
-    let blobs: Vec<&[u8]> = encoded.iter().map(|e| e.as_bytes()).collect();
-    let op =
-        |i: usize| -> Vec<Option<&str>> { records.iter().map(|r| r.ops[i].as_deref()).collect() };
-    let window = |f: fn(&providerkit::InFlight) -> u64| -> Vec<Option<i64>> {
-        records
-            .iter()
-            .map(|r| r.in_flight.as_ref().map(|w| int(f(w))))
-            .collect()
-    };
-    let (create, configure, drain, delete) = (op(0), op(1), op(2), op(3));
-    let started = window(|w| w.started_ms);
-    let deadline = window(|w| w.deadline_ms);
-    let grace = window(|w| w.grace_ms);
-    tx.execute(
-        INSERT_MACHINES,
-        &[
-            &ids, &revs, &blobs, &create, &configure, &drain, &delete, &started, &deadline, &grace,
-        ],
-    )
-    .await
-}
-
-async fn insert_fences(
-    tx: &tokio_postgres::Transaction<'_>,
-    marks: &[FenceMark],
-) -> Result<u64, tokio_postgres::Error> {
-    let shards: Vec<&[u8]> = marks.iter().map(|m| m.shard_id.as_bytes()).collect();
-    let machine_ids: Vec<&[u8]> = marks.iter().map(|m| m.machine_id.as_bytes()).collect();
-    let epochs: Vec<i64> = marks.iter().map(|m| m.epoch).collect();
-    let sequences: Vec<i64> = marks.iter().map(|m| m.sequence).collect();
-    tx.execute(INSERT_FENCES, &[&shards, &machine_ids, &epochs, &sequences])
-        .await
 }

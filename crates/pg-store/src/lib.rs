@@ -28,6 +28,7 @@ mod decode;
 mod dump;
 mod error;
 mod lease;
+mod rows;
 mod schema;
 mod target;
 mod writer;
@@ -297,26 +298,17 @@ impl Store for PgStore {
                     return Err(writer::deposed(&name, mine, found));
                 }
             }
-            let generation: i64 = tx
-                .query_one(
-                    "UPDATE bigfleet_meta SET boot_generation = boot_generation + 1
-                     WHERE id = 1 RETURNING boot_generation",
-                    &[],
-                )
-                .await
-                .map_err(|e| pg_error(&name, "cannot start a new boot generation", e))?
-                .get(0);
-            let mut machines = decode::load_machines(&name, &tx).await?;
-            machines.sort_unstable_by_key(|m| m.rev);
-            let fences = decode::load_fences(&name, &tx).await?;
+            tx.execute(
+                "UPDATE bigfleet_meta SET boot_generation = boot_generation + 1 WHERE id = 1",
+                &[],
+            )
+            .await
+            .map_err(|e| pg_error(&name, "cannot start a new boot generation", e))?;
+            let loaded = decode::load_state(&name, &tx).await?;
             tx.commit()
                 .await
                 .map_err(|e| pg_error(&name, "cannot commit the new boot generation", e))?;
-            Ok(Loaded {
-                machines,
-                fences,
-                boot_generation: u64::try_from(generation).unwrap_or(0),
-            })
+            Ok(loaded)
         })
     }
 

@@ -27,6 +27,7 @@ use providerkit::{
 use tokio::sync::{watch, Notify};
 
 use crate::error::{pg_error, pool_error};
+use crate::rows::{send_fences, send_machines};
 
 /// One statement for every machine of a batch: the rows travel as arrays.
 const UPSERT_MACHINES: &str = "INSERT INTO bigfleet_machines
@@ -396,43 +397,11 @@ async fn write_batch(
     }
     if !batch.machines.is_empty() {
         let records: Vec<&MachineRecord> = batch.machines.values().map(|r| &**r).collect();
-        let encoded: Vec<_> = records.iter().map(|r| r.encoded()).collect();
-        // Postgres integers are signed; a revision or window past i64 is
-        // never real.
-        let int = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
-        let ids: Vec<&str> = records.iter().map(|r| r.id.as_str()).collect();
-        let revs: Vec<i64> = records.iter().map(|r| int(r.rev)).collect();
-        let blobs: Vec<&[u8]> = encoded.iter().map(|e| e.as_bytes()).collect();
-        let op = |i: usize| -> Vec<Option<&str>> {
-            records.iter().map(|r| r.ops[i].as_deref()).collect()
-        };
-        let window = |f: fn(&providerkit::InFlight) -> u64| -> Vec<Option<i64>> {
-            records
-                .iter()
-                .map(|r| r.in_flight.as_ref().map(|w| int(f(w))))
-                .collect()
-        };
-        let (create, configure, drain, delete) = (op(0), op(1), op(2), op(3));
-        let started = window(|w| w.started_ms);
-        let deadline = window(|w| w.deadline_ms);
-        let grace = window(|w| w.grace_ms);
-        tx.execute(
-            &machines,
-            &[
-                &ids, &revs, &blobs, &create, &configure, &drain, &delete, &started, &deadline,
-                &grace,
-            ],
-        )
-        .await?;
+        send_machines(&tx, &machines, &records).await?;
     }
     if !batch.fences.is_empty() {
         let marks: Vec<&FenceMark> = batch.fences.values().collect();
-        let shards: Vec<&[u8]> = marks.iter().map(|m| m.shard_id.as_bytes()).collect();
-        let machine_ids: Vec<&[u8]> = marks.iter().map(|m| m.machine_id.as_bytes()).collect();
-        let epochs: Vec<i64> = marks.iter().map(|m| m.epoch).collect();
-        let sequences: Vec<i64> = marks.iter().map(|m| m.sequence).collect();
-        tx.execute(&fences, &[&shards, &machine_ids, &epochs, &sequences])
-            .await?;
+        send_fences(&tx, &fences, &marks).await?;
     }
     tx.commit().await?;
     Ok(Written::Committed)

@@ -3,7 +3,7 @@
 
 use std::path::Path;
 
-use providerkit::{FactsInterner, FenceMark, InFlight, MachineRecord, StoreError};
+use providerkit::{FactsInterner, FenceMark, InFlight, Loaded, MachineRecord, StoreError};
 
 use crate::error::{invalid, sql_error};
 
@@ -133,6 +133,25 @@ impl RawChunk {
         }
         Ok(())
     }
+}
+
+/// The whole state as `tx` sees it: the boot generation, every record in
+/// revision order and every fence mark (a load and a dump read the same).
+pub(crate) fn load_state(
+    path: &Path,
+    tx: &rusqlite::Transaction<'_>,
+) -> Result<Loaded, StoreError> {
+    let boot_generation: u64 = tx
+        .query_row("SELECT boot_generation FROM meta", [], |r| r.get(0))
+        .map_err(|e| sql_error(path, "cannot read the boot generation", e))?;
+    let mut machines = load_machines(path, tx)?;
+    machines.sort_unstable_by_key(|m| m.rev);
+    let fences = load_fences(path, tx)?;
+    Ok(Loaded {
+        machines,
+        fences,
+        boot_generation,
+    })
 }
 
 /// Scan every machine row while decoder threads turn the records into

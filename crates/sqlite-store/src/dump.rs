@@ -20,20 +20,11 @@ impl StateDump for SqliteStore {
         let tx = conn
             .transaction_with_behavior(TransactionBehavior::Deferred)
             .map_err(|e| sql_error(path, "cannot start the read transaction", e))?;
-        let boot_generation: u64 = tx
-            .query_row("SELECT boot_generation FROM meta", [], |r| r.get(0))
-            .map_err(|e| sql_error(path, "cannot read the boot generation", e))?;
-        let mut machines = decode::load_machines(path, &tx)?;
-        machines.sort_unstable_by_key(|m| m.rev);
-        let fences = decode::load_fences(path, &tx)?;
+        let loaded = decode::load_state(path, &tx)?;
         // Nothing was written: ending the read is all the commit does.
         tx.commit()
             .map_err(|e| sql_error(path, "cannot end the read transaction", e))?;
-        Ok(Loaded {
-            machines,
-            fences,
-            boot_generation,
-        })
+        Ok(loaded)
     }
 
     fn restore(&self, state: &Loaded) -> Result<(), RestoreError> {

@@ -221,21 +221,10 @@ impl Store for SqliteStore {
             .map_err(|e| sql_error(path, "cannot start the load transaction", e))?;
         tx.execute("UPDATE meta SET boot_generation = boot_generation + 1", [])
             .map_err(|e| sql_error(path, "cannot start a new boot generation", e))?;
-        let boot_generation: u64 = tx
-            .query_row("SELECT boot_generation FROM meta", [], |r| r.get(0))
-            .map_err(|e| sql_error(path, "cannot read the boot generation", e))?;
-
-        let mut machines = decode::load_machines(path, &tx)?;
-        machines.sort_unstable_by_key(|m| m.rev);
-        let fences = decode::load_fences(path, &tx)?;
-
+        let loaded = decode::load_state(path, &tx)?;
         tx.commit()
             .map_err(|e| sql_error(path, "cannot commit the new boot generation", e))?;
-        Ok(Loaded {
-            machines,
-            fences,
-            boot_generation,
-        })
+        Ok(loaded)
     }
 
     fn submit(&self, changes: Vec<Change>) -> Ticket {

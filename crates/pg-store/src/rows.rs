@@ -1,0 +1,61 @@
+//! Records and marks as the column arrays one `INSERT ... SELECT * FROM
+//! UNNEST(...)` takes, so a batch is one statement rather than a round trip
+//! per row. The writer's upserts and the restore's inserts send the same
+//! columns in the same order.
+
+use providerkit::{FenceMark, InFlight, MachineRecord};
+use tokio_postgres::ToStatement;
+use tokio_postgres::Transaction;
+
+/// Postgres integers are signed; a revision, window or generation past
+/// i64 is never real.
+pub(crate) fn int(v: u64) -> i64 {
+    i64::try_from(v).unwrap_or(i64::MAX)
+}
+
+/// Send `records` as the ten machine columns (id, rev, record, the four
+/// operation ids, the three window fields) of `statement`.
+pub(crate) async fn send_machines<S: ?Sized + ToStatement>(
+    tx: &Transaction<'_>,
+    statement: &S,
+    records: &[&MachineRecord],
+) -> Result<u64, tokio_postgres::Error> {
+    let encoded: Vec<_> = records.iter().map(|r| r.encoded()).collect();
+    let ids: Vec<&str> = records.iter().map(|r| r.id.as_str()).collect();
+    let revs: Vec<i64> = records.iter().map(|r| int(r.rev)).collect();
+    let blobs: Vec<&[u8]> = encoded.iter().map(|e| e.as_bytes()).collect();
+    let op =
+        |i: usize| -> Vec<Option<&str>> { records.iter().map(|r| r.ops[i].as_deref()).collect() };
+    let window = |f: fn(&InFlight) -> u64| -> Vec<Option<i64>> {
+        records
+            .iter()
+            .map(|r| r.in_flight.as_ref().map(|w| int(f(w))))
+            .collect()
+    };
+    let (create, configure, drain, delete) = (op(0), op(1), op(2), op(3));
+    let started = window(|w| w.started_ms);
+    let deadline = window(|w| w.deadline_ms);
+    let grace = window(|w| w.grace_ms);
+    tx.execute(
+        statement,
+        &[
+            &ids, &revs, &blobs, &create, &configure, &drain, &delete, &started, &deadline, &grace,
+        ],
+    )
+    .await
+}
+
+/// Send `marks` as the four fence columns (shard id, machine id, epoch,
+/// sequence) of `statement`.
+pub(crate) async fn send_fences<S: ?Sized + ToStatement>(
+    tx: &Transaction<'_>,
+    statement: &S,
+    marks: &[&FenceMark],
+) -> Result<u64, tokio_postgres::Error> {
+    let shards: Vec<&[u8]> = marks.iter().map(|m| m.shard_id.as_bytes()).collect();
+    let machine_ids: Vec<&[u8]> = marks.iter().map(|m| m.machine_id.as_bytes()).collect();
+    let epochs: Vec<i64> = marks.iter().map(|m| m.epoch).collect();
+    let sequences: Vec<i64> = marks.iter().map(|m| m.sequence).collect();
+    tx.execute(statement, &[&shards, &machine_ids, &epochs, &sequences])
+        .await
+}
