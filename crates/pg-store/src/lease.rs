@@ -19,7 +19,9 @@ use deadpool_postgres::Pool;
 use providerkit::StoreError;
 
 use crate::error::{pg_error, pool_error};
-use crate::{build_pool, schema, PgOptions, Target};
+use crate::pool::{build_pool, PgOptions};
+use crate::schema;
+use crate::target::Target;
 
 /// Take the lease when it has expired, or when the replica asking already
 /// holds it under its name (a replica restarted in place takes its own

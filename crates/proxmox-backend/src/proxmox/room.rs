@@ -26,10 +26,10 @@ use tokio::time::Instant;
 
 use super::api::{err_at, Api};
 use super::inventory::Inventory;
+use super::marker::vm_name;
 use crate::memory::{
     bytes_to_mib, ClaimRequest, CountedVm, MemoryGuard, NoRoom, NodeRoom, NodeView, Reservation,
 };
-use crate::proxmox::vm_name;
 use crate::substrate::{CloneRequest, SubstrateError};
 
 /// How long a read for an admission or the start-up line may take: the
