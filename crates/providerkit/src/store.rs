@@ -350,19 +350,26 @@ impl MemoryStore {
     }
 }
 
+impl MemoryInner {
+    /// The whole state as held: records in revision order, every mark, the
+    /// generation (a load and a dump read the same).
+    fn state(&self) -> Loaded {
+        let mut machines: Vec<MachineRecord> =
+            self.machines.values().map(|m| (**m).clone()).collect();
+        machines.sort_by_key(|m| m.rev);
+        Loaded {
+            machines,
+            fences: self.fences.values().cloned().collect(),
+            boot_generation: self.generation,
+        }
+    }
+}
+
 /// The in-memory store copies too: what providerkit's own tests of
 /// `state_copy` copy, and a model of what a durable store does.
 impl StateDump for MemoryStore {
     fn dump(&self) -> Result<Loaded, StoreError> {
-        let inner = self.inner.lock();
-        let mut machines: Vec<MachineRecord> =
-            inner.machines.values().map(|m| (**m).clone()).collect();
-        machines.sort_by_key(|m| m.rev);
-        Ok(Loaded {
-            machines,
-            fences: inner.fences.values().cloned().collect(),
-            boot_generation: inner.generation,
-        })
+        Ok(self.inner.lock().state())
     }
 
     /// A restore is explicit, so it keeps the state even in a store that
@@ -402,14 +409,7 @@ impl Store for MemoryStore {
         } else {
             inner.generation + 1
         };
-        let mut machines: Vec<MachineRecord> =
-            inner.machines.values().map(|m| (**m).clone()).collect();
-        machines.sort_by_key(|m| m.rev);
-        Ok(Loaded {
-            machines,
-            fences: inner.fences.values().cloned().collect(),
-            boot_generation: inner.generation,
-        })
+        Ok(inner.state())
     }
 
     fn submit(&self, changes: Vec<Change>) -> Ticket {
