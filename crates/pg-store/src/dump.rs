@@ -5,10 +5,10 @@
 //!
 //! The restore's rows are plain inserts (a conflict would mean the state
 //! was not empty), sent in chunks so a state of 100k machines is a few
-//! statements, not 100k round trips. It also advances the commit sequence:
-//! a provider that is (wrongly) running on the target finds the sequence
-//! moved at its next commit and fails it, rather than writing over the
-//! restored state.
+//! statements, not 100k round trips, stamped 0 (older than anything a
+//! writer sends). It also advances the writer generation: a writer without
+//! a lease that is (wrongly) running on the target finds it moved at its
+//! next commit and fails it, rather than writing over the restored state.
 
 use providerkit::{FenceMark, Loaded, MachineRecord, RestoreError, StateDump, Store, StoreError};
 use tokio_postgres::IsolationLevel;
@@ -22,12 +22,14 @@ const CHUNK: usize = 5_000;
 
 const INSERT_MACHINES: &str = "INSERT INTO bigfleet_machines
      (id, rev, record, op_create, op_configure, op_drain, op_delete,
-      started_ms, deadline_ms, grace_ms)
+      started_ms, deadline_ms, grace_ms, round)
      SELECT * FROM UNNEST($1::text[], $2::int8[], $3::bytea[], $4::text[], $5::text[],
-                          $6::text[], $7::text[], $8::int8[], $9::int8[], $10::int8[])";
+                          $6::text[], $7::text[], $8::int8[], $9::int8[], $10::int8[],
+                          $11::int8[])";
 
-const INSERT_FENCES: &str = "INSERT INTO bigfleet_fences (shard_id, machine_id, epoch, sequence)
-     SELECT * FROM UNNEST($1::bytea[], $2::bytea[], $3::int8[], $4::int8[])";
+const INSERT_FENCES: &str = "INSERT INTO bigfleet_fences
+     (shard_id, machine_id, epoch, sequence, round)
+     SELECT * FROM UNNEST($1::bytea[], $2::bytea[], $3::int8[], $4::int8[], $5::int8[])";
 
 impl StateDump for PgStore {
     fn dump(&self) -> Result<Loaded, StoreError> {
@@ -69,8 +71,10 @@ impl StateDump for PgStore {
                 .transaction()
                 .await
                 .map_err(|e| pg_error(&name, "cannot start the restore transaction", e))?;
-            // The meta row's lock keeps a writer's commit out until this
-            // transaction ends, so the counts stay true.
+            // The meta row's lock keeps the commits of a writer without a
+            // lease out until this transaction ends, so the counts stay
+            // true (a leader's rows would make an insert conflict, and
+            // then nothing is written).
             tx.execute("SELECT 1 FROM bigfleet_meta WHERE id = 1 FOR UPDATE", &[])
                 .await
                 .map_err(|e| pg_error(&name, "cannot lock the state", e))?;
@@ -90,20 +94,20 @@ impl StateDump for PgStore {
             let write =
                 |e: tokio_postgres::Error| pg_error(&name, "cannot write the restored state", e);
             for chunk in state.machines.chunks(CHUNK) {
-                let records: Vec<&MachineRecord> = chunk.iter().collect();
+                let records: Vec<(i64, &MachineRecord)> = chunk.iter().map(|r| (0, r)).collect();
                 send_machines(&tx, INSERT_MACHINES, &records)
                     .await
                     .map_err(write)?;
             }
             for chunk in state.fences.chunks(CHUNK) {
-                let marks: Vec<&FenceMark> = chunk.iter().collect();
+                let marks: Vec<(i64, &FenceMark)> = chunk.iter().map(|m| (0, m)).collect();
                 send_fences(&tx, INSERT_FENCES, &marks)
                     .await
                     .map_err(write)?;
             }
             tx.execute(
                 "UPDATE bigfleet_meta SET boot_generation = GREATEST(boot_generation, $1),
-                     commit_seq = commit_seq + 1 WHERE id = 1",
+                     writer_generation = writer_generation + 1 WHERE id = 1",
                 &[&int(state.boot_generation)],
             )
             .await

@@ -4,7 +4,7 @@
 //! Expiry is the database's clock (`now()`), so replicas never compare
 //! their own clocks. Every new holder gets the next epoch, and every commit
 //! of a [`crate::PgStore`] opened with that epoch checks it in its own
-//! transaction under a share lock on the row (`writer::CHECK_LEASE`): taking
+//! transaction under a share lock on the row (`commit::CHECK_LEASE`): taking
 //! the lease waits for the commits in flight, and a commit that comes after
 //! finds the new epoch and writes nothing. A replica that lost the lease
 //! can therefore not write, whatever its own clock or scheduler did.
@@ -77,7 +77,7 @@ impl Lease {
             .get()
             .await
             .map_err(|e| pool_error(&name, "cannot connect", e))?;
-        let opened = schema::prepare(&name, &mut client).await?;
+        let opened = schema::prepare(&name, &mut client, true).await?;
         drop(client);
         Ok(Lease {
             pool,

@@ -2,28 +2,34 @@
 //! postgres://...`).
 //!
 //! [`Store::submit`] only appends to an in-memory queue; one writer task
-//! drains everything queued into a single transaction and publishes the
-//! highest committed ticket, so one commit acknowledges many concurrent
-//! mutations (group commit), as the SQLite store does. Connections come
-//! from a bounded pool ([`POOL_SIZE`]) that reconnects on demand; a commit
-//! whose answer was lost is resolved by reading a commit sequence written
-//! in the same transaction, never by writing it again (see `writer`). The
-//! schema is versioned and created or migrated at start-up (`schema`).
+//! drains everything queued into commit rounds and publishes the highest
+//! committed ticket, so one commit acknowledges many concurrent mutations
+//! (group commit), as the SQLite store does. Unlike SQLite, several rounds
+//! commit at once on separate connections, so the server's WAL flushes
+//! overlap (`writer`). Connections come from a bounded pool ([`POOL_SIZE`])
+//! that reconnects on demand; a commit whose answer was lost is resolved by
+//! reading the round number written in the same transaction, never by
+//! writing it again (`commit`). The schema is versioned and created or
+//! migrated at start-up (`schema`).
 //!
 //! The client is `tokio-postgres` (async, the most used PostgreSQL client
 //! in Rust, with the `deadpool-postgres` pool); it runs on a small runtime
 //! of the store's own thread, so [`Store::load`], which is synchronous,
 //! can wait for it from anywhere, and so can `Drop`.
 //!
-//! One provider per database in this version: a second one writing the
-//! same state is detected by the commit sequence and its commits fail
-//! (leadership between replicas comes later).
+//! Every commit checks that this store still owns the state: under a leader
+//! lease (`PgOptions::lease_epoch`, see `lease`) the lease's epoch, and
+//! otherwise the writer generation this store advanced when it opened, so
+//! a second writer opening the same state makes the first one's commits
+//! fail rather than interleave.
 //!
 //! Modules: `target` (the URL, TLS and the password), `schema` (what is in
-//! the database), `writer` (group commit and the resolution of lost
-//! answers), `decode` (loading), `dump` (the whole state out and into an
+//! the database), `writer` (group commit and the rounds in flight),
+//! `commit` (one round's transaction and the resolution of lost answers),
+//! `decode` (loading), `dump` (the whole state out and into an
 //! empty one, for `state copy`), `error` (messages).
 
+mod commit;
 mod decode;
 mod dump;
 mod error;
@@ -43,6 +49,7 @@ use futures::future::BoxFuture;
 use providerkit::{Change, Loaded, Store, StoreError, Ticket};
 use tokio::sync::watch;
 
+use crate::commit::Owner;
 use crate::error::{pg_error, pool_error};
 use crate::pool::build_pool;
 use crate::writer::{writer_loop, Shared};
@@ -52,10 +59,10 @@ pub use pool::PgOptions;
 pub use schema::SCHEMA_VERSION;
 pub use target::{is_postgres_url, pgpass_lookup, Target, TargetError, Tls};
 
-/// Connections the store keeps at most: the writer's, one for start-up
-/// loads and one for reading a commit's outcome on a fresh connection
-/// while the writer's is being replaced, and one to spare.
-pub const POOL_SIZE: usize = 4;
+/// Connections the store keeps at most: one per commit round in flight,
+/// one for loads, one for reading a commit's outcome on a fresh connection
+/// while a round's is being replaced.
+pub const POOL_SIZE: usize = writer::ROUNDS_IN_FLIGHT + 2;
 
 /// What [`PgStore::open`] found, for the start-up log.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -106,13 +113,20 @@ impl PgStore {
                 .name("pg-store-writer".into())
                 .spawn(move || {
                     runtime.block_on(async move {
-                        let opened = prepare(&writer_name, &pool).await;
-                        let known = opened.as_ref().map(|o| o.commit_seq).ok();
+                        let leased = shared.lease_epoch.is_some();
+                        let opened = prepare(&writer_name, &pool, leased).await;
+                        let start = opened.as_ref().ok().map(|o| {
+                            let owner = match (shared.lease_epoch, o.writer_generation) {
+                                (Some(epoch), _) => Owner::Lease(epoch),
+                                (None, generation) => Owner::Writer(generation.unwrap_or(0)),
+                            };
+                            (owner, o.last_round)
+                        });
                         // The opener waits for this answer; gone only if it
                         // panicked, and then nobody needs the writer.
                         let _ = opened_tx.send(opened);
-                        if let Some(known) = known {
-                            writer_loop(shared, pool, done_tx, known).await;
+                        if let Some((owner, last_round)) = start {
+                            writer_loop(shared, pool, owner, done_tx, last_round).await;
                         }
                     });
                 })
@@ -169,8 +183,8 @@ impl PgStore {
         self.shared.commits.load(Ordering::Relaxed)
     }
 
-    /// Commits whose answer was lost and that a read of the commit
-    /// sequence found had landed (so they were not written again).
+    /// Commits whose answer was lost and that a read of the commit's
+    /// number found had landed (so they were not written again).
     pub fn commits_resolved_by_reading(&self) -> u64 {
         self.shared.resolved_by_reading.load(Ordering::Relaxed)
     }
@@ -203,12 +217,12 @@ impl PgStore {
     }
 }
 
-async fn prepare(name: &str, pool: &Pool) -> Result<schema::Opened, StoreError> {
+async fn prepare(name: &str, pool: &Pool, leased: bool) -> Result<schema::Opened, StoreError> {
     let mut client = pool
         .get()
         .await
         .map_err(|e| pool_error(name, "cannot connect", e))?;
-    schema::prepare(name, &mut client).await
+    schema::prepare(name, &mut client, leased).await
 }
 
 impl Drop for PgStore {
@@ -240,12 +254,12 @@ impl Store for PgStore {
                 .map_err(|e| pg_error(&name, "cannot start the load transaction", e))?;
             if let Some(mine) = lease_epoch {
                 let found: i64 = tx
-                    .query_one(writer::CHECK_LEASE, &[])
+                    .query_one(commit::CHECK_LEASE, &[])
                     .await
                     .map_err(|e| pg_error(&name, "cannot read the leader lease", e))?
                     .get(0);
                 if found != mine {
-                    return Err(writer::deposed(&name, mine, found));
+                    return Err(commit::deposed(&name, mine, found));
                 }
             }
             tx.execute(

@@ -3,9 +3,9 @@
 //! per row. The writer's upserts and the restore's inserts send the same
 //! columns in the same order.
 
+use deadpool_postgres::GenericClient;
 use providerkit::{FenceMark, InFlight, MachineRecord};
 use tokio_postgres::ToStatement;
-use tokio_postgres::Transaction;
 
 /// Postgres integers are signed; a revision, window or generation past
 /// i64 is never real.
@@ -13,13 +13,16 @@ pub(crate) fn int(v: u64) -> i64 {
     i64::try_from(v).unwrap_or(i64::MAX)
 }
 
-/// Send `records` as the ten machine columns (id, rev, record, the four
-/// operation ids, the three window fields) of `statement`.
-pub(crate) async fn send_machines<S: ?Sized + ToStatement>(
-    tx: &Transaction<'_>,
+/// Send `rows` (each a record and its stamp, see `commit`) as the eleven
+/// machine columns (id, rev, record, the four operation ids, the three
+/// window fields, the stamp) of `statement`.
+pub(crate) async fn send_machines<S: ?Sized + ToStatement + Sync + Send>(
+    tx: &impl GenericClient,
     statement: &S,
-    records: &[&MachineRecord],
+    rows: &[(i64, &MachineRecord)],
 ) -> Result<u64, tokio_postgres::Error> {
+    let stamps: Vec<i64> = rows.iter().map(|(stamp, _)| *stamp).collect();
+    let records: Vec<&MachineRecord> = rows.iter().map(|(_, r)| *r).collect();
     let encoded: Vec<_> = records.iter().map(|r| r.encoded()).collect();
     let ids: Vec<&str> = records.iter().map(|r| r.id.as_str()).collect();
     let revs: Vec<i64> = records.iter().map(|r| int(r.rev)).collect();
@@ -40,22 +43,28 @@ pub(crate) async fn send_machines<S: ?Sized + ToStatement>(
         statement,
         &[
             &ids, &revs, &blobs, &create, &configure, &drain, &delete, &started, &deadline, &grace,
+            &stamps,
         ],
     )
     .await
 }
 
-/// Send `marks` as the four fence columns (shard id, machine id, epoch,
-/// sequence) of `statement`.
-pub(crate) async fn send_fences<S: ?Sized + ToStatement>(
-    tx: &Transaction<'_>,
+/// Send `rows` (each a mark and its stamp) as the five fence columns
+/// (shard id, machine id, epoch, sequence, the stamp) of `statement`.
+pub(crate) async fn send_fences<S: ?Sized + ToStatement + Sync + Send>(
+    tx: &impl GenericClient,
     statement: &S,
-    marks: &[&FenceMark],
+    rows: &[(i64, &FenceMark)],
 ) -> Result<u64, tokio_postgres::Error> {
+    let stamps: Vec<i64> = rows.iter().map(|(stamp, _)| *stamp).collect();
+    let marks: Vec<&FenceMark> = rows.iter().map(|(_, m)| *m).collect();
     let shards: Vec<&[u8]> = marks.iter().map(|m| m.shard_id.as_bytes()).collect();
     let machine_ids: Vec<&[u8]> = marks.iter().map(|m| m.machine_id.as_bytes()).collect();
     let epochs: Vec<i64> = marks.iter().map(|m| m.epoch).collect();
     let sequences: Vec<i64> = marks.iter().map(|m| m.sequence).collect();
-    tx.execute(statement, &[&shards, &machine_ids, &epochs, &sequences])
-        .await
+    tx.execute(
+        statement,
+        &[&shards, &machine_ids, &epochs, &sequences, &stamps],
+    )
+    .await
 }

@@ -9,7 +9,7 @@ use crate::error::pg_error;
 
 /// The schema this build writes. Older schemas are migrated forward at
 /// start-up.
-pub const SCHEMA_VERSION: i64 = 2;
+pub const SCHEMA_VERSION: i64 = 3;
 
 /// The advisory lock key migrations run under ("bigfleet" in ASCII).
 const MIGRATION_LOCK: i64 = 0x6269_6766_6c65_6574;
@@ -21,8 +21,9 @@ const MIGRATION_LOCK: i64 = 0x6269_6766_6c65_6574;
 const MIGRATIONS: &[&str] = &[
     // 0 -> 1: the initial schema, with the transition windows (wall-clock
     // milliseconds; NULL outside a transition) that SQLite's schema 2 added.
-    // `commit_seq` counts commits: each commit advances it in the same
-    // transaction, so a commit whose answer was lost is resolved by reading.
+    // `commit_seq` counted commits: each commit advanced it in the same
+    // transaction, so a commit whose answer was lost was resolved by
+    // reading (schema 3 replaces it).
     "CREATE TABLE bigfleet_meta (
          id INTEGER PRIMARY KEY CHECK (id = 1),
          schema_version BIGINT NOT NULL,
@@ -62,19 +63,50 @@ const MIGRATIONS: &[&str] = &[
      );
      INSERT INTO bigfleet_lease (id, epoch, holder, expires_at)
          VALUES (1, 0, '', '-infinity');",
+    // 2 -> 3: commits in flight side by side (see `commit` and `writer`).
+    // A commit inserts its round number into `bigfleet_commits` instead of
+    // advancing one counter that every commit would have to lock in turn;
+    // rows carry the stamp of the round that wrote them, and only a higher
+    // stamp replaces a row. The counter becomes the generation of writers
+    // without a lease: each one advances it when it opens the state, and
+    // its commits check it. Every commit rewrites whole rows without
+    // touching their keys: room left in each page (fillfactor) lets the new
+    // version stay on its page with no index entry to add (a HOT update).
+    // `writer` names the store that committed a round (a random number
+    // drawn when it opens), so a deposed writer reading whether its round
+    // landed never mistakes the next leader's round of the same number.
+    "CREATE TABLE bigfleet_commits (round BIGINT PRIMARY KEY, writer BIGINT NOT NULL);
+     INSERT INTO bigfleet_commits (round, writer) SELECT commit_seq, 0 FROM bigfleet_meta;
+     ALTER TABLE bigfleet_meta RENAME COLUMN commit_seq TO writer_generation;
+     ALTER TABLE bigfleet_machines ADD COLUMN round BIGINT NOT NULL DEFAULT 0;
+     ALTER TABLE bigfleet_fences ADD COLUMN round BIGINT NOT NULL DEFAULT 0;
+     ALTER TABLE bigfleet_machines SET (fillfactor = 70);
+     ALTER TABLE bigfleet_fences SET (fillfactor = 70);",
 ];
 
 /// What the database held before start-up.
 pub(crate) struct Opened {
     pub(crate) created: bool,
-    pub(crate) commit_seq: i64,
+    /// The highest round number committed: this writer's rounds go above.
+    pub(crate) last_round: i64,
+    /// The writer generation this store opened the state at, when it
+    /// writes without a lease.
+    pub(crate) writer_generation: Option<i64>,
     pub(crate) machines: u64,
     pub(crate) fence_marks: u64,
 }
 
 /// Create the schema if the database has none, migrate an older one, and
 /// refuse a newer one; all in one transaction under the migration lock.
-pub(crate) async fn prepare(target: &str, client: &mut Client) -> Result<Opened, StoreError> {
+///
+/// A store that writes without a lease (`leased` false) advances the
+/// writer generation in the same transaction: a writer that opened the
+/// state before finds it moved at its next commit.
+pub(crate) async fn prepare(
+    target: &str,
+    client: &mut Client,
+    leased: bool,
+) -> Result<Opened, StoreError> {
     let err = |action: &str| {
         let action = action.to_string();
         move |e| pg_error(target, &action, e)
@@ -113,12 +145,24 @@ pub(crate) async fn prepare(target: &str, client: &mut Client) -> Result<Opened,
             .await
             .map_err(err(&action))?;
     }
+    let writer_generation = if leased {
+        None
+    } else {
+        let row = tx
+            .query_one(
+                "UPDATE bigfleet_meta SET writer_generation = writer_generation + 1
+                 WHERE id = 1 RETURNING writer_generation",
+                &[],
+            )
+            .await
+            .map_err(err("cannot open the state as its writer"))?;
+        Some(row.get(0))
+    };
     let row = tx
         .query_one(
-            "SELECT commit_seq,
+            "SELECT (SELECT COALESCE(max(round), 0) FROM bigfleet_commits),
                     (SELECT count(*) FROM bigfleet_machines),
-                    (SELECT count(*) FROM bigfleet_fences)
-             FROM bigfleet_meta WHERE id = 1",
+                    (SELECT count(*) FROM bigfleet_fences)",
             &[],
         )
         .await
@@ -126,7 +170,8 @@ pub(crate) async fn prepare(target: &str, client: &mut Client) -> Result<Opened,
     let count = |i: usize| u64::try_from(row.get::<_, i64>(i)).unwrap_or(0);
     let opened = Opened {
         created: !exists,
-        commit_seq: row.get(0),
+        last_round: row.get(0),
+        writer_generation,
         machines: count(1),
         fence_marks: count(2),
     };

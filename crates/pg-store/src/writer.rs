@@ -1,78 +1,68 @@
-//! The write path: one task drains every queued change into a single
-//! transaction (group commit) on one pooled connection; a failed commit is
-//! resolved by reading the commit sequence before anything is written
-//! again, and changes that are not yet durable ride along with the next
-//! round.
+//! The write path: one task drains everything queued into commit rounds
+//! (group commit), and keeps up to [`ROUNDS_IN_FLIGHT`] of them committing
+//! at once on separate pooled connections, so a round's WAL flush overlaps
+//! the next rounds' work instead of every round waiting for the one before
+//! (see `commit` for what makes that safe: round numbers, stamped rows).
+//! A new round starts beside others only once the youngest one has sent
+//! its COMMIT and waits for the flush, and only with at least as many
+//! tickets queued as the youngest carries: a round costs both sides a fixed
+//! amount of work whatever its size, so splitting what one round could
+//! carry into two small ones only spends it twice. With a fast flush the
+//! youngest round ends before that many arrive and rounds run one after
+//! the other, each carrying everything queued; with a slow one, rounds
+//! overlap and each flush covers several.
 //!
-//! Every commit advances `bigfleet_meta.commit_seq` from the value this
-//! writer last saw to the next one, in the same transaction as the rows.
-//! When a commit fails, whatever the failure (an error, a dropped
-//! connection, no answer in time), the writer reads the sequence on a
-//! fresh connection: the next value means the commit landed (its answer was
-//! lost) and nothing is written again; the old value means it did not, and
-//! writing it again cannot apply anything twice; any other value means
-//! another process writes this state. When even the read fails, the batch
-//! is kept "in doubt" and resolved the same way before the next write.
+//! Tickets are published in the order rounds were formed, so a ticket is
+//! acknowledged only when every round before it has ended. A round that
+//! fails hands its rows back to be carried by the next round, and every
+//! round already in flight then ends with the same failure for its
+//! waiters, whether it landed or not: it was formed without the failed
+//! rows, and a success would acknowledge a ticket while an earlier one is
+//! not durable. The rounds formed afterwards carry everything, so once
+//! one of them lands, everything before it is durable. A round whose
+//! outcome stays unknown (the read that would tell failed too) stops new
+//! rounds until a read settles it.
 
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use deadpool_postgres::{Object, Pool};
+use deadpool_postgres::Pool;
 use parking_lot::Mutex;
-use providerkit::{
-    Change, ChangeBatch, ChangeQueue, FailedCommits, FenceMark, MachineRecord, StoreError,
-    StoreErrorKind, Ticket,
-};
+use providerkit::{Change, ChangeQueue, FailedCommits, StoreError, Ticket};
 use tokio::sync::{watch, Notify};
+use tokio::task::JoinHandle;
 
-use crate::error::{pg_error, pool_error};
-use crate::rows::{send_fences, send_machines};
+use crate::commit::{commit_round, round_landed, Outcome, Owner, RoundPlan, Rows};
 
-/// One statement for every machine of a batch: the rows travel as arrays.
-const UPSERT_MACHINES: &str = "INSERT INTO bigfleet_machines
-     (id, rev, record, op_create, op_configure, op_drain, op_delete,
-      started_ms, deadline_ms, grace_ms)
-     SELECT * FROM UNNEST($1::text[], $2::int8[], $3::bytea[], $4::text[], $5::text[],
-                          $6::text[], $7::text[], $8::int8[], $9::int8[], $10::int8[])
-     ON CONFLICT (id) DO UPDATE SET rev = excluded.rev, record = excluded.record,
-         op_create = excluded.op_create, op_configure = excluded.op_configure,
-         op_drain = excluded.op_drain, op_delete = excluded.op_delete,
-         started_ms = excluded.started_ms, deadline_ms = excluded.deadline_ms,
-         grace_ms = excluded.grace_ms";
+/// Rounds committing at once. A round's time is mostly the server's WAL
+/// flush, which PostgreSQL shares between the transactions that wait for
+/// it: a few rounds in flight make one flush cover several of them.
+pub(crate) const ROUNDS_IN_FLIGHT: usize = 4;
 
-const UPSERT_FENCES: &str = "INSERT INTO bigfleet_fences (shard_id, machine_id, epoch, sequence)
-     SELECT * FROM UNNEST($1::bytea[], $2::bytea[], $3::int8[], $4::int8[])
-     ON CONFLICT (shard_id, machine_id) DO UPDATE SET epoch = excluded.epoch,
-         sequence = excluded.sequence";
+/// Every this many rounds, a round also forgets the numbers of the rounds
+/// that are settled (far more than [`ROUNDS_IN_FLIGHT`], so two prunes are
+/// never in flight together).
+const PRUNE_EVERY: i64 = 512;
 
-const ADVANCE: &str = "UPDATE bigfleet_meta SET commit_seq = $1 WHERE id = 1 AND commit_seq = $2";
-
-/// The lease row, locked against a new holder until this transaction ends:
-/// a replica taking the lease waits for the commits in flight, and a commit
-/// that comes after reads the new epoch and writes nothing.
-pub(crate) const CHECK_LEASE: &str = "SELECT epoch FROM bigfleet_lease WHERE id = 1 FOR SHARE";
-
-const READ_SEQ: &str = "SELECT commit_seq FROM bigfleet_meta WHERE id = 1";
-
-/// How long the last round before the store stops may take: an unreachable
-/// database must not hold the process's exit for the pool's timeouts
-/// (what it could not commit was never acknowledged).
+/// How long the last rounds before the store stops may take: an
+/// unreachable database must not hold the process's exit for the pool's
+/// timeouts (what they could not commit was never acknowledged).
 const SHUTDOWN_ROUND: Duration = Duration::from_secs(10);
 
 /// How long the writer waits before retrying changes whose commit failed
 /// when no new submission arrives to carry them.
 const RETRY_INTERVAL: Duration = Duration::from_secs(1);
 
-/// How long one commit (or the read that resolves it) may take before its
-/// outcome is treated as unknown: a connection that hangs without closing
-/// (a dead peer, a partition) must not stall the state for TCP's timeouts.
-const COMMIT_TIMEOUT: Duration = Duration::from_secs(30);
-
 pub(crate) struct Shared {
     pub(crate) target: String,
-    /// The lease epoch every commit must still find (see [`CHECK_LEASE`]).
+    /// The lease epoch every commit must still find, if the store writes
+    /// as a leader.
     pub(crate) lease_epoch: Option<i64>,
+    /// This store's name in `bigfleet_commits` (drawn at random when it
+    /// opens): whose round a read finds.
+    pub(crate) writer_id: i64,
     pub(crate) queue: Mutex<ChangeQueue>,
     pub(crate) wake: Notify,
     /// Ticket ranges whose commit failed and whose changes are not yet
@@ -90,6 +80,9 @@ impl Shared {
         Shared {
             target,
             lease_epoch,
+            // Odd, so never 0 (the id of the rounds before schema 3); 63
+            // random bits tell two writers apart.
+            writer_id: rand::random::<i64>() | 1,
             queue: Mutex::new(ChangeQueue::default()),
             wake: Notify::new(),
             failures: FailedCommits::default(),
@@ -109,300 +102,495 @@ impl Shared {
     }
 }
 
-/// The latest version of every changed row; later changes overwrite earlier.
-/// What the writer knows about the database between rounds.
-struct Writer {
-    /// The commit sequence this writer last saw committed.
-    known: i64,
-    /// Changes not yet known to be durable.
-    carry: ChangeBatch,
-    /// A commit whose outcome is unknown (it would have set the sequence
-    /// to the number given) with the changes it carried.
-    doubt: Option<(i64, ChangeBatch)>,
+/// A round on its way.
+struct Round {
+    number: i64,
+    /// The tickets it carries: `first..=last`.
+    first: Ticket,
+    last: Ticket,
+    rows: Arc<Rows>,
+    /// Its rows are written and it waits for the flush.
+    flushing: Arc<AtomicBool>,
+    /// Set when an earlier round failed while this one was in flight: its
+    /// waiters get that failure whatever this round's outcome.
+    poisoned: Option<StoreError>,
+    task: JoinHandle<Outcome>,
 }
 
-/// Drain the queue into one transaction per round until shut down.
+/// What woke the writer.
+enum Event {
+    /// The oldest round in flight ended.
+    Ended(Result<Outcome, tokio::task::JoinError>),
+    /// Something was queued (or nothing: look again).
+    Woken,
+    /// The retry interval passed with rows carried.
+    Retry,
+}
+
+impl Round {
+    fn tickets(&self) -> Ticket {
+        (self.last + 1).saturating_sub(self.first)
+    }
+}
+
+/// What the writer holds between rounds.
+struct Writer {
+    shared: Arc<Shared>,
+    pool: Pool,
+    owner: Owner,
+    done_tx: watch::Sender<Ticket>,
+    /// The next round's number.
+    next_number: i64,
+    /// The last ticket given to a round (or settled without one).
+    formed: Ticket,
+    /// The last ticket published.
+    done: Ticket,
+    /// Rows not yet known to be durable and in no round in flight.
+    carry: Rows,
+    /// Rounds whose outcome is unknown, with their rows.
+    doubts: Vec<(i64, Arc<Rows>)>,
+    in_flight: VecDeque<Round>,
+}
+
+/// Drain the queue into rounds until shut down. `last_round` is the
+/// highest round number committed before this store opened.
 pub(crate) async fn writer_loop(
     shared: Arc<Shared>,
     pool: Pool,
+    owner: Owner,
     done_tx: watch::Sender<Ticket>,
-    known: i64,
+    last_round: i64,
 ) {
     let mut writer = Writer {
-        known,
-        carry: ChangeBatch::default(),
-        doubt: None,
+        shared,
+        pool,
+        owner,
+        done_tx,
+        next_number: last_round + 1,
+        formed: 0,
+        done: 0,
+        carry: Rows::default(),
+        doubts: Vec::new(),
+        in_flight: VecDeque::new(),
     };
-    let mut done: Ticket = 0;
     loop {
-        let idle = writer.carry.is_empty() && writer.doubt.is_none();
-        let (changes, upto, shutdown) = next_round(&shared, idle).await;
-        writer.carry.merge(changes);
-        let outcome = if shutdown {
-            tokio::time::timeout(SHUTDOWN_ROUND, round(&shared, &pool, &mut writer))
-                .await
-                .unwrap_or_else(|_| {
-                    Err(StoreError::closed(format!(
-                        "PostgreSQL state {}: stopped before the last changes were committed \
-                         (no answer within {}s)",
-                        shared.target,
-                        SHUTDOWN_ROUND.as_secs()
-                    )))
-                })
-        } else {
-            round(&shared, &pool, &mut writer).await
+        let (changes, upto, shutdown) = writer.next_work().await;
+        if shutdown {
+            writer.take(changes.unwrap_or_default(), upto).await;
+            let drained = tokio::time::timeout(SHUTDOWN_ROUND, writer.drain()).await;
+            if drained.is_err() {
+                tracing::error!(
+                    state = %writer.shared.target,
+                    "stopped before the last changes were committed (no answer within {}s)",
+                    SHUTDOWN_ROUND.as_secs()
+                );
+            }
+            return;
+        }
+        match (changes, upto) {
+            (Some(changes), upto) => writer.take(changes, upto).await,
+            // The retry interval passed with rows still carried.
+            (None, _) => writer.take(Vec::new(), writer.formed).await,
+        }
+    }
+}
+
+impl Writer {
+    /// Wait until there is something to do: a round to settle (done here),
+    /// or changes to send (returned with the last queued ticket, and
+    /// whether the store stops). `None` changes: the retry interval passed
+    /// with rows carried and nothing new queued.
+    async fn next_work(&mut self) -> (Option<Vec<Change>>, Ticket, bool) {
+        loop {
+            let room = {
+                let mut queue = self.shared.queue.lock();
+                let queued = queue.issued.saturating_sub(self.formed);
+                let room = self.room_for_a_round(queued);
+                if room && (!queue.pending.is_empty() || queue.shutdown) {
+                    let changes = std::mem::take(&mut queue.pending);
+                    return (Some(changes), queue.issued, queue.shutdown);
+                }
+                room
+            };
+            let retry = room && (!self.carry.is_empty() || !self.doubts.is_empty());
+            let event = {
+                let front = self.in_flight.front_mut().map(|round| &mut round.task);
+                let settling = front.is_some();
+                tokio::select! {
+                    Some(outcome) = async {
+                        match front {
+                            Some(task) => Some(task.await),
+                            None => None,
+                        }
+                    }, if settling => Event::Ended(outcome),
+                    // A submission, or the youngest round starting its
+                    // flush: either may make room.
+                    () = self.shared.wake.notified() => Event::Woken,
+                    () = tokio::time::sleep(RETRY_INTERVAL), if retry => Event::Retry,
+                }
+            };
+            match event {
+                Event::Ended(outcome) => self.settle_front(outcome),
+                Event::Woken => {}
+                Event::Retry => return (None, 0, false),
+            }
+        }
+    }
+
+    /// Whether a round may start now, with `queued` tickets waiting.
+    fn room_for_a_round(&self, queued: Ticket) -> bool {
+        let Some(youngest) = self.in_flight.back() else {
+            return true;
         };
+        // While a round's outcome is unknown, nothing new starts before the
+        // rounds in flight end and a read settles it. Otherwise a round
+        // starts beside the ones flushing when it would be no smaller than
+        // the youngest: with a fast flush the youngest ends first and rounds
+        // stay whole.
+        self.in_flight.len() < ROUNDS_IN_FLIGHT
+            && youngest.flushing.load(Ordering::Acquire)
+            && self.doubts.is_empty()
+            && queued >= youngest.tickets().max(1)
+    }
+
+    /// Form a round of the carried rows and `changes` (tickets up to
+    /// `upto`) and start it; or, while a round's outcome is unknown, try to
+    /// settle that first.
+    async fn take(&mut self, changes: Vec<Change>, upto: Ticket) {
+        let number = self.next_number;
+        self.next_number += 1;
+        self.carry.stamp(changes, number);
+        if !self.doubts.is_empty() {
+            // A round formed now would not carry the doubtful rows; settle
+            // them first (no round is in flight: see `next_work`).
+            if let Err(error) = self.settle_doubts().await {
+                self.fail_tickets(upto, error);
+                return;
+            }
+        }
+        if self.carry.is_empty() {
+            self.publish_settled(upto);
+            return;
+        }
+        let rows = Arc::new(std::mem::take(&mut self.carry));
+        let lowest_unsettled = self
+            .in_flight
+            .front()
+            .map_or(number, |round| round.number.min(number));
+        let flushing = Arc::new(AtomicBool::new(false));
+        let plan = RoundPlan {
+            number,
+            owner: self.owner,
+            prune_below: (number % PRUNE_EVERY == 0).then_some(lowest_unsettled),
+            flushing: Arc::clone(&flushing),
+        };
+        let task = {
+            let shared = Arc::clone(&self.shared);
+            let pool = self.pool.clone();
+            let rows = Arc::clone(&rows);
+            tokio::spawn(async move {
+                let outcome = commit_round(&shared, &pool, &plan, &rows).await;
+                // The writer looks again at whether a round may start.
+                shared.wake.notify_one();
+                outcome
+            })
+        };
+        self.in_flight.push_back(Round {
+            number,
+            first: self.formed + 1,
+            last: upto.max(self.formed),
+            rows,
+            flushing,
+            poisoned: None,
+            task,
+        });
+        self.formed = upto.max(self.formed);
+    }
+
+    /// Tickets up to `upto` that need no commit (their rows are already in
+    /// rounds that ended) are published once the rounds before them end.
+    fn publish_settled(&mut self, upto: Ticket) {
+        if upto <= self.formed {
+            return;
+        }
+        if self.in_flight.is_empty() {
+            self.formed = upto;
+            self.publish(upto);
+        }
+        // Otherwise the next round carries them; with nothing queued that
+        // only happens after a failure, whose retry follows.
+    }
+
+    /// The oldest round ended with `outcome`.
+    fn settle_front(&mut self, outcome: Result<Outcome, tokio::task::JoinError>) {
+        let Some(round) = self.in_flight.pop_front() else {
+            return;
+        };
+        let outcome = outcome.unwrap_or_else(|e| {
+            Outcome::Unknown(StoreError::unavailable(format!(
+                "PostgreSQL state {}: a commit round stopped: {e}",
+                self.shared.target
+            )))
+        });
         match outcome {
-            Ok(()) => shared.failures.clear(),
-            Err(error) => {
-                tracing::error!(state = %shared.target, error = %error, "state commit failed");
-                if upto > done {
-                    shared.failures.record(done + 1, upto, error);
+            Outcome::Landed { by_reading } => {
+                self.shared.commits.fetch_add(1, Ordering::Relaxed);
+                if by_reading {
+                    self.shared
+                        .resolved_by_reading
+                        .fetch_add(1, Ordering::Relaxed);
+                }
+                match round.poisoned {
+                    Some(error) => self.shared.failures.record(round.first, round.last, error),
+                    // Formed after every earlier failure was carried into
+                    // it: everything before it is durable now.
+                    None => self.shared.failures.clear(),
+                }
+            }
+            Outcome::NotLanded(error) => {
+                self.carry.absorb_older(&round.rows);
+                self.failed(&round, error);
+            }
+            Outcome::Unknown(error) => {
+                self.doubts.push((round.number, Arc::clone(&round.rows)));
+                self.failed(&round, error);
+            }
+        }
+        self.publish(round.last);
+    }
+
+    /// `round` did not land (or may not have): its waiters and those of
+    /// every round in flight get `error`.
+    fn failed(&mut self, round: &Round, error: StoreError) {
+        tracing::error!(state = %self.shared.target, error = %error, "state commit failed");
+        self.shared
+            .failures
+            .record(round.first, round.last, error.clone());
+        for later in &mut self.in_flight {
+            later.poisoned.get_or_insert_with(|| error.clone());
+        }
+    }
+
+    /// Read how every doubtful round ended: the landed ones are done, the
+    /// others' rows are carried again.
+    async fn settle_doubts(&mut self) -> Result<(), StoreError> {
+        while let Some((number, rows)) = self.doubts.pop() {
+            match round_landed(&self.shared, &self.pool, number).await {
+                Ok(true) => {
+                    self.shared.commits.fetch_add(1, Ordering::Relaxed);
+                    self.shared
+                        .resolved_by_reading
+                        .fetch_add(1, Ordering::Relaxed);
+                }
+                Ok(false) => self.carry.absorb_older(&rows),
+                Err(error) => {
+                    self.doubts.push((number, rows));
+                    return Err(error);
                 }
             }
         }
-        if upto > done {
-            done = upto;
+        Ok(())
+    }
+
+    /// Tickets up to `upto` could not be sent: they fail now, and their
+    /// rows stay carried for the next attempt.
+    fn fail_tickets(&mut self, upto: Ticket, error: StoreError) {
+        tracing::error!(state = %self.shared.target, error = %error, "state commit failed");
+        if upto > self.formed {
+            self.shared.failures.record(self.formed + 1, upto, error);
+            self.formed = upto;
+            self.publish(upto);
+        }
+    }
+
+    fn publish(&mut self, upto: Ticket) {
+        if upto > self.done {
+            self.done = upto;
             // No receiver left only means nobody is waiting.
-            let _ = done_tx.send(done);
+            let _ = self.done_tx.send(upto);
         }
-        if shutdown {
-            return;
+    }
+
+    /// Wait for every round in flight (the store is stopping).
+    async fn drain(&mut self) {
+        while let Some(round) = self.in_flight.front_mut() {
+            let outcome = (&mut round.task).await;
+            self.settle_front(outcome);
         }
     }
 }
 
-/// Wait for submissions (or, with work outstanding, at most the retry
-/// interval) and take everything queued.
-async fn next_round(shared: &Shared, idle: bool) -> (Vec<Change>, Ticket, bool) {
-    loop {
-        {
-            let mut queue = shared.queue.lock();
-            if !queue.pending.is_empty() || queue.shutdown {
-                return (
-                    std::mem::take(&mut queue.pending),
-                    queue.issued,
-                    queue.shutdown,
-                );
-            }
-        }
-        if idle {
-            shared.wake.notified().await;
-        } else if tokio::time::timeout(RETRY_INTERVAL, shared.wake.notified())
-            .await
-            .is_err()
-        {
-            let queue = shared.queue.lock();
-            return (Vec::new(), queue.issued, queue.shutdown);
-        }
-    }
-}
+#[cfg(test)]
+mod tests {
+    //! The order of outcomes, without a database: rounds whose commit
+    //! tasks end as the test says.
+    use super::*;
+    use crate::pool::build_pool;
+    use crate::{PgOptions, Target};
+    use provider_testkit::store_contract::{machine, record};
+    use providerkit::State;
 
-/// One round: settle a commit in doubt, then commit what is carried
-/// (once more after a commit that a read shows did not land).
-async fn round(shared: &Shared, pool: &Pool, writer: &mut Writer) -> Result<(), StoreError> {
-    if let Some((seq, _)) = &writer.doubt {
-        let seq = *seq;
-        let found = read_seq(shared, pool).await?;
-        let Some((_, batch)) = writer.doubt.take() else {
-            return Ok(());
+    fn writer() -> (Writer, watch::Receiver<Ticket>) {
+        // Never connected: nothing here reaches a database.
+        let target = Target::parse("postgres://nobody@127.0.0.1:9/none").expect("target");
+        let pool = build_pool(&target, &PgOptions::default(), 1).expect("pool");
+        let (done_tx, done) = watch::channel(0);
+        let writer = Writer {
+            shared: Arc::new(Shared::new("test".into(), Some(1))),
+            pool,
+            owner: Owner::Lease(1),
+            done_tx,
+            next_number: 1,
+            formed: 0,
+            done: 0,
+            carry: Rows::default(),
+            doubts: Vec::new(),
+            in_flight: VecDeque::new(),
         };
-        if found == seq {
-            writer.known = seq;
-            shared.resolved_by_reading.fetch_add(1, Ordering::Relaxed);
-            shared.commits.fetch_add(1, Ordering::Relaxed);
-        } else if found == writer.known {
-            // It did not land: its changes go first, newer ones over them.
-            let newer = std::mem::replace(&mut writer.carry, batch);
-            writer.carry.absorb(newer);
-        } else {
-            writer.doubt = Some((seq, batch));
-            return Err(moved(shared, writer.known, found));
+        (writer, done)
+    }
+
+    /// A round of one machine's record for tickets `first..=last` whose
+    /// commit ends with `outcome`.
+    fn round(number: i64, id: &str, first: Ticket, last: Ticket, outcome: Outcome) -> Round {
+        let mut rows = Rows::default();
+        rows.stamp(
+            vec![machine(record(id, number as u64, State::Idle))],
+            number,
+        );
+        Round {
+            number,
+            first,
+            last,
+            rows: Arc::new(rows),
+            flushing: Arc::new(AtomicBool::new(true)),
+            poisoned: None,
+            task: tokio::spawn(async move { outcome }),
         }
     }
-    if writer.carry.is_empty() {
-        return Ok(());
+
+    async fn settle_all(writer: &mut Writer) {
+        writer.drain().await;
     }
-    let mut last_error = None;
-    for _ in 0..2 {
-        let next = writer.known + 1;
-        let error = match write(shared, pool, &writer.carry, writer.known, next).await {
-            Ok(()) => {
-                writer.known = next;
-                writer.carry = ChangeBatch::default();
-                shared.commits.fetch_add(1, Ordering::Relaxed);
-                return Ok(());
-            }
-            // Nothing was committed: the transaction found the lease taken
-            // and rolled back. Writing again cannot succeed.
-            Err(WriteFailed::Deposed(error)) => return Err(error),
-            Err(WriteFailed::Other(error)) => error,
-        };
-        tracing::warn!(state = %shared.target, error = %error, "state commit failed; reading whether it landed");
-        match read_seq(shared, pool).await {
-            Ok(found) if found == next => {
-                writer.known = next;
-                writer.carry = ChangeBatch::default();
-                shared.resolved_by_reading.fetch_add(1, Ordering::Relaxed);
-                shared.commits.fetch_add(1, Ordering::Relaxed);
-                return Ok(());
-            }
-            // Not applied: writing it again cannot apply anything twice.
-            Ok(found) if found == writer.known => last_error = Some(error),
-            Ok(found) => return Err(moved(shared, writer.known, found)),
-            Err(_) => {
-                writer.doubt = Some((next, std::mem::take(&mut writer.carry)));
-                return Err(error);
-            }
+
+    #[tokio::test]
+    async fn a_failed_round_fails_the_rounds_in_flight_behind_it_even_when_they_land() {
+        let (mut writer, done) = writer();
+        let failure = StoreError::unavailable("connection reset");
+        writer
+            .in_flight
+            .push_back(round(1, "m-1", 1, 2, Outcome::NotLanded(failure)));
+        writer
+            .in_flight
+            .push_back(round(2, "m-2", 3, 3, Outcome::Landed { by_reading: false }));
+        settle_all(&mut writer).await;
+        assert_eq!(*done.borrow(), 3, "every waiter has its answer");
+        for ticket in 1..=3 {
+            let error = writer.shared.failure_for(ticket);
+            assert!(
+                error.is_some_and(|e| e.to_string().contains("connection reset")),
+                "ticket {ticket} must not be acknowledged while ticket 1 is not durable"
+            );
         }
+        // Only the round that did not land is carried again.
+        assert_eq!(writer.carry.len(), 1);
+        assert!(writer.carry.holds_machine("m-1"));
+        assert!(writer.shared.pending_failure().is_some());
     }
-    Err(last_error
-        .unwrap_or_else(|| StoreError::unavailable("state commit failed"))
-        .with_kind(StoreErrorKind::Unavailable))
-}
 
-/// Someone else advanced the commit sequence: two providers on one state.
-fn moved(shared: &Shared, known: i64, found: i64) -> StoreError {
-    StoreError::locked(format!(
-        "PostgreSQL state {}: another process is writing this state (commit sequence {found}, \
-         this process last wrote {known}); run one provider per database",
-        shared.target
-    ))
-}
+    #[tokio::test]
+    async fn a_round_formed_after_the_failure_lands_and_clears_it() {
+        let (mut writer, _done) = writer();
+        writer.in_flight.push_back(round(
+            1,
+            "m-1",
+            1,
+            1,
+            Outcome::NotLanded(StoreError::unavailable("down")),
+        ));
+        settle_all(&mut writer).await;
+        assert!(writer.shared.failure_for(1).is_some());
+        writer
+            .in_flight
+            .push_back(round(2, "m-1", 2, 2, Outcome::Landed { by_reading: false }));
+        settle_all(&mut writer).await;
+        assert!(writer.shared.failure_for(1).is_none());
+        assert!(writer.shared.pending_failure().is_none());
+    }
 
-/// The committed sequence, on a connection of its own.
-async fn read_seq(shared: &Shared, pool: &Pool) -> Result<i64, StoreError> {
-    let target = &shared.target;
-    let action = "cannot read the commit sequence";
-    let client = pool
-        .get()
-        .await
-        .map_err(|e| pool_error(target, action, e))?;
-    match tokio::time::timeout(COMMIT_TIMEOUT, client.query_one(READ_SEQ, &[])).await {
-        Ok(Ok(row)) => Ok(row.get(0)),
-        Ok(Err(e)) => {
-            drop(Object::take(client));
-            Err(pg_error(target, action, e))
+    #[tokio::test]
+    async fn a_round_of_unknown_outcome_is_held_until_a_read_settles_it() {
+        let (mut writer, done) = writer();
+        writer.in_flight.push_back(round(
+            1,
+            "m-1",
+            1,
+            1,
+            Outcome::Unknown(StoreError::unavailable("no answer")),
+        ));
+        settle_all(&mut writer).await;
+        assert_eq!(*done.borrow(), 1);
+        assert!(writer.shared.failure_for(1).is_some());
+        assert_eq!(writer.doubts.len(), 1, "its rows wait for the read");
+        assert!(writer.carry.is_empty(), "and are not carried before it");
+    }
+
+    #[tokio::test]
+    async fn a_round_starts_beside_another_only_while_it_flushes_and_no_smaller() {
+        let (mut writer, _done) = writer();
+        assert!(writer.room_for_a_round(1), "nothing in flight");
+        let youngest = round(1, "m-1", 1, 4, Outcome::Landed { by_reading: false });
+        youngest.flushing.store(false, Ordering::Release);
+        writer.in_flight.push_back(youngest);
+        assert!(
+            !writer.room_for_a_round(9),
+            "the youngest is still sending its rows: they could carry more"
+        );
+        writer.in_flight[0].flushing.store(true, Ordering::Release);
+        assert!(
+            !writer.room_for_a_round(3),
+            "3 queued tickets would make a round smaller than the youngest's 4"
+        );
+        assert!(writer.room_for_a_round(4));
+        writer.doubts.push((0, Arc::new(Rows::default())));
+        assert!(
+            !writer.room_for_a_round(4),
+            "a round of unknown outcome is settled before anything new starts"
+        );
+        writer.doubts.clear();
+        for number in 2..=ROUNDS_IN_FLIGHT as i64 {
+            writer.in_flight.push_back(round(
+                number,
+                "m-2",
+                5,
+                5,
+                Outcome::Landed { by_reading: false },
+            ));
         }
-        Err(_) => {
-            drop(Object::take(client));
-            Err(timed_out(target, action))
-        }
+        assert!(
+            !writer.room_for_a_round(100),
+            "at most {ROUNDS_IN_FLIGHT} in flight"
+        );
     }
-}
 
-fn timed_out(target: &str, action: &str) -> StoreError {
-    StoreError::unavailable(format!(
-        "PostgreSQL state {target}: {action}: no answer within {}s",
-        COMMIT_TIMEOUT.as_secs()
-    ))
-}
-
-/// Why a commit did not land.
-enum WriteFailed {
-    /// Another replica holds the lease: nothing was committed, and nothing
-    /// of this store will be.
-    Deposed(StoreError),
-    /// Anything else; whether it landed is settled by reading.
-    Other(StoreError),
-}
-
-/// Commit `batch` as sequence `next`. On any failure the connection is
-/// discarded rather than returned to the pool: its state is unknown.
-async fn write(
-    shared: &Shared,
-    pool: &Pool,
-    batch: &ChangeBatch,
-    known: i64,
-    next: i64,
-) -> Result<(), WriteFailed> {
-    let target = &shared.target;
-    let action = "cannot commit changes";
-    let mut client = pool
-        .get()
-        .await
-        .map_err(|e| WriteFailed::Other(pool_error(target, action, e)))?;
-    let result = tokio::time::timeout(
-        COMMIT_TIMEOUT,
-        write_batch(&mut client, batch, shared.lease_epoch, known, next),
-    )
-    .await;
-    let error = match result {
-        Ok(Ok(Written::Committed)) => {
-            if shared.lose_next_answer.swap(false, Ordering::SeqCst) {
-                drop(Object::take(client));
-                return Err(WriteFailed::Other(StoreError::unavailable(format!(
-                    "PostgreSQL state {target}: {action}: the answer was lost (test hook)"
-                ))));
-            }
-            return Ok(());
-        }
-        Ok(Ok(Written::SequenceMoved)) => StoreError::locked(format!(
-            "PostgreSQL state {target}: {action}: the commit sequence is no longer {known}"
-        )),
-        Ok(Ok(Written::LeaseTaken { mine, found })) => {
-            return Err(WriteFailed::Deposed(deposed(target, mine, found)))
-        }
-        Ok(Err(e)) => pg_error(target, action, e),
-        Err(_) => timed_out(target, action),
-    };
-    drop(Object::take(client));
-    Err(WriteFailed::Other(error))
-}
-
-/// The commit of a replica whose lease another replica has taken.
-pub(crate) fn deposed(target: &str, mine: i64, found: i64) -> StoreError {
-    StoreError::locked(format!(
-        "PostgreSQL state {target}: this replica no longer holds the leader lease (it held \
-         epoch {mine}, the lease is at epoch {found}): nothing is committed by a replica that \
-         lost the lease"
-    ))
-}
-
-/// What one commit attempt did.
-enum Written {
-    Committed,
-    /// The sequence was not where this writer left it: nothing committed.
-    SequenceMoved,
-    /// Another replica holds the lease now: nothing committed.
-    LeaseTaken {
-        mine: i64,
-        found: i64,
-    },
-}
-
-/// The batch's rows and the sequence's step in one transaction, under the
-/// lease check when this store writes as a leader.
-async fn write_batch(
-    client: &mut Object,
-    batch: &ChangeBatch,
-    lease_epoch: Option<i64>,
-    known: i64,
-    next: i64,
-) -> Result<Written, tokio_postgres::Error> {
-    let advance = client.prepare_cached(ADVANCE).await?;
-    let machines = client.prepare_cached(UPSERT_MACHINES).await?;
-    let fences = client.prepare_cached(UPSERT_FENCES).await?;
-    let check_lease = client.prepare_cached(CHECK_LEASE).await?;
-    let tx = client.transaction().await?;
-    // Dropping the transaction on an early return rolls it back.
-    if let Some(mine) = lease_epoch {
-        let found: i64 = tx.query_one(&check_lease, &[]).await?.get(0);
-        if found != mine {
-            return Ok(Written::LeaseTaken { mine, found });
-        }
+    #[test]
+    fn every_writer_has_an_id_of_its_own_and_none_is_the_migrations() {
+        let ids: std::collections::HashSet<i64> = (0..256)
+            .map(|_| Shared::new("test".into(), None).writer_id)
+            .collect();
+        assert_eq!(ids.len(), 256);
+        assert!(!ids.contains(&0));
     }
-    if tx.execute(&advance, &[&next, &known]).await? != 1 {
-        return Ok(Written::SequenceMoved);
+
+    #[test]
+    fn an_older_version_handed_back_does_not_replace_a_newer_one() {
+        let mut carry = Rows::default();
+        carry.stamp(vec![machine(record("m-1", 7, State::Idle))], 5);
+        let mut failed = Rows::default();
+        failed.stamp(vec![machine(record("m-1", 3, State::Creating))], 4);
+        failed.stamp(vec![machine(record("m-2", 3, State::Creating))], 4);
+        carry.absorb_older(&failed);
+        assert_eq!(carry.machine_stamp("m-1"), Some(5));
+        assert_eq!(carry.machine_stamp("m-2"), Some(4));
     }
-    if !batch.machines.is_empty() {
-        let records: Vec<&MachineRecord> = batch.machines.values().map(|r| &**r).collect();
-        send_machines(&tx, &machines, &records).await?;
-    }
-    if !batch.fences.is_empty() {
-        let marks: Vec<&FenceMark> = batch.fences.values().collect();
-        send_fences(&tx, &fences, &marks).await?;
-    }
-    tx.commit().await?;
-    Ok(Written::Committed)
 }

@@ -10,6 +10,10 @@ use providerkit::{State, Store, StoreErrorKind};
 
 use crate::common::{fresh, PgState};
 
+/// The rounds this build's stores committed (the row of schema 3's
+/// migration, writer 0, is not one).
+const COMMITTED_ROUNDS: &str = "SELECT count(*) FROM bigfleet_commits WHERE writer <> 0";
+
 /// Wait for `ticket` here (the store commits on a thread of its own).
 fn durable(store: &PgStore, ticket: providerkit::Ticket) -> Result<(), providerkit::StoreError> {
     futures::executor::block_on(store.durable(ticket))
@@ -31,21 +35,11 @@ fn a_lost_commit_answer_is_resolved_by_reading_not_by_writing_again() {
     assert_eq!(store.commits_resolved_by_reading(), 1);
     assert_eq!(store.commits(), 1);
     // One commit in the database: the batch was not written a second time.
-    assert_eq!(
-        state
-            .schema
-            .query_i64("SELECT commit_seq FROM bigfleet_meta"),
-        1
-    );
+    assert_eq!(state.schema.query_i64(COMMITTED_ROUNDS), 1);
     store.health().expect("healthy");
     let t = store.submit(vec![machine(record("m-2", 2, State::Idle))]);
     durable(&store, t).expect("the next commit follows on");
-    assert_eq!(
-        state
-            .schema
-            .query_i64("SELECT commit_seq FROM bigfleet_meta"),
-        2
-    );
+    assert_eq!(state.schema.query_i64(COMMITTED_ROUNDS), 2);
     drop(store);
     assert_eq!(ids(&state.open()), ["m-1", "m-2"]);
 }
@@ -64,12 +58,7 @@ fn dropped_connections_are_replaced_and_nothing_acknowledged_is_lost() {
     store.health().expect("healthy");
     state.schema.terminate_connections();
     assert_eq!(ids(&store), ["m-1", "m-2"], "a load reconnects too");
-    assert_eq!(
-        state
-            .schema
-            .query_i64("SELECT commit_seq FROM bigfleet_meta"),
-        2
-    );
+    assert_eq!(state.schema.query_i64(COMMITTED_ROUNDS), 2);
 }
 
 #[test]
@@ -80,7 +69,7 @@ fn a_second_writer_is_detected_and_nothing_is_overwritten() {
     // Another process committed behind this one's back.
     state
         .schema
-        .admin("UPDATE bigfleet_meta SET commit_seq = commit_seq + 5");
+        .admin("UPDATE bigfleet_meta SET writer_generation = writer_generation + 5");
     let t = store.submit(vec![machine(record("m-1", 1, State::Idle))]);
     let err = durable(&store, t).expect_err("must not write");
     assert_eq!(err.kind(), StoreErrorKind::Locked);
@@ -214,5 +203,53 @@ fn an_unreachable_server_is_named() {
     assert!(
         err.starts_with("PostgreSQL state postgres://bigfleet@127.0.0.1:1/db: cannot connect"),
         "{err}"
+    );
+}
+
+#[test]
+fn a_schema_2_state_is_migrated_with_its_rows_and_its_commit_count() {
+    let Some(state) = fresh() else { return };
+    let store = state.open();
+    store.load().expect("load");
+    let t = store.submit(vec![machine(record("m-1", 1, State::Idle))]);
+    durable(&store, t).expect("durable");
+    drop(store);
+    // The same rows as a build of schema 2 left them, 7 commits in.
+    state.schema.admin(
+        "DROP TABLE bigfleet_commits;
+         ALTER TABLE bigfleet_machines DROP COLUMN round;
+         ALTER TABLE bigfleet_fences DROP COLUMN round;
+         ALTER TABLE bigfleet_meta RENAME COLUMN writer_generation TO commit_seq;
+         UPDATE bigfleet_meta SET commit_seq = 7, schema_version = 2",
+    );
+    let store = state.open();
+    assert_eq!(ids(&store), ["m-1"]);
+    assert_eq!(
+        state
+            .schema
+            .query_i64("SELECT schema_version FROM bigfleet_meta"),
+        SCHEMA_VERSION
+    );
+    assert_eq!(
+        state
+            .schema
+            .query_i64("SELECT round FROM bigfleet_commits WHERE writer = 0"),
+        7,
+        "the old count carries over"
+    );
+    let t = store.submit(vec![machine(record("m-1", 2, State::Idle))]);
+    durable(&store, t).expect("the migrated state takes commits");
+    assert_eq!(
+        state
+            .schema
+            .query_i64("SELECT max(round) FROM bigfleet_commits"),
+        8,
+        "new rounds number on from the old count"
+    );
+    drop(store);
+    let loaded = state.open().load().expect("load");
+    assert_eq!(
+        loaded.machines[0].rev, 2,
+        "the migrated row takes new versions"
     );
 }

@@ -203,13 +203,13 @@ async fn a_leader_frozen_past_its_lease_commits_and_sends_nothing_once_woken() {
         .await
         .expect("Create on the leader");
     logged(&a, "clone started");
-    let commits_before = schema.query_i64("SELECT commit_seq FROM bigfleet_meta");
+    let commits_before = schema.query_i64("SELECT max(round) FROM bigfleet_commits");
 
     a.signal(libc::SIGSTOP);
     ready(&b);
     let mut cb = b.client().await;
     let landed = wait_state(&mut cb, &id, MachineState::Idle, WITHIN).await;
-    let on_b = schema.query_i64("SELECT commit_seq FROM bigfleet_meta");
+    let on_b = schema.query_i64("SELECT max(round) FROM bigfleet_commits");
     assert!(on_b > commits_before, "the new leader committed");
     // From here on, anything that is not a read comes from the old leader
     // (the new one has nothing to do).
