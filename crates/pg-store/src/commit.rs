@@ -135,7 +135,6 @@ impl Rows {
         self.machines.is_empty() && self.fences.is_empty()
     }
 
-    #[cfg(test)]
     pub(crate) fn len(&self) -> usize {
         self.machines.len() + self.fences.len()
     }

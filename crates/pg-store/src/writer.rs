@@ -41,6 +41,10 @@ use crate::commit::{commit_round, round_landed, Outcome, Owner, RoundPlan, Rows}
 /// it: a few rounds in flight make one flush cover several of them.
 pub(crate) const ROUNDS_IN_FLIGHT: usize = 4;
 
+/// Rounds overlap only while the rows in flight and queued stay within
+/// this many (see `room_for_a_round`).
+const OVERLAP_ROWS: usize = 4096;
+
 /// Every this many rounds, a round also forgets the numbers of the rounds
 /// that are settled (far more than [`ROUNDS_IN_FLIGHT`], so two prunes are
 /// never in flight together).
@@ -205,7 +209,7 @@ impl Writer {
             let room = {
                 let mut queue = self.shared.queue.lock();
                 let queued = queue.issued.saturating_sub(self.formed);
-                let room = self.room_for_a_round(queued);
+                let room = self.room_for_a_round(queued, queue.pending.len());
                 if room && (!queue.pending.is_empty() || queue.shutdown) {
                     let changes = std::mem::take(&mut queue.pending);
                     return (Some(changes), queue.issued, queue.shutdown);
@@ -238,19 +242,23 @@ impl Writer {
     }
 
     /// Whether a round may start now, with `queued` tickets waiting.
-    fn room_for_a_round(&self, queued: Ticket) -> bool {
+    fn room_for_a_round(&self, queued: Ticket, queued_changes: usize) -> bool {
         let Some(youngest) = self.in_flight.back() else {
             return true;
         };
         // While a round's outcome is unknown, nothing new starts before the
         // rounds in flight end and a read settles it. Otherwise a round
         // starts beside the ones flushing when it would be no smaller than
-        // the youngest: with a fast flush the youngest ends first and rounds
-        // stay whole.
+        // the youngest (with a fast flush the youngest ends first and rounds
+        // stay whole), and only among small rounds: a large round's fixed
+        // cost is already shared by its rows, and large rounds side by side
+        // would each hold their encoded rows at once.
+        let rows_in_flight: usize = self.in_flight.iter().map(|r| r.rows.len()).sum();
         self.in_flight.len() < ROUNDS_IN_FLIGHT
             && youngest.flushing.load(Ordering::Acquire)
             && self.doubts.is_empty()
             && queued >= youngest.tickets().max(1)
+            && rows_in_flight + queued_changes <= OVERLAP_ROWS
     }
 
     /// Form a round of the carried rows and `changes` (tickets up to
@@ -538,23 +546,27 @@ mod tests {
     #[tokio::test]
     async fn a_round_starts_beside_another_only_while_it_flushes_and_no_smaller() {
         let (mut writer, _done) = writer();
-        assert!(writer.room_for_a_round(1), "nothing in flight");
+        assert!(writer.room_for_a_round(1, 1), "nothing in flight");
         let youngest = round(1, "m-1", 1, 4, Outcome::Landed { by_reading: false });
         youngest.flushing.store(false, Ordering::Release);
         writer.in_flight.push_back(youngest);
         assert!(
-            !writer.room_for_a_round(9),
+            !writer.room_for_a_round(9, 9),
             "the youngest is still sending its rows: they could carry more"
         );
         writer.in_flight[0].flushing.store(true, Ordering::Release);
         assert!(
-            !writer.room_for_a_round(3),
+            !writer.room_for_a_round(3, 3),
             "3 queued tickets would make a round smaller than the youngest's 4"
         );
-        assert!(writer.room_for_a_round(4));
+        assert!(writer.room_for_a_round(4, 4));
+        assert!(
+            !writer.room_for_a_round(4, OVERLAP_ROWS),
+            "a large round waits for the rounds in flight"
+        );
         writer.doubts.push((0, Arc::new(Rows::default())));
         assert!(
-            !writer.room_for_a_round(4),
+            !writer.room_for_a_round(4, 4),
             "a round of unknown outcome is settled before anything new starts"
         );
         writer.doubts.clear();
@@ -568,7 +580,7 @@ mod tests {
             ));
         }
         assert!(
-            !writer.room_for_a_round(100),
+            !writer.room_for_a_round(100, 100),
             "at most {ROUNDS_IN_FLIGHT} in flight"
         );
     }
