@@ -27,7 +27,7 @@ use providerkit::{Change, FenceMark, MachineRecord, StoreError, StoreErrorKind};
 
 use crate::error::{pg_error, pool_error};
 use crate::rows::{send_fences, send_machines};
-use crate::writer::Shared;
+use crate::shared::Shared;
 
 /// One statement for every machine of a round: the rows travel as arrays.
 const UPSERT_MACHINES: &str = "INSERT INTO bigfleet_machines

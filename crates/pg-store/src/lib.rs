@@ -37,6 +37,7 @@ mod lease;
 mod pool;
 mod rows;
 mod schema;
+mod shared;
 mod target;
 mod writer;
 
@@ -52,7 +53,8 @@ use tokio::sync::watch;
 use crate::commit::Owner;
 use crate::error::{pg_error, pool_error};
 use crate::pool::build_pool;
-use crate::writer::{writer_loop, Shared};
+use crate::shared::Shared;
+use crate::writer::writer_loop;
 
 pub use lease::{Lease, LeaseState};
 pub use pool::PgOptions;

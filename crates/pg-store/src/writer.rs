@@ -24,17 +24,17 @@
 //! rounds until a read settles it.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use deadpool_postgres::Pool;
-use parking_lot::Mutex;
-use providerkit::{Change, ChangeQueue, FailedCommits, StoreError, Ticket};
-use tokio::sync::{watch, Notify};
+use providerkit::{Change, StoreError, Ticket};
+use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use crate::commit::{commit_round, round_landed, Outcome, Owner, RoundPlan, Rows};
+use crate::shared::Shared;
 
 /// Rounds committing at once. A round's time is mostly the server's WAL
 /// flush, which PostgreSQL shares between the transactions that wait for
@@ -58,53 +58,6 @@ const SHUTDOWN_ROUND: Duration = Duration::from_secs(10);
 /// How long the writer waits before retrying changes whose commit failed
 /// when no new submission arrives to carry them.
 const RETRY_INTERVAL: Duration = Duration::from_secs(1);
-
-pub(crate) struct Shared {
-    pub(crate) target: String,
-    /// The lease epoch every commit must still find, if the store writes
-    /// as a leader.
-    pub(crate) lease_epoch: Option<i64>,
-    /// This store's name in `bigfleet_commits` (drawn at random when it
-    /// opens): whose round a read finds.
-    pub(crate) writer_id: i64,
-    pub(crate) queue: Mutex<ChangeQueue>,
-    pub(crate) wake: Notify,
-    /// Ticket ranges whose commit failed and whose changes are not yet
-    /// durable; cleared once everything is.
-    failures: FailedCommits,
-    pub(crate) commits: AtomicU64,
-    /// Commits whose answer was lost and that a read found had landed.
-    pub(crate) resolved_by_reading: AtomicU64,
-    /// Test hook: the next commit lands but its answer is thrown away.
-    pub(crate) lose_next_answer: AtomicBool,
-}
-
-impl Shared {
-    pub(crate) fn new(target: String, lease_epoch: Option<i64>) -> Shared {
-        Shared {
-            target,
-            lease_epoch,
-            // Odd, so never 0 (the id of the rounds before schema 3); 63
-            // random bits tell two writers apart.
-            writer_id: rand::random::<i64>() | 1,
-            queue: Mutex::new(ChangeQueue::default()),
-            wake: Notify::new(),
-            failures: FailedCommits::default(),
-            commits: AtomicU64::new(0),
-            resolved_by_reading: AtomicU64::new(0),
-            lose_next_answer: AtomicBool::new(false),
-        }
-    }
-
-    pub(crate) fn failure_for(&self, ticket: Ticket) -> Option<StoreError> {
-        self.failures.failure_for(ticket)
-    }
-
-    /// The latest commit failure whose changes are still not durable.
-    pub(crate) fn pending_failure(&self) -> Option<StoreError> {
-        self.failures.latest()
-    }
-}
 
 /// A round on its way.
 struct Round {
