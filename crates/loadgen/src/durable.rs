@@ -200,7 +200,7 @@ async fn settle(reader: &tokio_postgres::Client) -> Result<()> {
 
 /// The PostgreSQL store's highest committed round (each commit takes the
 /// next number; numbers left unused are rare and only after a failure).
-async fn commit_seq(reader: &tokio_postgres::Client) -> Result<i64> {
+async fn last_round(reader: &tokio_postgres::Client) -> Result<i64> {
     Ok(reader
         .query_one("SELECT COALESCE(max(round), 0) FROM bigfleet_commits", &[])
         .await
@@ -293,7 +293,7 @@ async fn durable_creates(
             settle(reader).await?;
         }
         let commits_before = match &reader {
-            Some(reader) => Some(commit_seq(reader).await?),
+            Some(reader) => Some(last_round(reader).await?),
             None => None,
         };
         let (mut lat, wall, cpu) = run_concurrently(
@@ -311,7 +311,7 @@ async fn durable_creates(
         // (CREATING -> IDLE) of the Creates acknowledged so far.
         let commits = match (&reader, commits_before) {
             (Some(reader), Some(before)) => {
-                let commits = commit_seq(reader).await? - before;
+                let commits = last_round(reader).await? - before;
                 format!(
                     " commits={commits} commits_per_s={:.0} acks_per_commit={:.2}",
                     commits as f64 / wall.as_secs_f64(),

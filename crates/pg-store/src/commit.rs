@@ -397,14 +397,18 @@ mod tests {
     use provider_testkit::store_contract::{machine, record};
     use providerkit::State;
 
-    async fn open(schema: &TestSchema, shared: &Shared) -> Pool {
+    /// A fresh state with the schema, a leader's store at lease epoch 0
+    /// and a pool on it; `None` when the tests skip.
+    async fn fresh() -> Option<(TestSchema, Shared, Pool)> {
+        let schema = provider_testkit::postgres::fresh()?;
+        let shared = Shared::new("test".into(), Some(0));
         let target = Target::parse(&schema.url).expect("target");
         let pool = build_pool(&target, &PgOptions::default(), 2).expect("pool");
         let mut client = pool.get().await.expect("connect");
         schema::prepare(&shared.target, &mut client, true)
             .await
             .expect("schema");
-        pool
+        Some((schema, shared, pool))
     }
 
     fn plan(number: i64) -> RoundPlan {
@@ -433,11 +437,9 @@ mod tests {
 
     #[tokio::test(flavor = "multi_thread")]
     async fn an_older_round_that_lands_late_leaves_the_newer_row() {
-        let Some(schema) = provider_testkit::postgres::fresh() else {
+        let Some((schema, shared, pool)) = fresh().await else {
             return;
         };
-        let shared = Shared::new("test".into(), Some(0));
-        let pool = open(&schema, &shared).await;
         // Round 6 carries the newer version and lands first; round 5,
         // formed earlier, lands after it.
         let newer = commit_round(&shared, &pool, &plan(6), &rows("m-1", 9, 6)).await;
@@ -457,12 +459,10 @@ mod tests {
 
     #[tokio::test(flavor = "multi_thread")]
     async fn a_round_of_the_same_number_by_another_writer_is_not_taken_for_ours() {
-        let Some(schema) = provider_testkit::postgres::fresh() else {
+        let Some((_schema, next, pool)) = fresh().await else {
             return;
         };
         let deposed = Shared::new("deposed".into(), Some(0));
-        let next = Shared::new("next".into(), Some(0));
-        let pool = open(&schema, &next).await;
         let landed = commit_round(&next, &pool, &plan(7), &rows("m-1", 1, 7)).await;
         assert_landed(landed, false);
         assert!(round_landed(&next, &pool, 7).await.expect("read"));
@@ -474,11 +474,9 @@ mod tests {
 
     #[tokio::test(flavor = "multi_thread")]
     async fn a_prune_keeps_the_rounds_that_may_still_be_read() {
-        let Some(schema) = provider_testkit::postgres::fresh() else {
+        let Some((schema, shared, pool)) = fresh().await else {
             return;
         };
-        let shared = Shared::new("test".into(), Some(0));
-        let pool = open(&schema, &shared).await;
         for number in 1..=3 {
             let outcome =
                 commit_round(&shared, &pool, &plan(number), &rows("m-1", 1, number)).await;
@@ -500,11 +498,9 @@ mod tests {
 
     #[tokio::test(flavor = "multi_thread")]
     async fn a_round_under_a_taken_lease_writes_nothing() {
-        let Some(schema) = provider_testkit::postgres::fresh() else {
+        let Some((schema, shared, pool)) = fresh().await else {
             return;
         };
-        let shared = Shared::new("test".into(), Some(0));
-        let pool = open(&schema, &shared).await;
         schema.admin("UPDATE bigfleet_lease SET epoch = 2");
         let outcome = commit_round(&shared, &pool, &plan(1), &rows("m-1", 1, 1)).await;
         let Outcome::NotLanded(error) = outcome else {

@@ -133,7 +133,7 @@ pub(crate) async fn writer_loop(
     loop {
         let (changes, upto, shutdown) = writer.next_work().await;
         if shutdown {
-            writer.take(changes.unwrap_or_default(), upto).await;
+            writer.take(changes, upto).await;
             let drained = tokio::time::timeout(SHUTDOWN_ROUND, writer.drain()).await;
             if drained.is_err() {
                 tracing::error!(
@@ -144,20 +144,16 @@ pub(crate) async fn writer_loop(
             }
             return;
         }
-        match (changes, upto) {
-            (Some(changes), upto) => writer.take(changes, upto).await,
-            // The retry interval passed with rows still carried.
-            (None, _) => writer.take(Vec::new(), writer.formed).await,
-        }
+        writer.take(changes, upto).await;
     }
 }
 
 impl Writer {
     /// Wait until there is something to do: a round to settle (done here),
     /// or changes to send (returned with the last queued ticket, and
-    /// whether the store stops). `None` changes: the retry interval passed
-    /// with rows carried and nothing new queued.
-    async fn next_work(&mut self) -> (Option<Vec<Change>>, Ticket, bool) {
+    /// whether the store stops). No changes and no new ticket: the retry
+    /// interval passed with rows carried and nothing new queued.
+    async fn next_work(&mut self) -> (Vec<Change>, Ticket, bool) {
         loop {
             let room = {
                 let mut queue = self.shared.queue.lock();
@@ -165,7 +161,7 @@ impl Writer {
                 let room = self.room_for_a_round(queued, queue.pending.len());
                 if room && (!queue.pending.is_empty() || queue.shutdown) {
                     let changes = std::mem::take(&mut queue.pending);
-                    return (Some(changes), queue.issued, queue.shutdown);
+                    return (changes, queue.issued, queue.shutdown);
                 }
                 room
             };
@@ -189,7 +185,7 @@ impl Writer {
             match event {
                 Event::Ended(outcome) => self.settle_front(outcome),
                 Event::Woken => {}
-                Event::Retry => return (None, 0, false),
+                Event::Retry => return (Vec::new(), self.formed, false),
             }
         }
     }
@@ -230,14 +226,14 @@ impl Writer {
             }
         }
         if self.carry.is_empty() {
-            self.publish_settled(upto);
+            // Nothing new and nothing carried (a retry after the doubtful
+            // rounds proved landed, or a stop with nothing queued): every
+            // ticket is already in a round.
             return;
         }
         let rows = Arc::new(std::mem::take(&mut self.carry));
-        let lowest_unsettled = self
-            .in_flight
-            .front()
-            .map_or(number, |round| round.number.min(number));
+        // Rounds in flight are numbered below this one, oldest first.
+        let lowest_unsettled = self.in_flight.front().map_or(number, |round| round.number);
         let flushing = Arc::new(AtomicBool::new(false));
         let plan = RoundPlan {
             number,
@@ -266,20 +262,6 @@ impl Writer {
             task,
         });
         self.formed = upto.max(self.formed);
-    }
-
-    /// Tickets up to `upto` that need no commit (their rows are already in
-    /// rounds that ended) are published once the rounds before them end.
-    fn publish_settled(&mut self, upto: Ticket) {
-        if upto <= self.formed {
-            return;
-        }
-        if self.in_flight.is_empty() {
-            self.formed = upto;
-            self.publish(upto);
-        }
-        // Otherwise the next round carries them; with nothing queued that
-        // only happens after a failure, whose retry follows.
     }
 
     /// The oldest round ended with `outcome`.
