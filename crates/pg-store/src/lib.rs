@@ -53,6 +53,7 @@ use tokio::sync::watch;
 use crate::commit::Owner;
 use crate::error::{pg_error, pool_error};
 use crate::pool::build_pool;
+use crate::schema::IfAbsent;
 use crate::shared::Shared;
 use crate::writer::writer_loop;
 
@@ -92,6 +93,30 @@ impl PgStore {
     /// Connect, create or migrate the schema to [`SCHEMA_VERSION`], and
     /// start the writer. Blocks until the database answered (or refused).
     pub fn open(target: &Target, options: &PgOptions) -> Result<PgStore, StoreError> {
+        PgStore::open_if(target, options, IfAbsent::Create)?.ok_or_else(|| {
+            StoreError::corrupt(format!(
+                "PostgreSQL state {}: the schema is missing right after its creation",
+                target.display()
+            ))
+        })
+    }
+
+    /// [`PgStore::open`] of a state that must already be there: `None`,
+    /// with nothing created or written, when the database holds none (a
+    /// wrong database name in `state copy --from` must not leave empty
+    /// tables behind).
+    pub fn open_existing(
+        target: &Target,
+        options: &PgOptions,
+    ) -> Result<Option<PgStore>, StoreError> {
+        PgStore::open_if(target, options, IfAbsent::Leave)
+    }
+
+    fn open_if(
+        target: &Target,
+        options: &PgOptions,
+        absent: IfAbsent,
+    ) -> Result<Option<PgStore>, StoreError> {
         let name = target.display().to_string();
         let pool = build_pool(target, options, POOL_SIZE)?;
         let runtime = tokio::runtime::Builder::new_current_thread()
@@ -116,8 +141,8 @@ impl PgStore {
                 .spawn(move || {
                     runtime.block_on(async move {
                         let leased = shared.lease_epoch.is_some();
-                        let opened = prepare(&writer_name, &pool, leased).await;
-                        let start = opened.as_ref().ok().map(|o| {
+                        let opened = prepare(&writer_name, &pool, leased, absent).await;
+                        let start = opened.as_ref().ok().and_then(Option::as_ref).map(|o| {
                             let owner = match (shared.lease_epoch, o.writer_generation) {
                                 (Some(epoch), _) => Owner::Lease(epoch),
                                 (None, generation) => Owner::Writer(generation.unwrap_or(0)),
@@ -145,7 +170,14 @@ impl PgStore {
             ))
         });
         let opened = match opened.and_then(|o| o) {
-            Ok(opened) => opened,
+            Ok(Some(opened)) => opened,
+            Ok(None) => {
+                // Nothing to write to: the thread ended without a writer.
+                if thread.join().is_err() {
+                    tracing::error!(state = %name, "state store writer thread panicked");
+                }
+                return Ok(None);
+            }
             Err(e) => {
                 // The thread ends by itself after a failed open.
                 if thread.join().is_err() {
@@ -154,7 +186,7 @@ impl PgStore {
                 return Err(e);
             }
         };
-        Ok(PgStore {
+        Ok(Some(PgStore {
             target: name,
             report: OpenReport {
                 created: opened.created,
@@ -166,7 +198,7 @@ impl PgStore {
             done,
             runtime: handle,
             thread: Some(thread),
-        })
+        }))
     }
 
     /// What was found at open.
@@ -219,12 +251,17 @@ impl PgStore {
     }
 }
 
-async fn prepare(name: &str, pool: &Pool, leased: bool) -> Result<schema::Opened, StoreError> {
+async fn prepare(
+    name: &str,
+    pool: &Pool,
+    leased: bool,
+    absent: IfAbsent,
+) -> Result<Option<schema::Opened>, StoreError> {
     let mut client = pool
         .get()
         .await
         .map_err(|e| pool_error(name, "cannot connect", e))?;
-    schema::prepare(name, &mut client, leased).await
+    schema::prepare_if(name, &mut client, leased, absent).await
 }
 
 impl Drop for PgStore {

@@ -96,6 +96,16 @@ pub(crate) struct Opened {
     pub(crate) fence_marks: u64,
 }
 
+/// What to do with a database that holds no state schema.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum IfAbsent {
+    /// Create it (a provider's first start on a new database).
+    Create,
+    /// Leave the database untouched and answer `None` (reading a state
+    /// that must already be there, as `state copy --from`).
+    Leave,
+}
+
 /// Create the schema if the database has none, migrate an older one, and
 /// refuse a newer one; all in one transaction under the migration lock.
 ///
@@ -107,6 +117,23 @@ pub(crate) async fn prepare(
     client: &mut Client,
     leased: bool,
 ) -> Result<Opened, StoreError> {
+    prepare_if(target, client, leased, IfAbsent::Create)
+        .await?
+        .ok_or_else(|| {
+            StoreError::corrupt(format!(
+                "PostgreSQL state {target}: the schema is missing right after its creation"
+            ))
+        })
+}
+
+/// [`prepare`], or `None` with nothing written when the database holds no
+/// state and `absent` says to leave it so.
+pub(crate) async fn prepare_if(
+    target: &str,
+    client: &mut Client,
+    leased: bool,
+    absent: IfAbsent,
+) -> Result<Option<Opened>, StoreError> {
     let err = |action: &str| {
         let action = action.to_string();
         move |e| pg_error(target, &action, e)
@@ -123,6 +150,11 @@ pub(crate) async fn prepare(
         .await
         .map_err(err("cannot read the schema"))?
         .get(0);
+    if !exists && absent == IfAbsent::Leave {
+        // Dropping the transaction rolls it back: only the advisory lock
+        // was taken.
+        return Ok(None);
+    }
     let version: i64 = if exists {
         tx.query_one("SELECT schema_version FROM bigfleet_meta WHERE id = 1", &[])
             .await
@@ -176,5 +208,5 @@ pub(crate) async fn prepare(
         fence_marks: count(2),
     };
     tx.commit().await.map_err(err("cannot commit the schema"))?;
-    Ok(opened)
+    Ok(Some(opened))
 }

@@ -331,14 +331,18 @@ fn open(
         Location::Postgres {
             target, options, ..
         } => {
-            let store = PgStore::open(target, options)
-                .map_err(|e| opened(target.display().to_string(), e))?;
-            if side == Side::Source && store.report().created {
-                return Err(StateCopyError::NoSource {
-                    name: store.target().to_string(),
-                    why: "the database had no state tables",
-                });
-            }
+            let name = || target.display().to_string();
+            let store = match side {
+                // A source is read, never created: a database without
+                // the state's tables is left as it was.
+                Side::Source => PgStore::open_existing(target, options)
+                    .map_err(|e| opened(name(), e))?
+                    .ok_or_else(|| StateCopyError::NoSource {
+                        name: name(),
+                        why: "the database has no state tables",
+                    })?,
+                Side::Target => PgStore::open(target, options).map_err(|e| opened(name(), e))?,
+            };
             Ok((Box::new(store), None))
         }
     }

@@ -203,6 +203,33 @@ fn a_postgres_target_that_is_not_empty_is_refused_with_nothing_written() {
 }
 
 #[test]
+fn a_postgres_source_without_a_state_is_refused_and_left_without_tables() {
+    let Some(schema) = provider_testkit::postgres::fresh() else {
+        return;
+    };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let target = dir.path().join("copy.db");
+    let out = copy(&schema.url, path_str(&target), &[]);
+    let (_, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("holds no state (the database has no state tables)"),
+        "{stderr}"
+    );
+    // A wrong database name must not leave the state's tables behind.
+    let tables = schema.query_i64(&format!(
+        "SELECT count(*) FROM pg_tables WHERE schemaname = '{}'",
+        schema.name
+    ));
+    assert_eq!(tables, 0, "reading the source created tables");
+    assert!(
+        !target.exists(),
+        "the failed copy left {}",
+        target.display()
+    );
+}
+
+#[test]
 fn a_sqlite_target_that_is_not_empty_is_refused_with_nothing_written() {
     let dir = tempfile::tempdir().expect("tempdir");
     let (source, target) = (dir.path().join("a.db"), dir.path().join("b.db"));
