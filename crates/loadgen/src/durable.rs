@@ -18,6 +18,7 @@ use std::time::{Duration, Instant};
 use anyhow::{anyhow, bail, Context, Result};
 use tokio_postgres::NoTls;
 
+use crate::machine::{span_fields, CpuTicks};
 use crate::provider::{Launch, Provider, STANDBY_MARKER};
 use crate::scenarios::{create_req, full_filter, run_concurrently, Bench, Profile};
 use crate::stats::{ms, us};
@@ -296,6 +297,7 @@ async fn durable_creates(
             Some(reader) => Some(last_round(reader).await?),
             None => None,
         };
+        let machine = CpuTicks::now();
         let (mut lat, wall, cpu) = run_concurrently(
             &bench.endpoint,
             CALLERS,
@@ -307,6 +309,7 @@ async fn durable_creates(
         )
         .await?;
         let acks = n as f64 / wall.as_secs_f64();
+        let machine = span_fields(machine);
         // Commits during the acks' window: they also carry the landings
         // (CREATING -> IDLE) of the Creates acknowledged so far.
         let commits = match (&reader, commits_before) {
@@ -321,7 +324,7 @@ async fn durable_creates(
             _ => String::new(),
         };
         report.line(format!(
-            "durable_create_acks_per_s={acks:.0} create_p50_us={} create_p99_us={} server_cpu_us_per_create={} callers={CALLERS} conns={CALLERS} creates={n} first_boot_ms={}{commits} size={size} state={}",
+            "durable_create_acks_per_s={acks:.0} create_p50_us={} create_p99_us={} server_cpu_us_per_create={} callers={CALLERS} conns={CALLERS} creates={n} first_boot_ms={}{commits}{machine} size={size} state={}",
             us(lat.percentile(50.0)),
             us(lat.percentile(99.0)),
             cpu.us_per_op(n),

@@ -2,6 +2,7 @@
 //! provider on the fake backend and prints one `key=value` line per figure.
 
 mod durable;
+mod machine;
 mod provider;
 mod scenarios;
 mod stats;
@@ -217,10 +218,11 @@ async fn run(args: Args) -> Result<()> {
         .map(|d| d.as_secs())
         .unwrap_or(0);
     report.line(format!(
-        "# loadgen run unix_time={unix} quick={} pinned={} nproc={}",
+        "# loadgen run unix_time={unix} quick={} pinned={} nproc={} cpu_reference_ms={:.1}",
         args.quick,
         args.pin,
-        online_cpus()
+        online_cpus(),
+        machine::cpu_reference().as_secs_f64() * 1e3
     ));
 
     if let Some(target) = &args.target {
