@@ -57,10 +57,26 @@ const PRUNE_ROUNDS: &str = "DELETE FROM bigfleet_commits WHERE round < $1";
 const ROUND_LANDED: &str =
     "SELECT EXISTS (SELECT 1 FROM bigfleet_commits WHERE round = $1 AND writer = $2)";
 
-/// The lease row, locked against a new holder until this transaction ends:
-/// a replica taking the lease waits for the commits in flight, and a commit
-/// that comes after reads the new epoch and writes nothing.
-pub(crate) const CHECK_LEASE: &str = "SELECT epoch FROM bigfleet_lease WHERE id = 1 FOR SHARE";
+/// The lease lock in shared mode, held until this transaction ends: a
+/// replica taking the lease takes it exclusively (`lease::TAKE_LEASE_LOCK`),
+/// so it waits for the commits in flight, and a commit that comes after
+/// waits for the take and then reads the new epoch ([`READ_LEASE_EPOCH`],
+/// a statement of its own: under READ COMMITTED each statement sees what
+/// was committed before it started, here after the lock was granted).
+///
+/// An advisory lock rather than `FOR SHARE` on the lease row: several
+/// rounds in flight sharing a row lock make PostgreSQL write a multixact
+/// and a WAL record for the row on every commit, and a share lock on the
+/// row also held the leader's own renewals back behind its commits. The
+/// lock's key is the lease table's OID, so two states in one database
+/// (two schemas) never wait for each other.
+pub(crate) const SHARE_LEASE_LOCK: &str = concat!(
+    "SELECT pg_advisory_xact_lock_shared(",
+    lease_lock_key!(),
+    ")"
+);
+
+pub(crate) const READ_LEASE_EPOCH: &str = "SELECT epoch FROM bigfleet_lease WHERE id = 1";
 
 /// The same for a store that writes without a lease: a second writer
 /// opening the state advances the generation (waiting for these commits),
@@ -319,10 +335,13 @@ async fn transaction(
     plan: &RoundPlan,
     rows: &Rows,
 ) -> Result<Found, tokio_postgres::Error> {
+    let leased = matches!(plan.owner, Owner::Lease(_));
+    let share_lease = client.prepare_cached(SHARE_LEASE_LOCK).await?;
     let check = client
-        .prepare_cached(match plan.owner {
-            Owner::Lease(_) => CHECK_LEASE,
-            Owner::Writer(_) => CHECK_WRITER,
+        .prepare_cached(if leased {
+            READ_LEASE_EPOCH
+        } else {
+            CHECK_WRITER
         })
         .await?;
     let insert_round = client.prepare_cached(INSERT_ROUND).await?;
@@ -344,8 +363,14 @@ async fn transaction(
     // the caller discards this connection (its transaction state is
     // unknown), so only the owner check's refusal needs a ROLLBACK here.
     let client: &Object = client;
-    let (begun, owner, round, pruned, machines_sent, fences_sent) = futures::join!(
+    let (begun, locked, owner, round, pruned, machines_sent, fences_sent) = futures::join!(
         client.batch_execute("BEGIN"),
+        async {
+            match leased {
+                true => client.execute(&share_lease, &[]).await.map(|_| ()),
+                false => Ok(()),
+            }
+        },
         client.query_one(&check, &[]),
         client.execute(&insert_round, &round_params),
         async {
@@ -368,6 +393,7 @@ async fn transaction(
         },
     );
     begun?;
+    locked?;
     let found: i64 = owner?.get(0);
     let mine = match plan.owner {
         Owner::Lease(epoch) | Owner::Writer(epoch) => epoch,

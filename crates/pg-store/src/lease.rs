@@ -4,10 +4,14 @@
 //! Expiry is the database's clock (`now()`), so replicas never compare
 //! their own clocks. Every new holder gets the next epoch, and every commit
 //! of a [`crate::PgStore`] opened with that epoch checks it in its own
-//! transaction under a share lock on the row (`commit::CHECK_LEASE`): taking
-//! the lease waits for the commits in flight, and a commit that comes after
-//! finds the new epoch and writes nothing. A replica that lost the lease
-//! can therefore not write, whatever its own clock or scheduler did.
+//! transaction under the lease lock in shared mode
+//! (`commit::SHARE_LEASE_LOCK`). Taking the lease holds that lock
+//! exclusively while it changes the epoch ([`TAKE_LEASE_LOCK`]): it waits
+//! for the commits in flight, and a commit that comes after finds the new
+//! epoch and writes nothing. A replica that lost the lease can therefore
+//! not write, whatever its own clock or scheduler did. Renewing and
+//! releasing leave the epoch as it is and take no lock, so commits never
+//! hold a renewal back.
 //!
 //! The holder must also stop acting before the lease can have expired: it
 //! counts its term from the moment it *sent* the statement that acquired or
@@ -30,6 +34,11 @@ const ACQUIRE: &str = "UPDATE bigfleet_lease
      SET epoch = epoch + 1, holder = $1, expires_at = now() + make_interval(secs => $2)
      WHERE id = 1 AND (expires_at <= now() OR holder = $1)
      RETURNING epoch";
+
+/// Held from before the epoch changes until the change commits; taken
+/// only when the lease can be taken, so a standby's attempts never stall
+/// the leader's commits.
+const TAKE_LEASE_LOCK: &str = concat!("SELECT pg_advisory_xact_lock(", lease_lock_key!(), ")");
 
 const RENEW: &str = "UPDATE bigfleet_lease SET expires_at = now() + make_interval(secs => $2)
      WHERE id = 1 AND epoch = $1";
@@ -93,18 +102,42 @@ impl Lease {
 
     /// Take the lease for `holder` for `ttl` if nobody else holds it.
     pub async fn try_acquire(&self, holder: &str, ttl: Duration) -> Result<LeaseState, StoreError> {
-        let client = self.client().await?;
+        let mut client = self.client().await?;
+        let held = self.read(&client).await?;
+        if let LeaseState::Held {
+            holder: ref current,
+            expires_in,
+            ..
+        } = held
+        {
+            if !expires_in.is_zero() && current != holder {
+                return Ok(held);
+            }
+        }
+        // The term counts from before BEGIN, whose time is the `now()` the
+        // expiry is computed from, however long the lock takes.
         let sent = Instant::now();
-        let row = client
+        let take = |e| self.error("cannot take the leader lease", e);
+        let tx = client.transaction().await.map_err(take)?;
+        tx.execute(TAKE_LEASE_LOCK, &[]).await.map_err(take)?;
+        let row = tx
             .query_opt(ACQUIRE, &[&holder, &ttl.as_secs_f64()])
             .await
-            .map_err(|e| self.error("cannot take the leader lease", e))?;
-        if let Some(row) = row {
-            return Ok(LeaseState::Acquired {
+            .map_err(take)?;
+        tx.commit().await.map_err(take)?;
+        match row {
+            Some(row) => Ok(LeaseState::Acquired {
                 epoch: row.get(0),
                 sent,
-            });
+            }),
+            // Another replica took it between the read and the take.
+            None => self.read(&client).await,
         }
+    }
+
+    /// Who holds the lease, as [`LeaseState::Held`] (an expired lease has
+    /// `expires_in` zero).
+    async fn read(&self, client: &deadpool_postgres::Object) -> Result<LeaseState, StoreError> {
         let row = client
             .query_one(READ, &[])
             .await

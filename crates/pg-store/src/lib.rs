@@ -29,6 +29,16 @@
 //! `decode` (loading), `dump` (the whole state out and into an
 //! empty one, for `state copy`), `error` (messages).
 
+/// The key of the advisory lock that orders commits against a change of
+/// leader (`commit::SHARE_LEASE_LOCK`, `lease::TAKE_LEASE_LOCK`): a class
+/// of this store's own (ASCII "bfle") and the lease table's OID, resolved
+/// through the connection's search_path, so each state has its own lock.
+macro_rules! lease_lock_key {
+    () => {
+        "1650879589, 'bigfleet_lease'::regclass::oid::int4"
+    };
+}
+
 mod commit;
 mod decode;
 mod dump;
@@ -292,8 +302,11 @@ impl Store for PgStore {
                 .await
                 .map_err(|e| pg_error(&name, "cannot start the load transaction", e))?;
             if let Some(mine) = lease_epoch {
+                tx.execute(commit::SHARE_LEASE_LOCK, &[])
+                    .await
+                    .map_err(|e| pg_error(&name, "cannot lock the leader lease", e))?;
                 let found: i64 = tx
-                    .query_one(commit::CHECK_LEASE, &[])
+                    .query_one(commit::READ_LEASE_EPOCH, &[])
                     .await
                     .map_err(|e| pg_error(&name, "cannot read the leader lease", e))?
                     .get(0);

@@ -129,6 +129,63 @@ impl TestSchema {
         ));
     }
 
+    /// Start a transaction on a connection of its own, run `sql` in it (in
+    /// this schema), and keep it open until [`HeldTransaction::commit`]:
+    /// a peer that holds its locks mid-transaction. Returns once `sql` ran.
+    pub fn hold(&self, sql: &str) -> HeldTransaction {
+        let url = self.admin_url.clone();
+        let sql = format!("BEGIN; SET LOCAL search_path = {}; {sql}", self.name);
+        let (ran_tx, ran) = std::sync::mpsc::channel();
+        let (finish, finish_rx) = tokio::sync::oneshot::channel::<bool>();
+        let thread = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("runtime");
+            rt.block_on(async move {
+                let (client, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+                    .await
+                    .unwrap_or_else(|e| panic!("cannot connect to {url}: {e}"));
+                tokio::spawn(connection);
+                client
+                    .batch_execute(&sql)
+                    .await
+                    .unwrap_or_else(|e| panic!("{sql}: {e}"));
+                ran_tx.send(()).expect("the caller waits");
+                // Dropped without a word (the test failed): roll back.
+                let end = match finish_rx.await {
+                    Ok(true) => "COMMIT",
+                    _ => "ROLLBACK",
+                };
+                client
+                    .batch_execute(end)
+                    .await
+                    .unwrap_or_else(|e| panic!("{end}: {e}"));
+            });
+        });
+        if ran.recv().is_err() {
+            // The thread panicked before the statements ran: say why.
+            if let Err(panic) = thread.join() {
+                std::panic::resume_unwind(panic);
+            }
+            panic!("the held transaction ended before it ran");
+        }
+        HeldTransaction {
+            finish: Some(finish),
+            thread: Some(thread),
+        }
+    }
+
+    /// Lock requests in the server that wait on an advisory lock of the
+    /// two-key form `(class, object)`, with `object` an SQL expression
+    /// evaluated in this schema (as `'t'::regclass::oid`).
+    pub fn advisory_lock_waiters(&self, class: u32, object: &str) -> i64 {
+        self.query_i64(&format!(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted
+             AND classid = {class}::oid AND objid = ({object})::oid AND objsubid = 2"
+        ))
+    }
+
     /// Run `work` with a fresh client on a runtime of its own (callers may
     /// be inside another runtime or not).
     fn with_client<F, Fut>(&self, work: F)
@@ -153,6 +210,39 @@ impl TestSchema {
         if let Err(panic) = thread.join() {
             std::panic::resume_unwind(panic);
         }
+    }
+}
+
+/// A transaction [`TestSchema::hold`] keeps open; dropped, it rolls back.
+pub struct HeldTransaction {
+    finish: Option<tokio::sync::oneshot::Sender<bool>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl HeldTransaction {
+    /// Commit it and wait until the commit is done.
+    pub fn commit(mut self) {
+        self.end(true);
+    }
+
+    fn end(&mut self, commit: bool) {
+        if let Some(finish) = self.finish.take() {
+            // Gone only if the thread panicked: the join below says so.
+            let _ = finish.send(commit);
+        }
+        if let Some(thread) = self.thread.take() {
+            if let Err(panic) = thread.join() {
+                if !std::thread::panicking() {
+                    std::panic::resume_unwind(panic);
+                }
+            }
+        }
+    }
+}
+
+impl Drop for HeldTransaction {
+    fn drop(&mut self) {
+        self.end(false);
     }
 }
 

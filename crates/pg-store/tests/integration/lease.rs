@@ -124,3 +124,101 @@ fn a_store_under_a_lost_lease_commits_nothing() {
     let err = store.load().expect_err("nor start a boot generation");
     assert_eq!(err.kind(), StoreErrorKind::Locked);
 }
+
+/// The class of the lease lock's key (`lease_lock_key!` in the crate) and
+/// its object, the lease table's OID.
+const LEASE_LOCK_CLASS: u32 = 1_650_879_589;
+const LEASE_LOCK_OBJECT: &str = "'bigfleet_lease'::regclass";
+const SHARE_LEASE_LOCK: &str =
+    "SELECT pg_advisory_xact_lock_shared(1650879589, 'bigfleet_lease'::regclass::oid::int4)";
+
+/// Wait until a session waits for the lease lock (a condition in the
+/// server, not a guess at how long that takes).
+fn await_lease_lock_waiter(state: &PgState) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while state
+        .schema
+        .advisory_lock_waiters(LEASE_LOCK_CLASS, LEASE_LOCK_OBJECT)
+        == 0
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "nobody waited for the lease lock within 20 s"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+#[test]
+fn taking_the_lease_waits_for_the_commits_in_flight() {
+    let Some(state) = fresh() else { return };
+    // A worker of its own drives the take while this thread watches the
+    // server.
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let b = lease(&rt, &state);
+    let before = state.schema.query_i64("SELECT epoch FROM bigfleet_lease");
+    // A commit of the old leader in flight holds the lock in shared mode.
+    let in_flight = state.schema.hold(SHARE_LEASE_LOCK);
+    let take = rt.spawn(async move { b.try_acquire("b", TTL).await });
+    await_lease_lock_waiter(&state);
+    assert_eq!(
+        state.schema.query_i64("SELECT epoch FROM bigfleet_lease"),
+        before,
+        "the epoch moved under a commit in flight"
+    );
+    in_flight.commit();
+    let taken = epoch(rt.block_on(take).expect("join").expect("b"));
+    assert_eq!(taken, before + 1);
+}
+
+#[test]
+fn a_commit_during_a_take_waits_for_it_and_writes_nothing() {
+    let Some(state) = fresh() else { return };
+    let rt = runtime();
+    let a = lease(&rt, &state);
+    let mine = epoch(rt.block_on(a.try_acquire("a", TTL)).expect("a"));
+    let options = PgOptions {
+        lease_epoch: Some(mine),
+        ..PgOptions::default()
+    };
+    let store = PgStore::open(&state.target(), &options).expect("open");
+    store.load().expect("load under the lease");
+    // Another replica is taking the lease: it holds the lock and has
+    // moved the epoch, not yet committed.
+    let take = state.schema.hold(
+        "SELECT pg_advisory_xact_lock(1650879589, 'bigfleet_lease'::regclass::oid::int4);
+         UPDATE bigfleet_lease SET epoch = epoch + 1, holder = 'b'",
+    );
+    let t = store.submit(vec![machine(record("m-1", 1, State::Idle))]);
+    await_lease_lock_waiter(&state);
+    take.commit();
+    let err = durable(&store, t).expect_err("a commit behind a take must not land");
+    assert_eq!(err.kind(), StoreErrorKind::Locked, "{err}");
+    assert_eq!(
+        state
+            .schema
+            .query_i64("SELECT count(*) FROM bigfleet_machines"),
+        0,
+        "the deposed leader's rows are not there"
+    );
+}
+
+#[test]
+fn a_renewal_is_not_held_back_by_commits_in_flight() {
+    let Some(state) = fresh() else { return };
+    let rt = runtime();
+    let a = lease(&rt, &state);
+    let mine = epoch(rt.block_on(a.try_acquire("a", TTL)).expect("a"));
+    let in_flight = state.schema.hold(SHARE_LEASE_LOCK);
+    // Under a row lock this renewal would wait for the commit.
+    let renewed = rt
+        .block_on(async { tokio::time::timeout(Duration::from_secs(20), a.renew(mine, TTL)).await })
+        .expect("the renewal waited for a commit in flight")
+        .expect("renew");
+    assert!(renewed.is_some());
+    in_flight.commit();
+}
