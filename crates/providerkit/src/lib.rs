@@ -14,6 +14,7 @@ pub mod engine;
 pub mod error;
 pub mod fence;
 pub mod listen;
+pub mod memory_store;
 pub mod model;
 pub mod service;
 pub mod state_copy;
@@ -33,12 +34,13 @@ pub use engine::{
 pub use error::KitError;
 pub use fence::Token;
 pub use listen::{bind_aux, AuxAddr, AuxListener, BindError};
+pub use memory_store::MemoryStore;
 pub use model::{
     wall_clock_ms, CatalogFacts, Facts, FactsInterner, InFlight, MachineRecord, RecordError,
     SharedFacts, State, TransitionError, TransitionKind,
 };
 pub use state_copy::{copy_state, CopyError, CopyReport, RestoreError, StateDump};
 pub use store::{
-    Change, ChangeBatch, ChangeQueue, FailedCommits, FenceMark, Loaded, MemoryStore, Store,
-    StoreError, StoreErrorKind, StoreErrorSource, Ticket,
+    Change, ChangeBatch, ChangeQueue, FailedCommits, FenceMark, Loaded, Store, StoreError,
+    StoreErrorKind, StoreErrorSource, Ticket,
 };

@@ -307,8 +307,9 @@ mod tests {
     use std::sync::Arc;
 
     use super::*;
+    use crate::memory_store::MemoryStore;
     use crate::model::{CatalogFacts, InFlight, State};
-    use crate::store::{Change, FenceMark, MemoryStore};
+    use crate::store::{Change, FenceMark};
 
     fn record(id: &str, rev: u64, state: State) -> MachineRecord {
         let facts = CatalogFacts {
