@@ -26,7 +26,7 @@ use deadpool_postgres::{Object, Pool};
 use providerkit::{Change, FenceMark, MachineRecord, StoreError, StoreErrorKind};
 
 use crate::error::{pg_error, pool_error};
-use crate::rows::{send_fences, send_machines};
+use crate::rows::{send_fences, send_machines, ROWS_PER_STATEMENT};
 use crate::shared::Shared;
 
 /// One statement for every machine of a round: the rows travel as arrays.
@@ -379,17 +379,23 @@ async fn transaction(
                 None => Ok(()),
             }
         },
+        // A small round is one statement per table, pipelined with the
+        // rest; a large one goes a statement at a time, each encoded only
+        // once the one before was answered (the peak memory of a seeding
+        // boot is one statement's arrays, not the whole state's).
         async {
-            if machines.is_empty() {
-                return Ok(0);
+            let mut sent = 0;
+            for chunk in machines.chunks(ROWS_PER_STATEMENT) {
+                sent += send_machines(client, &upsert_machines, chunk).await?;
             }
-            send_machines(client, &upsert_machines, &machines).await
+            Ok::<u64, tokio_postgres::Error>(sent)
         },
         async {
-            if fences.is_empty() {
-                return Ok(0);
+            let mut sent = 0;
+            for chunk in fences.chunks(ROWS_PER_STATEMENT) {
+                sent += send_fences(client, &upsert_fences, chunk).await?;
             }
-            send_fences(client, &upsert_fences, &fences).await
+            Ok::<u64, tokio_postgres::Error>(sent)
         },
     );
     begun?;
@@ -420,7 +426,7 @@ mod tests {
     use crate::pool::build_pool;
     use crate::{schema, PgOptions, Target};
     use provider_testkit::postgres::TestSchema;
-    use provider_testkit::store_contract::{machine, record};
+    use provider_testkit::store_contract::{machine, mark, record};
     use providerkit::State;
 
     /// A fresh state with the schema, a leader's store at lease epoch 0
@@ -520,6 +526,31 @@ mod tests {
         );
         assert!(round_landed(&shared, &pool, 3).await.expect("read"));
         assert!(round_landed(&shared, &pool, 4).await.expect("read"));
+    }
+
+    #[tokio::test(flavor = "multi_thread")]
+    async fn a_round_larger_than_one_statement_writes_every_row() {
+        let Some((schema, shared, pool)) = fresh().await else {
+            return;
+        };
+        // Two and a bit statements of machines, one and a bit of marks.
+        let machines = 2 * ROWS_PER_STATEMENT + 1;
+        let fences = ROWS_PER_STATEMENT + 1;
+        let mut changes: Vec<Change> = (0..machines)
+            .map(|i| machine(record(&format!("m-{i}"), i as u64 + 1, State::Idle)))
+            .collect();
+        changes.extend((0..fences).map(|i| Change::Fence(mark("s-1", &format!("m-{i}"), 1, 1))));
+        let mut big = Rows::default();
+        big.stamp(changes, 1);
+        assert_landed(commit_round(&shared, &pool, &plan(1), &big).await, false);
+        assert_eq!(
+            schema.query_i64("SELECT count(*) FROM bigfleet_machines"),
+            machines as i64
+        );
+        assert_eq!(
+            schema.query_i64("SELECT count(*) FROM bigfleet_fences"),
+            fences as i64
+        );
     }
 
     #[tokio::test(flavor = "multi_thread")]

@@ -1,7 +1,9 @@
 //! The load path: machine rows decoded into records (the transition window
 //! from its columns), fence marks as they are.
 
+use futures::TryStreamExt;
 use providerkit::{FactsInterner, FenceMark, InFlight, Loaded, MachineRecord, StoreError};
+use tokio_postgres::types::ToSql;
 use tokio_postgres::{Row, Transaction};
 
 use crate::error::pg_error;
@@ -39,18 +41,23 @@ pub(crate) async fn load_machines(
     target: &str,
     tx: &Transaction<'_>,
 ) -> Result<Vec<MachineRecord>, StoreError> {
+    let read = |e| pg_error(target, "cannot read machines", e);
+    // Rows are decoded as they arrive rather than collected first: at 100k
+    // machines the rows' raw bytes would otherwise be held beside every
+    // decoded record until the last one is read.
     let rows = tx
-        .query(
+        .query_raw(
             "SELECT id, rev, record, op_create, op_configure, op_drain, op_delete,
                     started_ms, deadline_ms, grace_ms FROM bigfleet_machines",
-            &[],
+            std::iter::empty::<&(dyn ToSql + Sync)>(),
         )
         .await
-        .map_err(|e| pg_error(target, "cannot read machines", e))?;
+        .map_err(read)?;
+    futures::pin_mut!(rows);
     let mut interner = FactsInterner::new();
-    let mut machines = Vec::with_capacity(rows.len());
-    for row in &rows {
-        machines.push(decode_machine(target, row, &mut interner)?);
+    let mut machines = Vec::new();
+    while let Some(row) = rows.try_next().await.map_err(read)? {
+        machines.push(decode_machine(target, &row, &mut interner)?);
     }
     Ok(machines)
 }

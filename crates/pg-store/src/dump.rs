@@ -14,11 +14,8 @@ use providerkit::{FenceMark, Loaded, MachineRecord, RestoreError, StateDump, Sto
 use tokio_postgres::IsolationLevel;
 
 use crate::error::{pg_error, pool_error};
-use crate::rows::{int, send_fences, send_machines};
+use crate::rows::{int, send_fences, send_machines, ROWS_PER_STATEMENT};
 use crate::{decode, PgStore};
-
-/// Rows per insert statement.
-const CHUNK: usize = 5_000;
 
 const INSERT_MACHINES: &str = "INSERT INTO bigfleet_machines
      (id, rev, record, op_create, op_configure, op_drain, op_delete,
@@ -93,13 +90,13 @@ impl StateDump for PgStore {
             }
             let write =
                 |e: tokio_postgres::Error| pg_error(&name, "cannot write the restored state", e);
-            for chunk in state.machines.chunks(CHUNK) {
+            for chunk in state.machines.chunks(ROWS_PER_STATEMENT) {
                 let records: Vec<(i64, &MachineRecord)> = chunk.iter().map(|r| (0, r)).collect();
                 send_machines(&tx, INSERT_MACHINES, &records)
                     .await
                     .map_err(write)?;
             }
-            for chunk in state.fences.chunks(CHUNK) {
+            for chunk in state.fences.chunks(ROWS_PER_STATEMENT) {
                 let marks: Vec<(i64, &FenceMark)> = chunk.iter().map(|m| (0, m)).collect();
                 send_fences(&tx, INSERT_FENCES, &marks)
                     .await

@@ -7,6 +7,13 @@ use deadpool_postgres::GenericClient;
 use providerkit::{FenceMark, InFlight, MachineRecord};
 use tokio_postgres::ToStatement;
 
+/// Rows per statement when a batch is large (a seeding boot, a restore):
+/// each statement's column arrays are encoded, and held until sent, one
+/// statement at a time, so a state of 100k machines never has all of its
+/// rows encoded at once. A few dozen statements cost a few dozen round
+/// trips, nothing beside the rows' own transfer.
+pub(crate) const ROWS_PER_STATEMENT: usize = 5_000;
+
 /// Postgres integers are signed; a revision, window or generation past
 /// i64 is never real.
 pub(crate) fn int(v: u64) -> i64 {
