@@ -27,12 +27,12 @@ use crate::pool::{build_pool, PgOptions};
 use crate::schema;
 use crate::target::Target;
 
-/// Take the lease when it has expired, or when the replica asking already
-/// holds it under its name (a replica restarted in place takes its own
-/// lease back without waiting for it to expire).
+/// Take the lease when it has expired, or (`$3`) when the replica asking
+/// already holds it under its name (a replica restarted in place takes its
+/// own lease back without waiting for it to expire).
 const ACQUIRE: &str = "UPDATE bigfleet_lease
      SET epoch = epoch + 1, holder = $1, expires_at = now() + make_interval(secs => $2)
-     WHERE id = 1 AND (expires_at <= now() OR holder = $1)
+     WHERE id = 1 AND (expires_at <= now() OR (holder = $1 AND $3))
      RETURNING epoch";
 
 /// Held from before the epoch changes until the change commits; taken
@@ -54,6 +54,17 @@ const READ: &str = "SELECT epoch, holder,
 /// Connections the lease keeps: it runs one statement at a time, apart
 /// from the state's own pool so a busy writer never delays a renewal.
 const LEASE_POOL_SIZE: usize = 2;
+
+/// Whether a replica takes back a lease still running under its own name.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OwnName {
+    /// At once: the holder of that name is this replica's previous life
+    /// (restarted in place, its lease not yet expired).
+    TakeBack,
+    /// Only once it expires: another live replica runs under the same name
+    /// (a misconfiguration), and taking it back would depose it each time.
+    WaitForExpiry,
+}
 
 /// What an attempt to take the lease found.
 #[derive(Clone, Debug, PartialEq)]
@@ -100,17 +111,25 @@ impl Lease {
         self.created
     }
 
-    /// Take the lease for `holder` for `ttl` if nobody else holds it.
-    pub async fn try_acquire(&self, holder: &str, ttl: Duration) -> Result<LeaseState, StoreError> {
+    /// Take the lease for `holder` for `ttl` if nobody else holds it (or,
+    /// with [`OwnName::TakeBack`], if it is held under `holder`'s name).
+    pub async fn try_acquire(
+        &self,
+        holder: &str,
+        ttl: Duration,
+        own_name: OwnName,
+    ) -> Result<LeaseState, StoreError> {
         let mut client = self.client().await?;
         let held = self.read(&client).await?;
+        let take_back = own_name == OwnName::TakeBack;
         if let LeaseState::Held {
             holder: ref current,
             expires_in,
             ..
         } = held
         {
-            if !expires_in.is_zero() && current != holder {
+            let takeable = expires_in.is_zero() || (take_back && current == holder);
+            if !takeable {
                 return Ok(held);
             }
         }
@@ -121,7 +140,7 @@ impl Lease {
         let tx = client.transaction().await.map_err(take)?;
         tx.execute(TAKE_LEASE_LOCK, &[]).await.map_err(take)?;
         let row = tx
-            .query_opt(ACQUIRE, &[&holder, &ttl.as_secs_f64()])
+            .query_opt(ACQUIRE, &[&holder, &ttl.as_secs_f64(), &take_back])
             .await
             .map_err(take)?;
         tx.commit().await.map_err(take)?;
@@ -135,8 +154,13 @@ impl Lease {
         }
     }
 
-    /// Who holds the lease, as [`LeaseState::Held`] (an expired lease has
-    /// `expires_in` zero).
+    /// Who holds the lease now, as [`LeaseState::Held`] (an expired lease
+    /// has `expires_in` zero).
+    pub async fn current(&self) -> Result<LeaseState, StoreError> {
+        let client = self.client().await?;
+        self.read(&client).await
+    }
+
     async fn read(&self, client: &deadpool_postgres::Object) -> Result<LeaseState, StoreError> {
         let row = client
             .query_one(READ, &[])

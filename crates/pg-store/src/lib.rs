@@ -67,7 +67,7 @@ use crate::schema::IfAbsent;
 use crate::shared::Shared;
 use crate::writer::writer_loop;
 
-pub use lease::{Lease, LeaseState};
+pub use lease::{Lease, LeaseState, OwnName};
 pub use pool::PgOptions;
 pub use schema::SCHEMA_VERSION;
 pub use target::{is_postgres_url, pgpass_lookup, Target, TargetError, Tls};

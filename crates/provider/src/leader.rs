@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 
 use futures::future::BoxFuture;
 use parking_lot::{Mutex, RwLock};
-use pg_store::{Lease, LeaseState};
+use pg_store::{Lease, LeaseState, OwnName};
 use tonic::server::NamedService;
 use tower::ServiceExt;
 
@@ -204,14 +204,17 @@ pub async fn wait_for_lease(
     config: LeaseConfig,
     term: Arc<Term>,
     standby: Standby,
+    own_name: OwnName,
 ) -> i64 {
     let mut last_seen: Option<String> = None;
     let mut tick = tokio::time::interval(standby_poll(config.ttl));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
-        let attempt =
-            tokio::time::timeout(config.ttl, lease.try_acquire(&config.replica, config.ttl));
+        let attempt = tokio::time::timeout(
+            config.ttl,
+            lease.try_acquire(&config.replica, config.ttl, own_name),
+        );
         let seen = match attempt.await {
             Ok(Ok(LeaseState::Acquired { epoch, sent })) => {
                 term.extend(sent, config.ttl);
@@ -263,6 +266,10 @@ pub async fn wait_for_lease(
 pub enum LeaseLost {
     /// Another replica holds the lease now.
     Taken,
+    /// Another live replica runs under this replica's `--replica-name` and
+    /// took the lease as its own (a replica restarted in place does that;
+    /// this one is alive, so the name is not unique).
+    TakenUnderThisName { replica: String, epoch: i64 },
     /// No renewal succeeded before the term ran out.
     Expired { last_error: Option<String> },
 }
@@ -271,6 +278,12 @@ impl std::fmt::Display for LeaseLost {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             LeaseLost::Taken => f.write_str("another replica took the leader lease"),
+            LeaseLost::TakenUnderThisName { replica, epoch } => write!(
+                f,
+                "another live replica runs under this replica's name {replica} and took the \
+                 leader lease (epoch {epoch}); this one no longer takes a running lease back by \
+                 name: give every replica its own --replica-name"
+            ),
             LeaseLost::Expired { last_error: None } => {
                 f.write_str("the leader lease could not be renewed before it ran out")
             }
@@ -315,13 +328,29 @@ pub async fn hold_lease(lease: &Lease, config: &LeaseConfig, term: &Term, epoch:
             }
             Ok(None) => {
                 term.end();
-                return LeaseLost::Taken;
+                return who_took_it(lease, config).await;
             }
             Err(e) => {
                 tracing::warn!(error = %e, "cannot renew the leader lease; retrying until it runs out");
                 last_error = Some(e.to_string());
             }
         }
+    }
+}
+
+/// [`LeaseLost::Taken`], or [`LeaseLost::TakenUnderThisName`] when the
+/// lease now names this replica: only another process under the same name
+/// takes a running lease that way. A failed read says `Taken`: the lease is
+/// lost either way, only the diagnosis is missing.
+async fn who_took_it(lease: &Lease, config: &LeaseConfig) -> LeaseLost {
+    match tokio::time::timeout(config.ttl, lease.current()).await {
+        Ok(Ok(LeaseState::Held { holder, epoch, .. })) if holder == config.replica => {
+            LeaseLost::TakenUnderThisName {
+                replica: holder,
+                epoch,
+            }
+        }
+        _ => LeaseLost::Taken,
     }
 }
 

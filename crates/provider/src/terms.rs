@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use bigfleet_proto::admin::admin_server::AdminServer;
 use bigfleet_proto::serving::capacity_provider_server::CapacityProviderServer;
-use pg_store::Lease;
+use pg_store::{Lease, OwnName};
 use providerkit::service::CapacityService;
 use providerkit::{Engine, MemoryStore, Store};
 use proxmox_backend::backend::ProxmoxBackend;
@@ -19,7 +19,7 @@ use tonic_health::ServingStatus;
 
 use crate::error::StartupError;
 use crate::guard::{GuardedCapacity, IdentityGuard};
-use crate::leader::{hold_lease, wait_for_lease, Standby, Switched, Term};
+use crate::leader::{hold_lease, wait_for_lease, LeaseLost, Standby, Switched, Term};
 use crate::metrics::Metrics;
 use crate::plan::{BackendConfig, LeaseConfig, Plan, ProxmoxAccess, ProxmoxConfig, StateConfig};
 use crate::probes::{follow_store_health, set_health, Readiness, STORE_HEALTH_PERIOD};
@@ -374,10 +374,11 @@ pub(crate) async fn lead_terms(
         standby,
     } = shared;
     let mut first_serving = Some(first_serving);
+    let mut own_name = OwnName::TakeBack;
     loop {
         let term = Arc::new(Term::default());
         let epoch = tokio::select! {
-            epoch = wait_for_lease(lease.clone(), config.clone(), term.clone(), standby.clone()) => epoch,
+            epoch = wait_for_lease(lease.clone(), config.clone(), term.clone(), standby.clone(), own_name) => epoch,
             () = raised(&mut stopping) => return,
         };
         tracing::info!(replica = %config.replica, epoch, "took the leader lease: loading the state");
@@ -422,7 +423,7 @@ pub(crate) async fn lead_terms(
         let started = tokio::select! {
             started = started => started,
             lost = &mut hold => {
-                let lost = lost.map_or_else(|e| e.to_string(), |l| l.to_string());
+                let lost = diagnose(lost, &mut own_name);
                 tracing::warn!(epoch, reason = %lost, "lost the leader lease while loading the state: standing by");
                 continue;
             }
@@ -451,7 +452,7 @@ pub(crate) async fn lead_terms(
         }
         tokio::select! {
             lost = &mut hold => {
-                let lost = lost.map_or_else(|e| e.to_string(), |l| l.to_string());
+                let lost = diagnose(lost, &mut own_name);
                 standby.lost();
                 context.stand_by(leading).await;
                 tracing::warn!(epoch, reason = %lost, "lost the leader lease: stopped all work and standing by");
@@ -463,6 +464,24 @@ pub(crate) async fn lead_terms(
                 return;
             }
         }
+    }
+}
+
+/// Why the lease was lost, as the log says it; a replica that found
+/// another live one under its name stops taking a running lease back by
+/// name from then on (else the two would depose each other at every
+/// attempt), and says so as an error: the configuration needs fixing.
+fn diagnose(lost: Result<LeaseLost, tokio::task::JoinError>, own_name: &mut OwnName) -> String {
+    match lost {
+        Ok(lost @ LeaseLost::TakenUnderThisName { .. }) => {
+            if *own_name == OwnName::TakeBack {
+                tracing::error!(reason = %lost, "two live replicas share one --replica-name");
+            }
+            *own_name = OwnName::WaitForExpiry;
+            lost.to_string()
+        }
+        Ok(lost) => lost.to_string(),
+        Err(e) => e.to_string(),
     }
 }
 

@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use pg_store::{Lease, LeaseState, PgOptions, PgStore};
+use pg_store::{Lease, LeaseState, OwnName, PgOptions, PgStore};
 use provider_testkit::store_contract::{machine, record};
 use providerkit::{State, Store, StoreErrorKind};
 
@@ -42,8 +42,14 @@ fn one_holder_at_a_time_until_it_expires_or_is_released() {
     let rt = runtime();
     let a = lease(&rt, &state);
     let b = lease(&rt, &state);
-    let first = epoch(rt.block_on(a.try_acquire("a", TTL)).expect("a"));
-    match rt.block_on(b.try_acquire("b", TTL)).expect("b") {
+    let first = epoch(
+        rt.block_on(a.try_acquire("a", TTL, OwnName::TakeBack))
+            .expect("a"),
+    );
+    match rt
+        .block_on(b.try_acquire("b", TTL, OwnName::TakeBack))
+        .expect("b")
+    {
         LeaseState::Held {
             holder,
             epoch,
@@ -55,7 +61,10 @@ fn one_holder_at_a_time_until_it_expires_or_is_released() {
         other => panic!("b took a held lease: {other:?}"),
     }
     // Restarted in place under its name, a takes its lease back at once.
-    let again = epoch(rt.block_on(a.try_acquire("a", TTL)).expect("a again"));
+    let again = epoch(
+        rt.block_on(a.try_acquire("a", TTL, OwnName::TakeBack))
+            .expect("a again"),
+    );
     assert_eq!(again, first + 1);
     assert!(
         rt.block_on(a.renew(first, TTL)).expect("renew").is_none(),
@@ -64,13 +73,17 @@ fn one_holder_at_a_time_until_it_expires_or_is_released() {
     assert!(rt.block_on(a.renew(again, TTL)).expect("renew").is_some());
     // Released, it is b's at b's next attempt.
     rt.block_on(a.release(again)).expect("release");
-    let taken = epoch(rt.block_on(b.try_acquire("b", TTL)).expect("b"));
+    let taken = epoch(
+        rt.block_on(b.try_acquire("b", TTL, OwnName::TakeBack))
+            .expect("b"),
+    );
     assert_eq!(taken, again + 1);
     assert!(rt.block_on(a.renew(again, TTL)).expect("renew").is_none());
     // A release under a lost epoch leaves the holder's lease alone.
     rt.block_on(a.release(again)).expect("release");
     assert!(matches!(
-        rt.block_on(a.try_acquire("a", TTL)).expect("a"),
+        rt.block_on(a.try_acquire("a", TTL, OwnName::TakeBack))
+            .expect("a"),
         LeaseState::Held { .. }
     ));
     // Expired (here: set in the past), anyone takes it.
@@ -78,9 +91,44 @@ fn one_holder_at_a_time_until_it_expires_or_is_released() {
         .schema
         .admin("UPDATE bigfleet_lease SET expires_at = now() - interval '1 second'");
     assert_eq!(
-        epoch(rt.block_on(a.try_acquire("a", TTL)).expect("a")),
+        epoch(
+            rt.block_on(a.try_acquire("a", TTL, OwnName::TakeBack))
+                .expect("a")
+        ),
         taken + 1
     );
+}
+
+#[test]
+fn a_replica_that_waits_for_expiry_leaves_a_running_lease_of_its_name_alone() {
+    let Some(state) = fresh() else { return };
+    let rt = runtime();
+    let first = lease(&rt, &state);
+    let second = lease(&rt, &state);
+    let held = epoch(
+        rt.block_on(first.try_acquire("a", TTL, OwnName::TakeBack))
+            .expect("a"),
+    );
+    match rt
+        .block_on(second.try_acquire("a", TTL, OwnName::WaitForExpiry))
+        .expect("second a")
+    {
+        LeaseState::Held { holder, epoch, .. } => assert_eq!((holder.as_str(), epoch), ("a", held)),
+        other => panic!("took a running lease under its name: {other:?}"),
+    }
+    match rt.block_on(first.current()).expect("read") {
+        LeaseState::Held { holder, epoch, .. } => assert_eq!((holder.as_str(), epoch), ("a", held)),
+        other => panic!("current() answers Held: {other:?}"),
+    }
+    // Expired, it is anyone's, this replica's too.
+    state
+        .schema
+        .admin("UPDATE bigfleet_lease SET expires_at = now() - interval '1 second'");
+    let taken = epoch(
+        rt.block_on(second.try_acquire("a", TTL, OwnName::WaitForExpiry))
+            .expect("after expiry"),
+    );
+    assert_eq!(taken, held + 1);
 }
 
 #[test]
@@ -88,7 +136,10 @@ fn a_store_under_a_lost_lease_commits_nothing() {
     let Some(state) = fresh() else { return };
     let rt = runtime();
     let a = lease(&rt, &state);
-    let mine = epoch(rt.block_on(a.try_acquire("a", TTL)).expect("a"));
+    let mine = epoch(
+        rt.block_on(a.try_acquire("a", TTL, OwnName::TakeBack))
+            .expect("a"),
+    );
     let options = PgOptions {
         lease_epoch: Some(mine),
         ..PgOptions::default()
@@ -103,7 +154,10 @@ fn a_store_under_a_lost_lease_commits_nothing() {
     state
         .schema
         .admin("UPDATE bigfleet_lease SET expires_at = now() - interval '1 second'");
-    let theirs = epoch(rt.block_on(b.try_acquire("b", TTL)).expect("b"));
+    let theirs = epoch(
+        rt.block_on(b.try_acquire("b", TTL, OwnName::TakeBack))
+            .expect("b"),
+    );
     let t = store.submit(vec![machine(record("m-2", 2, State::Idle))]);
     let err = durable(&store, t).expect_err("a deposed leader must not write");
     assert_eq!(err.kind(), StoreErrorKind::Locked);
@@ -163,7 +217,7 @@ fn taking_the_lease_waits_for_the_commits_in_flight() {
     let before = state.schema.query_i64("SELECT epoch FROM bigfleet_lease");
     // A commit of the old leader in flight holds the lock in shared mode.
     let in_flight = state.schema.hold(SHARE_LEASE_LOCK);
-    let take = rt.spawn(async move { b.try_acquire("b", TTL).await });
+    let take = rt.spawn(async move { b.try_acquire("b", TTL, OwnName::TakeBack).await });
     await_lease_lock_waiter(&state);
     assert_eq!(
         state.schema.query_i64("SELECT epoch FROM bigfleet_lease"),
@@ -180,7 +234,10 @@ fn a_commit_during_a_take_waits_for_it_and_writes_nothing() {
     let Some(state) = fresh() else { return };
     let rt = runtime();
     let a = lease(&rt, &state);
-    let mine = epoch(rt.block_on(a.try_acquire("a", TTL)).expect("a"));
+    let mine = epoch(
+        rt.block_on(a.try_acquire("a", TTL, OwnName::TakeBack))
+            .expect("a"),
+    );
     let options = PgOptions {
         lease_epoch: Some(mine),
         ..PgOptions::default()
@@ -212,7 +269,10 @@ fn a_renewal_is_not_held_back_by_commits_in_flight() {
     let Some(state) = fresh() else { return };
     let rt = runtime();
     let a = lease(&rt, &state);
-    let mine = epoch(rt.block_on(a.try_acquire("a", TTL)).expect("a"));
+    let mine = epoch(
+        rt.block_on(a.try_acquire("a", TTL, OwnName::TakeBack))
+            .expect("a"),
+    );
     let in_flight = state.schema.hold(SHARE_LEASE_LOCK);
     // Under a row lock this renewal would wait for the commit.
     let renewed = rt

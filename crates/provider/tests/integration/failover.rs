@@ -647,3 +647,36 @@ async fn a_leader_stopped_gracefully_hands_over_without_waiting_for_its_lease() 
         "the standby waited {handover:?}, as if the lease had not been given up"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_live_replicas_under_one_name_settle_on_one_leader_and_say_so() {
+    let Some(schema) = provider_testkit::postgres::fresh() else {
+        return;
+    };
+    let base: Vec<String> = ["--use-fake-backend", "--state", schema.url.as_str()]
+        .map(String::from)
+        .to_vec();
+    let first = replica(&base, "same-name");
+    ready(&first);
+    // A second process under the same name takes the running lease back,
+    // as a replica restarted in place would.
+    let second = replica(&base, "same-name");
+    ready(&second);
+    logged(&first, LOST);
+    let error = logged(&first, "two live replicas share one --replica-name");
+    assert_eq!(field(&error, "level").as_deref(), Some("error"), "{error}");
+    assert!(
+        error.contains("give every replica its own --replica-name"),
+        "{error}"
+    );
+    // The first looks at the lease again and leaves it to the second
+    // instead of taking it back by name in turn.
+    logged(&first, "standby: another replica holds the leader lease");
+    assert_eq!(status(&first, "/readyz"), 503);
+    assert_eq!(status(&second, "/readyz"), 200);
+    assert!(
+        !second.stderr().contains(LOST),
+        "the second was deposed in turn:\n{}",
+        second.stderr()
+    );
+}
