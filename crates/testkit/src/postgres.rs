@@ -137,31 +137,21 @@ impl TestSchema {
         let sql = format!("BEGIN; SET LOCAL search_path = {}; {sql}", self.name);
         let (ran_tx, ran) = std::sync::mpsc::channel();
         let (finish, finish_rx) = tokio::sync::oneshot::channel::<bool>();
-        let thread = std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .expect("runtime");
-            rt.block_on(async move {
-                let (client, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
-                    .await
-                    .unwrap_or_else(|e| panic!("cannot connect to {url}: {e}"));
-                tokio::spawn(connection);
-                client
-                    .batch_execute(&sql)
-                    .await
-                    .unwrap_or_else(|e| panic!("{sql}: {e}"));
-                ran_tx.send(()).expect("the caller waits");
-                // Dropped without a word (the test failed): roll back.
-                let end = match finish_rx.await {
-                    Ok(true) => "COMMIT",
-                    _ => "ROLLBACK",
-                };
-                client
-                    .batch_execute(end)
-                    .await
-                    .unwrap_or_else(|e| panic!("{end}: {e}"));
-            });
+        let thread = spawn_with_client(url, move |client| async move {
+            client
+                .batch_execute(&sql)
+                .await
+                .unwrap_or_else(|e| panic!("{sql}: {e}"));
+            ran_tx.send(()).expect("the caller waits");
+            // Dropped without a word (the test failed): roll back.
+            let end = match finish_rx.await {
+                Ok(true) => "COMMIT",
+                _ => "ROLLBACK",
+            };
+            client
+                .batch_execute(end)
+                .await
+                .unwrap_or_else(|e| panic!("{end}: {e}"));
         });
         if ran.recv().is_err() {
             // The thread panicked before the statements ran: say why.
@@ -193,24 +183,33 @@ impl TestSchema {
         F: FnOnce(tokio_postgres::Client) -> Fut + Send + 'static,
         Fut: std::future::Future<Output = ()>,
     {
-        let url = self.admin_url.clone();
-        let thread = std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .expect("runtime");
-            rt.block_on(async move {
-                let (client, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
-                    .await
-                    .unwrap_or_else(|e| panic!("cannot connect to {url}: {e}"));
-                tokio::spawn(connection);
-                work(client).await;
-            });
-        });
+        let thread = spawn_with_client(self.admin_url.clone(), work);
         if let Err(panic) = thread.join() {
             std::panic::resume_unwind(panic);
         }
     }
+}
+
+/// A thread with a runtime of its own that runs `work` with a fresh client
+/// connected to `url`.
+fn spawn_with_client<F, Fut>(url: String, work: F) -> std::thread::JoinHandle<()>
+where
+    F: FnOnce(tokio_postgres::Client) -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = ()>,
+{
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        rt.block_on(async move {
+            let (client, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+                .await
+                .unwrap_or_else(|e| panic!("cannot connect to {url}: {e}"));
+            tokio::spawn(connection);
+            work(client).await;
+        });
+    })
 }
 
 /// A transaction [`TestSchema::hold`] keeps open; dropped, it rolls back.

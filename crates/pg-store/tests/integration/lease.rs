@@ -36,6 +36,23 @@ fn epoch(found: LeaseState) -> i64 {
     }
 }
 
+/// Replica "a" holding the lease, and its store opened and loaded under
+/// the lease's epoch.
+fn leader(rt: &tokio::runtime::Runtime, state: &PgState) -> (Lease, i64, PgStore) {
+    let a = lease(rt, state);
+    let mine = epoch(
+        rt.block_on(a.try_acquire("a", TTL, OwnName::TakeBack))
+            .expect("a"),
+    );
+    let options = PgOptions {
+        lease_epoch: Some(mine),
+        ..PgOptions::default()
+    };
+    let store = PgStore::open(&state.target(), &options).expect("open");
+    store.load().expect("load under the lease");
+    (a, mine, store)
+}
+
 #[test]
 fn one_holder_at_a_time_until_it_expires_or_is_released() {
     let Some(state) = fresh() else { return };
@@ -135,17 +152,7 @@ fn a_replica_that_waits_for_expiry_leaves_a_running_lease_of_its_name_alone() {
 fn a_store_under_a_lost_lease_commits_nothing() {
     let Some(state) = fresh() else { return };
     let rt = runtime();
-    let a = lease(&rt, &state);
-    let mine = epoch(
-        rt.block_on(a.try_acquire("a", TTL, OwnName::TakeBack))
-            .expect("a"),
-    );
-    let options = PgOptions {
-        lease_epoch: Some(mine),
-        ..PgOptions::default()
-    };
-    let store = PgStore::open(&state.target(), &options).expect("open");
-    store.load().expect("load under the lease");
+    let (_a, mine, store) = leader(&rt, &state);
     let t = store.submit(vec![machine(record("m-1", 1, State::Idle))]);
     durable(&store, t).expect("the holder commits");
 
@@ -233,17 +240,7 @@ fn taking_the_lease_waits_for_the_commits_in_flight() {
 fn a_commit_during_a_take_waits_for_it_and_writes_nothing() {
     let Some(state) = fresh() else { return };
     let rt = runtime();
-    let a = lease(&rt, &state);
-    let mine = epoch(
-        rt.block_on(a.try_acquire("a", TTL, OwnName::TakeBack))
-            .expect("a"),
-    );
-    let options = PgOptions {
-        lease_epoch: Some(mine),
-        ..PgOptions::default()
-    };
-    let store = PgStore::open(&state.target(), &options).expect("open");
-    store.load().expect("load under the lease");
+    let (_a, _, store) = leader(&rt, &state);
     // Another replica is taking the lease: it holds the lock and has
     // moved the epoch, not yet committed.
     let take = state.schema.hold(
