@@ -127,24 +127,8 @@ impl Rows {
     /// Take back the rows of a round that did not land, except where a
     /// newer version is held.
     pub(crate) fn absorb_older(&mut self, older: &Rows) {
-        for (id, row) in &older.machines {
-            let held = self
-                .machines
-                .entry(id.clone())
-                .or_insert_with(|| row.clone());
-            if held.0 < row.0 {
-                *held = row.clone();
-            }
-        }
-        for (key, row) in &older.fences {
-            let held = self
-                .fences
-                .entry(key.clone())
-                .or_insert_with(|| row.clone());
-            if held.0 < row.0 {
-                *held = row.clone();
-            }
-        }
+        keep_newer(&mut self.machines, &older.machines);
+        keep_newer(&mut self.fences, &older.fences);
     }
 
     pub(crate) fn is_empty(&self) -> bool {
@@ -164,6 +148,33 @@ impl Rows {
     pub(crate) fn machine_stamp(&self, id: &str) -> Option<i64> {
         self.machines.get(id).map(|(stamp, _)| *stamp)
     }
+}
+
+/// Every row of `older` into `held`, unless `held` has a newer version.
+fn keep_newer<K, V>(held: &mut HashMap<K, Stamped<V>>, older: &HashMap<K, Stamped<V>>)
+where
+    K: Clone + Eq + std::hash::Hash,
+    V: Clone,
+{
+    for (key, row) in older {
+        let kept = held.entry(key.clone()).or_insert_with(|| row.clone());
+        if kept.0 < row.0 {
+            *kept = row.clone();
+        }
+    }
+}
+
+/// The rows of `map` in key order (the order every round locks them in),
+/// each as its stamp and `project`ed value.
+fn in_key_order<'a, K: Ord, V, T: ?Sized>(
+    map: &'a HashMap<K, Stamped<V>>,
+    project: impl Fn(&'a V) -> &'a T,
+) -> Vec<(i64, &'a T)> {
+    let mut rows: Vec<(&K, &Stamped<V>)> = map.iter().collect();
+    rows.sort_unstable_by(|a, b| a.0.cmp(b.0));
+    rows.into_iter()
+        .map(|(_, (stamp, value))| (*stamp, project(value)))
+        .collect()
 }
 
 /// How a round ended.
@@ -349,13 +360,8 @@ async fn transaction(
     let upsert_machines = client.prepare_cached(UPSERT_MACHINES).await?;
     let upsert_fences = client.prepare_cached(UPSERT_FENCES).await?;
 
-    let mut machines: Vec<(&String, &Stamped<Arc<MachineRecord>>)> = rows.machines.iter().collect();
-    machines.sort_unstable_by(|a, b| a.0.cmp(b.0));
-    let machines: Vec<(i64, &MachineRecord)> =
-        machines.iter().map(|(_, (n, r))| (*n, &**r)).collect();
-    let mut fences: Vec<(&(String, String), &Stamped<FenceMark>)> = rows.fences.iter().collect();
-    fences.sort_unstable_by(|a, b| a.0.cmp(b.0));
-    let fences: Vec<(i64, &FenceMark)> = fences.iter().map(|(_, (n, m))| (*n, m)).collect();
+    let machines: Vec<(i64, &MachineRecord)> = in_key_order(&rows.machines, |r| &**r);
+    let fences: Vec<(i64, &FenceMark)> = in_key_order(&rows.fences, |m| m);
 
     let round_params: [&(dyn tokio_postgres::types::ToSql + Sync); 2] =
         [&plan.number, &shared.writer_id];
@@ -366,9 +372,10 @@ async fn transaction(
     let (begun, locked, owner, round, pruned, machines_sent, fences_sent) = futures::join!(
         client.batch_execute("BEGIN"),
         async {
-            match leased {
-                true => client.execute(&share_lease, &[]).await.map(|_| ()),
-                false => Ok(()),
+            if leased {
+                client.execute(&share_lease, &[]).await.map(|_| ())
+            } else {
+                Ok(())
             }
         },
         client.query_one(&check, &[]),

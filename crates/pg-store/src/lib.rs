@@ -103,12 +103,8 @@ impl PgStore {
     /// Connect, create or migrate the schema to [`SCHEMA_VERSION`], and
     /// start the writer. Blocks until the database answered (or refused).
     pub fn open(target: &Target, options: &PgOptions) -> Result<PgStore, StoreError> {
-        PgStore::open_if(target, options, IfAbsent::Create)?.ok_or_else(|| {
-            StoreError::corrupt(format!(
-                "PostgreSQL state {}: the schema is missing right after its creation",
-                target.display()
-            ))
-        })
+        PgStore::open_if(target, options, IfAbsent::Create)?
+            .ok_or_else(|| schema::vanished(target.display()))
     }
 
     /// [`PgStore::open`] of a state that must already be there: `None`,
@@ -181,19 +177,13 @@ impl PgStore {
         });
         let opened = match opened.and_then(|o| o) {
             Ok(Some(opened)) => opened,
-            Ok(None) => {
-                // Nothing to write to: the thread ended without a writer.
+            // No state to write to, or a failed open: the thread ended
+            // without starting a writer.
+            other => {
                 if thread.join().is_err() {
                     tracing::error!(state = %name, "state store writer thread panicked");
                 }
-                return Ok(None);
-            }
-            Err(e) => {
-                // The thread ends by itself after a failed open.
-                if thread.join().is_err() {
-                    tracing::error!(state = %name, "state store writer thread panicked");
-                }
-                return Err(e);
+                return other.map(|_| None);
             }
         };
         Ok(Some(PgStore {

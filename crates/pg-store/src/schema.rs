@@ -119,11 +119,15 @@ pub(crate) async fn prepare(
 ) -> Result<Opened, StoreError> {
     prepare_if(target, client, leased, IfAbsent::Create)
         .await?
-        .ok_or_else(|| {
-            StoreError::corrupt(format!(
-                "PostgreSQL state {target}: the schema is missing right after its creation"
-            ))
-        })
+        .ok_or_else(|| vanished(target))
+}
+
+/// [`IfAbsent::Create`] answered that there is no schema: only a database
+/// that dropped it in between could.
+pub(crate) fn vanished(target: &str) -> StoreError {
+    StoreError::corrupt(format!(
+        "PostgreSQL state {target}: the schema is missing right after its creation"
+    ))
 }
 
 /// [`prepare`], or `None` with nothing written when the database holds no

@@ -277,12 +277,7 @@ impl Writer {
         });
         match outcome {
             Outcome::Landed { by_reading } => {
-                self.shared.commits.fetch_add(1, Ordering::Relaxed);
-                if by_reading {
-                    self.shared
-                        .resolved_by_reading
-                        .fetch_add(1, Ordering::Relaxed);
-                }
+                self.count_landed(by_reading);
                 match round.poisoned {
                     Some(error) => self.shared.failures.record(round.first, round.last, error),
                     // Formed after every earlier failure was carried into
@@ -302,6 +297,17 @@ impl Writer {
         self.publish(round.last);
     }
 
+    /// A round committed; `by_reading`: its answer was lost and a read
+    /// found it.
+    fn count_landed(&self, by_reading: bool) {
+        self.shared.commits.fetch_add(1, Ordering::Relaxed);
+        if by_reading {
+            self.shared
+                .resolved_by_reading
+                .fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
     /// `round` did not land (or may not have): its waiters and those of
     /// every round in flight get `error`.
     fn failed(&mut self, round: &Round, error: StoreError) {
@@ -319,12 +325,7 @@ impl Writer {
     async fn settle_doubts(&mut self) -> Result<(), StoreError> {
         while let Some((number, rows)) = self.doubts.pop() {
             match round_landed(&self.shared, &self.pool, number).await {
-                Ok(true) => {
-                    self.shared.commits.fetch_add(1, Ordering::Relaxed);
-                    self.shared
-                        .resolved_by_reading
-                        .fetch_add(1, Ordering::Relaxed);
-                }
+                Ok(true) => self.count_landed(true),
                 Ok(false) => self.carry.absorb_older(&rows),
                 Err(error) => {
                     self.doubts.push((number, rows));
