@@ -15,7 +15,7 @@ BFC := $(DEBUG_DIR)/bfconformance
 SEED_FLAG := $(if $(SEED),--seed $(SEED),)
 
 .PHONY: build build-proxmox run-fake test test-proxmox lint fmt certify-proxmox failover \
-        report-proxmox report-ci report-durable-postgres certify-pve-sim scale-100k mutation-check bench bench-memory bench-postgres bench-replicas bench-configure crash-1000 crash-real fuzz \
+        report-proxmox report-ci report-durable-postgres certify-pve-sim scale-100k mutation-check bench bench-scaling bench-memory bench-postgres bench-replicas bench-configure crash-1000 crash-real fuzz \
         image-rootfs chart-render
 
 build:
@@ -34,8 +34,8 @@ run-fake:
 # Everything CI runs: lint, the image's root filesystem (booted by
 # deploy-check's image_rootfs test), every crate's tests, the mutation check
 # and the certification lanes (core, cloud, fault, durable, 10k scale; the
-# durable lane again with the state in PostgreSQL).
-test: lint image-rootfs test-proxmox mutation-check certify-proxmox report-ci report-durable-postgres certify-pve-sim
+# durable lane again with the state in PostgreSQL), and the scaling guard.
+test: lint image-rootfs test-proxmox mutation-check certify-proxmox report-ci report-durable-postgres certify-pve-sim bench-scaling
 
 # The PostgreSQL store's tests need a server: scripts/pg-throwaway.sh starts
 # a throwaway one for the run (unless BIGFLEET_TEST_POSTGRES_URL names one);
@@ -115,7 +115,7 @@ scale-100k:
 # baseline, and the Create cost by template placement (real substrate on
 # pve-sim: shared template, warm replica, first staging, 16-way burst).
 bench:
-	$(CARGO) build --release -p bigfleet-proxmox -p loadgen
+	$(MAKE) bench-scaling SCALING_OUT=bench/latest.txt
 	$(RELEASE_DIR)/loadgen --provider-bin $(RELEASE_DIR)/bigfleet-proxmox --out bench/latest.txt
 	$(RELEASE_DIR)/loadgen --provider-bin $(RELEASE_DIR)/bigfleet-proxmox --pin --out bench/latest.txt
 	$(CARGO) bench -p providerkit --bench engine_bench | tee -a bench/latest.txt
@@ -123,6 +123,18 @@ bench:
 	$(MAKE) bench-replicas
 	$(MAKE) bench-configure
 	$(MAKE) bench-postgres
+
+# The scaling guard (issue #43), in `make bench` and in `make test` (CI):
+# the Create rate in memory and in SQLite, and Get p99, with 1k machines and
+# with 100k (a quarter of each fleet holding VMs), measured in one run and
+# compared as ratios; fails when the 100k figure is under two thirds of the
+# 1k one (Get p99 over 1.5x). About 40 s after the release build. Appends
+# to $(SCALING_OUT): $(OUT)/scaling.txt unless `make bench` names its own.
+SCALING_OUT ?= $(OUT)/scaling.txt
+bench-scaling:
+	$(CARGO) build --release -p bigfleet-proxmox -p loadgen
+	$(RELEASE_DIR)/loadgen --provider-bin $(RELEASE_DIR)/bigfleet-proxmox --sizes 1000,100000 \
+	  --only scaling --out $(SCALING_OUT)
 
 # Issue #24's figures, appended to bench/latest.txt: durable Create acks at
 # 16 callers with the state in SQLite and in PostgreSQL at 10k and 100k

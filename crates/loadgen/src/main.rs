@@ -4,6 +4,7 @@
 mod durable;
 mod machine;
 mod provider;
+mod scaling;
 mod scenarios;
 mod stats;
 mod unread;
@@ -238,8 +239,27 @@ async fn run(args: Args) -> Result<()> {
         );
     }
     let boot_timeout = Duration::from_secs(args.boot_timeout_secs);
-    if !profile.only_postgres() {
+    if !profile.only_own_boots() {
         in_memory(&args, &profile, boot_timeout, &mut report).await?;
+    }
+    if profile.runs(scenarios::Scenario::Scaling) {
+        let small = args.sizes.iter().copied().min().unwrap_or(1000);
+        let large = args.sizes.iter().copied().max().unwrap_or(100_000);
+        let met = scaling::run(
+            &args.provider_bin,
+            small,
+            large,
+            boot_timeout,
+            &profile,
+            &mut report,
+        )
+        .await?;
+        if !met {
+            bail!(
+                "the scaling guard failed: a figure at {large} machines is under {:.2} of its value at {small} (the scaling_guard= lines above)",
+                scaling::FLOOR
+            );
+        }
     }
     if let (true, Some(url)) = (profile.runs(scenarios::Scenario::Postgres), &args.state_url) {
         durable::run(

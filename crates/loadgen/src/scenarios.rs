@@ -49,6 +49,11 @@ pub enum Scenario {
     /// takeover between two replicas on a PostgreSQL state; peak RSS with
     /// PostgreSQL. Needs `--state-url` and runs only when named.
     Postgres,
+    /// The scaling guard: the Create rate (in memory and in SQLite) and
+    /// Get p99 at the smallest and the largest of `--sizes`, compared as
+    /// ratios; loadgen fails when one is under its floor. Runs only when
+    /// named.
+    Scaling,
 }
 
 pub struct Profile {
@@ -67,17 +72,23 @@ pub struct Profile {
 
 impl Profile {
     pub fn runs(&self, scenario: Scenario) -> bool {
-        // The PostgreSQL scenario needs a server: only when asked for.
-        if scenario == Scenario::Postgres {
+        // The PostgreSQL scenario needs a server, the scaling guard boots
+        // providers of its own: only when asked for.
+        if matches!(scenario, Scenario::Postgres | Scenario::Scaling) {
             return self.only.contains(&scenario);
         }
         self.only.is_empty() || self.only.contains(&scenario)
     }
 
-    /// Whether the PostgreSQL scenario is all that was asked for (the
-    /// in-memory boots and the SQLite restart are then skipped).
-    pub fn only_postgres(&self) -> bool {
-        !self.only.is_empty() && self.only.iter().all(|s| *s == Scenario::Postgres)
+    /// Whether only scenarios that boot their own providers were asked for
+    /// (the PostgreSQL one, the scaling guard): the in-memory boots and the
+    /// SQLite restart are then skipped.
+    pub fn only_own_boots(&self) -> bool {
+        !self.only.is_empty()
+            && self
+                .only
+                .iter()
+                .all(|s| matches!(s, Scenario::Postgres | Scenario::Scaling))
     }
 
     pub fn full() -> Profile {
@@ -259,13 +270,14 @@ impl<'a> Bench<'a> {
     /// Open loop: request i is due at start + i/rps regardless of how earlier
     /// ones fared; latency counts from the due time, so a stalled server is
     /// charged for the queue it builds (no coordinated omission).
-    async fn open_loop_get(
+    /// Returns the p99 from the due times.
+    pub(crate) async fn open_loop_get(
         &self,
         size: usize,
         ids: &[String],
         rps: u32,
         report: &mut Report,
-    ) -> Result<()> {
+    ) -> Result<Duration> {
         let cpu = CpuSpan::start(self.provider_pid);
         let mut clients = Vec::with_capacity(GET_CONNECTIONS);
         for _ in 0..GET_CONNECTIONS {
@@ -319,15 +331,19 @@ impl<'a> Bench<'a> {
         }
         let achieved = from_due.len() as f64 / started.elapsed().as_secs_f64();
         let cpu = cpu.us_per_op(total);
+        let p99 = from_due.percentile(99.0);
         report.line(format!(
             "get_p50_us={} get_p99_us={} get_max_us={} get_service_p99_us={} client_send_lag_p99_us={} server_cpu_us_per_get={cpu} offered_rps={rps} achieved_rps={achieved:.0} errors={errors} conns={GET_CONNECTIONS} size={size}",
             us(from_due.percentile(50.0)),
-            us(from_due.percentile(99.0)),
+            us(p99),
             us(from_due.percentile(100.0)),
             us(service.percentile(99.0)),
             us(send_lag.percentile(99.0)),
         ));
-        Ok(())
+        if errors > 0 {
+            bail!("{errors} of {total} Gets failed");
+        }
+        Ok(p99)
     }
 
     /// Cost of a delta List (since the pre-batch revision) after 100 Creates

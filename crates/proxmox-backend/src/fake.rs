@@ -7,7 +7,7 @@
 //! exercise the guard's admission path; the default size is large enough
 //! that no lane's offerings fill a node.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -46,17 +46,83 @@ pub struct FakeCluster {
     state: Mutex<FakeState>,
 }
 
+/// The fake cluster's VMs. `running` changes only through its methods,
+/// which keep `running_mib` equal to what a scan of `vms` would add up, so
+/// an admission reads a node's sum in O(1) instead of walking every VM
+/// under the lock (which made Creates serialise on an O(VMs) scan).
+#[derive(Default)]
 struct FakeState {
     vms: BTreeMap<u32, FakeVm>,
     /// machine id -> vmid, so a Create's idempotency check is one lookup.
+    /// A machine has at most one VM here: a Create reuses the one it has.
     by_machine: HashMap<String, u32>,
+    /// node -> configured memory of its running VMs, MiB.
+    running_mib: HashMap<String, u64>,
     next_vmid: u32,
 }
 
 impl FakeState {
     fn insert(&mut self, vmid: u32, vm: FakeVm) {
-        self.by_machine.insert(vm.machine_id.clone(), vmid);
-        self.vms.insert(vmid, vm);
+        if !vm.machine_id.is_empty() {
+            self.by_machine.insert(vm.machine_id.clone(), vmid);
+        }
+        if vm.running {
+            *self.running_mib.entry(vm.node.clone()).or_default() += vm.memory_mib;
+        }
+        if let Some(replaced) = self.vms.insert(vmid, vm) {
+            self.stopped(&replaced);
+        }
+    }
+
+    fn remove(&mut self, vmid: u32) -> Option<FakeVm> {
+        let removed = self.vms.remove(&vmid)?;
+        if self.by_machine.get(&removed.machine_id) == Some(&vmid) {
+            self.by_machine.remove(&removed.machine_id);
+        }
+        self.stopped(&removed);
+        Some(removed)
+    }
+
+    /// Powers `vmid` on or off; `false` when there is no such VM.
+    fn set_running(&mut self, vmid: u32, running: bool) -> bool {
+        let Some(vm) = self.vms.get_mut(&vmid) else {
+            return false;
+        };
+        if vm.running != running {
+            vm.running = running;
+            let sum = self.running_mib.entry(vm.node.clone()).or_default();
+            *sum = if running {
+                *sum + vm.memory_mib
+            } else {
+                sum.saturating_sub(vm.memory_mib)
+            };
+        }
+        true
+    }
+
+    /// Takes a VM that leaves (or stops) out of its node's running sum.
+    fn stopped(&mut self, vm: &FakeVm) {
+        if vm.running {
+            if let Some(sum) = self.running_mib.get_mut(&vm.node) {
+                *sum = sum.saturating_sub(vm.memory_mib);
+            }
+        }
+    }
+
+    /// The memory of `node`'s running VMs but those of `claimants`' machines.
+    fn running_mib_but(&self, node: &str, claimants: &HashSet<String>) -> u64 {
+        let claimed: u64 = claimants
+            .iter()
+            .filter_map(|machine| self.by_machine.get(machine))
+            .filter_map(|vmid| self.vms.get(vmid))
+            .filter(|v| v.node == node && v.running)
+            .map(|v| v.memory_mib)
+            .sum();
+        self.running_mib
+            .get(node)
+            .copied()
+            .unwrap_or(0)
+            .saturating_sub(claimed)
     }
 }
 
@@ -69,9 +135,8 @@ impl FakeCluster {
             node_memory_mib: DEFAULT_FAKE_NODE_MEMORY_MIB,
             guard: MemoryGuard::new(1.0),
             state: Mutex::new(FakeState {
-                vms: BTreeMap::new(),
-                by_machine: HashMap::new(),
                 next_vmid: 100,
+                ..FakeState::default()
             }),
         }
     }
@@ -89,7 +154,7 @@ impl FakeCluster {
         let mut state = self.state.lock();
         let vmid = state.next_vmid;
         state.next_vmid += 1;
-        state.vms.insert(
+        state.insert(
             vmid,
             FakeVm {
                 node: node.to_string(),
@@ -106,20 +171,12 @@ impl FakeCluster {
 
     /// The node's view for the guard: its running VMs, those of machines
     /// holding a claim there left out (the claim counts them), as one sum
-    /// (the fake's claims match nothing by name).
+    /// (the fake's claims match nothing by name). O(claims on the node),
+    /// whatever the number of VMs: a lane's Creates each read a node of
+    /// thousands of VMs.
     fn view(&self, node: &str) -> NodeView {
-        // Asked once, not per VM: a lane's Creates each read a node of
-        // thousands of VMs.
         let claimants = self.guard.claimants(node);
-        let running_mib: u64 = self
-            .state
-            .lock()
-            .vms
-            .values()
-            .filter(|v| v.node == node && v.running)
-            .filter(|v| v.machine_id.is_empty() || !claimants.contains(&v.machine_id))
-            .map(|v| v.memory_mib)
-            .sum();
+        let running_mib = self.state.lock().running_mib_but(node, &claimants);
         NodeView {
             memory_mib: self.node_memory_mib,
             vms: vec![CountedVm {
@@ -155,10 +212,16 @@ impl FakeCluster {
 
     /// Re-create a VM the provider's durable state says exists: the fake
     /// cluster lives in memory, but real VMs outlive a provider restart.
+    /// A machine that has a VM here already keeps it (one VM per machine,
+    /// as a Create that finds its VM reuses it).
     pub fn restore(&self, vm: &VmRef, machine_id: &str, memory_mib: u64) {
         let mut state = self.state.lock();
         state.next_vmid = state.next_vmid.max(vm.vmid.saturating_add(1));
-        if !state.vms.contains_key(&vm.vmid) {
+        let has_one = state
+            .by_machine
+            .get(machine_id)
+            .is_some_and(|vmid| state.vms.contains_key(vmid));
+        if !has_one && !state.vms.contains_key(&vm.vmid) {
             state.insert(
                 vm.vmid,
                 FakeVm {
@@ -176,13 +239,7 @@ impl FakeCluster {
 
     /// Power a VM off behind the provider's back (tests).
     pub fn stop_out_of_band(&self, vmid: u32) -> bool {
-        match self.state.lock().vms.get_mut(&vmid) {
-            Some(vm) => {
-                vm.running = false;
-                true
-            }
-            None => false,
-        }
+        self.state.lock().set_running(vmid, false)
     }
 
     async fn step(&self, parts: u32) {
@@ -191,19 +248,35 @@ impl FakeCluster {
         }
     }
 
+    /// Runs `f` on the VM `vm` names, with the state locked; the error
+    /// PVE gives for a VM that is not on that node otherwise.
     fn with_vm<T>(
         &self,
         vm: &VmRef,
-        f: impl FnOnce(&mut FakeVm) -> T,
+        f: impl FnOnce(&mut FakeState) -> T,
     ) -> Result<T, SubstrateError> {
         let mut state = self.state.lock();
-        match state.vms.get_mut(&vm.vmid) {
-            Some(found) if found.node == vm.node => Ok(f(found)),
+        match state.vms.get(&vm.vmid) {
+            Some(found) if found.node == vm.node => Ok(f(&mut state)),
             _ => Err(SubstrateError::new(format!(
                 "500 Configuration file 'nodes/{}/qemu-server/{}.conf' does not exist",
                 vm.node, vm.vmid
             ))),
         }
+    }
+
+    fn start(&self, vm: &VmRef) -> Result<(), SubstrateError> {
+        self.with_vm(vm, |state| {
+            state.set_running(vm.vmid, true);
+        })
+    }
+
+    fn set_bootstrap(&self, vm: &VmRef, bytes: Option<usize>) -> Result<(), SubstrateError> {
+        self.with_vm(vm, |state| {
+            if let Some(found) = state.vms.get_mut(&vm.vmid) {
+                found.bootstrap_bytes = bytes;
+            }
+        })
     }
 }
 
@@ -242,12 +315,9 @@ impl Substrate for FakeCluster {
         {
             let mut state = self.state.lock();
             if let Some(vmid) = state.by_machine.get(&req.machine_id).copied() {
-                if let Some(vm) = state.vms.get_mut(&vmid) {
-                    vm.running = true;
-                    return Ok(VmRef {
-                        node: vm.node.clone(),
-                        vmid,
-                    });
+                if let Some(node) = state.vms.get(&vmid).map(|vm| vm.node.clone()) {
+                    state.set_running(vmid, true);
+                    return Ok(VmRef { node, vmid });
                 }
             }
         }
@@ -289,7 +359,7 @@ impl Substrate for FakeCluster {
             node: req.node.clone(),
             vmid,
         };
-        self.with_vm(&vm, |v| v.running = true)?;
+        self.start(&vm)?;
         Ok(vm)
     }
 
@@ -302,11 +372,7 @@ impl Substrate for FakeCluster {
             .get(&vm.vmid)
             .is_some_and(|v| v.machine_id == machine_id)
         {
-            if let Some(removed) = state.vms.remove(&vm.vmid) {
-                if state.by_machine.get(&removed.machine_id) == Some(&vm.vmid) {
-                    state.by_machine.remove(&removed.machine_id);
-                }
-            }
+            state.remove(vm.vmid);
         }
         Ok(())
     }
@@ -329,12 +395,12 @@ impl Substrate for FakeCluster {
     }
 
     async fn ensure_running(&self, vm: &VmRef) -> Result<(), SubstrateError> {
-        self.with_vm(vm, |v| v.running = true)
+        self.start(vm)
     }
 
     async fn configure(&self, vm: &VmRef, blob: &[u8]) -> Result<(), SubstrateError> {
         self.step(1).await;
-        self.with_vm(vm, |v| v.bootstrap_bytes = Some(blob.len()))
+        self.set_bootstrap(vm, Some(blob.len()))
     }
 
     fn readiness_gate(&self) -> bool {
@@ -347,7 +413,7 @@ impl Substrate for FakeCluster {
 
     async fn drain(&self, vm: &VmRef, _grace: Duration) -> Result<(), SubstrateError> {
         self.step(1).await;
-        self.with_vm(vm, |v| v.bootstrap_bytes = None)
+        self.set_bootstrap(vm, None)
     }
 }
 
@@ -390,5 +456,98 @@ mod tests {
         assert!(fake.admit(&req(3)).await.expect("room").is_some());
         let room = &fake.memory_rooms()[0];
         assert_eq!(room.committed_mib, 16 * 1024);
+    }
+
+    /// What the guard's view summed before it kept running sums: a scan.
+    fn scanned_mib(state: &FakeState, node: &str, claimants: &HashSet<String>) -> u64 {
+        state
+            .vms
+            .values()
+            .filter(|v| v.node == node && v.running)
+            .filter(|v| v.machine_id.is_empty() || !claimants.contains(&v.machine_id))
+            .map(|v| v.memory_mib)
+            .sum()
+    }
+
+    #[tokio::test]
+    async fn the_running_sums_stay_what_a_scan_of_every_vm_adds_up() {
+        let nodes = ["pve-a", "pve-b"];
+        let fake = FakeCluster::new(
+            nodes.iter().map(|n| n.to_string()).collect(),
+            Duration::ZERO,
+        )
+        .with_node_memory(1 << 40, 1.0);
+        let mut held = Vec::new();
+        // A fixed pseudo-random walk through every way a VM starts, stops
+        // or goes: clones (admitted and not), restores, foreign VMs,
+        // out-of-band stops, restarts of stopped VMs, deletes by the owner
+        // and by someone else.
+        let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+        for step in 0..600usize {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let node = nodes[(x % 2) as usize];
+            let n = (x >> 8) as usize % 120;
+            let mut r = req(n);
+            r.node = node.to_string();
+            r.memory_mib = 256 * (1 + (x >> 20) % 8);
+            match (x >> 32) % 8 {
+                0 | 1 => {
+                    if let Ok(Some(claim)) = fake.admit(&r).await {
+                        held.push(claim);
+                    }
+                }
+                2 | 3 => {
+                    let _ = fake.clone_vm(&r).await;
+                }
+                4 => {
+                    fake.run_foreign(node, r.memory_mib);
+                }
+                5 => {
+                    let vmid = 100 + (x >> 40) as u32 % (step as u32 + 1);
+                    fake.stop_out_of_band(vmid);
+                }
+                6 => {
+                    let vmid = 100 + (x >> 40) as u32 % (step as u32 + 1);
+                    let owner = fake
+                        .vms()
+                        .get(&vmid)
+                        .map(|v| (v.node.clone(), v.machine_id.clone()));
+                    if let Some((node, machine)) = owner {
+                        let vm = VmRef { node, vmid };
+                        let by = if x & 1 == 0 {
+                            machine
+                        } else {
+                            "someone else".into()
+                        };
+                        fake.delete_vm(&vm, &by).await.expect("delete");
+                    }
+                }
+                _ => {
+                    if x & 1 == 0 {
+                        held.clear();
+                    }
+                    let vmid = 100 + (x >> 40) as u32 % (step as u32 + 2);
+                    fake.restore(
+                        &VmRef {
+                            node: node.into(),
+                            vmid,
+                        },
+                        &r.machine_id,
+                        r.memory_mib,
+                    );
+                }
+            }
+            for node in nodes {
+                let claimants = fake.guard.claimants(node);
+                let state = fake.state.lock();
+                assert_eq!(
+                    state.running_mib_but(node, &claimants),
+                    scanned_mib(&state, node, &claimants),
+                    "step {step}, node {node}"
+                );
+            }
+        }
     }
 }
