@@ -1,8 +1,14 @@
-//! The bottom part every other part calls through: the `pve` client with the
-//! options, how PVE failures are classified and retried, waiting on tasks
-//! and status, and the VM primitives (start, stop and destroy, status, the
-//! VMID-in-use check, what is at a VMID). It holds no state and no locks,
-//! so any part can use it without reaching into another.
+//! The one door to PVE: every call any part makes goes through [`Api`],
+//! which holds the `pve` client privately. It classifies PVE failures and
+//! retries them ([`Api::retry_pve`], [`Api::retry_raw`],
+//! [`Api::read_present`]); a call whose repeat is not harmless, or whose
+//! caller reports a failure rather than waits it out, goes through
+//! [`Api::once`]. It also waits on tasks and status and holds the VM
+//! primitives (start, stop and destroy, status, the VMID-in-use check,
+//! what is at a VMID). It holds no state and no locks, so any part can use
+//! it without reaching into another; the options a part uses live with
+//! that part, and the Api keeps only its own (poll interval, retry window,
+//! task timeout).
 
 use std::future::Future;
 use std::sync::Arc;
@@ -70,15 +76,36 @@ pub(super) enum Probe {
     Foreign,
 }
 
-/// The client and the options, with the retry and wait policy.
+/// The client, with the retry and wait policy.
 pub(super) struct Api {
-    pub(super) client: PveClient,
-    pub(super) opts: Arc<PveOptions>,
+    client: PveClient,
+    opts: Arc<PveOptions>,
 }
 
 impl Api {
     pub(super) fn new(client: PveClient, opts: Arc<PveOptions>) -> Api {
         Api { client, opts }
+    }
+
+    /// The API's base URL, for messages.
+    pub(super) fn base_url(&self) -> &str {
+        self.client.base_url()
+    }
+
+    /// `USER@REALM!NAME`, for messages and fixes.
+    pub(super) fn token_id(&self) -> &str {
+        self.client.token_id()
+    }
+
+    /// A call made once, its failure left to the caller: a POST whose
+    /// repeat is not harmless (the caller resolves a lost answer by
+    /// reading what it left), a step that retries on its own terms, or a
+    /// check that reports a failure rather than waits it out.
+    pub(super) fn once<'a, T, F>(&'a self, call: F) -> T
+    where
+        F: FnOnce(&'a PveClient) -> T,
+    {
+        call(&self.client)
     }
 
     pub(super) fn first_poll(&self) -> Duration {
@@ -111,37 +138,37 @@ impl Api {
     /// until it succeeds, fails for good, or `deadline` passes; transient
     /// failures (see [`PveError::is_transient`]) are retried with backoff.
     /// The error names the node when the node did not answer.
-    pub(super) async fn retry_pve<T, F, Fut>(
-        &self,
+    pub(super) async fn retry_pve<'a, T, F, Fut>(
+        &'a self,
         what: impl std::fmt::Display,
         node: Option<&str>,
         deadline: Instant,
-        mut call: F,
+        call: F,
     ) -> Result<T, SubstrateError>
     where
-        F: FnMut() -> Fut,
+        F: FnMut(&'a PveClient) -> Fut,
         Fut: Future<Output = Result<T, PveError>>,
     {
-        self.retry_raw(node, deadline, &mut call)
+        self.retry_raw(node, deadline, call)
             .await
             .map_err(|e| err_at(what, node, &e))
     }
 
     /// [`Api::retry_pve`] returning the PVE error itself, for callers that
     /// branch on it (not found, forbidden).
-    pub(super) async fn retry_raw<T, F, Fut>(
-        &self,
+    pub(super) async fn retry_raw<'a, T, F, Fut>(
+        &'a self,
         node: Option<&str>,
         deadline: Instant,
-        call: &mut F,
+        mut call: F,
     ) -> Result<T, PveError>
     where
-        F: FnMut() -> Fut,
+        F: FnMut(&'a PveClient) -> Fut,
         Fut: Future<Output = Result<T, PveError>>,
     {
         let mut attempt = 0;
         loop {
-            match call().await {
+            match call(&self.client).await {
                 Ok(v) => return Ok(v),
                 Err(e) if e.is_transient() && Instant::now() < deadline => {
                     tracing::debug!(node = node.unwrap_or(""), error = %e, attempt, "transient PVE failure; retrying");
@@ -157,18 +184,18 @@ impl Api {
     /// token's reach (404, or 403 under a pool-scoped token once the VM is
     /// not in the pool), i.e. nothing of ours this token could act on. Any
     /// other failure names `what` was being done.
-    pub(super) async fn read_present<T, F, Fut>(
-        &self,
+    pub(super) async fn read_present<'a, T, F, Fut>(
+        &'a self,
         what: &str,
         vm: &VmRef,
         deadline: Instant,
-        mut call: F,
+        call: F,
     ) -> Result<Option<T>, SubstrateError>
     where
-        F: FnMut() -> Fut,
+        F: FnMut(&'a PveClient) -> Fut,
         Fut: Future<Output = Result<T, PveError>>,
     {
-        match self.retry_raw(Some(&vm.node), deadline, &mut call).await {
+        match self.retry_raw(Some(&vm.node), deadline, call).await {
             Ok(v) => Ok(Some(v)),
             Err(e) if e.is_not_found() || e.is_forbidden() => Ok(None),
             Err(e) => Err(err_at(format!("{what} VM {vm}"), Some(&vm.node), &e)),
@@ -178,11 +205,21 @@ impl Api {
     pub(super) async fn wait_task(&self, upid: &Upid, what: &str) -> Result<(), PveError> {
         tokio::time::sleep(self.first_poll()).await;
         let deadline = Instant::now() + self.opts.task_timeout;
+        self.wait_task_until(upid, deadline)
+            .await
+            .inspect_err(|e| tracing::debug!(task = what, error = %e, "PVE task failed"))
+    }
+
+    /// Polls task `upid` until it ends or `deadline` passes.
+    pub(super) async fn wait_task_until(
+        &self,
+        upid: &Upid,
+        deadline: Instant,
+    ) -> Result<(), PveError> {
         self.client
             .wait_task(upid, deadline, self.opts.poll_interval)
             .await
             .map(|_| ())
-            .inspect_err(|e| tracing::debug!(task = what, error = %e, "PVE task failed"))
     }
 
     /// Polls `status/current` until `done` holds.
@@ -199,7 +236,7 @@ impl Api {
                     format!("waiting for VM {vm} to be {what}"),
                     Some(&vm.node),
                     deadline,
-                    || self.client.status_current(&vm.node, vm.vmid),
+                    |pve| pve.status_current(&vm.node, vm.vmid),
                 )
                 .await?;
             if done(&st) {
@@ -225,7 +262,7 @@ impl Api {
                 format!("starting VM {vm}"),
                 Some(&vm.node),
                 deadline,
-                || self.client.start(&vm.node, vm.vmid),
+                |pve| pve.start(&vm.node, vm.vmid),
             )
             .await?;
         match self.wait_task(&upid, "start").await {
@@ -247,9 +284,10 @@ impl Api {
         vm: &VmRef,
         deadline: Instant,
     ) -> Result<VmStatus, SubstrateError> {
-        let mut call = || self.client.status_current(&vm.node, vm.vmid);
         let st = self
-            .retry_raw(Some(&vm.node), deadline, &mut call)
+            .retry_raw(Some(&vm.node), deadline, |pve| {
+                pve.status_current(&vm.node, vm.vmid)
+            })
             .await
             .map_err(|e| {
                 if e.is_not_found() {
@@ -283,8 +321,10 @@ impl Api {
             tracing::info!(vm = %vm, ha = st.ha_managed(), "stopping VM");
             let mut attempt = 0;
             loop {
-                let mut call = || self.client.stop(&vm.node, vm.vmid);
-                match self.retry_raw(node, deadline, &mut call).await {
+                match self
+                    .retry_raw(node, deadline, |pve| pve.stop(&vm.node, vm.vmid))
+                    .await
+                {
                     Ok(upid) => match self.wait_task(&upid, "stop").await {
                         Ok(()) => break,
                         // `VM 104 is locked (backup)` from the worker: the
@@ -311,14 +351,14 @@ impl Api {
         let mut unprotected = false;
         loop {
             let with_unreferenced = unreferenced_too;
-            let mut call = || {
+            let destroy = |pve| {
                 if with_unreferenced {
-                    Either::Left(self.client.destroy(&vm.node, vm.vmid))
+                    Either::Left(PveClient::destroy(pve, &vm.node, vm.vmid))
                 } else {
-                    Either::Right(self.client.destroy_referenced(&vm.node, vm.vmid))
+                    Either::Right(PveClient::destroy_referenced(pve, &vm.node, vm.vmid))
                 }
             };
-            let failed = match self.retry_raw(node, deadline, &mut call).await {
+            let failed = match self.retry_raw(node, deadline, destroy).await {
                 Ok(upid) => match self.wait_task(&upid, "destroy").await {
                     Ok(()) => return Ok(()),
                     // Another destroy of the VM (one a restarted provider
@@ -374,10 +414,11 @@ impl Api {
             ..pve::ConfigParams::default()
         };
         let node = Some(vm.node.as_str());
-        let mut call = || self.client.set_config_sync(&vm.node, vm.vmid, &params);
-        self.retry_raw(node, deadline, &mut call)
-            .await
-            .map_err(|e| err_at(format!("clearing the protection flag of VM {vm}"), node, &e))
+        self.retry_raw(node, deadline, |pve| {
+            pve.set_config_sync(&vm.node, vm.vmid, &params)
+        })
+        .await
+        .map_err(|e| err_at(format!("clearing the protection flag of VM {vm}"), node, &e))
     }
 
     /// Whether `/nodes` lists `node` as anything but online. PVE has no
@@ -395,7 +436,7 @@ impl Api {
                 format!("checking that node {node} is online"),
                 None,
                 deadline,
-                || self.client.nodes(),
+                |pve| pve.nodes(),
             )
             .await?;
         Ok(nodes.iter().any(|n| n.node == node && n.status != "online"))
@@ -432,8 +473,12 @@ impl Api {
         machine_id: &str,
         deadline: Instant,
     ) -> Result<Probe, SubstrateError> {
-        let mut call = || self.client.get_config(&vm.node, vm.vmid);
-        match self.retry_raw(Some(&vm.node), deadline, &mut call).await {
+        match self
+            .retry_raw(Some(&vm.node), deadline, |pve| {
+                pve.get_config(&vm.node, vm.vmid)
+            })
+            .await
+        {
             Ok(cfg) if owned_by(cfg.description.as_deref(), machine_id, None) => {
                 Ok(Probe::Ours(cfg.tags))
             }

@@ -14,6 +14,7 @@ use super::late::LateClones;
 use super::marker::{
     looks_managed, machine_tag, marker_description, owned_by, vm_name, TagPolicy, MANAGED_TAG,
 };
+use super::options::PveOptions;
 use super::placement::Placement;
 use super::slots::CloneSlots;
 use super::vmid::{LateClone, Vmids};
@@ -23,6 +24,8 @@ use crate::substrate::{CloneRequest, SubstrateError, VmRef};
 /// the parts a clone goes through.
 pub(super) struct Cloner {
     api: Arc<Api>,
+    /// The options this part reads.
+    opts: Arc<PveOptions>,
     vmids: Arc<Vmids>,
     inventory: Arc<Inventory>,
     slots: Arc<CloneSlots>,
@@ -34,6 +37,7 @@ pub(super) struct Cloner {
 /// The parts a [`Cloner`] goes through.
 pub(super) struct ClonerParts {
     pub(super) api: Arc<Api>,
+    pub(super) opts: Arc<PveOptions>,
     pub(super) vmids: Arc<Vmids>,
     pub(super) inventory: Arc<Inventory>,
     pub(super) slots: Arc<CloneSlots>,
@@ -46,6 +50,7 @@ impl Cloner {
     pub(super) fn new(p: ClonerParts) -> Cloner {
         Cloner {
             api: p.api,
+            opts: p.opts,
             vmids: p.vmids,
             inventory: p.inventory,
             slots: p.slots,
@@ -91,7 +96,7 @@ impl Cloner {
                         "cloning template {} to node {} did not succeed within {:?} (last error: {})",
                         req.template_vmid,
                         req.node,
-                        self.api.opts.retry_window,
+                        self.opts.retry_window,
                         last.unwrap_or_else(|| "none".into())
                     ),
                 ));
@@ -116,7 +121,7 @@ impl Cloner {
                 newid: res.vmid,
                 name: Some(name.to_string()),
                 description: Some(description.clone()),
-                pool: self.api.opts.pool.clone(),
+                pool: self.opts.pool.clone(),
                 full: Some(full),
                 storage: target_storage.clone(),
                 target: cross_node.then(|| req.node.clone()),
@@ -125,8 +130,7 @@ impl Cloner {
             tracing::info!(machine_id = %req.machine_id, vm = %vm, template = req.template_vmid, template_node, storage = %storage, "cloning");
             let upid = match self
                 .api
-                .client
-                .clone_vm(template_node, req.template_vmid, &params)
+                .once(|pve| pve.clone_vm(template_node, req.template_vmid, &params))
                 .await
             {
                 Ok(upid) => upid,
@@ -160,7 +164,7 @@ impl Cloner {
                             // landing there later is found and removed once
                             // the fresh clone exists (one VM per machine).
                             let until = std::time::Instant::now()
-                                + self.api.opts.vmid_cooldown.max(self.api.opts.task_timeout);
+                                + self.opts.vmid_cooldown.max(self.opts.task_timeout);
                             self.vmids.watch_late(
                                 vm.vmid,
                                 LateClone {
@@ -271,7 +275,7 @@ impl Cloner {
         cause: &PveError,
         deadline: Instant,
     ) -> Result<Ambiguous, SubstrateError> {
-        let settle = Instant::now() + self.api.opts.ambiguous_settle;
+        let settle = Instant::now() + self.opts.ambiguous_settle;
         loop {
             match self.api.probe(vm, &req.machine_id, deadline).await? {
                 Probe::Ours(_) => {
@@ -290,12 +294,12 @@ impl Cloner {
                     format!(
                         "the clone request for VM {vm} may have been applied (its answer was lost) \
                          and the VM is still being cloned after {:?}; a retried Create adopts it by its marker",
-                        self.api.opts.retry_window
+                        self.opts.retry_window
                     ),
                     cause.clone(),
                 ));
             }
-            tokio::time::sleep(self.api.opts.poll_interval).await;
+            tokio::time::sleep(self.opts.poll_interval).await;
         }
     }
 
@@ -313,8 +317,8 @@ impl Cloner {
         // ours that this token could destroy.
         let Some(st) = self
             .api
-            .read_present(WHAT, vm, deadline, || {
-                self.api.client.status_current(&vm.node, vm.vmid)
+            .read_present(WHAT, vm, deadline, |pve| {
+                pve.status_current(&vm.node, vm.vmid)
             })
             .await?
         else {
@@ -322,9 +326,7 @@ impl Cloner {
         };
         let Some(cfg) = self
             .api
-            .read_present(WHAT, vm, deadline, || {
-                self.api.client.get_config(&vm.node, vm.vmid)
-            })
+            .read_present(WHAT, vm, deadline, |pve| pve.get_config(&vm.node, vm.vmid))
             .await?
         else {
             return Ok(());
@@ -370,8 +372,7 @@ impl Cloner {
         loop {
             match self
                 .api
-                .client
-                .set_config_sync(&vm.node, vm.vmid, &params)
+                .once(|pve| pve.set_config_sync(&vm.node, vm.vmid, &params))
                 .await
             {
                 Ok(()) => break,

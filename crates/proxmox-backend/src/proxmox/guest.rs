@@ -16,6 +16,7 @@ use sha2::{Digest, Sha256};
 use tokio::time::Instant;
 
 use super::api::{err, kind_of, Api};
+use super::options::PveOptions;
 use super::options::NODE_NAME_ENV;
 use providerkit::ErrorKind;
 
@@ -143,6 +144,8 @@ struct Probes {
 /// Configure since its last verdict.
 pub(super) struct Guest {
     api: Arc<Api>,
+    /// The options this part reads.
+    opts: Arc<PveOptions>,
     /// Readiness probes since the last Configure, by VMID: what a readiness
     /// timeout's `last_error` quotes.
     probes: Mutex<HashMap<u32, Probes>>,
@@ -152,9 +155,10 @@ pub(super) struct Guest {
 }
 
 impl Guest {
-    pub(super) fn new(api: Arc<Api>) -> Guest {
+    pub(super) fn new(api: Arc<Api>, opts: Arc<PveOptions>) -> Guest {
         Guest {
             api,
+            opts,
             probes: Mutex::new(HashMap::new()),
             names: Mutex::new(HashMap::new()),
         }
@@ -162,7 +166,7 @@ impl Guest {
 
     /// Whether a readiness command gates Configure.
     pub(super) fn readiness_gate(&self) -> bool {
-        !self.api.opts.readiness_command.trim().is_empty()
+        !self.opts.readiness_command.trim().is_empty()
     }
 
     /// Forgets the probes of `vmid` (Drain ends a Configure's story).
@@ -204,7 +208,7 @@ impl Guest {
     /// empty), then reads the hostname back: a guest still carrying its
     /// template's name would register as another machine's node.
     async fn set_hostname(&self, vm: &VmRef, name: &str) -> Result<(), SubstrateError> {
-        let opts = &self.api.opts;
+        let opts = &self.opts;
         let cmd = opts.hostname_command.trim();
         if !cmd.is_empty() {
             let what = format!("hostname command `{cmd}`");
@@ -244,15 +248,18 @@ impl Guest {
 
     /// Pings the agent until it answers, polling through boot-time failures.
     pub(super) async fn wait_agent(&self, vm: &VmRef) -> Result<(), SubstrateError> {
-        let opts = &self.api.opts;
+        let opts = &self.opts;
         let deadline = Instant::now() + opts.agent_timeout;
         loop {
-            match self.api.client.agent_ping(&vm.node, vm.vmid).await {
+            match self.api.once(|pve| pve.agent_ping(&vm.node, vm.vmid)).await {
                 Ok(()) => {
                     tracing::info!(vm = %vm, "guest agent up");
                     return Ok(());
                 }
-                Err(e) if e.is_agent_transient() => {
+                // The agent not up yet, or PVE failing transiently on the
+                // way to it (a proxy 503, a reset connection): both heal
+                // by themselves, so the wait goes on until its deadline.
+                Err(e) if e.is_agent_transient() || e.is_transient() => {
                     if Instant::now() >= deadline {
                         return Err(SubstrateError::new(format!(
                             "the guest agent of VM {vm} did not answer within {:?} (last error: {e}); is qemu-guest-agent installed and enabled in the template?",
@@ -273,15 +280,23 @@ impl Guest {
         argv: &[String],
         timeout: Duration,
     ) -> Result<ExecStatus, ExecError> {
-        let client = &self.api.client;
-        let pid = client.agent_exec(&vm.node, vm.vmid, argv, None).await?;
+        // Exec is not repeated (a second run of the command is not
+        // harmless); its status is polled on this loop's own terms.
+        let pid = self
+            .api
+            .once(|pve| pve.agent_exec(&vm.node, vm.vmid, argv, None))
+            .await?;
         let deadline = Instant::now() + timeout;
         let mut delay = self.api.first_poll();
         let mut dropped: Option<String> = None;
         loop {
             tokio::time::sleep(delay).await;
-            delay = (delay * 2).min(self.api.opts.poll_interval);
-            match client.agent_exec_status(&vm.node, vm.vmid, pid).await {
+            delay = (delay * 2).min(self.opts.poll_interval);
+            match self
+                .api
+                .once(|pve| pve.agent_exec_status(&vm.node, vm.vmid, pid))
+                .await
+            {
                 Ok(st) if st.exited => return Ok(st),
                 Ok(_) => {}
                 // The reply carrying the exit was lost and qemu-ga has forgotten the pid.
@@ -307,7 +322,7 @@ impl Guest {
     /// the async workers (its cost grows with the blob), and serves every
     /// output quoted from here on, the probes' too.
     pub(super) async fn configure(&self, vm: &VmRef, blob: &[u8]) -> Result<(), SubstrateError> {
-        let opts = &self.api.opts;
+        let opts = &self.opts;
         if opts.bootstrap_exec.is_empty() {
             return Err(SubstrateError::new("no bootstrap exec configured"));
         }
@@ -345,11 +360,11 @@ impl Guest {
     ) -> Result<(), SubstrateError> {
         self.write_blob(vm, path, blob, redactor).await?;
         tracing::info!(vm = %vm, bytes = blob.len(), "bootstrap blob written");
-        let mut argv = self.api.opts.bootstrap_exec.clone();
+        let mut argv = self.opts.bootstrap_exec.clone();
         argv.push(path.to_string());
         let what = format!("bootstrap hook `{}`", argv.join(" "));
         let st = self
-            .run(vm, &argv, self.api.opts.exec_timeout)
+            .run(vm, &argv, self.opts.exec_timeout)
             .await
             .map_err(|e| exec_err(format!("running the {what} in VM {vm}"), &e))?;
         tracing::info!(vm = %vm, exit_code = st.exitcode, signal = st.signal, "bootstrap exited");
@@ -376,7 +391,6 @@ impl Guest {
                 blob.len()
             )
         };
-        let client = &self.api.client;
         // An empty blob is one empty chunk: the file is still made.
         let chunks: Vec<&[u8]> = if blob.is_empty() {
             vec![blob]
@@ -390,8 +404,13 @@ impl Guest {
             } else {
                 part_path(path, i)
             };
-            client
-                .agent_file_write(&vm.node, vm.vmid, &file, chunk, FileEncoding::Base64)
+            // Writing a chunk again writes the same bytes: repeats are
+            // harmless, so transient failures are retried.
+            let deadline = self.api.deadline();
+            self.api
+                .retry_raw(Some(&vm.node), deadline, |pve| {
+                    pve.agent_file_write(&vm.node, vm.vmid, &file, chunk, FileEncoding::Base64)
+                })
                 .await
                 .map_err(|e| err(ctx(), &e))?;
             if i > 0 {
@@ -402,7 +421,7 @@ impl Guest {
             return Ok(());
         }
         let st = self
-            .run(vm, &join_argv(path, &parts), self.api.opts.exec_timeout)
+            .run(vm, &join_argv(path, &parts), self.opts.exec_timeout)
             .await
             .map_err(|e| exec_err(ctx(), &e))?;
         exec_outcome_with("joining the bootstrap chunks", &st, redactor)
@@ -429,7 +448,7 @@ impl Guest {
         if !self.readiness_gate() {
             return Ok(true);
         }
-        let opts = &self.api.opts;
+        let opts = &self.opts;
         let name = self.node_name(vm).await?;
         let argv = with_node_name(&name, &opts.readiness_command);
         let outcome = self.run(vm, &argv, opts.readiness_timeout).await;
@@ -478,7 +497,7 @@ impl Guest {
     /// Runs the drain command in the guest.
     pub(super) async fn drain(&self, vm: &VmRef, grace: Duration) -> Result<(), SubstrateError> {
         self.forget_probes(vm.vmid);
-        let opts = &self.api.opts;
+        let opts = &self.opts;
         if opts.drain_command.trim().is_empty() {
             return Err(SubstrateError::new("no drain command configured"));
         }

@@ -66,8 +66,7 @@ impl Inventory {
     ) -> Result<(Vec<ClusterVm>, Vec<(ClusterVm, String)>), SubstrateError> {
         let list = self
             .api
-            .client
-            .cluster_resources_vms()
+            .once(|pve| pve.cluster_resources_vms())
             .await
             .map_err(|e| err("listing the cluster's VMs", &e))?;
         {
@@ -90,7 +89,7 @@ impl Inventory {
         };
         let read: Vec<(ClusterVm, ConfigRead)> = stream::iter(to_read)
             .map(|v| async move {
-                match self.api.client.get_config(&v.node, v.vmid).await {
+                match self.api.once(|pve| pve.get_config(&v.node, v.vmid)).await {
                     Ok(cfg) => {
                         let id = cfg.description.as_deref().and_then(parse_marker);
                         Ok(Some((v, Read(id))))
@@ -205,8 +204,7 @@ impl Inventory {
     pub(super) async fn locate(&self, vmid: u32) -> Result<Option<ClusterVm>, SubstrateError> {
         let list = self
             .api
-            .client
-            .cluster_resources_vms()
+            .once(|pve| pve.cluster_resources_vms())
             .await
             .map_err(|e| err("listing the cluster's VMs", &e))?;
         Ok(list.into_iter().find(|v| v.vmid == vmid && !v.template))

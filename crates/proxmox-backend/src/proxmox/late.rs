@@ -122,9 +122,7 @@ impl LateClones {
         const WHAT: &str = "checking the late clone";
         let Some(cfg) = self
             .api
-            .read_present(WHAT, vm, deadline, || {
-                self.api.client.get_config(&vm.node, vm.vmid)
-            })
+            .read_present(WHAT, vm, deadline, |pve| pve.get_config(&vm.node, vm.vmid))
             .await?
         else {
             return Ok(false);
@@ -145,8 +143,8 @@ impl LateClones {
         }
         let Some(st) = self
             .api
-            .read_present(WHAT, vm, deadline, || {
-                self.api.client.status_current(&vm.node, vm.vmid)
+            .read_present(WHAT, vm, deadline, |pve| {
+                pve.status_current(&vm.node, vm.vmid)
             })
             .await?
         else {

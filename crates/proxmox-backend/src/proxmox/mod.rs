@@ -13,11 +13,12 @@
 //!          |          |        |      /    \          |    |
 //!      placement    slots   inventory      vmid       |    |
 //!          \__________|________|____________|_________|____/
-//!                                api  (client, options, retries, VM primitives)
+//!                     api  (the one door to PVE: client, retries, VM primitives)
 //! ```
 //!
-//! - `api`: the client and options, retry and wait policy, start, stop and
-//!   destroy, the VMID-in-use check; no state.
+//! - `api`: the one door to PVE (the client is private to it), the retry
+//!   and wait policy, start, stop and destroy, the VMID-in-use check; no
+//!   state. Each part keeps the options it reads.
 //! - `vmid` (`Vmids`): VMID choice, cool-downs, the late-clone watch.
 //! - `inventory`: the index of the cluster's VMs, templates' nodes, clones
 //!   in progress.
@@ -112,6 +113,8 @@ pub use replica::{parse_replica_marker, replica_description, REPLICA_TAG};
 /// The real Proxmox substrate.
 pub struct PveSubstrate {
     api: Arc<Api>,
+    /// The options the composition reads (each part holds its own handle).
+    opts: Arc<PveOptions>,
     vmids: Arc<Vmids>,
     inventory: Arc<Inventory>,
     placement: Arc<Placement>,
@@ -135,11 +138,12 @@ struct ClonePlan<'a> {
 
 impl PveSubstrate {
     pub fn new(client: PveClient, opts: PveOptions) -> Self {
-        let api = Arc::new(Api::new(client, Arc::new(opts)));
-        let vmids = Arc::new(Vmids::new(Arc::clone(&api)));
+        let opts = Arc::new(opts);
+        let api = Arc::new(Api::new(client, Arc::clone(&opts)));
+        let vmids = Arc::new(Vmids::new(Arc::clone(&api), Arc::clone(&opts)));
         let inventory = Arc::new(Inventory::new(Arc::clone(&api)));
-        let slots = Arc::new(CloneSlots::new(api.opts.max_parallel_clones));
-        let placement = Arc::new(Placement::new(Arc::clone(&api)));
+        let slots = Arc::new(CloneSlots::new(opts.max_parallel_clones));
+        let placement = Arc::new(Placement::new(Arc::clone(&api), Arc::clone(&opts)));
         let tags = Arc::new(TagPolicy::default());
         let late = Arc::new(LateClones::new(
             Arc::clone(&api),
@@ -148,6 +152,7 @@ impl PveSubstrate {
         ));
         let cloner = Cloner::new(ClonerParts {
             api: Arc::clone(&api),
+            opts: Arc::clone(&opts),
             vmids: Arc::clone(&vmids),
             inventory: Arc::clone(&inventory),
             slots: Arc::clone(&slots),
@@ -157,16 +162,22 @@ impl PveSubstrate {
         });
         let replicas = Replicas::new(
             Arc::clone(&api),
+            Arc::clone(&opts),
             Arc::clone(&vmids),
             slots,
             Arc::clone(&placement),
             Arc::clone(&tags),
         );
-        let guest = Guest::new(Arc::clone(&api));
+        let guest = Guest::new(Arc::clone(&api), Arc::clone(&opts));
         let restart = InterruptedClones::new(Arc::clone(&api));
-        let memory = NodeMemory::new(Arc::clone(&api), Arc::clone(&inventory));
+        let memory = NodeMemory::new(
+            Arc::clone(&api),
+            opts.node_memory_limit,
+            Arc::clone(&inventory),
+        );
         PveSubstrate {
             api,
+            opts,
             vmids,
             inventory,
             placement,
@@ -182,7 +193,7 @@ impl PveSubstrate {
     }
 
     pub fn options(&self) -> &PveOptions {
-        &self.api.opts
+        &self.opts
     }
 
     /// Startup check. Errors name the problem and the fix; the returned
@@ -195,6 +206,7 @@ impl PveSubstrate {
     ) -> Result<Vec<String>, SubstrateError> {
         Preflight {
             api: &self.api,
+            opts: &self.opts,
             inventory: &self.inventory,
             placement: &self.placement,
             tags: &self.tags,
@@ -255,8 +267,12 @@ impl PveSubstrate {
         deadline: Instant,
     ) -> Result<Option<(VmRef, VmStatus)>, SubstrateError> {
         let api = &self.api;
-        let mut call = || api.client.status_current(&vm.node, vm.vmid);
-        match api.retry_raw(Some(&vm.node), deadline, &mut call).await {
+        match api
+            .retry_raw(Some(&vm.node), deadline, |pve| {
+                pve.status_current(&vm.node, vm.vmid)
+            })
+            .await
+        {
             Ok(st) => Ok(Some((vm.clone(), st))),
             Err(e) if e.is_forbidden() => {
                 if api.vmid_taken(vm.vmid, deadline).await? {
@@ -274,8 +290,8 @@ impl PveSubstrate {
                 };
                 tracing::info!(vmid = vm.vmid, from = %vm.node, to = %moved.node, "VM moved; deleting it on its new node");
                 let st = api
-                    .read_present("reading the status of", &moved, deadline, || {
-                        api.client.status_current(&moved.node, moved.vmid)
+                    .read_present("reading the status of", &moved, deadline, |pve| {
+                        pve.status_current(&moved.node, moved.vmid)
                     })
                     .await?;
                 Ok(st.map(|st| (moved, st)))
@@ -347,11 +363,11 @@ impl PveSubstrate {
                             format!(
                                 "VM {vm}, cloned for this machine by an earlier attempt, is still being cloned \
                                  (or is not visible to the API token) after {:?}; retry the Create",
-                                self.api.opts.retry_window
+                                self.opts.retry_window
                             ),
                         ))
                     }
-                    Probe::Cloning => tokio::time::sleep(self.api.opts.poll_interval).await,
+                    Probe::Cloning => tokio::time::sleep(self.opts.poll_interval).await,
                 }
             }
             self.inventory.clear_pending(&req.machine_id);
@@ -379,7 +395,7 @@ impl PveSubstrate {
         // (qemu-server clone_vm: "can't clone to non-shared storage"): a
         // node's own storage is reached through a copy of the template on
         // the node, cloned locally.
-        let replica = self.api.opts.template_replicas
+        let replica = self.opts.template_replicas
             && req.node != template_node
             && (!layout.shared(
                 &*self
@@ -402,7 +418,7 @@ impl PveSubstrate {
         let mut room = Vec::new();
         if full {
             // A replica's disks are on the node's storage (or the template's ids).
-            let node_storage = self.api.opts.node_storage.get(&req.node).cloned();
+            let node_storage = self.opts.node_storage.get(&req.node).cloned();
             let needs = layout.needs(|s| {
                 storage
                     .clone()
@@ -570,8 +586,8 @@ impl Substrate for PveSubstrate {
         };
         let Some(cfg) = self
             .api
-            .read_present("reading the marker of", &vm, deadline, || {
-                self.api.client.get_config(&vm.node, vm.vmid)
+            .read_present("reading the marker of", &vm, deadline, |pve| {
+                pve.get_config(&vm.node, vm.vmid)
             })
             .await?
         else {

@@ -15,12 +15,15 @@ use tokio::time::Instant;
 
 use super::api::{err_at, Api};
 use super::options::CloneMode;
+use super::options::PveOptions;
 use super::slots::storage_key;
 use crate::substrate::{CloneRequest, SubstrateError};
 
 /// Placement decisions with their caches and bookkeeping.
 pub(super) struct Placement {
     api: Arc<Api>,
+    /// The options this part reads.
+    opts: Arc<PveOptions>,
     /// Template vmid -> its disks and their storages; read once per
     /// template (and again when a replica check sees a new digest).
     layouts: Mutex<HashMap<u32, Arc<OnceCell<Arc<Layout>>>>>,
@@ -115,9 +118,10 @@ pub(super) fn gib(bytes: u64) -> String {
 }
 
 impl Placement {
-    pub(super) fn new(api: Arc<Api>) -> Placement {
+    pub(super) fn new(api: Arc<Api>, opts: Arc<PveOptions>) -> Placement {
         Placement {
             api,
+            opts,
             layouts: Mutex::default(),
             storages: Mutex::default(),
             reserved: Mutex::default(),
@@ -152,7 +156,7 @@ impl Placement {
                     ),
                     Some(template_node),
                     deadline,
-                    || self.api.client.get_config(template_node, template),
+                    |pve| pve.get_config(template_node, template),
                 )
                 .await?;
             let key = storage_key(&cfg.disk_storages());
@@ -166,11 +170,10 @@ impl Placement {
     /// The storage a clone's disks go to, if one is configured: the
     /// instance type's, else the node's.
     pub(super) fn target_storage(&self, req: &CloneRequest) -> Option<String> {
-        self.api
-            .opts
+        self.opts
             .type_storage
             .get(&req.instance_type)
-            .or_else(|| self.api.opts.node_storage.get(&req.node))
+            .or_else(|| self.opts.node_storage.get(&req.node))
             .cloned()
     }
 
@@ -193,11 +196,11 @@ impl Placement {
     /// Every storage a full clone on `node` may be given: the instance
     /// types', and the node's (for types without one). Empty for linked clones.
     pub(super) fn full_clone_storages(&self, node: &str) -> Vec<String> {
-        if self.api.opts.clone_mode != CloneMode::Full {
+        if self.opts.clone_mode != CloneMode::Full {
             return Vec::new();
         }
-        let mut out: Vec<String> = self.api.opts.type_storage.values().cloned().collect();
-        out.extend(self.api.opts.node_storage.get(node).cloned());
+        let mut out: Vec<String> = self.opts.type_storage.values().cloned().collect();
+        out.extend(self.opts.node_storage.get(node).cloned());
         out.sort();
         out.dedup();
         out
@@ -205,7 +208,7 @@ impl Placement {
 
     /// `full` and `storage` of the clone request.
     pub(super) fn clone_options(&self, req: &CloneRequest) -> (bool, Option<String>) {
-        match self.api.opts.clone_mode {
+        match self.opts.clone_mode {
             CloneMode::Full => (true, self.target_storage(req)),
             CloneMode::Linked => (false, None),
         }
@@ -239,7 +242,7 @@ impl Placement {
                     format!("reading the config of template {template} on node {template_node}"),
                     Some(template_node),
                     deadline,
-                    || self.api.client.get_config(template_node, template),
+                    |pve| pve.get_config(template_node, template),
                 )
                 .await?;
             // The same read gives the clone-slot key: one read per template.
@@ -274,8 +277,7 @@ impl Placement {
     ) -> Result<Arc<NodeStorages>, SubstrateError> {
         let cell = Arc::clone(self.storages.lock().entry(node.to_string()).or_default());
         cell.get_or_try_init(|| async {
-            let mut call = || self.api.client.node_storages(node);
-            match self.api.retry_raw(Some(node), deadline, &mut call).await {
+            match self.api.retry_raw(Some(node), deadline, |pve| pve.node_storages(node)).await {
                 Ok(list) => Ok(Arc::new(
                     list.into_iter()
                         .filter_map(|s| s.storage.clone().map(|id| (id, s)))
@@ -311,8 +313,7 @@ impl Placement {
         if bytes == 0 || self.status_refused.load(Ordering::Relaxed) {
             return Ok(None);
         }
-        let mut call = || self.api.client.storage_status(node, storage);
-        let st = match self.api.retry_raw(Some(node), deadline, &mut call).await {
+        let st = match self.api.retry_raw(Some(node), deadline, |pve| pve.storage_status(node, storage)).await {
             Ok(st) => st,
             Err(e) if e.is_forbidden() => {
                 if !self.status_refused.swap(true, Ordering::Relaxed) {
@@ -399,22 +400,15 @@ impl Placement {
     ) -> Result<Vec<String>, SubstrateError> {
         let deadline = self.api.deadline();
         let mut warnings = Vec::new();
-        if let Some(n) = self
-            .api
-            .opts
-            .node_storage
-            .keys()
-            .find(|n| !nodes.contains(n))
-        {
+        if let Some(n) = self.opts.node_storage.keys().find(|n| !nodes.contains(n)) {
             return Err(SubstrateError::new(format!(
                 "--node-storage names node {n:?}, which is not in --nodes ({})",
                 nodes.join(", ")
             )));
         }
         let mut node_storages: HashMap<&str, Arc<NodeStorages>> = HashMap::new();
-        let wanted =
-            !self.api.opts.node_storage.is_empty() || !self.api.opts.type_storage.is_empty();
-        if wanted || self.api.opts.clone_mode == CloneMode::Linked {
+        let wanted = !self.opts.node_storage.is_empty() || !self.opts.type_storage.is_empty();
+        if wanted || self.opts.clone_mode == CloneMode::Linked {
             for node in nodes {
                 match self.node_storages(node, deadline).await {
                     Ok(m) => {
@@ -429,10 +423,10 @@ impl Placement {
         }
         for (node, seen) in &node_storages {
             let mut want: Vec<(&str, String)> = Vec::new();
-            if let Some(s) = self.api.opts.node_storage.get(*node) {
+            if let Some(s) = self.opts.node_storage.get(*node) {
                 want.push((s, "--node-storage".into()));
             }
-            for (t, s) in &self.api.opts.type_storage {
+            for (t, s) in &self.opts.type_storage {
                 want.push((s, format!("instance type {t}'s `storage`")));
             }
             for (s, from) in want {
@@ -476,7 +470,7 @@ impl Placement {
             self.check_replica_storages(t, &tnode, &layout, &tstorages, &others, deadline)
                 .await?;
         }
-        if self.api.opts.clone_mode != CloneMode::Linked {
+        if self.opts.clone_mode != CloneMode::Linked {
             return Ok(warnings);
         }
         for &t in templates {
@@ -502,7 +496,7 @@ impl Placement {
                 continue;
             }
             for node in nodes.iter().filter(|n| **n != tnode) {
-                if !self.api.opts.template_replicas {
+                if !self.opts.template_replicas {
                     return Err(SubstrateError::new(format!(
                         "--clone-mode linked: template {t} is on local storage of node {tnode}, so node {node} \
                          cannot make linked clones of it. Leave --template-replicas on (a copy of the template \
@@ -541,7 +535,7 @@ impl Placement {
         others: &[&String],
         deadline: Instant,
     ) -> Result<(), SubstrateError> {
-        let full = self.api.opts.clone_mode == CloneMode::Full;
+        let full = self.opts.clone_mode == CloneMode::Full;
         let shared = layout.shared(tstorages);
         for node in others {
             // A node that does not answer now is checked by its first Create.
@@ -549,13 +543,13 @@ impl Placement {
             let seen = read.as_deref();
             // The storage a full clone on `node` goes to, when one is set.
             let dest = full
-                .then(|| self.api.opts.node_storage.get(node.as_str()).cloned())
+                .then(|| self.opts.node_storage.get(node.as_str()).cloned())
                 .flatten();
             let local_dest = dest
                 .as_deref()
                 .filter(|d| !seen.is_some_and(|m| is_shared(m, d)));
             if shared {
-                if let (Some(d), false) = (local_dest, self.api.opts.template_replicas) {
+                if let (Some(d), false) = (local_dest, self.opts.template_replicas) {
                     return Err(SubstrateError::new(format!(
                         "--node-storage {node}={d}: storage {d} is not shared, and PVE clones from \
                          template {t} on node {tnode} to another node only onto shared storage. Leave \
@@ -565,7 +559,7 @@ impl Placement {
                 }
                 continue;
             }
-            if !self.api.opts.template_replicas {
+            if !self.opts.template_replicas {
                 continue;
             }
             // The replica's migration copies each local disk to `dest`, or

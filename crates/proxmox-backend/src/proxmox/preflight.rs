@@ -46,12 +46,16 @@ mod sdn;
 
 use std::collections::BTreeSet;
 
-use pve::{AccessFailure, ClusterVm, PveError, TagAccess, VmConfig};
+use std::future::Future;
+use std::time::Duration;
+
+use pve::{AccessFailure, ClusterVm, PveClient, PveError, TagAccess, VmConfig};
+use tokio::time::Instant;
 
 use super::api::{err, Api};
 use super::inventory::Inventory;
 use super::marker::TagPolicy;
-use super::options::CloneMode;
+use super::options::{CloneMode, PveOptions};
 use super::placement::Placement;
 use crate::substrate::SubstrateError;
 
@@ -212,14 +216,32 @@ fn major(release: &str) -> Option<u32> {
 }
 
 /// The start-up check over the parts it reads; it holds nothing itself.
+/// How long a read after the cluster's first answer retries a transient
+/// failure: long enough to ride out a proxy restart or a dropped
+/// connection, short enough that a start-up against a sick cluster says
+/// so within a minute. The first read (`GET /nodes`) is not retried
+/// beyond the client's own attempts: a wrong URL or token fails at once.
+const READ_RETRY: Duration = Duration::from_secs(30);
+
 pub(super) struct Preflight<'a> {
     pub(super) api: &'a Api,
+    pub(super) opts: &'a PveOptions,
     pub(super) inventory: &'a Inventory,
     pub(super) placement: &'a Placement,
     pub(super) tags: &'a TagPolicy,
 }
 
-impl Preflight<'_> {
+impl<'a> Preflight<'a> {
+    /// A read retried on transient failures for [`READ_RETRY`].
+    async fn read<T, F, Fut>(&self, node: Option<&str>, call: F) -> Result<T, PveError>
+    where
+        F: FnMut(&'a PveClient) -> Fut,
+        Fut: Future<Output = Result<T, PveError>>,
+    {
+        let api: &'a Api = self.api;
+        api.retry_raw(node, Instant::now() + READ_RETRY, call).await
+    }
+
     /// Startup check. Errors name the problem and the fix; the returned
     /// strings are warnings (offline node, source VM not a template, a check
     /// that could not be made, marker-only ownership).
@@ -228,19 +250,18 @@ impl Preflight<'_> {
         nodes: &[String],
         templates: &[u32],
     ) -> Result<Vec<String>, SubstrateError> {
-        let url = self.api.client.base_url().to_string();
+        let url = self.api.base_url().to_string();
         // Each step is logged as it starts: a cluster that does not answer
         // leaves a pod live but not ready, and its log must say on what.
         tracing::info!(url = %url, "preflight: listing the cluster's nodes");
-        let cluster = self
-            .api
-            .client
-            .nodes()
-            .await
-            .map_err(|e| match access_hint(&e, &url) {
-                Some(hint) => err(format!("{hint} (listing the cluster's nodes)"), &e),
-                None => err(format!("listing the cluster's nodes at {url}"), &e),
-            })?;
+        let cluster =
+            self.api
+                .once(|pve| pve.nodes())
+                .await
+                .map_err(|e| match access_hint(&e, &url) {
+                    Some(hint) => err(format!("{hint} (listing the cluster's nodes)"), &e),
+                    None => err(format!("listing the cluster's nodes at {url}"), &e),
+                })?;
         let mut warnings = Vec::new();
         let names: Vec<&str> = cluster.iter().map(|n| n.node.as_str()).collect();
         for n in &cluster {
@@ -263,7 +284,7 @@ impl Preflight<'_> {
             }
         }
         // The version only picks which privilege names the fix suggests.
-        let major = match self.api.client.release().await {
+        let major = match self.read(None, |pve| pve.release()).await {
             Ok(r) => major(&r).unwrap_or(8),
             Err(_) => 8,
         };
@@ -293,7 +314,10 @@ impl Preflight<'_> {
                     v.node
                 ));
             }
-            match self.api.client.get_config(&v.node, *t).await {
+            match self
+                .read(Some(&v.node), |pve| pve.get_config(&v.node, *t))
+                .await
+            {
                 Ok(cfg) => {
                     if !cfg.agent_enabled() {
                         return Err(SubstrateError::new(format!(
@@ -321,7 +345,7 @@ impl Preflight<'_> {
             }
         }
 
-        let pool_path = match &self.api.opts.pool {
+        let pool_path = match &self.opts.pool {
             Some(p) => format!("/pool/{p}"),
             None => "/vms".to_string(),
         };
@@ -353,9 +377,7 @@ impl Preflight<'_> {
             }
             held_on_pool = held.first().cloned().unwrap_or_default();
             let on_root = self
-                .api
-                .client
-                .permissions(Some("/"))
+                .read(None, |pve| pve.permissions(Some("/")))
                 .await
                 .ok()
                 .and_then(|mut p| p.remove("/"))
@@ -380,11 +402,11 @@ impl Preflight<'_> {
 
         let mut sdn_refusal = None;
         if major >= 8 && !held_on_pool.is_empty() {
-            let found = sdn::check(&self.api.client, &configs).await;
+            let found = sdn::check(self.api, &configs).await;
             warnings.extend(found.warnings);
             sdn_refusal = found.refusal;
         }
-        if let Some(pool) = &self.api.opts.pool {
+        if let Some(pool) = &self.opts.pool {
             self.check_pool(pool, &held_on_pool, &gaps).await?;
         }
         if !gaps.is_empty() {
@@ -420,7 +442,7 @@ impl Preflight<'_> {
     ) -> Option<Vec<BTreeSet<String>>> {
         let mut out = Vec::new();
         for (path, _) in paths {
-            match self.api.client.permissions(Some(path)).await {
+            match self.read(None, |pve| pve.permissions(Some(path))).await {
                 Ok(mut p) => out.push(p.remove(path).unwrap_or_default()),
                 Err(e) => {
                     warnings.push(format!(
@@ -446,7 +468,7 @@ impl Preflight<'_> {
     ) -> Result<(), SubstrateError> {
         let path = format!("/pool/{pool}");
         if held.contains("Pool.Audit") {
-            return match self.api.client.pool_members(pool).await {
+            return match self.read(None, |pve| pve.pool_members(pool)).await {
                 Ok(_) => Ok(()),
                 Err(e) if e.is_not_found() => Err(SubstrateError::new(format!(
                     "pool {pool:?} from --proxmox-pool does not exist: fix the name, or create it \
@@ -468,7 +490,7 @@ impl Preflight<'_> {
                      name (`pveum pool list`), create the pool (`pveum pool add {pool}`), and \
                      grant the provider's role on it (`pveum acl modify {path} --tokens '{}' \
                      --roles <role>`; deploy/host-setup/setup-token.sh does both)",
-                    self.api.client.token_id()
+                    self.api.token_id()
                 ),
             ));
         }
@@ -476,7 +498,7 @@ impl Preflight<'_> {
     }
 
     fn privilege_message(&self, gaps: &[(String, Vec<&Need>)], major: u32) -> String {
-        let token = self.api.client.token_id();
+        let token = self.api.token_id();
         let user = token.split('!').next().unwrap_or(token);
         let mut parts = Vec::new();
         let mut fixes = Vec::new();
@@ -529,7 +551,7 @@ impl Preflight<'_> {
         template_storages: BTreeSet<String>,
         replicas: bool,
     ) -> BTreeSet<String> {
-        let opts = &self.api.opts;
+        let opts = self.opts;
         let full = opts.clone_mode == CloneMode::Full;
         let node_storages = nodes.iter().filter_map(|n| opts.node_storage.get(n));
         let mut out = BTreeSet::new();
@@ -556,7 +578,7 @@ impl Preflight<'_> {
         list: &[ClusterVm],
     ) -> ReplicaUse {
         let mut out = ReplicaUse::default();
-        if !self.api.opts.template_replicas {
+        if !self.opts.template_replicas {
             return out;
         }
         let deadline = self.api.deadline();
@@ -578,7 +600,7 @@ impl Preflight<'_> {
                 if !shared {
                     out.stages = true;
                     // The replica's migration names the node's storage.
-                    out.moves_disks |= self.api.opts.node_storage.contains_key(node);
+                    out.moves_disks |= self.opts.node_storage.contains_key(node);
                     continue;
                 }
                 for storage in self.placement.full_clone_storages(node) {
@@ -610,7 +632,7 @@ impl Preflight<'_> {
         sys_audit_on_root: bool,
         warnings: &mut Vec<String>,
     ) {
-        match self.api.client.cluster_options().await {
+        match self.read(None, |pve| pve.cluster_options()).await {
             // Absent without Sys.Audit on /: PVE hid it, so nothing is known.
             Ok(o) if o.tag_access.is_none() && !sys_audit_on_root && !sys_modify_on_root => {
                 warnings.push(

@@ -21,6 +21,7 @@ use tokio::time::Instant;
 
 use super::api::{err_at, kind_of, Api};
 use super::marker::TagPolicy;
+use super::options::PveOptions;
 use super::placement::{Layout, Placement};
 use super::slots::CloneSlots;
 use super::vmid::{Reservation, Vmids};
@@ -103,6 +104,8 @@ struct Flight {
 /// The replicas this process knows of and the stagings in flight.
 pub(super) struct Replicas {
     api: Arc<Api>,
+    /// The options this part reads.
+    opts: Arc<PveOptions>,
     vmids: Arc<Vmids>,
     slots: Arc<CloneSlots>,
     placement: Arc<Placement>,
@@ -155,6 +158,7 @@ impl Step {
 impl Replicas {
     pub(super) fn new(
         api: Arc<Api>,
+        opts: Arc<PveOptions>,
         vmids: Arc<Vmids>,
         slots: Arc<CloneSlots>,
         placement: Arc<Placement>,
@@ -162,6 +166,7 @@ impl Replicas {
     ) -> Replicas {
         Replicas {
             api,
+            opts,
             vmids,
             slots,
             placement,
@@ -192,7 +197,7 @@ impl Replicas {
                     format!("reading the config of template {source} on node {template_node}"),
                     Some(template_node),
                     deadline,
-                    || self.api.client.get_config(template_node, source),
+                    |pve| pve.get_config(template_node, source),
                 )
                 .await?;
             let Some(lock) = cfg.lock.clone() else {
@@ -301,8 +306,11 @@ impl Replicas {
                 .collect()
         };
         for v in unread {
-            let mut call = || self.api.client.get_config(&v.node, v.vmid);
-            let info = match self.api.retry_raw(Some(node), deadline, &mut call).await {
+            let info = match self
+                .api
+                .retry_raw(Some(node), deadline, |pve| pve.get_config(&v.node, v.vmid))
+                .await
+            {
                 Ok(cfg) => cfg
                     .description
                     .as_deref()
@@ -410,7 +418,7 @@ impl Replicas {
         let target_storage = if shared {
             None
         } else {
-            self.api.opts.node_storage.get(node).cloned()
+            self.opts.node_storage.get(node).cloned()
         };
         let what = format!("a copy of template {source}");
         let mut room = Vec::new();
@@ -534,15 +542,14 @@ impl Replicas {
                 newid: res.vmid,
                 name: Some(replica_name(source, node)),
                 description: Some(replica_description(source, digest, node)),
-                pool: self.api.opts.pool.clone(),
+                pool: self.opts.pool.clone(),
                 full: Some(true),
                 storage: None,
                 target: None,
             };
             let outcome = match self
                 .api
-                .client
-                .clone_vm(template_node, source, &params)
+                .once(|pve| pve.clone_vm(template_node, source, &params))
                 .await
             {
                 Ok(upid) => self.api.wait_task(&upid, "replica clone").await,
@@ -586,10 +593,11 @@ impl Replicas {
             ..ConfigParams::default()
         };
         loop {
-            let mut call = || self.api.client.set_config_sync(&vm.node, vm.vmid, &params);
             match self
                 .api
-                .retry_raw(Some(&vm.node), deadline, &mut call)
+                .retry_raw(Some(&vm.node), deadline, |pve| {
+                    pve.set_config_sync(&vm.node, vm.vmid, &params)
+                })
                 .await
             {
                 Ok(()) => break,
@@ -612,7 +620,11 @@ impl Replicas {
         // answer was lost is resolved by reading where the VM settled.
         let mut attempt = 0;
         loop {
-            match self.api.client.migrate(&vm.node, vm.vmid, &params).await {
+            match self
+                .api
+                .once(|pve| pve.migrate(&vm.node, vm.vmid, &params))
+                .await
+            {
                 Ok(upid) => {
                     if let Err(e) = self.api.wait_task(&upid, "replica migration").await {
                         let why = self.task_error_lines(&upid).await;
@@ -646,7 +658,11 @@ impl Replicas {
         // template`): a lost answer is resolved by reading the config.
         let mut attempt = 0;
         loop {
-            let outcome = match self.api.client.convert_to_template(node, vm.vmid).await {
+            let outcome = match self
+                .api
+                .once(|pve| pve.convert_to_template(node, vm.vmid))
+                .await
+            {
                 Ok(upid) => self.api.wait_task(&upid, "template conversion").await,
                 Err(e) if e.may_have_been_applied_post() => {
                     tracing::warn!(vm = vm.vmid, node, error = %e, "the answer to the conversion request was lost; reading the config");
@@ -692,11 +708,14 @@ impl Replicas {
         nodes: &[&str],
         deadline: Instant,
     ) -> Option<(String, pve::VmConfig)> {
-        let until = deadline.min(Instant::now() + self.api.opts.task_timeout);
+        let until = deadline.min(Instant::now() + self.opts.task_timeout);
         loop {
             for &n in nodes {
-                let mut call = || self.api.client.get_config(n, vmid);
-                if let Ok(cfg) = self.api.retry_raw(Some(n), until, &mut call).await {
+                if let Ok(cfg) = self
+                    .api
+                    .retry_raw(Some(n), until, |pve| pve.get_config(n, vmid))
+                    .await
+                {
                     if cfg.lock.is_none() {
                         return Some((n.to_string(), cfg));
                     }
@@ -705,14 +724,19 @@ impl Replicas {
             if Instant::now() >= until {
                 return None;
             }
-            tokio::time::sleep(self.api.opts.poll_interval).await;
+            tokio::time::sleep(self.opts.poll_interval).await;
         }
     }
 
     /// The `ERROR` lines of a failed task's log (PVE puts a migration's cause
     /// there; the exit status says only `migration aborted`).
     async fn task_error_lines(&self, upid: &Upid) -> Option<String> {
-        let lines = self.api.client.task_log(upid, 0, 500).await.ok()?;
+        let deadline = Instant::now() + self.opts.task_timeout;
+        let lines = self
+            .api
+            .retry_raw(Some(&upid.node), deadline, |pve| pve.task_log(upid, 0, 500))
+            .await
+            .ok()?;
         let errs: Vec<&str> = lines
             .iter()
             .filter(|l| l.is_error())
@@ -725,10 +749,11 @@ impl Replicas {
     /// anything else there is left alone. Best effort: a replica that cannot
     /// go (linked clones still use it) stays, unused.
     async fn remove_replica(&self, vm: &VmRef, source: u32, deadline: Instant) {
-        let mut call = || self.api.client.get_config(&vm.node, vm.vmid);
         let ours = match self
             .api
-            .retry_raw(Some(&vm.node), deadline, &mut call)
+            .retry_raw(Some(&vm.node), deadline, |pve| {
+                pve.get_config(&vm.node, vm.vmid)
+            })
             .await
         {
             Ok(cfg) => cfg
@@ -741,10 +766,11 @@ impl Replicas {
         if !ours {
             return;
         }
-        let mut call = || self.api.client.status_current(&vm.node, vm.vmid);
         let Ok(st) = self
             .api
-            .retry_raw(Some(&vm.node), deadline, &mut call)
+            .retry_raw(Some(&vm.node), deadline, |pve| {
+                pve.status_current(&vm.node, vm.vmid)
+            })
             .await
         else {
             return;

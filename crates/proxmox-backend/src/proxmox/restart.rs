@@ -47,9 +47,10 @@ impl InterruptedClones {
         let cell = Arc::clone(self.by_node.lock().entry(node.to_string()).or_default());
         let api = &self.api;
         cell.get_or_try_init(|| async {
-            let mut call = || api.client.active_tasks(node, "qmclone");
             let tasks = api
-                .retry_raw(Some(node), deadline, &mut call)
+                .retry_raw(Some(node), deadline, |pve| {
+                    pve.active_tasks(node, "qmclone")
+                })
                 .await
                 .map_err(|e| {
                     err_at(
@@ -80,12 +81,7 @@ impl InterruptedClones {
         for node in nodes {
             for upid in self.running_at_start(node, deadline).await? {
                 tracing::info!(machine_id, node, upid = %upid, "a clone started before the restart is still running; waiting for it before looking for this machine's VM");
-                match self
-                    .api
-                    .client
-                    .wait_task(&upid, deadline, self.api.opts.poll_interval)
-                    .await
-                {
+                match self.api.wait_task_until(&upid, deadline).await {
                     // However it ended: a failed clone left no VM behind.
                     Ok(_) | Err(PveError::TaskFailed { .. }) => {}
                     Err(e) => {

@@ -74,8 +74,8 @@ fn unnamed(v: &ClusterVm) -> bool {
 }
 
 impl NodeMemory {
-    pub(super) fn new(api: Arc<Api>, inventory: Arc<Inventory>) -> NodeMemory {
-        let guard = MemoryGuard::new(api.opts.node_memory_limit);
+    pub(super) fn new(api: Arc<Api>, limit: f64, inventory: Arc<Inventory>) -> NodeMemory {
+        let guard = MemoryGuard::new(limit);
         NodeMemory {
             api,
             inventory,
@@ -112,9 +112,8 @@ impl NodeMemory {
     async fn read(&self, node: &str, deadline: Instant) -> Result<NodeView, SubstrateError> {
         let api = &self.api;
         let what = format!("reading the memory of node {node} (the node memory guard)");
-        let mut nodes = || api.client.nodes();
         let listed = api
-            .retry_raw(Some(node), deadline, &mut nodes)
+            .retry_raw(Some(node), deadline, |pve| pve.nodes())
             .await
             .map_err(|e| err_at(&what, Some(node), &e))?;
         let Some(memory) = listed
@@ -127,9 +126,8 @@ impl NodeMemory {
                 format!("{what}: GET /nodes reports no maxmem for node {node} (offline, or not in the cluster)"),
             ));
         };
-        let mut vms = || api.client.node_vms(node);
         let rows = api
-            .retry_raw(Some(node), deadline, &mut vms)
+            .retry_raw(Some(node), deadline, |pve| pve.node_vms(node))
             .await
             .map_err(|e| err_at(&what, Some(node), &e))?;
         Ok(self.view_of(bytes_to_mib(memory), &rows))

@@ -9,6 +9,7 @@ use tokio::sync::Mutex as AsyncMutex;
 use tokio::time::Instant;
 
 use super::api::Api;
+use super::options::PveOptions;
 use crate::substrate::SubstrateError;
 
 #[derive(Default)]
@@ -58,6 +59,8 @@ impl VmidState {
 /// clones watched by VMID, and the lock that serialises choices.
 pub(super) struct Vmids {
     api: Arc<Api>,
+    /// The options this part reads.
+    opts: Arc<PveOptions>,
     state: Mutex<VmidState>,
     /// Serialises VMID choice so two clones never probe for the same id.
     choice: AsyncMutex<()>,
@@ -85,16 +88,17 @@ impl Drop for Reservation<'_> {
             st.reserved.remove(&self.vmid);
             st.cooldown.insert(
                 self.vmid,
-                std::time::Instant::now() + self.owner.api.opts.vmid_cooldown,
+                std::time::Instant::now() + self.owner.opts.vmid_cooldown,
             );
         }
     }
 }
 
 impl Vmids {
-    pub(super) fn new(api: Arc<Api>) -> Vmids {
+    pub(super) fn new(api: Arc<Api>, opts: Arc<PveOptions>) -> Vmids {
         Vmids {
             api,
+            opts,
             state: Mutex::new(VmidState::default()),
             choice: AsyncMutex::new(()),
         }
@@ -103,10 +107,10 @@ impl Vmids {
     /// A VMID that was just freed or abandoned: not chosen again for the
     /// cool-down (PVE may still be cleaning it up).
     pub(super) fn cool_down(&self, vmid: u32) {
-        self.state.lock().cooldown.insert(
-            vmid,
-            std::time::Instant::now() + self.api.opts.vmid_cooldown,
-        );
+        self.state
+            .lock()
+            .cooldown
+            .insert(vmid, std::time::Instant::now() + self.opts.vmid_cooldown);
     }
 
     /// Watches a clone given up as not applied: its id is not reused and a
@@ -137,11 +141,11 @@ impl Vmids {
     ) -> Result<Reservation<'_>, SubstrateError> {
         let _choice = self.choice.lock().await;
         let api = &self.api;
-        let range = api.opts.vmid_range;
+        let range = self.opts.vmid_range;
         let size = u64::from(range.1 - range.0) + 1;
         let first = api
-            .retry_pve("choosing a free VMID", None, deadline, || {
-                api.client.next_id(None)
+            .retry_pve("choosing a free VMID", None, deadline, |pve| {
+                pve.next_id(None)
             })
             .await?;
         let start = {
@@ -181,7 +185,7 @@ impl Vmids {
     }
 
     fn take(&self, st: &mut VmidState, id: u32) -> Reservation<'_> {
-        let range = self.api.opts.vmid_range;
+        let range = self.opts.vmid_range;
         st.reserved.insert(id);
         st.hint = if id < range.1 { Some(id + 1) } else { None };
         Reservation {

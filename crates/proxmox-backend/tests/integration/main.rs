@@ -7,6 +7,7 @@
 
 mod common;
 
+mod api_door;
 mod configurations;
 mod guest_hostname;
 mod node_memory;

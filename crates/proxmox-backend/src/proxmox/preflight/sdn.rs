@@ -21,7 +21,10 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use futures::stream::{self, StreamExt};
-use pve::{PveClient, PveError, SdnPath, VmConfig, VnetZones};
+use pve::{PveError, SdnPath, VmConfig, VnetZones};
+use tokio::time::Instant;
+
+use super::super::api::Api;
 
 /// Permission reads in flight at once: each VLAN of a trunk is a path of
 /// its own, and a trunk may span thousands of them.
@@ -61,14 +64,19 @@ struct Gap {
 /// Checks `SDN.Use` on every path the templates' NICs (`configs`, by
 /// template VMID) are checked on. A path whose privileges cannot be read is
 /// skipped: the clone itself names a missing privilege.
-pub(in crate::proxmox) async fn check(client: &PveClient, configs: &[(u32, VmConfig)]) -> Findings {
+pub(in crate::proxmox) async fn check(api: &Api, configs: &[(u32, VmConfig)]) -> Findings {
     let bridged = configs
         .iter()
         .any(|(_, c)| !c.sdn_paths(&VnetZones::default()).is_empty());
     if !bridged {
         return Findings::default();
     }
-    let lookup = match client.sdn_vnets().await {
+    let lookup = match api
+        .retry_raw(None, Instant::now() + super::READ_RETRY, |pve| {
+            pve.sdn_vnets()
+        })
+        .await
+    {
         Ok(vnets) => Lookup::Listed(VnetZones::new(&vnets)),
         Err(e) => Lookup::Failed(e),
     };
@@ -84,7 +92,11 @@ pub(in crate::proxmox) async fn check(client: &PveClient, configs: &[(u32, VmCon
     // task cannot use.
     let reads = stream::iter(users.keys().cloned().map(|path| async move {
         let acl = path.to_string();
-        let held = match client.permissions(Some(&acl)).await {
+        let deadline = Instant::now() + super::READ_RETRY;
+        let held = match api
+            .retry_raw(None, deadline, |pve| pve.permissions(Some(&acl)))
+            .await
+        {
             Ok(mut p) => p.remove(&acl).unwrap_or_default(),
             Err(_) => return None,
         };
@@ -104,7 +116,7 @@ pub(in crate::proxmox) async fn check(client: &PveClient, configs: &[(u32, VmCon
         gap.templates
             .extend(users.get(&path).into_iter().flatten().copied());
     }
-    let token = client.token_id();
+    let token = api.token_id();
     let mut findings = Findings::default();
     let mut refused = Vec::new();
     for ((zone, bridge, _), gap) in &gaps {
