@@ -439,7 +439,7 @@ impl Collector for MachinesCollector {
 }
 
 /// Which MiB figure of a node's room a gauge reports.
-type RoomValue = fn(&proxmox_backend::memory::NodeRoom) -> u64;
+type RoomValue = fn(&proxmox_backend::memory::MemoryRoom) -> u64;
 
 /// `bigfleet_proxmox_node_memory_{committed,limit}_bytes{node}`, from the
 /// node memory guard at scrape time.

@@ -45,18 +45,18 @@ impl ProxmoxBackend {
     }
 
     /// Each node's memory room as the node memory guard last saw it.
-    pub fn memory_rooms(&self) -> Vec<crate::memory::NodeRoom> {
+    pub fn memory_rooms(&self) -> Vec<crate::memory::MemoryRoom> {
         self.substrate.memory_rooms()
     }
 
     /// Reads each of `nodes`' memory room now (see [`Self::memory_rooms`]).
-    pub async fn observe_memory(&self, nodes: &[String]) -> Vec<crate::memory::NodeRoom> {
+    pub async fn observe_memory(&self, nodes: &[String]) -> Vec<crate::memory::MemoryRoom> {
         self.substrate.observe_memory(nodes).await
     }
 
     /// How many more machines of each instance type offered on `node` fit
-    /// in `room`, by type name.
-    pub fn fits(&self, room: &crate::memory::NodeRoom) -> Vec<(String, u64)> {
+    /// in the memory room `room`, by type name.
+    pub fn fits(&self, room: &crate::memory::MemoryRoom) -> Vec<(String, u64)> {
         let mut offered: Vec<&str> = self
             .slots
             .iter()

@@ -16,7 +16,7 @@ use parking_lot::Mutex;
 use providerkit::ErrorKind;
 
 use crate::memory::{
-    ClaimRequest, CountedVm, MemoryGuard, NoRoom, NodeRoom, NodeView, Reservation,
+    ClaimRequest, CountedVm, MemoryClaim, MemoryGuard, MemoryRoom, NoRoom, NodeView,
 };
 use crate::substrate::{CloneRequest, ManagedVm, Substrate, SubstrateError, VmRef};
 
@@ -189,7 +189,7 @@ impl FakeCluster {
     }
 
     /// Checks and claims the memory of `req` (see [`crate::memory`]).
-    fn claim(&self, req: &CloneRequest, force: bool) -> Result<Reservation, NoRoom> {
+    fn claim(&self, req: &CloneRequest, force: bool) -> Result<MemoryClaim, NoRoom> {
         let ticket = self.guard.reading();
         let view = self.view(&req.node);
         self.guard.claim(
@@ -282,18 +282,18 @@ impl FakeCluster {
 
 #[async_trait]
 impl Substrate for FakeCluster {
-    async fn admit(&self, req: &CloneRequest) -> Result<Option<Reservation>, NoRoom> {
+    async fn admit(&self, req: &CloneRequest) -> Result<Option<MemoryClaim>, NoRoom> {
         if !self.guard.enabled() || !self.nodes.contains(&req.node) {
             return Ok(None);
         }
         self.claim(req, false).map(Some)
     }
 
-    fn memory_rooms(&self) -> Vec<NodeRoom> {
+    fn memory_rooms(&self) -> Vec<MemoryRoom> {
         self.guard.rooms()
     }
 
-    async fn observe_memory(&self, nodes: &[String]) -> Vec<NodeRoom> {
+    async fn observe_memory(&self, nodes: &[String]) -> Vec<MemoryRoom> {
         nodes
             .iter()
             .filter(|n| self.nodes.contains(n))

@@ -16,7 +16,7 @@
 //!
 //! It is race-free without holding a lock across a clone: the view is read
 //! first, then one short critical section per check compares and records
-//! the claim, which lives until the Create's outcome lands ([`Reservation`]
+//! the claim, which lives until the Create's outcome lands ([`MemoryClaim`]
 //! gives it back on drop). A claim given back while a check's view was
 //! being read is still counted by that check, unless the view already shows
 //! its VM: a VM that just started may be missing from a view read a moment
@@ -73,7 +73,7 @@ pub struct ClaimRequest {
 
 /// The room of one node as last checked.
 #[derive(Clone, Debug, PartialEq)]
-pub struct NodeRoom {
+pub struct MemoryRoom {
     pub node: String,
     /// The node's memory, MiB.
     pub memory_mib: u64,
@@ -84,7 +84,7 @@ pub struct NodeRoom {
     pub limit_mib: u64,
 }
 
-impl NodeRoom {
+impl MemoryRoom {
     /// MiB still free under the limit.
     pub fn left_mib(&self) -> u64 {
         self.limit_mib.saturating_sub(self.committed_mib)
@@ -136,7 +136,7 @@ struct NodeLedger {
     /// Claims given back, with the read generation current then; kept for
     /// the checks whose view was read before.
     released: Vec<(u64, Claim)>,
-    last: Option<NodeRoom>,
+    last: Option<MemoryRoom>,
 }
 
 #[derive(Default)]
@@ -175,19 +175,19 @@ impl Drop for ViewTicket {
 }
 
 /// A Create's claim on its node's memory; given back on drop.
-pub struct Reservation {
+pub struct MemoryClaim {
     guard: Arc<MemoryGuard>,
     node: String,
     machine_id: String,
 }
 
-impl std::fmt::Debug for Reservation {
+impl std::fmt::Debug for MemoryClaim {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Reservation({} on {})", self.machine_id, self.node)
+        write!(f, "MemoryClaim({} on {})", self.machine_id, self.node)
     }
 }
 
-impl Drop for Reservation {
+impl Drop for MemoryClaim {
     fn drop(&mut self) {
         let now = self.guard.generation.load(Ordering::SeqCst);
         let mut ledger = self.guard.ledger.lock();
@@ -268,11 +268,11 @@ impl MemoryGuard {
 
     /// Another holder of a claim the machine already has on the node (its
     /// admission's, when the Create runs); `None` when it has none.
-    pub fn rejoin(self: &Arc<Self>, node: &str, machine_id: &str) -> Option<Reservation> {
+    pub fn rejoin(self: &Arc<Self>, node: &str, machine_id: &str) -> Option<MemoryClaim> {
         let mut ledger = self.ledger.lock();
         let claim = ledger.nodes.get_mut(node)?.claims.get_mut(machine_id)?;
         claim.holders += 1;
-        Some(Reservation {
+        Some(MemoryClaim {
             guard: Arc::clone(self),
             node: node.to_string(),
             machine_id: machine_id.to_string(),
@@ -294,10 +294,10 @@ impl MemoryGuard {
         view: &NodeView,
         req: &ClaimRequest,
         force: bool,
-    ) -> Result<Reservation, NoRoom> {
+    ) -> Result<MemoryClaim, NoRoom> {
         let mut ledger = self.ledger.lock();
         let node = ledger.nodes.entry(req.node.clone()).or_default();
-        let reservation = || Reservation {
+        let reservation = || MemoryClaim {
             guard: Arc::clone(self),
             node: req.node.clone(),
             machine_id: req.machine_id.clone(),
@@ -338,7 +338,7 @@ impl MemoryGuard {
 
     /// Records the room `view` shows (start-up line, metrics) without
     /// claiming anything.
-    pub fn observe(&self, node: &str, ticket: &ViewTicket, view: &NodeView) -> NodeRoom {
+    pub fn observe(&self, node: &str, ticket: &ViewTicket, view: &NodeView) -> MemoryRoom {
         let mut ledger = self.ledger.lock();
         let entry = ledger.nodes.entry(node.to_string()).or_default();
         let room = self.room_of(node, entry, ticket.generation, view);
@@ -347,7 +347,7 @@ impl MemoryGuard {
     }
 
     /// The room of every node as last checked or observed, by node name.
-    pub fn rooms(&self) -> Vec<NodeRoom> {
+    pub fn rooms(&self) -> Vec<MemoryRoom> {
         self.ledger
             .lock()
             .nodes
@@ -356,7 +356,7 @@ impl MemoryGuard {
             .collect()
     }
 
-    fn room_of(&self, name: &str, node: &NodeLedger, read_at: u64, view: &NodeView) -> NodeRoom {
+    fn room_of(&self, name: &str, node: &NodeLedger, read_at: u64, view: &NodeView) -> MemoryRoom {
         let listed: HashSet<&str> = view.vms.iter().filter_map(|v| v.name.as_deref()).collect();
         let claimed: HashSet<&str> = node.claims.values().map(|c| c.vm_name.as_str()).collect();
         // A listed VM that is a claim's (by its name) is counted by the claim.
@@ -391,7 +391,7 @@ impl MemoryGuard {
         } else {
             view.memory_mib
         };
-        NodeRoom {
+        MemoryRoom {
             node: name.to_string(),
             memory_mib: view.memory_mib,
             committed_mib: running + unnamed + in_flight + just_landed,

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 use providerkit::{BackendError, Cause, ErrorKind};
 
-use crate::memory::{NoRoom, NodeRoom, Reservation};
+use crate::memory::{MemoryClaim, MemoryRoom, NoRoom};
 
 /// A VM on one node: `HostRef.ref` is `<node>/<vmid>`.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -149,16 +149,16 @@ pub trait Substrate: Send + Sync + 'static {
     /// (see [`crate::memory`]) and claims it until the reservation drops.
     /// `Ok(None)`: nothing to guard, or the room could not be read now (the
     /// clone checks again); `Err`: no room, refuse the Create.
-    async fn admit(&self, _req: &CloneRequest) -> Result<Option<Reservation>, NoRoom> {
+    async fn admit(&self, _req: &CloneRequest) -> Result<Option<MemoryClaim>, NoRoom> {
         Ok(None)
     }
     /// Each node's memory room as last seen, by node name.
-    fn memory_rooms(&self) -> Vec<NodeRoom> {
+    fn memory_rooms(&self) -> Vec<MemoryRoom> {
         Vec::new()
     }
     /// Reads the memory room of each of `nodes` now (a node that cannot be
     /// read is left out, with a warning).
-    async fn observe_memory(&self, _nodes: &[String]) -> Vec<NodeRoom> {
+    async fn observe_memory(&self, _nodes: &[String]) -> Vec<MemoryRoom> {
         Vec::new()
     }
     /// Clone, size, mark, start and wait for the guest agent. A VM already
@@ -231,13 +231,13 @@ impl Metered {
 
 #[async_trait]
 impl Substrate for Metered {
-    async fn admit(&self, req: &CloneRequest) -> Result<Option<Reservation>, NoRoom> {
+    async fn admit(&self, req: &CloneRequest) -> Result<Option<MemoryClaim>, NoRoom> {
         self.inner.admit(req).await
     }
-    fn memory_rooms(&self) -> Vec<NodeRoom> {
+    fn memory_rooms(&self) -> Vec<MemoryRoom> {
         self.inner.memory_rooms()
     }
-    async fn observe_memory(&self, nodes: &[String]) -> Vec<NodeRoom> {
+    async fn observe_memory(&self, nodes: &[String]) -> Vec<MemoryRoom> {
         self.inner.observe_memory(nodes).await
     }
     async fn clone_vm(&self, req: &CloneRequest) -> Result<VmRef, SubstrateError> {

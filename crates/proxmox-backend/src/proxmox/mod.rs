@@ -24,24 +24,24 @@
 //!   in progress.
 //! - `slots`: clone slots per (node, storage).
 //! - `placement`: clone mode, target storage, template layouts, node
-//!   storages, room reservations, the start-up placement check.
+//!   storages, storage room reservations, the start-up placement check.
 //! - `late`: clones given up as not applied that land late.
 //! - `clone`: cloning and marking one machine's VM.
 //! - `replica`: per-node template replicas.
-//! - `room`: the node memory guard's reads (a node's memory and VMs).
+//! - `node_memory`: the node memory guard's reads (a node's memory and VMs).
 //! - `guest`: the guest agent: blob delivery, bootstrap, readiness, drain.
 //! - `preflight`: the start-up check.
 //! - `marker`, `options`: the marker policy and the options (no state).
 //!
 //! This file composes them: the lifecycle steps, the Create's plan (template
-//! or replica, room), and the per-machine Create lock.
+//! or replica, storage room), and the per-machine Create lock.
 //!
 //! Cost model (API calls per operation, independent of cluster size):
 //! Create = 2 reads for the node memory guard at admission (`/nodes` and
 //! `/nodes/{node}/qemu`; none with `--node-memory-limit 0`) + 1 inventory
 //! read + 1 `nextid` + clone + task polls + 1 config PUT +
 //! start + task polls + agent pings, + 1 storage status read per full clone
-//! (the room check). The first Create per template also reads the
+//! (the storage room check). The first Create per template also reads the
 //! template's config once (disk storages and sizes), the first cross-node
 //! one the template node's storage list (shared or local); a Create served
 //! by a per-node replica reads the template's config each time (its digest
@@ -70,7 +70,7 @@ use pve::{ClusterVm, PveClient, PveError, VmStatus};
 use tokio::sync::Mutex as AsyncMutex;
 use tokio::time::Instant;
 
-use crate::memory::{NoRoom, NodeRoom, Reservation};
+use crate::memory::{MemoryClaim, MemoryRoom, NoRoom};
 use crate::substrate::{CloneRequest, ManagedVm, Substrate, SubstrateError, VmRef};
 use api::{err_at, Api, Probe};
 use clone::{Cloner, ClonerParts};
@@ -78,11 +78,11 @@ use guest::Guest;
 use inventory::Inventory;
 use late::LateClones;
 use marker::{machine_tag, TagPolicy};
-use placement::{Placement, RoomGuard};
+use node_memory::NodeMemory;
+use placement::{Placement, StorageRoom};
 use preflight::Preflight;
 use replica::Replicas;
 use restart::InterruptedClones;
-use room::NodeMemory;
 use slots::CloneSlots;
 use vmid::Vmids;
 
@@ -92,12 +92,12 @@ mod guest;
 mod inventory;
 mod late;
 mod marker;
+mod node_memory;
 mod options;
 mod placement;
 mod preflight;
 mod replica;
 mod restart;
-mod room;
 mod slots;
 mod vmid;
 
@@ -129,11 +129,11 @@ pub struct PveSubstrate {
     creating: Mutex<HashMap<String, Arc<AsyncMutex<()>>>>,
 }
 
-/// Where one Create clones from. Holds the room it reserved until dropped.
+/// Where one Create clones from. Holds the storage room it reserved until dropped.
 struct ClonePlan<'a> {
     source_vmid: u32,
     source_node: String,
-    _room: Vec<RoomGuard<'a>>,
+    _room: Vec<StorageRoom<'a>>,
 }
 
 impl PveSubstrate {
@@ -487,15 +487,15 @@ impl PveSubstrate {
 
 #[async_trait]
 impl Substrate for PveSubstrate {
-    async fn admit(&self, req: &CloneRequest) -> Result<Option<Reservation>, NoRoom> {
+    async fn admit(&self, req: &CloneRequest) -> Result<Option<MemoryClaim>, NoRoom> {
         self.memory.admit(req).await
     }
 
-    fn memory_rooms(&self) -> Vec<NodeRoom> {
+    fn memory_rooms(&self) -> Vec<MemoryRoom> {
         self.memory.guard().rooms()
     }
 
-    async fn observe_memory(&self, nodes: &[String]) -> Vec<NodeRoom> {
+    async fn observe_memory(&self, nodes: &[String]) -> Vec<MemoryRoom> {
         self.memory.rooms_now(nodes).await
     }
 

@@ -97,13 +97,13 @@ impl Layout {
 }
 
 /// Bytes reserved on one (node, storage) for a clone in flight.
-pub(super) struct RoomGuard<'a> {
+pub(super) struct StorageRoom<'a> {
     state: &'a Placement,
     key: (String, String),
     bytes: u64,
 }
 
-impl Drop for RoomGuard<'_> {
+impl Drop for StorageRoom<'_> {
     fn drop(&mut self) {
         let mut r = self.state.reserved.lock();
         if let Some(v) = r.get_mut(&self.key) {
@@ -309,7 +309,7 @@ impl Placement {
         bytes: u64,
         what: &str,
         deadline: Instant,
-    ) -> Result<Option<RoomGuard<'_>>, SubstrateError> {
+    ) -> Result<Option<StorageRoom<'_>>, SubstrateError> {
         if bytes == 0 || self.status_refused.load(Ordering::Relaxed) {
             return Ok(None);
         }
@@ -381,7 +381,7 @@ impl Placement {
             )));
         }
         *reserved.entry(key.clone()).or_default() += bytes;
-        Ok(Some(RoomGuard {
+        Ok(Some(StorageRoom {
             state: self,
             key,
             bytes,

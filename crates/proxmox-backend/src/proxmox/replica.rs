@@ -24,7 +24,7 @@ use super::marker::TagPolicy;
 use super::options::PveOptions;
 use super::placement::{Layout, Placement};
 use super::slots::CloneSlots;
-use super::vmid::{Reservation, Vmids};
+use super::vmid::{VmidHold, Vmids};
 use crate::substrate::{CloneRequest, SubstrateError, VmRef};
 
 /// Tag on every replica (discovery from the inventory; the marker is the proof).
@@ -516,7 +516,7 @@ impl Replicas {
         node: &str,
         digest: &str,
         deadline: Instant,
-    ) -> Result<(Reservation<'_>, VmRef), CloneFailure> {
+    ) -> Result<(VmidHold<'_>, VmRef), CloneFailure> {
         let key = self
             .placement
             .storage_key(source, template_node, deadline)

@@ -67,21 +67,21 @@ pub(super) struct Vmids {
 }
 
 /// A VMID chosen by this process; returned to the pool (with a cool-down)
-/// unless [`Reservation::commit`] is called, also when the future is dropped.
-pub(super) struct Reservation<'a> {
+/// unless [`VmidHold::commit`] is called, also when the future is dropped.
+pub(super) struct VmidHold<'a> {
     owner: &'a Vmids,
     pub(super) vmid: u32,
     committed: bool,
 }
 
-impl Reservation<'_> {
+impl VmidHold<'_> {
     pub(super) fn commit(mut self) {
         self.committed = true;
         self.owner.state.lock().reserved.remove(&self.vmid);
     }
 }
 
-impl Drop for Reservation<'_> {
+impl Drop for VmidHold<'_> {
     fn drop(&mut self) {
         if !self.committed {
             let mut st = self.owner.state.lock();
@@ -135,10 +135,7 @@ impl Vmids {
     /// the range from where the last choice ended, wrapping once, that only
     /// gives up when every id in the range was found taken or blocked.
     /// Transient failures are retried until `deadline`.
-    pub(super) async fn reserve(
-        &self,
-        deadline: Instant,
-    ) -> Result<Reservation<'_>, SubstrateError> {
+    pub(super) async fn reserve(&self, deadline: Instant) -> Result<VmidHold<'_>, SubstrateError> {
         let _choice = self.choice.lock().await;
         let api = &self.api;
         let range = self.opts.vmid_range;
@@ -184,11 +181,11 @@ impl Vmids {
         )))
     }
 
-    fn take(&self, st: &mut VmidState, id: u32) -> Reservation<'_> {
+    fn take(&self, st: &mut VmidState, id: u32) -> VmidHold<'_> {
         let range = self.opts.vmid_range;
         st.reserved.insert(id);
         st.hint = if id < range.1 { Some(id + 1) } else { None };
-        Reservation {
+        VmidHold {
             owner: self,
             vmid: id,
             committed: false,

@@ -28,7 +28,7 @@ use super::api::{err_at, Api};
 use super::inventory::Inventory;
 use super::marker::vm_name;
 use crate::memory::{
-    bytes_to_mib, ClaimRequest, CountedVm, MemoryGuard, NoRoom, NodeRoom, NodeView, Reservation,
+    bytes_to_mib, ClaimRequest, CountedVm, MemoryClaim, MemoryGuard, MemoryRoom, NoRoom, NodeView,
 };
 use crate::substrate::{CloneRequest, SubstrateError};
 
@@ -140,7 +140,7 @@ impl NodeMemory {
         req: &CloneRequest,
         force: bool,
         deadline: Instant,
-    ) -> Result<Reservation, ClaimError> {
+    ) -> Result<MemoryClaim, ClaimError> {
         let ticket = self.guard.reading();
         let view = self
             .read(&req.node, deadline)
@@ -154,7 +154,7 @@ impl NodeMemory {
     /// Before a Create is accepted: its claim, `Ok(None)` with the guard off
     /// or the node unreadable within [`QUICK_READ`] (the clone checks
     /// again, and a failure there says why), `Err` when it has no room.
-    pub(super) async fn admit(&self, req: &CloneRequest) -> Result<Option<Reservation>, NoRoom> {
+    pub(super) async fn admit(&self, req: &CloneRequest) -> Result<Option<MemoryClaim>, NoRoom> {
         if !self.guard.enabled() {
             return Ok(None);
         }
@@ -183,7 +183,7 @@ impl NodeMemory {
         &self,
         req: &CloneRequest,
         deadline: Instant,
-    ) -> Result<Option<Reservation>, SubstrateError> {
+    ) -> Result<Option<MemoryClaim>, SubstrateError> {
         if !self.guard.enabled() {
             return Ok(None);
         }
@@ -211,7 +211,7 @@ impl NodeMemory {
     /// Reads the memory room of each of `nodes` now (the start-up line);
     /// a node that cannot be read within [`QUICK_READ`] is left out with a
     /// warning.
-    pub(super) async fn rooms_now(&self, nodes: &[String]) -> Vec<NodeRoom> {
+    pub(super) async fn rooms_now(&self, nodes: &[String]) -> Vec<MemoryRoom> {
         let mut rooms = Vec::new();
         for node in nodes {
             let deadline = Instant::now() + QUICK_READ;
@@ -229,7 +229,7 @@ impl NodeMemory {
     }
 
     /// The room of `node` now (start-up line, metrics), claiming nothing.
-    async fn observe(&self, node: &str, deadline: Instant) -> Result<NodeRoom, SubstrateError> {
+    async fn observe(&self, node: &str, deadline: Instant) -> Result<MemoryRoom, SubstrateError> {
         let ticket = self.guard.reading();
         let view = self.read(node, deadline).await?;
         Ok(self.guard.observe(node, &ticket, &view))
