@@ -9,6 +9,7 @@
 mod common;
 
 mod chart_boots_binary;
+mod design_doc;
 mod doc_codes;
 mod doc_commands;
 mod doc_flags;
