@@ -71,13 +71,18 @@ impl Task {
         v
     }
 
-    /// One row of a node's task list: a running task has no `status`, a
-    /// finished one its exit status and `endtime`.
+    /// One row of a node's task list: a running task has `status:
+    /// "RUNNING"` (pve-manager `PVE/API2/Tasks.pm` `node_tasks` sets it on
+    /// every active row without one), a finished one its exit status and
+    /// `endtime`.
     pub fn list_json(&self) -> Value {
         let mut v = self.fields_json();
-        if let Some(es) = &self.exitstatus {
-            v["status"] = json!(es);
-            v["endtime"] = json!(self.endtime.unwrap_or(self.starttime));
+        match &self.exitstatus {
+            Some(es) => {
+                v["status"] = json!(es);
+                v["endtime"] = json!(self.endtime.unwrap_or(self.starttime));
+            }
+            None => v["status"] = json!("RUNNING"),
         }
         v
     }

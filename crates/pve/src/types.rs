@@ -481,8 +481,9 @@ pub enum TaskState {
     Stopped,
 }
 
-/// One row of `GET /nodes/{node}/tasks`. A running task has no `status`;
-/// a finished one has its exit status there.
+/// One row of `GET /nodes/{node}/tasks`. A running task has `status:
+/// "RUNNING"` (pve-manager sets it on every active row; older clients
+/// and some proxies leave it out); a finished one has its exit status.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 pub struct TaskSummary {
     pub upid: String,
@@ -498,9 +499,12 @@ pub struct TaskSummary {
 }
 
 impl TaskSummary {
-    /// Still running (listed without an exit status).
+    /// Still running: listed as `RUNNING`, or without an exit status.
+    /// Never only the latter: real PVE always fills it in, so a row read
+    /// as finished would let a restarted provider clone a second VM
+    /// beside the one a dead process's clone is still copying.
     pub fn is_running(&self) -> bool {
-        self.status.is_none()
+        self.status.as_deref().is_none_or(|s| s == "RUNNING")
     }
 }
 
@@ -709,6 +713,22 @@ pub enum FileEncoding {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_task_row_is_running_when_pve_says_running_or_says_nothing() {
+        let row = |status: serde_json::Value| -> super::TaskSummary {
+            serde_json::from_value(serde_json::json!({
+                "upid": "UPID:pve1:0000A1B2:0001C3D4:6750A000:qmclone:9000:root@pam:",
+                "type": "qmclone", "id": "9000", "status": status,
+            }))
+            .expect("row")
+        };
+        assert!(row(serde_json::json!("RUNNING")).is_running());
+        assert!(row(serde_json::Value::Null).is_running());
+        assert!(!row(serde_json::json!("OK")).is_running());
+        assert!(!row(serde_json::json!("unable to create VM 130")).is_running());
+        assert!(!row(serde_json::json!("WARNINGS: 1")).is_running());
+    }
+
     use super::*;
     use serde_json::json;
 

@@ -867,7 +867,8 @@ async fn inventory_may_be_stale_and_admin_sets_locks() {
 }
 
 /// `GET /nodes/{node}/tasks` as pve-manager's node_tasks answers it: a
-/// running task is listed by `source=active` without a status, a finished
+/// running task is listed by `source=active` with `status: "RUNNING"`
+/// (`$task->{status} = 'RUNNING' if !$task->{status}`), a finished
 /// one by the default archive with its exit status; `typefilter` and
 /// `vmid` narrow the list.
 #[tokio::test]
@@ -898,7 +899,8 @@ async fn the_node_task_index_lists_running_and_finished_tasks() {
     assert_eq!(rows[0]["type"], "qmclone");
     assert_eq!(rows[0]["id"], "9000", "a clone's task names its source");
     assert_eq!(rows[0]["user"], sim.token_id());
-    assert!(rows[0].get("status").is_none(), "running: {rows:?}");
+    assert_eq!(rows[0]["status"], "RUNNING", "running: {rows:?}");
+    assert!(rows[0].get("endtime").is_none(), "running: {rows:?}");
     // Another node runs nothing; another type filters it out.
     let other = api.get("/nodes/pve2/tasks", &[("source", "active")]).await;
     assert_eq!(other.data().as_array().map(Vec::len), Some(0));
