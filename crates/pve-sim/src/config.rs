@@ -473,7 +473,9 @@ pub struct SimConfig {
     pub node_memory: NodeMemory,
     /// Max captured bytes per exec output stream before `*-truncated` (qemu-ga: 16 MiB).
     pub exec_output_limit: usize,
-    /// Range `GET /cluster/nextid` searches.
+    /// Range `GET /cluster/nextid` searches, first and last id: datacenter.cfg's
+    /// `next-id` (`lower`, and `upper` exclusive there, so `upper - 1`
+    /// here; `--next-id LOWER:UPPER`). A full range fails as PVE's does.
     pub vmid_range: (u32, u32),
     /// Built-in agent or a real `qemu-ga` per running VM.
     pub guest_agent: GuestAgentMode,

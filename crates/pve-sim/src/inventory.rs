@@ -30,7 +30,14 @@ impl Shared {
         (lo..=hi)
             .find(|id| !c.vms.contains_key(id))
             .map(|id| json!(id.to_string()))
-            .ok_or_else(|| ApiError::internal("unable to get any free VMID in range"))
+            // pve-manager `API2/Cluster.pm` `nextid`: `die "unable to get any
+            // free VMID in range [$lower, $upper]\n"`, upper exclusive.
+            .ok_or_else(|| {
+                ApiError::internal(format!(
+                    "unable to get any free VMID in range [{lo}, {}]",
+                    u64::from(hi) + 1
+                ))
+            })
     }
 
     pub fn nodes(&self) -> Value {

@@ -382,12 +382,14 @@ impl Api {
                 continue;
             }
             // `destroy-unreferenced-disks` activates every storage holding
-            // images on the node: one out of reach fails the worker after
-            // the VM's own disks are freed, leaving its config. What the
-            // flag adds (disks of a half-made clone the config never named)
-            // is not worth a VM that cannot be destroyed while a storage it
-            // never used is down: destroy again without it.
-            if unreferenced_too && failed.is_offline() {
+            // images on the node: one out of reach (`is not online`) or
+            // hung (`unable to activate storage`, a mount that does not
+            // answer) fails the worker after the VM's own disks are freed,
+            // leaving its config. What the flag adds (disks of a half-made
+            // clone the config never named) is not worth a VM that cannot
+            // be destroyed while a storage it never used is down: destroy
+            // again without it.
+            if unreferenced_too && (failed.is_offline() || failed.is_storage_unavailable()) {
                 tracing::warn!(vm = %vm, error = %failed,
                     "a storage of the node is offline; destroying the VM without looking for unreferenced disks");
                 unreferenced_too = false;

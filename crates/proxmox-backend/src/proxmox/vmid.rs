@@ -8,7 +8,7 @@ use parking_lot::Mutex;
 use tokio::sync::Mutex as AsyncMutex;
 use tokio::time::Instant;
 
-use super::api::Api;
+use super::api::{err_at, Api};
 use super::options::PveOptions;
 use crate::substrate::SubstrateError;
 
@@ -140,20 +140,27 @@ impl Vmids {
         let api = &self.api;
         let range = self.opts.vmid_range;
         let size = u64::from(range.1 - range.0) + 1;
-        let first = api
-            .retry_pve("choosing a free VMID", None, deadline, |pve| {
-                pve.next_id(None)
-            })
-            .await?;
+        // PVE searches only datacenter.cfg's `next-id` range: full, it
+        // says so (a 500), while --vmid-range may still have room, so the
+        // walk below looks there, one `?vmid=N` at a time.
+        let first = match api.retry_raw(None, deadline, |pve| pve.next_id(None)).await {
+            Ok(first) => Some(first),
+            Err(e) if e.is_next_id_range_full() => {
+                tracing::debug!(error = %e, "the datacenter's next-id range is full; walking --vmid-range");
+                None
+            }
+            Err(e) => return Err(err_at("choosing a free VMID", None, &e)),
+        };
         let start = {
             let mut st = self.state.lock();
-            if first >= range.0 && first <= range.1 && !st.blocked(first) {
-                return Ok(self.take(&mut st, first));
-            }
-            if first >= range.0 && first <= range.1 {
-                first
-            } else {
-                st.hint.unwrap_or(range.0).clamp(range.0, range.1)
+            match first {
+                Some(first) if first >= range.0 && first <= range.1 => {
+                    if !st.blocked(first) {
+                        return Ok(self.take(&mut st, first));
+                    }
+                    first
+                }
+                _ => st.hint.unwrap_or(range.0).clamp(range.0, range.1),
             }
         };
         // Every id of the range is visited at most once, wrapping at the end;

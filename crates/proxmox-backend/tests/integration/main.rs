@@ -8,6 +8,7 @@
 mod common;
 
 mod api_door;
+mod bad_day;
 mod configurations;
 mod guest_hostname;
 mod node_memory;

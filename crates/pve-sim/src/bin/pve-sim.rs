@@ -122,6 +122,31 @@ struct Args {
     /// Close the connection after every response with status >= 400.
     #[arg(long, default_value_t = true, action = ArgAction::Set)]
     close_after_error: bool,
+    /// datacenter.cfg's `next-id` range, LOWER:UPPER with UPPER exclusive
+    /// as PVE writes it: what `GET /cluster/nextid` without `vmid`
+    /// searches; a full range answers PVE's 500 `unable to get any free
+    /// VMID in range [LOWER, UPPER]`.
+    #[arg(long, default_value = "100:1000000", value_parser = next_id_range)]
+    next_id: (u32, u32),
+}
+
+/// `LOWER:UPPER` (UPPER exclusive) as the inclusive range the simulator keeps.
+fn next_id_range(s: &str) -> Result<(u32, u32), String> {
+    let (lo, hi) = s
+        .split_once(':')
+        .ok_or_else(|| format!("--next-id {s:?}: write LOWER:UPPER, e.g. 100:1000000"))?;
+    let parse = |v: &str| {
+        v.trim()
+            .parse::<u32>()
+            .map_err(|_| format!("--next-id {s:?}: {v:?} is not a VMID"))
+    };
+    let (lo, hi) = (parse(lo)?, parse(hi)?);
+    if lo < 100 || hi <= lo {
+        return Err(format!(
+            "--next-id {s:?}: LOWER must be at least 100 and below UPPER (UPPER is exclusive)"
+        ));
+    }
+    Ok((lo, hi - 1))
 }
 
 /// Durations like `500ms`, `2s`, `1m`.
@@ -211,6 +236,7 @@ async fn main() -> Result<()> {
         tag_access: a.tag_access,
         keepalive_idle: (!a.keepalive_idle.is_zero()).then_some(a.keepalive_idle),
         close_after_error: a.close_after_error,
+        vmid_range: a.next_id,
         ..SimConfig::default()
     };
     if a.forgiving {

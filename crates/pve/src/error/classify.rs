@@ -124,6 +124,30 @@ impl PveError {
                 if param_errors.values().any(|v| says(v)))
     }
 
+    /// `GET /cluster/nextid` without `vmid` found datacenter.cfg's
+    /// `next-id` range full: pve-manager dies `unable to get any free VMID
+    /// in range [LOWER, UPPER]` (a 500). It searches only that range; an
+    /// id outside it may still be free (`?vmid=N` checks one).
+    pub fn is_next_id_range_full(&self) -> bool {
+        matches!(self, PveError::Api { message, .. }
+            if message.to_ascii_lowercase().contains("unable to get any free vmid"))
+    }
+
+    /// A storage the node could not activate: pve-storage's
+    /// `activate_storage` dies `unable to activate storage 'X' - directory
+    /// '/mnt/pve/X' does not exist or is unreachable` (a hung NFS or dir
+    /// mount answers no `-d` within its 2 s), or `... does not exist`,
+    /// `... mount failed`, `... is expected to be a mount point but is not
+    /// mounted`. A call that activates every storage of the node (a destroy
+    /// with `destroy-unreferenced-disks`) fails on any one of them, whether
+    /// or not the VM uses it.
+    pub fn is_storage_unavailable(&self) -> bool {
+        self.server_text().is_some_and(|m| {
+            m.to_ascii_lowercase()
+                .contains("unable to activate storage")
+        })
+    }
+
     /// A clone to another node was refused because the source VM's disks
     /// are on local storage (`can't clone VM to node 'pve2' (VM uses local
     /// storage)`): only shared storage can be cloned across nodes. Retrying
@@ -615,6 +639,31 @@ mod tests {
         assert!(in_task.is_vm_config_missing(9001));
         assert!(!api(500, "storage 'local' does not exist").is_vm_config_missing(9001));
         assert!(!api(404, "Not Found").is_vm_config_missing(9001));
+    }
+
+    #[test]
+    fn a_full_next_id_range() {
+        assert!(api(500, "unable to get any free VMID in range [100, 200]").is_next_id_range_full());
+        assert!(!api(500, "VM 130 already exists").is_next_id_range_full());
+        assert!(!api(503, "Service Unavailable").is_next_id_range_full());
+    }
+
+    #[test]
+    fn a_storage_the_node_cannot_activate() {
+        let hung = "unable to activate storage 'nas' - directory '/mnt/pve/nas' does not exist or is unreachable";
+        let in_task = PveError::TaskFailed {
+            upid: "UPID:pve1:0:0:0:qmdestroy:104:root@pam:".into(),
+            exitstatus: hung.into(),
+        };
+        assert!(in_task.is_storage_unavailable());
+        assert!(api(500, hung).is_storage_unavailable());
+        assert!(api(
+            500,
+            "unable to activate storage 'nfs1' - directory is expected to be a mount point but is not mounted: '/mnt/nfs1'"
+        )
+        .is_storage_unavailable());
+        assert!(!api(500, "storage 'nas' is not online").is_storage_unavailable());
+        assert!(!api(500, "storage 'local' does not exist").is_storage_unavailable());
     }
 
     #[test]
