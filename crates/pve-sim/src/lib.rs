@@ -28,6 +28,7 @@ mod guest_api;
 pub mod guest_root;
 mod inventory;
 mod lifecycle;
+mod migrate;
 pub mod params;
 pub mod qga;
 pub mod schema;
@@ -37,6 +38,7 @@ pub mod state;
 mod storage;
 pub mod tasks;
 pub mod tls;
+mod vm_config;
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
