@@ -1,8 +1,12 @@
-//! HTTPS front end: auth, parameter parsing, routing, schema validation, fault
-//! injection and PVE's response envelopes.
+//! HTTPS front end: auth, parameter parsing, schema validation, fault
+//! injection and PVE's response envelopes around the route table, plus the
+//! `/_sim/` admin endpoint.
 //!
-//! One file past 600 lines on purpose: the request path (auth, decoding,
-//! validation, faults, envelope) is one pipeline.
+//! The request path (auth, decoding, matching, validation, faults, checks,
+//! envelope) is one pipeline and stays in one place, so the order of its
+//! steps, which decides which error a client sees, reads top to bottom.
+//! What each endpoint is (method, template, privileges, handler) lives in
+//! `routes`, the privilege rules in `privileges`.
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -15,7 +19,6 @@ use axum::http::{header, HeaderMap, Method, Response, StatusCode, Uri};
 use axum::Router;
 use http::Request;
 use hyper_util::rt::{TokioExecutor, TokioIo};
-use percent_encoding::percent_decode_str;
 use serde::Deserialize;
 use serde_json::{json, Value};
 use tokio::net::TcpListener;
@@ -24,54 +27,12 @@ use tokio_rustls::TlsAcceptor;
 
 use crate::agent::GuestOutput;
 use crate::params::Params;
+use crate::privileges::check_acl;
+use crate::routes;
 use crate::sim::{RecordedRequest, Shared};
 use crate::state::{ApiError, ApiResult};
 
-/// Every endpoint the simulator serves, as `(METHOD, template)`.
-pub const ROUTES: &[(&str, &str)] = &[
-    ("GET", "/version"),
-    ("GET", "/nodes"),
-    ("GET", "/cluster/nextid"),
-    ("GET", "/cluster/resources"),
-    ("GET", "/pools"),
-    ("GET", "/pools/{poolid}"),
-    ("GET", "/nodes/{node}/qemu"),
-    ("POST", "/nodes/{node}/qemu/{vmid}/clone"),
-    ("GET", "/nodes/{node}/qemu/{vmid}/config"),
-    ("PUT", "/nodes/{node}/qemu/{vmid}/config"),
-    ("POST", "/nodes/{node}/qemu/{vmid}/config"),
-    ("POST", "/nodes/{node}/qemu/{vmid}/status/start"),
-    ("POST", "/nodes/{node}/qemu/{vmid}/status/stop"),
-    ("POST", "/nodes/{node}/qemu/{vmid}/status/shutdown"),
-    ("GET", "/nodes/{node}/qemu/{vmid}/status/current"),
-    ("DELETE", "/nodes/{node}/qemu/{vmid}"),
-    ("GET", "/nodes/{node}/tasks"),
-    ("GET", "/nodes/{node}/tasks/{upid}/status"),
-    ("GET", "/nodes/{node}/tasks/{upid}/log"),
-    ("POST", "/nodes/{node}/qemu/{vmid}/agent/ping"),
-    ("POST", "/nodes/{node}/qemu/{vmid}/agent/file-write"),
-    ("POST", "/nodes/{node}/qemu/{vmid}/agent/exec"),
-    ("GET", "/nodes/{node}/qemu/{vmid}/agent/exec-status"),
-    (
-        "GET",
-        "/nodes/{node}/qemu/{vmid}/agent/network-get-interfaces",
-    ),
-    ("GET", "/nodes/{node}/qemu/{vmid}/agent/get-osinfo"),
-    ("GET", "/nodes/{node}/qemu/{vmid}/agent/get-host-name"),
-    ("GET", "/nodes/{node}/qemu/{vmid}/agent/info"),
-    ("GET", "/nodes/{node}/qemu/{vmid}/status"),
-    ("POST", "/nodes/{node}/qemu/{vmid}/migrate"),
-    ("POST", "/nodes/{node}/qemu/{vmid}/template"),
-    ("GET", "/cluster/status"),
-    ("GET", "/nodes/{node}/status"),
-    ("GET", "/nodes/{node}/storage"),
-    ("GET", "/nodes/{node}/storage/{storage}/status"),
-    ("GET", "/access/permissions"),
-    ("GET", "/cluster/options"),
-    // pve-network `API2/Network/SDN/Vnets.pm` (index); not in the official
-    // schema file's subset, so validated against `api.json` alone.
-    ("GET", "/cluster/sdn/vnets"),
-];
+pub use crate::routes::ROUTES;
 
 const API_PREFIX: &str = "/api2/json";
 
@@ -289,7 +250,7 @@ async fn handle(
     let Some(api_path) = path.strip_prefix(API_PREFIX) else {
         return error_response(&ApiError::Status(404, "Not Found".into()));
     };
-    let Some((template, path_params)) = route(method.as_str(), api_path) else {
+    let Some((route, path_params)) = routes::find(method.as_str(), api_path) else {
         s.requests.lock().push(RecordedRequest {
             method: method.to_string(),
             path: path.clone(),
@@ -302,6 +263,7 @@ async fn handle(
             format!("Method '{method} {api_path}' not implemented"),
         ));
     };
+    let template = route.template;
     let endpoint = format!("{method} {template}");
     for (k, v) in &path_params {
         params.0.insert(k.clone(), vec![v.clone()]);
@@ -333,22 +295,22 @@ async fn handle(
     if let Some(errs) = schema_errors {
         return error_response(&ApiError::Params(errs));
     }
-    if let Err(e) = check_acl(&s, template, &params)
-        .and_then(|()| check_privileges(&s, method.as_str(), template, &params))
+    if let Err(e) =
+        check_acl(&s, template, &params).and_then(|()| route.privileges.check(&s, &params))
     {
         return error_response(&e);
     }
     if let Some((status, msg, delay)) = s.faults.take_apply_late(&endpoint) {
-        let (late, method, template) = (Arc::clone(&s), method.to_string(), template.to_string());
+        let late = Arc::clone(&s);
         let params = params.clone();
         tokio::spawn(async move {
             tokio::time::sleep(delay).await;
-            let _ = dispatch(&late, &method, &template, &params).await;
+            let _ = route.answer(&late, &params).await;
             late.faults.note_late_applied();
         });
         return error_response(&ApiError::Status(status, msg));
     }
-    let res = dispatch(&s, method.as_str(), template, &params).await;
+    let res = route.answer(&s, &params).await;
     if res.is_ok() {
         if let Some((status, msg)) = s.faults.take_fail_after(&endpoint) {
             return error_response(&ApiError::Status(status, msg));
@@ -398,329 +360,9 @@ fn check_node(s: &Shared, node: &str) -> ApiResult<()> {
     }
 }
 
-/// Under [`crate::SimConfig::pool_acl`], a VM path outside the token's pool is
-/// a 403 whether or not the VM exists (PVE checks the privilege on
-/// `/vms/{vmid}` before looking the VM up).
-fn check_acl(s: &Shared, template: &str, p: &Params) -> ApiResult<()> {
-    if !s.cfg.pool_acl || !template.starts_with("/nodes/{node}/qemu/{vmid}") {
-        return Ok(());
-    }
-    let vmid = p.u64("vmid").unwrap_or(0) as u32;
-    if s.visible(&s.cluster.lock(), vmid) {
-        return Ok(());
-    }
-    Err(ApiError::Status(
-        403,
-        format!("Permission check failed (/vms/{vmid}, VM.Audit)"),
-    ))
-}
-
-/// The privilege checks PVE makes on the VM calls a lifecycle client uses
-/// (from the API schema's `permissions`; the guest agent's by release), on
-/// `/vms/{vmid}` (which a pool's ACL covers for its members). Each entry is
-/// a set of alternatives; every entry must hold.
-fn required_privileges(
-    s: &Shared,
-    method: &str,
-    template: &str,
-    p: &Params,
-) -> Vec<(String, Vec<&'static str>)> {
-    let vmid = p.u64("vmid").unwrap_or(0);
-    let vm = format!("/vms/{vmid}");
-    let agent = |pve9: &'static [&'static str]| -> Vec<&'static str> {
-        if s.cfg.pve9 {
-            pve9.to_vec()
-        } else {
-            vec!["VM.Monitor"]
-        }
-    };
-    let one = |path: &str, privs: Vec<&'static str>| vec![(path.to_string(), privs)];
-    match (method, template) {
-        ("POST", "/nodes/{node}/qemu/{vmid}/clone") => {
-            let mut out = one(&vm, vec!["VM.Clone"]);
-            let target = match p.get("pool") {
-                Some(pool) => format!("/pool/{pool}"),
-                None => format!("/vms/{}", p.u64("newid").unwrap_or(0)),
-            };
-            out.push((target, vec!["VM.Allocate"]));
-            // PVE 8 and newer: the clone's NICs need SDN.Use on their
-            // bridge, in the VNet's zone or `localnetwork`; on the VLAN
-            // below it for a NIC with a tag, and on each VLAN of its trunks
-            // (pve-guest-common `check_vnet_access`).
-            for path in sdn_paths(s, vmid as u32) {
-                out.push((path, vec!["SDN.Use"]));
-            }
-            // qemu-server `check_storage_access_clone`: the storage the
-            // disks go to, `storage` when given, else the source's.
-            let storage = p.get("storage").map(str::to_string).or_else(|| {
-                let c = s.cluster.lock();
-                c.vms.get(&(vmid as u32)).map(|v| v.storage.clone())
-            });
-            if let Some(st) = storage.filter(|st| !st.is_empty()) {
-                out.push((format!("/storage/{st}"), vec!["Datastore.AllocateSpace"]));
-            }
-            // The host's CD-ROM drive is a device, not a volume: PVE asks
-            // for Sys.Console on `/` (check_storage_access).
-            let physical_cdrom = s
-                .cluster
-                .lock()
-                .vms
-                .get(&(vmid as u32))
-                .is_some_and(|vm| vm.has_physical_cdrom());
-            if physical_cdrom {
-                out.push(("/".to_string(), vec!["Sys.Console"]));
-            }
-            out
-        }
-        ("GET", "/nodes/{node}/qemu/{vmid}/config")
-        | ("GET", "/nodes/{node}/qemu/{vmid}/status/current") => one(&vm, vec!["VM.Audit"]),
-        ("PUT" | "POST", "/nodes/{node}/qemu/{vmid}/config") => {
-            let mut out = Vec::new();
-            for (key, privilege) in [
-                ("cores", "VM.Config.CPU"),
-                ("memory", "VM.Config.Memory"),
-                ("description", "VM.Config.Options"),
-                ("tags", "VM.Config.Options"),
-                ("protection", "VM.Config.Options"),
-            ] {
-                let deleted = p
-                    .get("delete")
-                    .is_some_and(|d| d.split([',', ';', ' ']).any(|k| k == key));
-                if p.get(key).is_some() || deleted {
-                    out.push((vm.clone(), vec![privilege]));
-                }
-            }
-            out
-        }
-        ("POST", "/nodes/{node}/qemu/{vmid}/status/start")
-        | ("POST", "/nodes/{node}/qemu/{vmid}/status/stop")
-        | ("POST", "/nodes/{node}/qemu/{vmid}/status/shutdown") => one(&vm, vec!["VM.PowerMgmt"]),
-        ("DELETE", "/nodes/{node}/qemu/{vmid}") => one(&vm, vec!["VM.Allocate"]),
-        ("POST", "/nodes/{node}/qemu/{vmid}/migrate") => {
-            let mut out = one(&vm, vec!["VM.Migrate"]);
-            // qemu-server migrate_vm: a `targetstorage` other than the
-            // identity map `1` moves disks, so it needs VM.Config.Disk on
-            // the VM and room on each target storage.
-            if let Some(ts) = p.get("targetstorage").filter(|t| *t != "1") {
-                out.push((vm.clone(), vec!["VM.Config.Disk"]));
-                for entry in ts.split(',') {
-                    let target = entry.rsplit(':').next().unwrap_or(entry).trim();
-                    if !target.is_empty() && target != "1" {
-                        out.push((
-                            format!("/storage/{target}"),
-                            vec!["Datastore.AllocateSpace"],
-                        ));
-                    }
-                }
-            }
-            out
-        }
-        ("POST", "/nodes/{node}/qemu/{vmid}/template") => one(&vm, vec!["VM.Allocate"]),
-        ("GET", "/nodes/{node}/storage/{storage}/status") => one(
-            &format!("/storage/{}", p.get("storage").unwrap_or_default()),
-            vec!["Datastore.Audit", "Datastore.AllocateSpace"],
-        ),
-        ("POST", "/nodes/{node}/qemu/{vmid}/agent/ping") => one(
-            &vm,
-            agent(&["VM.GuestAgent.Audit", "VM.GuestAgent.Unrestricted"]),
-        ),
-        ("POST", "/nodes/{node}/qemu/{vmid}/agent/file-write") => one(
-            &vm,
-            agent(&["VM.GuestAgent.FileWrite", "VM.GuestAgent.Unrestricted"]),
-        ),
-        ("POST", "/nodes/{node}/qemu/{vmid}/agent/exec")
-        | ("GET", "/nodes/{node}/qemu/{vmid}/agent/exec-status") => {
-            one(&vm, agent(&["VM.GuestAgent.Unrestricted"]))
-        }
-        _ => Vec::new(),
-    }
-}
-
-/// The SDN paths the NICs of VM `vmid` are checked on (see the clone's
-/// privileges in [`required_privileges`]): as pve-guest-common
-/// `check_vnet_access`, `/sdn/zones/<zone>/<bridge>/<tag>` for the `tag`
-/// and for each VLAN of `trunks` (`10;20-30`), and the bridge's own path
-/// only for a NIC with neither.
-fn sdn_paths(s: &Shared, vmid: u32) -> Vec<String> {
-    let config = match s.cluster.lock().vms.get(&vmid) {
-        Some(vm) => vm.config_json(),
-        None => return Vec::new(),
-    };
-    let Some(keys) = config.as_object() else {
-        return Vec::new();
-    };
-    let mut out = Vec::new();
-    for (key, value) in keys {
-        let is_nic = key
-            .strip_prefix("net")
-            .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()));
-        let Some(nic) = value.as_str().filter(|_| is_nic) else {
-            continue;
-        };
-        let field = |name: &str| {
-            nic.split(',')
-                .find_map(|part| part.strip_prefix(name))
-                .filter(|v| !v.is_empty())
-        };
-        let Some(bridge) = field("bridge=") else {
-            continue;
-        };
-        let path = format!("/sdn/zones/{}/{bridge}", s.sdn_zone_of(bridge));
-        let mut vlans: Vec<String> = field("tag=").map(str::to_string).into_iter().collect();
-        vlans.extend(field("trunks=").map(trunk_vlans).unwrap_or_default());
-        if vlans.is_empty() {
-            out.push(path);
-        } else {
-            out.extend(vlans.iter().map(|vlan| format!("{path}/{vlan}")));
-        }
-    }
-    out.sort();
-    out.dedup();
-    out
-}
-
-/// The VLANs of a NIC's `trunks` (`10;20-30`), as pve-guest-common's
-/// `get_tags_from_trunk` expands them: a range whose end is not above its
-/// start is its start alone.
-fn trunk_vlans(trunks: &str) -> Vec<String> {
-    let mut out = Vec::new();
-    for trunk in trunks.split(';').filter(|t| !t.is_empty()) {
-        let (start, end) = trunk.split_once('-').unwrap_or((trunk, ""));
-        match (start.parse::<u32>(), end.parse::<u32>()) {
-            (Ok(a), Ok(b)) if b > a => out.extend((a..=b).map(|v| v.to_string())),
-            _ => out.push(start.to_string()),
-        }
-    }
-    out
-}
-
-/// 403 `Permission check failed (PATH, PRIV)` for a privilege the token
-/// lacks (see [`crate::SimConfig::dropped_privileges`]).
-fn check_privileges(s: &Shared, method: &str, template: &str, p: &Params) -> ApiResult<()> {
-    for (path, any_of) in required_privileges(s, method, template, p) {
-        let held = s.effective_privileges(&path);
-        if !any_of.iter().any(|want| held.iter().any(|h| h == want)) {
-            return Err(ApiError::Status(
-                403,
-                format!("Permission check failed ({path}, {})", any_of.join("|")),
-            ));
-        }
-    }
-    Ok(())
-}
-
 /// Match an API path against [`ROUTES`]; returns the template and path params.
 pub fn route(method: &str, path: &str) -> Option<(&'static str, Vec<(String, String)>)> {
-    let segs: Vec<String> = path
-        .trim_end_matches('/')
-        .split('/')
-        .skip(1)
-        .map(|s| percent_decode_str(s).decode_utf8_lossy().into_owned())
-        .collect();
-    'routes: for (m, t) in ROUTES {
-        if *m != method {
-            continue;
-        }
-        let tsegs: Vec<&str> = t.split('/').skip(1).collect();
-        if tsegs.len() != segs.len() {
-            continue;
-        }
-        let mut params = Vec::new();
-        for (ts, s) in tsegs.iter().zip(&segs) {
-            if let Some(name) = ts.strip_prefix('{').and_then(|n| n.strip_suffix('}')) {
-                if s.is_empty() {
-                    continue 'routes;
-                }
-                params.push((name.to_string(), s.clone()));
-            } else if ts != s {
-                continue 'routes;
-            }
-        }
-        return Some((t, params));
-    }
-    None
-}
-
-async fn dispatch(s: &Arc<Shared>, method: &str, template: &str, p: &Params) -> ApiResult {
-    let node = p.get("node").unwrap_or_default().to_string();
-    let vmid = p.u64("vmid").unwrap_or(0) as u32;
-    match (method, template) {
-        ("GET", "/version") if s.cfg.pve9 => {
-            Ok(json!({"version": "9.0.3", "release": "9.0", "repoid": "025864202ebb6109"}))
-        }
-        ("GET", "/version") => {
-            Ok(json!({"version": "8.3.2", "release": "8.3", "repoid": "3e76eec21c4a14a7"}))
-        }
-        ("GET", "/nodes") => Ok(s.nodes()),
-        ("GET", "/cluster/nextid") => s.nextid(p.u64("vmid").map(|v| v as u32)),
-        ("GET", "/cluster/resources") => Ok(s.resources(p.get("type"))),
-        ("GET", "/pools") => s.pools(p.get("poolid")),
-        ("GET", "/pools/{poolid}") => s.pool(p.get("poolid").unwrap_or_default()),
-        ("GET", "/nodes/{node}/qemu") => Ok(s.node_vms(&node)),
-        ("POST", "/nodes/{node}/qemu/{vmid}/clone") => s.clone_vm(&node, vmid, p),
-        ("GET", "/nodes/{node}/qemu/{vmid}/config") => s.config(&node, vmid),
-        ("PUT", "/nodes/{node}/qemu/{vmid}/config") => s.update_config_sync(&node, vmid, p).await,
-        ("POST", "/nodes/{node}/qemu/{vmid}/config") => s.update_config_async(&node, vmid, p),
-        ("POST", "/nodes/{node}/qemu/{vmid}/status/start") => s.start(&node, vmid, p),
-        ("POST", "/nodes/{node}/qemu/{vmid}/status/stop") => s.stop(&node, vmid, p, "qmstop"),
-        ("POST", "/nodes/{node}/qemu/{vmid}/status/shutdown") => {
-            s.stop(&node, vmid, p, "qmshutdown")
-        }
-        ("GET", "/nodes/{node}/qemu/{vmid}/status/current") => s.status_current(&node, vmid),
-        ("DELETE", "/nodes/{node}/qemu/{vmid}") => s.destroy(&node, vmid, p),
-        ("GET", "/nodes/{node}/tasks") => s.node_tasks(&node, p),
-        ("GET", "/nodes/{node}/tasks/{upid}/status") => {
-            let upid = p.get("upid").unwrap_or_default();
-            check_upid(upid)?;
-            s.task_status(&node, upid)
-        }
-        ("GET", "/nodes/{node}/tasks/{upid}/log") => {
-            let upid = p.get("upid").unwrap_or_default();
-            check_upid(upid)?;
-            let start = p.u64("start").unwrap_or(0) as usize;
-            let limit = p.u64("limit").unwrap_or(50) as usize;
-            s.task_log(&node, upid, start, limit)
-        }
-        ("POST", "/nodes/{node}/qemu/{vmid}/agent/ping") => s.agent_ping(&node, vmid).await,
-        ("POST", "/nodes/{node}/qemu/{vmid}/agent/file-write") => {
-            s.agent_file_write(&node, vmid, p).await
-        }
-        ("POST", "/nodes/{node}/qemu/{vmid}/agent/exec") => s.agent_exec(&node, vmid, p).await,
-        ("GET", "/nodes/{node}/qemu/{vmid}/agent/exec-status") => {
-            s.agent_exec_status(&node, vmid, p.u64("pid").unwrap_or(0))
-                .await
-        }
-        ("GET", "/nodes/{node}/qemu/{vmid}/agent/network-get-interfaces") => {
-            s.agent_network_interfaces(&node, vmid).await
-        }
-        ("GET", "/nodes/{node}/qemu/{vmid}/agent/get-osinfo") => s.agent_osinfo(&node, vmid).await,
-        ("GET", "/nodes/{node}/qemu/{vmid}/agent/get-host-name") => {
-            s.agent_host_name(&node, vmid).await
-        }
-        ("GET", "/nodes/{node}/qemu/{vmid}/agent/info") => s.agent_info(&node, vmid).await,
-        ("GET", "/nodes/{node}/qemu/{vmid}/status") => s.status_index(&node, vmid),
-        ("POST", "/nodes/{node}/qemu/{vmid}/migrate") => s.migrate(&node, vmid, p),
-        ("POST", "/nodes/{node}/qemu/{vmid}/template") => s.convert_to_template(&node, vmid, p),
-        ("GET", "/cluster/status") => Ok(s.cluster_status()),
-        ("GET", "/nodes/{node}/status") => Ok(s.node_status(&node)),
-        ("GET", "/nodes/{node}/storage") => Ok(s.node_storages(&node, p)),
-        ("GET", "/nodes/{node}/storage/{storage}/status") => {
-            s.storage_status(&node, p.get("storage").unwrap_or_default())
-        }
-        ("GET", "/access/permissions") => Ok(s.permissions(p.get("path"))),
-        ("GET", "/cluster/options") => Ok(s.cluster_options()),
-        ("GET", "/cluster/sdn/vnets") => s.sdn_vnets(),
-        _ => Err(ApiError::Status(
-            501,
-            format!("Method '{method} {template}' not implemented"),
-        )),
-    }
-}
-
-fn check_upid(upid: &str) -> ApiResult<()> {
-    crate::tasks::upid_node(upid)
-        .map(|_| ())
-        .ok_or_else(|| ApiError::internal(format!("unable to parse worker upid '{upid}'")))
+    routes::find(method, path).map(|(r, params)| (r.template, params))
 }
 
 fn ok_response(data: Value) -> Response<Body> {

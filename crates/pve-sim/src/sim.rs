@@ -1,5 +1,6 @@
 //! The simulator core: shared state, config-lock waiting and worker tasks. The
-//! operations live in `inventory`, `lifecycle` and `guest_api`.
+//! operations live in `inventory`, `lifecycle`, `vm_config`, `migrate` and
+//! `guest_api`; `routes` maps each endpoint to one of them.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::future::Future;
