@@ -352,6 +352,17 @@ impl PveSim {
         }
     }
 
+    /// Make `storage`'s mount on `node` hang (an NFS server that stopped
+    /// answering, a dir storage on a dead disk) or answer again. PVE's
+    /// `activate_storage` gives up on it after 2 s with `unable to
+    /// activate storage 'X' - directory '/mnt/pve/X' does not exist or is
+    /// unreachable`, which fails a destroy with `destroy-unreferenced-disks`
+    /// on that node (it activates every storage holding images) after the
+    /// VM's own disks are freed; without the option the destroy ends.
+    pub fn set_storage_hung(&self, node: &str, storage: &str, hung: bool) {
+        self.shared.set_storage_hung(node, storage, hung);
+    }
+
     /// Replace all guest command handlers with `h`.
     pub fn set_guest_handler(
         &self,

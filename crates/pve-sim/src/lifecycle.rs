@@ -490,8 +490,21 @@ impl Shared {
                 // storage holding images, activating each, and one that
                 // cannot be activated kills the worker before the config
                 // is removed.
-                let offline = me.offline_storages_on(&n);
-                if let (true, Some(storage)) = (unreferenced, offline.first()) {
+                // pve-storage's `activate_storage`: an offline storage says
+                // so; a hung mount does not answer `-d` within 2 s.
+                let unreachable = me
+                    .offline_storages_on(&n)
+                    .first()
+                    .map(|storage| format!("storage '{storage}' is not online"))
+                    .or_else(|| {
+                        me.hung_storages_on(&n).first().map(|storage| {
+                            format!(
+                                "unable to activate storage '{storage}' - directory \
+                                 '/mnt/pve/{storage}' does not exist or is unreachable"
+                            )
+                        })
+                    });
+                if let (true, Some(why)) = (unreferenced, unreachable) {
                     me.release_flock(vmid, |c| {
                         if let Some(vm) = c.vms.get_mut(&vmid) {
                             vm.disk_gib = 0;
@@ -501,7 +514,7 @@ impl Shared {
                             format!("Removing image: 100% complete...done. ({disk})"),
                         );
                     });
-                    return Err(format!("storage '{storage}' is not online"));
+                    return Err(why);
                 }
                 let root = me.guest_root(vmid);
                 me.release_flock(vmid, |c| {

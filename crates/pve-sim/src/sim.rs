@@ -49,6 +49,9 @@ pub struct Shared {
     /// `(node, storage)` pairs whose storage cannot be activated now
     /// (seeded from [`SimConfig::storages_offline`]).
     pub storages_offline: Mutex<BTreeSet<(String, String)>>,
+    /// `(node, storage)` pairs whose mount hangs: pve-storage's
+    /// `activate_storage` gives up on it (see [`crate::PveSim::set_storage_hung`]).
+    pub storages_hung: Mutex<BTreeSet<(String, String)>>,
 }
 
 impl Shared {
@@ -85,6 +88,7 @@ impl Shared {
         let storages_offline = Mutex::new(cfg.storages_offline.iter().cloned().collect());
         let s = Self {
             storages_offline,
+            storages_hung: Mutex::default(),
             qga_bin,
             cfg,
             cluster: Mutex::new(cluster),
@@ -342,6 +346,17 @@ impl Shared {
         f(vm);
         self.touch(&mut c);
         true
+    }
+
+    /// See [`crate::PveSim::set_storage_hung`].
+    pub fn set_storage_hung(&self, node: &str, storage: &str, hung: bool) {
+        let key = (node.to_string(), storage.to_string());
+        let mut set = self.storages_hung.lock();
+        if hung {
+            set.insert(key);
+        } else {
+            set.remove(&key);
+        }
     }
 
     pub fn set_node_online(&self, node: &str, online: bool) -> bool {

@@ -145,6 +145,18 @@ impl Shared {
             .collect()
     }
 
+    /// The storages holding VM images whose mount on `node` hangs.
+    pub(crate) fn hung_storages_on(&self, node: &str) -> Vec<String> {
+        let hung = self.storages_hung.lock().clone();
+        let c = self.cluster.lock();
+        self.storages_on(&c, node)
+            .into_iter()
+            .filter(|s| s.content.split(',').any(|t| t == "images"))
+            .filter(|s| hung.contains(&(node.to_string(), s.name.clone())))
+            .map(|s| s.name)
+            .collect()
+    }
+
     /// Bytes VM disks take on `storage` as `node` sees it (all nodes' for a
     /// shared one), leaving out VM `except`.
     fn used_bytes(

@@ -391,7 +391,7 @@ impl Api {
             // again without it.
             if unreferenced_too && (failed.is_offline() || failed.is_storage_unavailable()) {
                 tracing::warn!(vm = %vm, error = %failed,
-                    "a storage of the node is offline; destroying the VM without looking for unreferenced disks");
+                    "a storage of the node is offline or hangs; destroying the VM without looking for unreferenced disks");
                 unreferenced_too = false;
                 continue;
             }

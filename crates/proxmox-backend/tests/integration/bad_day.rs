@@ -3,7 +3,7 @@
 
 use proxmox_backend::proxmox::{PveOptions, PveSubstrate};
 use proxmox_backend::substrate::Substrate;
-use pve_sim::{endpoints, SimConfig};
+use pve_sim::{endpoints, SimConfig, StorageKind, StorageSpec};
 
 use crate::common::{self, client, req, sim_with};
 
@@ -71,5 +71,31 @@ async fn the_simulator_answers_a_full_next_id_range_as_pve_does() {
     );
     // Asked for an id outside the range, it still answers.
     assert_eq!(client(&sim).next_id(Some(250)).await.expect("free"), 250);
+    sim.shutdown().await;
+}
+
+/// An NFS mount on the node hangs: PVE's `activate_storage` gives up on it
+/// (`unable to activate storage 'nas' - directory '/mnt/pve/nas' does not
+/// exist or is unreachable`), which fails a destroy with
+/// `destroy-unreferenced-disks` after the VM's own disks are freed. The
+/// Delete destroys again without the option, and the VM is gone.
+#[tokio::test]
+async fn a_delete_finishes_while_a_storage_it_never_used_hangs() {
+    let mut cfg = common::fast_sim_150();
+    cfg.storages
+        .push(StorageSpec::new("nas", StorageKind::Nfs, true, 1 << 10));
+    let sim = sim_with(cfg).await;
+    let sub = PveSubstrate::new(client(&sim), opts());
+    let id = "p/OnDemand/pve.small/pve1/004";
+    let vm = sub.clone_vm(&req(id, "pve1")).await.expect("create");
+    sim.set_storage_hung("pve1", "nas", true);
+    let destroys = sim.faults().call_count(endpoints::DESTROY);
+    sub.delete_vm(&vm, id).await.expect("delete");
+    assert!(sim.vm(vm.vmid).is_none(), "config removed too");
+    assert_eq!(
+        sim.faults().call_count(endpoints::DESTROY) - destroys,
+        2,
+        "one destroy with the option, one without"
+    );
     sim.shutdown().await;
 }

@@ -386,3 +386,64 @@ async fn pveproxy_closes_idle_connections_and_after_errors() {
     );
     sim.shutdown().await;
 }
+
+/// A storage whose mount hangs, set through the admin endpoint: a destroy
+/// with `destroy-unreferenced-disks=1` on that node fails as pve-storage's
+/// `activate_storage` does, after the VM's disks are freed and with its
+/// config left; without the option, or once the mount answers again, the
+/// destroy ends.
+#[tokio::test]
+async fn a_hung_storage_fails_a_destroy_that_activates_every_storage() {
+    let mut cfg = fast();
+    cfg.storages.push(pve_sim::StorageSpec::new(
+        "nas",
+        pve_sim::StorageKind::Nfs,
+        true,
+        1 << 10,
+    ));
+    let (sim, api) = start_sim(cfg).await;
+    for newid in ["130", "131"] {
+        let r = api
+            .post(CLONE, &[("newid", newid), ("name", "x"), ("full", "1")])
+            .await;
+        api.wait_task_of(r).await;
+    }
+    let admin = |state: &str| {
+        format!(
+            "{}/_sim/storages/pve1/nas/{state}",
+            api.base.trim_end_matches("/api2/json")
+        )
+    };
+    let r = api
+        .c
+        .post(admin("hung"))
+        .header("authorization", sim.auth_header())
+        .send()
+        .await
+        .expect("admin call");
+    assert_eq!(r.status(), 200);
+    let unreferenced = [("destroy-unreferenced-disks", "1"), ("purge", "1")];
+    let r = api.delete("/nodes/pve1/qemu/130", &unreferenced).await;
+    let done = api.wait_task_of(r).await;
+    assert_eq!(
+        done["exitstatus"],
+        "unable to activate storage 'nas' - directory '/mnt/pve/nas' does not exist or is unreachable"
+    );
+    assert!(sim.vm(130).is_some(), "the config is left");
+    // Without the option the destroy does not activate the other storages.
+    let r = api.delete("/nodes/pve1/qemu/130", &[("purge", "1")]).await;
+    assert_eq!(api.wait_task_of(r).await["exitstatus"], "OK");
+    assert!(sim.vm(130).is_none());
+    // Answering again, it no longer fails anything.
+    let r = api
+        .c
+        .post(admin("ok"))
+        .header("authorization", sim.auth_header())
+        .send()
+        .await
+        .expect("admin call");
+    assert_eq!(r.status(), 200);
+    let r = api.delete("/nodes/pve1/qemu/131", &unreferenced).await;
+    assert_eq!(api.wait_task_of(r).await["exitstatus"], "OK");
+    sim.shutdown().await;
+}
