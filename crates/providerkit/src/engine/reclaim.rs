@@ -206,7 +206,7 @@ impl Engine {
             machine_id: id.to_string(),
             host_ref: machine.host.as_ref().map(|h| h.r#ref.clone()),
         };
-        tracing::info!(machine_id = %id, host = ?ctx.host_ref, "reclaim: destroying the machine's hosts");
+        tracing::info!(machine_id = %id, host = ctx.host_ref.as_deref().unwrap_or("-"), "reclaim: destroying the machine's hosts");
         let limit = self.opts.timeouts.delete;
         match tokio::time::timeout(limit, self.backend.reclaim(ctx)).await {
             Ok(Ok(())) => {}

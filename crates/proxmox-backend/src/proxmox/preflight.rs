@@ -176,6 +176,7 @@ fn missing<'a>(held: &BTreeSet<String>, needs: &'a [Need]) -> Vec<&'a Need> {
 
 /// The hint for a failure to use the API at all, naming the flag to fix.
 pub(super) fn access_hint(e: &PveError, url: &str) -> Option<String> {
+    let port = url_port(url);
     let hint = match e.access_failure()? {
         AccessFailure::Unauthorized => {
             "the API token was refused (401): check --proxmox-token-id (USER@REALM!TOKENID) and \
@@ -194,7 +195,7 @@ pub(super) fn access_hint(e: &PveError, url: &str) -> Option<String> {
         ),
         AccessFailure::Unreachable => format!(
             "the host of {url} does not resolve or does not answer: check the host name in \
-             --proxmox-api-url and the network path (firewall) to its port 8006"
+             --proxmox-api-url and the network path (firewall) to its port {port}"
         ),
         AccessFailure::NotTls => format!(
             "{url} does not speak HTTPS: the PVE API is HTTPS on port 8006; check the port in \
@@ -208,6 +209,22 @@ pub(super) fn access_hint(e: &PveError, url: &str) -> Option<String> {
         ),
     };
     Some(hint)
+}
+
+/// The port `url` names, or HTTPS's 443 when it names none: the one a
+/// firewall must let through (PVE's API listens on 8006, which a URL
+/// without a port does not reach).
+fn url_port(url: &str) -> String {
+    let rest = url.split_once("://").map_or(url, |(_, rest)| rest);
+    let authority = rest.split('/').next().unwrap_or(rest);
+    // `[v6]:port` or `host:port`; a bare IPv6 literal has no port.
+    let port = match authority.rsplit_once(']') {
+        Some((_, after)) => after.strip_prefix(':'),
+        None => authority.rsplit_once(':').map(|(_, p)| p),
+    };
+    port.filter(|p| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()))
+        .unwrap_or("443")
+        .to_string()
 }
 
 /// The major release number from `GET /version`'s `release` (`8.3` -> 8).
@@ -674,6 +691,21 @@ impl<'a> Preflight<'a> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn the_port_a_firewall_must_pass_is_the_urls() {
+        assert_eq!(
+            super::url_port("https://127.0.0.1:18443/api2/json"),
+            "18443"
+        );
+        assert_eq!(
+            super::url_port("https://pve1.example:8006/api2/json"),
+            "8006"
+        );
+        assert_eq!(super::url_port("https://pve1.example/api2/json"), "443");
+        assert_eq!(super::url_port("https://[fd00::1]:8006/api2/json"), "8006");
+        assert_eq!(super::url_port("https://[fd00::1]/api2/json"), "443");
+    }
+
     use super::*;
 
     fn set(p: &[&str]) -> BTreeSet<String> {
