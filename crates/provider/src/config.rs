@@ -280,6 +280,13 @@ pub struct Args {
     /// Minimum log level (error, warn, info, debug, trace).
     #[arg(long, default_value = DEFAULT_LOG_LEVEL)]
     pub log_level: String,
+
+    /// Allow core files (the core limit and dumpability the environment
+    /// set). Off by default: a core of this process holds the Proxmox API
+    /// token and pieces of bootstrap blobs; turn it on only to debug a
+    /// crash on a machine whose cores are kept safe.
+    #[arg(long, num_args = 0..=1, default_missing_value = "true", action = clap::ArgAction::Set, default_value_t = false)]
+    pub core_dumps: bool,
 }
 
 // One value per process, parsed once: the size of its largest variant

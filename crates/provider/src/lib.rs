@@ -12,6 +12,7 @@
 pub mod admin;
 pub mod budget;
 pub mod config;
+pub mod core_dumps;
 pub mod error;
 pub mod guard;
 pub mod identity;

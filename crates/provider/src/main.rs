@@ -79,6 +79,14 @@ fn main() -> ExitCode {
             return ExitCode::from(1);
         }
     };
+    // Before any secret is read: a core of this process would hold them.
+    if !args.core_dumps {
+        if let Err(e) = bigfleet_proxmox::core_dumps::forbid() {
+            tracing::error!(error = %format_args!("cannot forbid core files (they would hold the Proxmox token): {e}; pass --core-dumps to serve without this protection"), "startup failed");
+            drop(log_guard);
+            return ExitCode::from(1);
+        }
+    }
     let plan = match bigfleet_proxmox::plan(&args) {
         Ok(plan) => plan,
         Err(e) => {

@@ -59,6 +59,7 @@ const SPEC_FLAGS: &[&str] = &[
     "--fake-latency",
     "--log-format",
     "--log-level",
+    "--core-dumps",
     "--create-timeout",
     "--configure-timeout",
     "--drain-timeout",

@@ -90,3 +90,30 @@ async fn oversized_ids_get_a_short_readable_invalid_argument() {
         status.message()
     );
 }
+
+/// The Core line of `/proc/PID/limits`: soft and hard limit.
+fn core_limits(pid: u32) -> (String, String) {
+    let limits = std::fs::read_to_string(format!("/proc/{pid}/limits")).expect("limits");
+    let line = limits
+        .lines()
+        .find(|l| l.starts_with("Max core file size"))
+        .expect("a core limit line")
+        .to_string();
+    let words: Vec<&str> = line.split_whitespace().collect();
+    (words[4].to_string(), words[5].to_string())
+}
+
+#[test]
+fn the_serving_process_writes_no_core_file_unless_told_to() {
+    // A core would hold the Proxmox token: the limit is 0, soft and hard.
+    let provider = Provider::start(&["--use-fake-backend"]);
+    assert_eq!(
+        core_limits(provider.pid()),
+        ("0".to_string(), "0".to_string())
+    );
+    drop(provider);
+    // --core-dumps leaves the limit the environment set (this test's own).
+    let ours = core_limits(std::process::id());
+    let provider = Provider::start(&["--use-fake-backend", "--core-dumps"]);
+    assert_eq!(core_limits(provider.pid()), ours);
+}
