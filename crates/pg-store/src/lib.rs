@@ -70,7 +70,7 @@ use crate::writer::writer_loop;
 pub use lease::{Lease, LeaseState, OwnName};
 pub use pool::PgOptions;
 pub use schema::SCHEMA_VERSION;
-pub use target::{is_postgres_url, pgpass_lookup, Target, TargetError, Tls};
+pub use target::{is_postgres_url, misread_state, pgpass_lookup, Target, TargetError, Tls};
 
 /// Connections the store keeps at most: one per commit round in flight,
 /// one for loads, one for reading a commit's outcome on a fresh connection

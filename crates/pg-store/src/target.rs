@@ -59,6 +59,86 @@ pub fn is_postgres_url(state: &str) -> bool {
     state.starts_with("postgres://") || state.starts_with("postgresql://")
 }
 
+/// Why `state`, which is not a `postgres://` URL, must not be taken for a
+/// file name either: it looks like a URL of another scheme or case
+/// (`POSTGRES://...`, `pg://...`, `sqlite:...`) or a libpq connection
+/// string (`host=db user=bf`). Taken as a path it would create a private
+/// state file named after it (a replica meant to share a database then
+/// leads alone) and print its password in file names and messages. `None`
+/// for anything that reads as a path. What it says of `state` has any
+/// password masked.
+pub fn misread_state(state: &str) -> Option<String> {
+    let shown = mask_secrets(state);
+    let head = state.split('/').next().unwrap_or(state);
+    let scheme = head.split_once(':').map(|(s, _)| s).filter(|s| {
+        s.len() > 1
+            && s.starts_with(|c: char| c.is_ascii_alphabetic())
+            && s.chars()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '+' | '-' | '.'))
+    });
+    if let Some(scheme) = scheme {
+        return Some(format!(
+            "{shown:?} looks like a URL ({scheme}:) but is not postgres://... or postgresql://... \
+             (lower case): write the database as postgres://USER@HOST:PORT/DB, or a file path \
+             (./{scheme}:... for a file whose name starts that way)"
+        ));
+    }
+    let libpq = state
+        .split_whitespace()
+        .any(|word| word.split_once('=').is_some_and(|(k, _)| is_libpq_key(k)));
+    libpq.then(|| {
+        format!(
+            "{shown:?} looks like a libpq connection string (key=value): write the database as \
+             postgres://USER@HOST:PORT/DB?sslmode=..., the password in --state-password-file, \
+             PGPASSWORD or the password file, or give a file path"
+        )
+    })
+}
+
+/// libpq's connection keywords that a connection string starts with.
+fn is_libpq_key(key: &str) -> bool {
+    matches!(
+        key,
+        "host"
+            | "hostaddr"
+            | "port"
+            | "dbname"
+            | "user"
+            | "password"
+            | "passfile"
+            | "sslmode"
+            | "sslrootcert"
+            | "service"
+            | "application_name"
+            | "options"
+    )
+}
+
+/// `state` with a URL's password (`user:PASSWORD@`) and a connection
+/// string's `password=...` replaced by `****`.
+fn mask_secrets(state: &str) -> String {
+    let masked_words: Vec<String> = state
+        .split(' ')
+        .map(|w| match w.split_once('=') {
+            Some((k, _)) if k.eq_ignore_ascii_case("password") => format!("{k}=****"),
+            _ => w.to_string(),
+        })
+        .collect();
+    let joined = masked_words.join(" ");
+    let Some((scheme, rest)) = joined.split_once("://") else {
+        return joined;
+    };
+    let authority_end = rest.find('/').unwrap_or(rest.len());
+    let (authority, tail) = rest.split_at(authority_end);
+    match authority.rsplit_once('@') {
+        Some((userinfo, host)) => match userinfo.split_once(':') {
+            Some((user, _)) => format!("{scheme}://{user}:****@{host}{tail}"),
+            None => joined,
+        },
+        None => joined,
+    }
+}
+
 /// How the connection is protected.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Tls {
@@ -310,6 +390,41 @@ fn split_pgpass_line(line: &str) -> Option<Vec<String>> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_misspelt_url_or_a_connection_string_is_not_a_path() {
+        for (value, says) in [
+            (
+                "POSTGRES://bf:Secret1@db:5432/bf",
+                "looks like a URL (POSTGRES:)",
+            ),
+            ("Postgresql://bf@db/bf", "looks like a URL"),
+            ("pg://bf@db/bf", "looks like a URL (pg:)"),
+            ("sqlite:/var/lib/state.db", "looks like a URL (sqlite:)"),
+            (
+                "host=db user=bf password=Secret1",
+                "libpq connection string",
+            ),
+            ("dbname=bf", "libpq connection string"),
+        ] {
+            let e = misread_state(value).unwrap_or_else(|| panic!("{value} taken for a path"));
+            assert!(e.contains(says), "{value}: {e}");
+            assert!(!e.contains("Secret1"), "the password echoed: {e}");
+        }
+        for path in [
+            "/var/lib/bigfleet/state.db",
+            "state.db",
+            "./POSTGRES:odd",
+            "/data/a=b/state.db",
+            "C",
+        ] {
+            assert_eq!(misread_state(path), None, "{path}");
+        }
+        assert_eq!(
+            mask_secrets("POSTGRES://bf:Secret1@db:5432/bf?sslmode=require"),
+            "POSTGRES://bf:****@db:5432/bf?sslmode=require"
+        );
+    }
+
     use super::*;
 
     #[test]

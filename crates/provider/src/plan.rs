@@ -186,6 +186,9 @@ impl StateConfig {
 /// something with a database.
 fn state(args: &Args) -> Result<Option<StateConfig>, ConfigError> {
     let state = args.state.trim();
+    if let Some(why) = pg_store::misread_state(state) {
+        return Err(ConfigError::invalid(format!("--state {why}")));
+    }
     if !pg_store::is_postgres_url(state) {
         if let Some(file) = &args.state_password_file {
             return Err(ConfigError::invalid(format!(
@@ -697,6 +700,22 @@ mod tests {
         assert_eq!(e.kind(), crate::ConfigErrorKind::Unreadable);
         let cause = std::error::Error::source(&e).expect("the I/O cause");
         assert!(cause.downcast_ref::<std::io::Error>().is_some());
+    }
+
+    #[test]
+    fn a_misspelt_state_url_is_refused_without_its_password() {
+        for value in [
+            "POSTGRES://bf:Secret1@db:5432/bf",
+            "host=db user=bf password=Secret1",
+        ] {
+            let e = plan(&args(&["--use-fake-backend", "--state", value]))
+                .err()
+                .unwrap_or_else(|| panic!("{value} served"))
+                .to_string();
+            assert!(e.starts_with("--state "), "{e}");
+            assert!(e.contains("postgres://USER@HOST:PORT/DB"), "{e}");
+            assert!(!e.contains("Secret1"), "{e}");
+        }
     }
 
     #[test]

@@ -225,6 +225,9 @@ fn locate(
             "{flag} is empty: name a state file or a postgres:// URL"
         )));
     }
+    if let Some(why) = pg_store::misread_state(value) {
+        return Err(StateCopyError::usage(format!("{flag} {why}")));
+    }
     if !pg_store::is_postgres_url(value) {
         if let Some(file) = password_file {
             return Err(StateCopyError::usage(format!(
