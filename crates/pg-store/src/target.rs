@@ -68,6 +68,9 @@ pub fn is_postgres_url(state: &str) -> bool {
 /// for anything that reads as a path. What it says of `state` has any
 /// password masked.
 pub fn misread_state(state: &str) -> Option<String> {
+    if is_postgres_url(state) {
+        return None;
+    }
     let shown = mask_secrets(state);
     let head = state.split('/').next().unwrap_or(state);
     let scheme = head.split_once(':').map(|(s, _)| s).filter(|s| {
@@ -411,6 +414,8 @@ mod tests {
             assert!(!e.contains("Secret1"), "the password echoed: {e}");
         }
         for path in [
+            "postgres://bf@db:5432/bf?sslmode=verify-full",
+            "postgresql://bf@db/bf",
             "/var/lib/bigfleet/state.db",
             "state.db",
             "./POSTGRES:odd",
