@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use bigfleet_proto::v1alpha1::{DeleteRequest, ListFilter, MachineState};
+use bigfleet_proto::v1alpha1::{DeleteRequest, MachineState};
 
 use crate::provider::Provider;
 use crate::scenarios::{create_req, run_concurrently, Bench, Profile};
@@ -283,18 +283,7 @@ async fn deletes(bench: &Bench<'_>, ids: &[String], round: usize) -> Result<()> 
 async fn settle(bench: &Bench<'_>, state: MachineState, count: usize) -> Result<()> {
     let deadline = Instant::now() + SETTLE_LIMIT;
     loop {
-        let now = bench
-            .client
-            .clone()
-            .list(ListFilter {
-                states: vec![state as i32],
-                ..Default::default()
-            })
-            .await
-            .with_context(|| format!("List of {state:?} machines"))?
-            .into_inner()
-            .machines
-            .len();
+        let now = bench.list_in(state).await?.machines.len();
         if now == count {
             return Ok(());
         }

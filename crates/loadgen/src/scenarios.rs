@@ -171,7 +171,7 @@ impl<'a> Bench<'a> {
     }
 
     /// The machines in `state`, with the current cursor.
-    async fn list_in(&self, state: MachineState) -> Result<MachineList> {
+    pub(crate) async fn list_in(&self, state: MachineState) -> Result<MachineList> {
         Ok(self
             .client
             .clone()

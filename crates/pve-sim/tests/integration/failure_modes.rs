@@ -408,20 +408,21 @@ async fn a_hung_storage_fails_a_destroy_that_activates_every_storage() {
             .await;
         api.wait_task_of(r).await;
     }
-    let admin = |state: &str| {
-        format!(
+    let set_nas = |state: &'static str| {
+        let url = format!(
             "{}/_sim/storages/pve1/nas/{state}",
             api.base.trim_end_matches("/api2/json")
-        )
+        );
+        let call = api
+            .c
+            .post(url)
+            .header("authorization", sim.auth_header())
+            .send();
+        async move {
+            assert_eq!(call.await.expect("admin call").status(), 200, "{state}");
+        }
     };
-    let r = api
-        .c
-        .post(admin("hung"))
-        .header("authorization", sim.auth_header())
-        .send()
-        .await
-        .expect("admin call");
-    assert_eq!(r.status(), 200);
+    set_nas("hung").await;
     let unreferenced = [("destroy-unreferenced-disks", "1"), ("purge", "1")];
     let r = api.delete("/nodes/pve1/qemu/130", &unreferenced).await;
     let done = api.wait_task_of(r).await;
@@ -435,14 +436,7 @@ async fn a_hung_storage_fails_a_destroy_that_activates_every_storage() {
     assert_eq!(api.wait_task_of(r).await["exitstatus"], "OK");
     assert!(sim.vm(130).is_none());
     // Answering again, it no longer fails anything.
-    let r = api
-        .c
-        .post(admin("ok"))
-        .header("authorization", sim.auth_header())
-        .send()
-        .await
-        .expect("admin call");
-    assert_eq!(r.status(), 200);
+    set_nas("ok").await;
     let r = api.delete("/nodes/pve1/qemu/131", &unreferenced).await;
     assert_eq!(api.wait_task_of(r).await["exitstatus"], "OK");
     sim.shutdown().await;
