@@ -35,6 +35,7 @@ use std::time::{Duration, Instant};
 use bigfleet_proto::v1alpha1 as pb;
 use pb::capacity_provider_client::CapacityProviderClient;
 use pb::MachineState as S;
+use provider_testkit::wait::Wait;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use tonic::transport::Channel;
@@ -507,6 +508,8 @@ async fn drive(
             }
         };
         let Some((kind, binding, token, retry, probe)) = plan else {
+            // A client's random idle between requests: the workload's own
+            // pacing, not a wait for anything.
             let pause = rng.random_range(0..4);
             tokio::time::sleep(Duration::from_millis(pause)).await;
             continue;
@@ -862,15 +865,19 @@ async fn verify(
 ) -> (Vec<Track>, Checked) {
     // Interrupted transitions resume: each lands (a stable state, or FAILED
     // with a reason) within its deadline, here far inside RESUME_BOUND.
-    let until = Instant::now() + RESUME_BOUND;
-    let listed = loop {
-        let listed = list_all(&mut client.clone(), ctx).await;
-        let settled = listed.iter().all(|m| !transitional(state_of(m)));
-        if settled || Instant::now() >= until {
-            break listed;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
+    // The last List either way: the checks below name what did not land.
+    let listed = Wait::new("every interrupted transition to land", RESUME_BOUND)
+        .every(Duration::from_millis(20))
+        .try_ok_async(|| async {
+            let listed = list_all(&mut client.clone(), ctx).await;
+            if listed.iter().all(|m| !transitional(state_of(m))) {
+                Ok(listed)
+            } else {
+                Err(listed)
+            }
+        })
+        .await
+        .unwrap_or_else(|t| t.last);
     let mut by_id = HashMap::new();
     for m in listed {
         let s = state_of(&m);
@@ -984,6 +991,8 @@ async fn acknowledged_state_survives_kill_9() {
                     ))
                 })
                 .collect();
+            // The kill lands at a random point of the workload: the delay is
+            // the experiment, there is nothing to wait for.
             let delay = rng.random_range(KILL_WINDOW_MS);
             tokio::time::sleep(Duration::from_millis(delay)).await;
             stop.store(true, Ordering::SeqCst);

@@ -38,6 +38,7 @@ use common::{marked, path_str, sim_backend_args, sim_ca_file, sim_settled, start
 use parking_lot::Mutex;
 use pb::capacity_provider_client::CapacityProviderClient;
 use pb::MachineState as S;
+use provider_testkit::wait::Wait;
 use pve_sim::{GuestAgentMode, PveSim, SimConfig, TemplateSpec};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -49,6 +50,9 @@ const SLOTS: usize = 12;
 const CLIENTS: usize = 4;
 /// Workload time before the kill, in milliseconds.
 const KILL_WINDOW_MS: std::ops::RangeInclusive<u64> = 30..=900;
+/// How long a client waits for a transition to land before the kill stops
+/// it (the kill comes within KILL_WINDOW_MS; this is only a bound).
+const LANDING: Duration = Duration::from_secs(120);
 /// How long the simulator's tasks and a reconcile get to settle the world.
 const SETTLE: Duration = Duration::from_secs(30);
 
@@ -264,26 +268,35 @@ async fn client_loop(
             }
             Err(_) => return, // the kill: the outcome stays unknown
         }
-        // Wait for the landing, reading back as we go.
-        loop {
-            if stop.load(Ordering::SeqCst) {
-                return;
-            }
-            let Ok(m) = c
-                .get(pb::MachineRef { id: id.clone() })
-                .await
-                .map(tonic::Response::into_inner)
-            else {
-                return;
-            };
-            let s = state(&m);
-            if s == to || s == S::Failed {
-                model.machines.lock().insert(id.clone(), Known::Stable(s));
-                acked.lock().1 += 1;
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        // Wait for the landing, reading back as we go, or for the kill
+        // (within KILL_WINDOW_MS): then the outcome stays unknown.
+        let landed = Wait::new(format!("{id} to land or the kill"), LANDING)
+            .every(Duration::from_millis(20))
+            .ok_async(|| {
+                let (mut c, id, stop) = (c.clone(), id.clone(), &stop);
+                async move {
+                    if stop.load(Ordering::SeqCst) {
+                        return Ok(None);
+                    }
+                    let Ok(m) = c
+                        .get(pb::MachineRef { id })
+                        .await
+                        .map(tonic::Response::into_inner)
+                    else {
+                        return Ok(None);
+                    };
+                    let s = state(&m);
+                    if s == to || s == S::Failed {
+                        Ok(Some(s))
+                    } else {
+                        Err(s)
+                    }
+                }
+            })
+            .await;
+        let Some(s) = landed else { return };
+        model.machines.lock().insert(id.clone(), Known::Stable(s));
+        acked.lock().1 += 1;
     }
 }
 
@@ -406,15 +419,22 @@ async fn settle_and_check(
     known: &BTreeMap<String, Known>,
 ) -> (Vec<pb::Machine>, Violations) {
     sim_settled(sim, SETTLE).await;
-    let deadline = Instant::now() + SETTLE;
-    loop {
-        let machines = list(c).await;
-        let v = check(sim, &machines, known);
-        if v.is_empty() || Instant::now() >= deadline {
-            return (machines, v);
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    Wait::new("the invariants to hold", SETTLE)
+        .every(Duration::from_millis(100))
+        .try_ok_async(|| {
+            let mut c = c.clone();
+            async move {
+                let machines = list(&mut c).await;
+                let v = check(sim, &machines, known);
+                if v.is_empty() {
+                    Ok((machines, v))
+                } else {
+                    Err((machines, v))
+                }
+            }
+        })
+        .await
+        .unwrap_or_else(|t| t.last)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -469,6 +489,8 @@ async fn kill_nine_campaign_on_the_real_backend() {
                 counts.clone(),
             )));
         }
+        // The kill lands at a random point of the workload: the delay is the
+        // experiment, there is nothing to wait for.
         tokio::time::sleep(Duration::from_millis(rng.random_range(KILL_WINDOW_MS))).await;
         provider.signal(libc::SIGKILL);
         stop.store(true, Ordering::SeqCst);

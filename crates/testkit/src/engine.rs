@@ -9,6 +9,8 @@ use std::time::Duration;
 use bigfleet_proto::v1alpha1 as pb;
 use providerkit::{Backend, Engine, EngineOptions, MemoryStore, State, Store, Timeouts};
 
+use crate::wait::Wait;
+
 /// How long a machine may take to reach the awaited state: longer than the
 /// transition deadlines tests set (5 s in [`short_deadlines`], up to 20 s
 /// elsewhere), so a transition that times out lands FAILED before the wait
@@ -47,20 +49,23 @@ pub async fn start_on(backend: Arc<dyn Backend>, store: Arc<dyn Store>) -> Arc<E
 /// Waits until machine `id` is in `want` and returns it; panics naming the
 /// state it is in instead after [`STATE_WAIT`] (tokio time).
 pub async fn wait_for_state(engine: &Engine, id: &str, want: State) -> pb::Machine {
-    let deadline = tokio::time::Instant::now() + STATE_WAIT;
-    loop {
-        let m = engine
-            .get(id)
-            .unwrap_or_else(|e| panic!("{id} is not in the inventory: {e}"));
-        if m.state == want.to_wire() as i32 {
-            return m;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "{id} never reached {want}; is {}",
-            State::from_wire(m.state)
-                .map_or_else(|| format!("wire state {}", m.state), |s| s.to_string())
-        );
-        tokio::time::sleep(crate::wait::POLL).await;
-    }
+    Wait::new(format!("{id} to reach {want}"), STATE_WAIT)
+        .try_ok(|| {
+            let m = engine
+                .get(id)
+                .unwrap_or_else(|e| panic!("{id} is not in the inventory: {e}"));
+            if m.state == want.to_wire() as i32 {
+                Ok(m)
+            } else {
+                Err(m.state)
+            }
+        })
+        .await
+        .unwrap_or_else(|t| {
+            panic!(
+                "{id} never reached {want}; is {} ({t})",
+                State::from_wire(t.last)
+                    .map_or_else(|| format!("wire state {}", t.last), |s| s.to_string())
+            )
+        })
 }

@@ -36,6 +36,7 @@ use std::time::Duration;
 use deploy_check::commands::{doc_commands, flag_value, kind, replace_flag, DocCommand, Kind};
 use deploy_check::tools::{find_or_skip, provider_binary, pve_sim_binary, PROMTOOL_INSTALL};
 use deploy_check::workspace_root;
+use provider_testkit::wait::Wait;
 
 use crate::common::{
     setup_token_script, start_provider, FakePveHost, Provider, Running, START_WITHIN,
@@ -835,24 +836,28 @@ fn fleet(group: &CtlGroup, dir: &Path) -> Provider {
 /// at most 30 s: the landing is in the provider's background, with nothing
 /// to subscribe to.
 fn await_failed(id: &str, grpc: &str, page: &str) {
-    let until = std::time::Instant::now() + Duration::from_secs(30);
-    loop {
-        let (ok, out, err) = ctl(&at_target(
-            &["-o", "json", "get", id].map(String::from),
-            grpc,
-        ));
-        let state = serde_json::from_str::<serde_json::Value>(&out)
-            .ok()
-            .and_then(|m| m["state"].as_str().map(str::to_owned));
-        if ok && state.as_deref() == Some("FAILED") {
-            return;
-        }
-        assert!(
-            std::time::Instant::now() < until,
-            "{page}: {id} did not fail its Create within 30 s: {out}{err}"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    Wait::new(format!("{id} to be FAILED"), Duration::from_secs(30))
+        .every(Duration::from_millis(50))
+        .try_ok_blocking(|| {
+            let (ok, out, err) = ctl(&at_target(
+                &["-o", "json", "get", id].map(String::from),
+                grpc,
+            ));
+            let state = serde_json::from_str::<serde_json::Value>(&out)
+                .ok()
+                .and_then(|m| m["state"].as_str().map(str::to_owned));
+            if ok && state.as_deref() == Some("FAILED") {
+                Ok(())
+            } else {
+                Err(format!("{out}{err}"))
+            }
+        })
+        .unwrap_or_else(|t| {
+            panic!(
+                "{page}: {id} did not fail its Create within 30 s: {}",
+                t.last
+            )
+        })
 }
 
 /// A documented `ctl` command dialling `target`: `--target` set in the form

@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use pg_store::{Lease, LeaseState, OwnName, PgOptions, PgStore};
 use provider_testkit::store_contract::{machine, record};
+use provider_testkit::wait::Wait;
 use providerkit::{State, Store, StoreErrorKind};
 
 use crate::common::{fresh, PgState};
@@ -196,18 +197,17 @@ const SHARE_LEASE_LOCK: &str =
 /// Wait until a session waits for the lease lock (a condition in the
 /// server, not a guess at how long that takes).
 fn await_lease_lock_waiter(state: &PgState) {
-    let deadline = std::time::Instant::now() + Duration::from_secs(20);
-    while state
-        .schema
-        .advisory_lock_waiters(LEASE_LOCK_CLASS, LEASE_LOCK_OBJECT)
-        == 0
-    {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "nobody waited for the lease lock within 20 s"
-        );
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    Wait::new(
+        "a session waiting for the lease lock",
+        Duration::from_secs(20),
+    )
+    .every(Duration::from_millis(5))
+    .until_blocking(|| {
+        state
+            .schema
+            .advisory_lock_waiters(LEASE_LOCK_CLASS, LEASE_LOCK_OBJECT)
+            > 0
+    });
 }
 
 #[test]

@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use bigfleet_proto::admin::admin_client::AdminClient;
 use bigfleet_proto::admin::ReclaimRequest;
+use provider_testkit::wait::Wait;
 use serde_json::Value;
 
 use crate::common::{path_str, tls_channel, Pki, Provider, BIN};
@@ -101,11 +102,12 @@ async fn reclaim_needs_a_client_cert_from_the_configured_ca() {
     );
     let id = list[0]["id"].as_str().expect("a machine id").to_string();
     ctl(&pki, first.grpc, &["create", &id]);
-    let until = std::time::Instant::now() + Duration::from_secs(15);
-    while ctl(&pki, first.grpc, &["get", &id])["state"] != "FAILED" {
-        assert!(std::time::Instant::now() < until, "{id} never timed out");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    Wait::new(
+        format!("{id} to time out (FAILED)"),
+        Duration::from_secs(15),
+    )
+    .every(Duration::from_millis(50))
+    .until_blocking(|| ctl(&pki, first.grpc, &["get", &id])["state"] == "FAILED");
     drop(first);
     let p = start(&pki, &state);
     assert_eq!(

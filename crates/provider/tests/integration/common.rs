@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 
 use bigfleet_proto::v1alpha1::capacity_provider_client::CapacityProviderClient;
 use bigfleet_proto::v1alpha1::{ListFilter, Machine, MachineRef, MachineState};
+use provider_testkit::wait::{child_exit, Wait};
 use proxmox_backend::proxmox::parse_marker;
 use pve_sim::PveSim;
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
@@ -113,19 +114,6 @@ impl Logs {
     }
 }
 
-fn wait_child(child: &mut Child, timeout: Duration) -> Option<ExitStatus> {
-    let deadline = Instant::now() + timeout;
-    loop {
-        if let Some(status) = child.try_wait().expect("try_wait") {
-            return Some(status);
-        }
-        if Instant::now() >= deadline {
-            return None;
-        }
-        std::thread::sleep(POLL);
-    }
-}
-
 /// Outcome of a run that is expected to end on its own.
 pub struct Exited {
     pub status: ExitStatus,
@@ -142,7 +130,7 @@ pub fn run_to_exit(args: &[&str], timeout: Duration) -> Exited {
         .spawn()
         .expect("spawn bigfleet-proxmox");
     let logs = Logs::spawn_reader(child.stderr.take().expect("stderr"));
-    let Some(status) = wait_child(&mut child, timeout) else {
+    let Some(status) = child_exit(&mut child, timeout) else {
         let _ = child.kill();
         let _ = child.wait();
         panic!(
@@ -188,7 +176,7 @@ impl Starting {
 
     /// Waits for the process to exit on its own.
     pub fn wait_exit(&mut self, timeout: Duration) -> Option<ExitStatus> {
-        let status = wait_child(&mut self.child, timeout);
+        let status = child_exit(&mut self.child, timeout);
         if status.is_some() {
             self.logs.wait_closed(Duration::from_secs(5));
         }
@@ -271,19 +259,14 @@ impl Provider {
 
     /// Poll /readyz until it answers 200 `ready`.
     pub fn wait_ready(&self, timeout: Duration) {
-        let deadline = Instant::now() + timeout;
-        loop {
-            if let Ok((200, body)) = http_get(self.metrics, "/readyz") {
-                assert_eq!(body, "ready");
-                return;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "/readyz never answered 200; stderr:\n{}",
-                self.logs.text()
-            );
-            std::thread::sleep(POLL);
-        }
+        let body = Wait::new("/readyz to answer 200", timeout)
+            .every(POLL)
+            .try_ok_blocking(|| match http_get(self.metrics, "/readyz") {
+                Ok((200, body)) => Ok(body),
+                other => Err(other),
+            })
+            .unwrap_or_else(|t| panic!("{t}; stderr:\n{}", self.logs.text()));
+        assert_eq!(body, "ready");
     }
 
     /// The child's pid (its CPU time is read from /proc by the benchmark).
@@ -302,7 +285,7 @@ impl Provider {
 
     /// Wait for the process to exit on its own.
     pub fn wait_exit(&mut self, timeout: Duration) -> Option<ExitStatus> {
-        let status = wait_child(&mut self.child, timeout);
+        let status = child_exit(&mut self.child, timeout);
         if status.is_some() {
             self.logs.wait_closed(Duration::from_secs(5));
         }
@@ -440,17 +423,21 @@ pub fn marked(sim: &PveSim) -> BTreeMap<String, Vec<String>> {
 /// Waits until the simulator has no task in progress (no VM holds a lock,
 /// twice in a row), failing after `within`.
 pub async fn sim_settled(sim: &PveSim, within: Duration) {
-    let deadline = Instant::now() + within;
     let mut quiet = 0;
-    while quiet < 2 {
+    Wait::new(
+        "the simulator to settle (no VM locked, twice in a row)",
+        within,
+    )
+    .every(Duration::from_millis(50))
+    .until(|| {
         let busy = sim
             .vms()
             .values()
             .any(|vm| vm.lock.is_some() || vm.flock > 0);
         quiet = if busy { 0 } else { quiet + 1 };
-        assert!(Instant::now() < deadline, "the simulator never settled");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+        quiet >= 2
+    })
+    .await
 }
 
 /// A GET to the probes or `/metrics`: status code and body.
@@ -537,19 +524,29 @@ async fn poll_get(
     done: impl Fn(&Machine) -> bool,
     check: impl Fn(&Machine, bool),
 ) -> Machine {
-    let deadline = Instant::now() + timeout;
-    loop {
-        let m = client
-            .get(MachineRef { id: id.to_string() })
-            .await
-            .expect("Get")
-            .into_inner();
-        if done(&m) {
-            return m;
-        }
-        check(&m, Instant::now() >= deadline);
-        tokio::time::sleep(POLL).await;
-    }
+    let polled = Wait::new(format!("{id} to land"), timeout)
+        .every(POLL)
+        .try_ok_async(|| {
+            let mut client = client.clone();
+            let (done, check) = (&done, &check);
+            async move {
+                let m = client
+                    .get(MachineRef { id: id.to_string() })
+                    .await
+                    .expect("Get")
+                    .into_inner();
+                if done(&m) {
+                    return Ok(m);
+                }
+                check(&m, false);
+                Err(m)
+            }
+        })
+        .await;
+    polled.unwrap_or_else(|t| {
+        check(&t.last, true);
+        unreachable!("check() fails a late answer: {t}")
+    })
 }
 
 /// Throwaway PKI: a CA, a server leaf for 127.0.0.1/localhost and a client

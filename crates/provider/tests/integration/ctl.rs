@@ -6,8 +6,9 @@ use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::sync::mpsc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
+use provider_testkit::wait::{child_exit, Wait};
 use rcgen::{
     BasicConstraints, CertificateParams, CertifiedIssuer, DnType, ExtendedKeyUsagePurpose, IsCa,
     KeyPair, KeyUsagePurpose,
@@ -19,22 +20,20 @@ const SECRET: &str = "TOPSECRET-bootstrap-token-7f3a";
 
 /// Wait for the provider's start-up line in its log file; its gRPC address.
 fn await_serving(child: &mut Child, log: &Path) -> String {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let text = std::fs::read_to_string(log).unwrap_or_default();
-        if let Some(line) = text.lines().find(|l| provider_testkit::is_startup_line(l)) {
-            let addr = provider_testkit::addr_field(line, "addr");
-            return addr.unwrap_or_else(|e| panic!("{e}")).to_string();
-        }
-        if let Some(status) = child.try_wait().unwrap() {
-            panic!("provider exited early ({status}):\n{text}");
-        }
-        assert!(
-            Instant::now() < deadline,
-            "provider never logged its start-up line:\n{text}"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    Wait::new("the provider's start-up line", Duration::from_secs(30))
+        .every(Duration::from_millis(50))
+        .try_ok_blocking(|| {
+            let text = std::fs::read_to_string(log).unwrap_or_default();
+            if let Some(line) = text.lines().find(|l| provider_testkit::is_startup_line(l)) {
+                let addr = provider_testkit::addr_field(line, "addr");
+                return Ok(addr.unwrap_or_else(|e| panic!("{e}")).to_string());
+            }
+            if let Some(status) = child.try_wait().unwrap() {
+                panic!("provider exited early ({status}):\n{text}");
+            }
+            Err(text)
+        })
+        .unwrap_or_else(|t| panic!("provider never logged its start-up line:\n{}", t.last))
 }
 
 fn free_port() -> u16 {
@@ -420,17 +419,10 @@ fn line_reader(child: &mut Child) -> mpsc::Receiver<String> {
 }
 
 fn wait_exit(child: &mut Child, within: Duration) -> std::process::ExitStatus {
-    let deadline = Instant::now() + within;
-    loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            return status;
-        }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            panic!("child did not exit within {within:?}");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    child_exit(child, within).unwrap_or_else(|| {
+        let _ = child.kill();
+        panic!("child did not exit within {within:?}");
+    })
 }
 
 #[test]
@@ -740,11 +732,12 @@ fn reclaim_returns_a_failed_machine_and_refuses_others() {
     let first = Provider::start(&args, &[], tempfile::tempdir().unwrap());
     let id = first.first_speculative();
     first.ok(&["create", &id]);
-    let until = std::time::Instant::now() + std::time::Duration::from_secs(15);
-    while first.json(&["get", &id])["state"] != "FAILED" {
-        assert!(std::time::Instant::now() < until, "{id} never timed out");
-        std::thread::sleep(std::time::Duration::from_millis(50));
-    }
+    Wait::new(
+        format!("{id} to time out (FAILED)"),
+        Duration::from_secs(15),
+    )
+    .every(Duration::from_millis(50))
+    .until_blocking(|| first.json(&["get", &id])["state"] == "FAILED");
     drop(first);
     let p = Provider::start(
         &["--state".to_string(), state],

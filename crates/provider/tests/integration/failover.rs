@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use bigfleet_proto::v1alpha1::capacity_provider_client::CapacityProviderClient;
 use bigfleet_proto::v1alpha1::{CreateRequest, ListFilter, MachineRef, MachineState};
 use provider_testkit::field;
-use provider_testkit::wait::until;
+use provider_testkit::wait::{until, Wait};
 use pve_sim::{GuestAgentMode, PveSim, SimConfig};
 use tonic::transport::Channel;
 use tonic_health::pb::health_check_response::ServingStatus;
@@ -99,27 +99,30 @@ async fn standby_is_refusing(p: &Provider, leader: &str) {
     assert_eq!(status(p, "/readyz"), 503, "a standby is not ready");
     assert_eq!(status(p, "/healthz"), 200, "a standby is alive");
     assert_eq!(health(p).await, ServingStatus::NotServing as i32);
-    let mut c = p.client().await;
+    let c = p.client().await;
     let named = format!("the leader is replica {leader}");
     // A replica that has just lost the lease names the new leader once it
     // has looked at the lease again (its next attempt to take it).
-    let deadline = Instant::now() + WITHIN;
-    loop {
-        let refused = c
-            .list(ListFilter::default())
-            .await
-            .expect_err("a standby refuses");
-        assert_eq!(refused.code(), tonic::Code::Unavailable, "{refused:?}");
-        if refused.message().contains(&named) {
-            return;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the refusal never named {leader}: {}",
-            refused.message()
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    Wait::new(format!("a refusal naming {leader}"), WITHIN)
+        .every(Duration::from_millis(100))
+        .try_ok_async(|| {
+            let mut c = c.clone();
+            let named = &named;
+            async move {
+                let refused = c
+                    .list(ListFilter::default())
+                    .await
+                    .expect_err("a standby refuses");
+                assert_eq!(refused.code(), tonic::Code::Unavailable, "{refused:?}");
+                if refused.message().contains(named) {
+                    Ok(())
+                } else {
+                    Err(refused.message().to_owned())
+                }
+            }
+        })
+        .await
+        .unwrap_or_else(|t| panic!("the refusal never named {leader}: {}", t.last))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -399,6 +402,9 @@ async fn burst(
         let acks_tx = acks_tx.clone();
         calls.push(tokio::spawn(async move {
             if i >= BURST / 2 {
+                // The stagger is the scenario: the later half of the burst
+                // reaches the provider spread out over the takeover, on
+                // purpose, not waiting for anything.
                 tokio::time::sleep(stagger * i as u32).await;
             }
             if c.create(create(&id, sequence)).await.is_ok() {
@@ -421,29 +427,34 @@ async fn list(c: &mut Client) -> Vec<bigfleet_proto::v1alpha1::Machine> {
 /// refused UNAVAILABLE while the state store retries a commit the database
 /// cut short; it is asked again.
 async fn settle(c: &mut Client, round: usize) -> Vec<bigfleet_proto::v1alpha1::Machine> {
-    let deadline = Instant::now() + WITHIN * 2;
-    loop {
-        let machines = match c.list(ListFilter::default()).await {
-            Ok(listed) => listed.into_inner().machines,
-            Err(e) if e.code() == tonic::Code::Unavailable && Instant::now() < deadline => {
-                tokio::time::sleep(Duration::from_millis(200)).await;
-                continue;
+    Wait::new(
+        format!("round {round}: no machine transitional"),
+        WITHIN * 2,
+    )
+    .every(Duration::from_millis(200))
+    .try_ok_async(|| {
+        let mut c = c.clone();
+        async move {
+            let machines = match c.list(ListFilter::default()).await {
+                Ok(listed) => listed.into_inner().machines,
+                Err(e) if e.code() == tonic::Code::Unavailable => {
+                    return Err(format!("List: {e:?}"));
+                }
+                Err(e) => panic!("round {round}: List: {e:?}"),
+            };
+            let moving: Vec<&bigfleet_proto::v1alpha1::Machine> = machines
+                .iter()
+                .filter(|m| TRANSITIONAL.iter().any(|s| *s as i32 == m.state))
+                .collect();
+            if moving.is_empty() {
+                Ok(machines)
+            } else {
+                Err(format!("still transitional: {moving:?}"))
             }
-            Err(e) => panic!("round {round}: List: {e:?}"),
-        };
-        let moving: Vec<&bigfleet_proto::v1alpha1::Machine> = machines
-            .iter()
-            .filter(|m| TRANSITIONAL.iter().any(|s| *s as i32 == m.state))
-            .collect();
-        if moving.is_empty() {
-            return machines;
         }
-        assert!(
-            Instant::now() < deadline,
-            "round {round}: still transitional: {moving:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    })
+    .await
+    .unwrap_or_else(|t| panic!("round {round}: {}", t.last))
 }
 
 /// Every acknowledged Create landed IDLE.

@@ -7,6 +7,7 @@ use std::io::Read;
 use std::time::{Duration, Instant};
 
 use bigfleet_proto::v1alpha1::{CreateRequest, MachineRef};
+use provider_testkit::wait::Wait;
 
 use crate::common::Provider;
 
@@ -21,18 +22,14 @@ async fn max_concurrent_streams_is_advertised() {
     // The server's SETTINGS arrive right after the handshake; ready()
     // resolves once the connection has processed them.
     let send = send.ready().await.unwrap();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let max = send.current_max_send_streams();
-        if max == 64 {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "MAX_CONCURRENT_STREAMS is {max}, not 64"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    Wait::new("MAX_CONCURRENT_STREAMS of 64", Duration::from_secs(10))
+        .every(Duration::from_millis(20))
+        .try_ok(|| match send.current_max_send_streams() {
+            64 => Ok(()),
+            max => Err(max),
+        })
+        .await
+        .unwrap_or_else(|t| panic!("MAX_CONCURRENT_STREAMS is {}, not 64", t.last));
 }
 
 #[test]

@@ -14,6 +14,7 @@ use std::time::Duration;
 use bigfleet_proto::admin::admin_client::AdminClient;
 use bigfleet_proto::admin::NodeMemoryRequest;
 use bigfleet_proto::v1alpha1::{CreateRequest, ListFilter, MachineState};
+use provider_testkit::wait::Wait;
 use pve_sim::{NodeMemory, PveSim, SimConfig};
 
 use crate::common::{self, http_get, path_str, sim_backend_args, sim_ca_file, wait_state};
@@ -109,10 +110,15 @@ async fn burst_at_one_node(foreign: bool) {
     let watcher = {
         let (sim, done, peak) = (Arc::clone(&sim), Arc::clone(&done), Arc::clone(&peak));
         tokio::spawn(async move {
-            while !done.load(Ordering::SeqCst) {
-                peak.fetch_max(committed(&sim, "pve1"), Ordering::SeqCst);
-                tokio::time::sleep(Duration::from_millis(5)).await;
-            }
+            // Samples until told the burst has landed (at most 4 landings
+            // of up to 60 s each).
+            Wait::new("the end of the burst", Duration::from_secs(300))
+                .every(Duration::from_millis(5))
+                .until(|| {
+                    peak.fetch_max(committed(&sim, "pve1"), Ordering::SeqCst);
+                    done.load(Ordering::SeqCst)
+                })
+                .await;
         })
     };
     let burst: Vec<_> = ids

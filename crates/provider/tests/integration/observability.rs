@@ -5,7 +5,7 @@
 //! secrets never logged or exported; plus the panic layer in-process.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use bigfleet_proto::raw::{EncodedMachine, EncodedMachineList};
 use bigfleet_proto::serving;
@@ -18,6 +18,7 @@ use bigfleet_proto::v1alpha1::{
 use bigfleet_proxmox::layers::{CatchPanicLayer, ObserveLayer};
 use bigfleet_proxmox::metrics::{Format, Metrics};
 use provider_testkit::field;
+use provider_testkit::wait::Wait;
 use pve_sim::{PveSim, SimConfig};
 use tonic::{Code, Request, Response, Status};
 use tonic_health::pb::health_check_response::ServingStatus;
@@ -511,24 +512,24 @@ async fn lifecycle_metrics_logs_and_secrets() {
     let id = lifecycle(&p).await;
 
     // Wait (bounded) for a background reconcile pass to be counted.
-    let deadline = Instant::now() + Duration::from_secs(20);
-    let (text, exp) = loop {
-        let (text, exp) = scrape(&p);
-        if exp
-            .get(
-                "bigfleet_proxmox_reconcile_total",
-                &[("outcome", "success")],
-            )
-            .is_some_and(|v| v >= 1.0)
-        {
-            break (text, exp);
-        }
-        assert!(
-            Instant::now() < deadline,
-            "no successful reconcile counted:\n{text}"
-        );
-        tokio::time::sleep(POLL).await;
-    };
+    let (text, exp) = Wait::new("a successful reconcile counted", Duration::from_secs(20))
+        .every(POLL)
+        .try_ok(|| {
+            let (text, exp) = scrape(&p);
+            if exp
+                .get(
+                    "bigfleet_proxmox_reconcile_total",
+                    &[("outcome", "success")],
+                )
+                .is_some_and(|v| v >= 1.0)
+            {
+                Ok((text, exp))
+            } else {
+                Err(text)
+            }
+        })
+        .await
+        .unwrap_or_else(|t| panic!("no successful reconcile counted:\n{}", t.last));
 
     // The machine gauge: every state of every zone present, summing to the
     // inventory (the lifecycle ended on SPECULATIVE: all 4 are).
@@ -894,20 +895,21 @@ async fn probes_health_and_graceful_sigterm() {
         p.stderr()
     );
     // /readyz answers 503 `not ready` (or the listener is already gone).
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        match http_get(p.metrics, "/readyz") {
-            Ok((503, body)) => {
-                assert_eq!(body, "not ready");
-                break;
-            }
-            Err(_) => break,
-            Ok((200, _)) => {}
-            Ok(other) => panic!("/readyz during shutdown: {other:?}"),
+    Wait::new(
+        "/readyz to leave 200 after SIGTERM",
+        Duration::from_secs(10),
+    )
+    .every(POLL)
+    .try_ok_blocking(|| match http_get(p.metrics, "/readyz") {
+        Ok((503, body)) => {
+            assert_eq!(body, "not ready");
+            Ok(())
         }
-        assert!(Instant::now() < deadline, "/readyz still 200 after SIGTERM");
-        std::thread::sleep(POLL);
-    }
+        Err(_) => Ok(()),
+        Ok((200, _)) => Err(()),
+        Ok(other) => panic!("/readyz during shutdown: {other:?}"),
+    })
+    .unwrap_or_else(|_| panic!("/readyz still 200 after SIGTERM"));
     drop(watch);
     drop(health);
     drop(channel);
@@ -1078,21 +1080,19 @@ async fn a_stalled_log_pipe_does_not_stall_rpcs() {
     // Held open and never read.
     let _stderr = child.stderr.take().expect("stderr");
     let result = tokio::time::timeout(Duration::from_secs(120), async {
-        let deadline = Instant::now() + common::STARTUP_DEADLINE;
-        let mut client = loop {
-            if let Ok(channel) = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+        let mut client = Wait::new(
+            format!("the provider to listen on {addr}"),
+            common::STARTUP_DEADLINE,
+        )
+        .every(POLL)
+        .ok_async(|| async {
+            tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
                 .expect("endpoint")
                 .connect()
                 .await
-            {
-                break CapacityProviderClient::new(channel);
-            }
-            assert!(
-                Instant::now() < deadline,
-                "provider never listened on {addr}"
-            );
-            tokio::time::sleep(POLL).await;
-        };
+                .map(CapacityProviderClient::new)
+        })
+        .await;
         let ids: Vec<String> = client
             .list(ListFilter::default())
             .await
@@ -1112,22 +1112,34 @@ async fn a_stalled_log_pipe_does_not_stall_rpcs() {
                 .await
                 .unwrap_or_else(|s| panic!("Create {id}: {s}"));
         }
-        loop {
-            let idle = client
-                .list(ListFilter {
-                    states: vec![MachineState::Idle as i32],
-                    ..Default::default()
-                })
-                .await
-                .expect("List IDLE")
-                .into_inner()
-                .machines
-                .len();
-            if idle == MACHINES {
-                break;
+        // Bounded by the timeout around this block, whose failure names
+        // the stall; this wait's own bound is past it.
+        Wait::new(
+            format!("all {MACHINES} machines IDLE"),
+            Duration::from_secs(240),
+        )
+        .every(POLL)
+        .ok_async(|| {
+            let mut client = client.clone();
+            async move {
+                let idle = client
+                    .list(ListFilter {
+                        states: vec![MachineState::Idle as i32],
+                        ..Default::default()
+                    })
+                    .await
+                    .expect("List IDLE")
+                    .into_inner()
+                    .machines
+                    .len();
+                if idle == MACHINES {
+                    Ok(())
+                } else {
+                    Err(idle)
+                }
             }
-            tokio::time::sleep(POLL).await;
-        }
+        })
+        .await;
     })
     .await;
     let _ = child.kill();

@@ -5,10 +5,11 @@
 //! the outage the offline node is not), and a Create aimed at the offline
 //! node waits for it within its deadline instead of failing at once.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use bigfleet_proto::v1alpha1::capacity_provider_client::CapacityProviderClient;
 use bigfleet_proto::v1alpha1::{CreateRequest, MachineRef, MachineState};
+use provider_testkit::wait::Wait;
 use pve_sim::{endpoints, PveSim, SimConfig, TemplateSpec};
 use tonic::transport::Channel;
 
@@ -130,14 +131,10 @@ async fn starts_with_a_node_offline_and_a_create_waits_for_it() {
     let clones_before = sim.call_count(endpoints::CLONE);
     let checks_before = sim.call_count(endpoints::NODES);
     create(&mut c, &on_pve2).await;
-    let deadline = Instant::now() + DEADLINE;
-    while sim.call_count(endpoints::NODES) < checks_before + 3 {
-        assert!(
-            Instant::now() < deadline,
-            "the Create never retried the offline node"
-        );
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
+    Wait::new("the Create to check the offline node thrice", DEADLINE)
+        .every(Duration::from_millis(25))
+        .until(|| sim.call_count(endpoints::NODES) >= checks_before + 3)
+        .await;
     let m = c
         .get(MachineRef {
             id: on_pve2.clone(),

@@ -5,11 +5,12 @@
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use bigfleet_proxmox::metrics::Metrics;
 use bigfleet_proxmox::serve::{follow_store_health, http_router, Readiness};
 use futures::future::BoxFuture;
+use provider_testkit::wait::Wait;
 use providerkit::{Change, Engine, EngineOptions, Loaded, MemoryStore, Store, StoreError, Ticket};
 use proxmox_backend::backend::ProxmoxBackend;
 use proxmox_backend::catalog::Pricing;
@@ -65,26 +66,35 @@ async fn wait_both(
     health: &mut HealthClient<tonic::transport::Channel>,
     want: bool,
 ) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let code = readyz(addr).await;
-        let status = health
-            .check(HealthCheckRequest {
-                service: "bigfleet.v1alpha1.CapacityProvider".into(),
-            })
-            .await
-            .map(|r| r.into_inner().status)
-            .unwrap_or(-1);
-        let serving = status == ServingStatus::Serving as i32;
-        if (code == 200) == want && serving == want {
-            return;
+    Wait::new(
+        format!("both probes to say ready={want}"),
+        Duration::from_secs(10),
+    )
+    .every(Duration::from_millis(20))
+    .try_ok_async(|| {
+        let mut health = health.clone();
+        async move {
+            let code = readyz(addr).await;
+            let status = health
+                .check(HealthCheckRequest {
+                    service: "bigfleet.v1alpha1.CapacityProvider".into(),
+                })
+                .await
+                .map(|r| r.into_inner().status)
+                .unwrap_or(-1);
+            let serving = status == ServingStatus::Serving as i32;
+            if (code == 200) == want && serving == want {
+                Ok(())
+            } else {
+                Err((code, status))
+            }
         }
-        assert!(
-            Instant::now() < deadline,
-            "wanted ready={want}; /readyz {code}, health {status}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    })
+    .await
+    .unwrap_or_else(|t| {
+        let (code, status) = t.last;
+        panic!("wanted ready={want}; /readyz {code}, health {status}")
+    })
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -389,8 +389,8 @@ async fn create_whose_deadline_passed_while_down_fails_timed_out() {
     clone_refused(&p);
     rig.kill(p);
     rig.sim.faults().clear();
-    // Nothing to observe while the provider is down: the condition is the
-    // time itself.
+    // Nothing to observe while the provider is down, and its clock is the
+    // wall clock of another process: the condition is the time itself.
     tokio::time::sleep(deadline.saturating_duration_since(Instant::now())).await;
 
     let (p, mut c) = rig.start().await;

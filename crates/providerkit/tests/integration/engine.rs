@@ -9,6 +9,7 @@ use async_trait::async_trait;
 use bigfleet_proto::v1alpha1 as pb;
 use parking_lot::Mutex;
 use provider_testkit::engine::{start, start_on, wait_for_state};
+use provider_testkit::wait::elapse;
 use providerkit::{
     Admission, AdmitCtx, Backend, BackendError, CatalogFacts, ConfigureCtx, CreateCtx, DeleteCtx,
     DrainCtx, Engine, KitError, MemoryStore, SlotSpec, State, SubstrateHost, Token, TransitionKind,
@@ -107,6 +108,8 @@ impl ScriptedBackend {
                 Ok(())
             }
             Script::Delay(d) => {
+                // The scripted backend's own latency, on the test's paused
+                // clock: the slow backend is the scenario, not a wait.
                 tokio::time::sleep(d).await;
                 Ok(())
             }
@@ -772,7 +775,7 @@ async fn timeout_lands_failed_and_late_completion_is_discarded() {
         Script::Delay(Duration::from_secs(8)),
     );
     configure(&engine, "m-0000", none()).await.unwrap();
-    tokio::time::sleep(Duration::from_millis(4900)).await;
+    elapse(Duration::from_millis(4900)).await;
     assert_eq!(state_of(&engine, "m-0000"), State::Configuring);
     let failed = wait_for_state(&engine, "m-0000", State::Failed).await;
     assert!(
@@ -780,7 +783,7 @@ async fn timeout_lands_failed_and_late_completion_is_discarded() {
         "{}",
         failed.last_error
     );
-    tokio::time::sleep(Duration::from_secs(10)).await;
+    elapse(Duration::from_secs(10)).await;
     let later = engine.get("m-0000").unwrap();
     assert_eq!(later.state, pb::MachineState::Failed as i32);
     assert_eq!(later.last_error, failed.last_error);
@@ -794,7 +797,7 @@ async fn readiness_gate_holds_configuring_until_ready_or_timeout() {
     let engine = start(Arc::new(b)).await;
     to_idle(&engine, "m-0000").await;
     configure(&engine, "m-0000", none()).await.unwrap();
-    tokio::time::sleep(Duration::from_millis(250)).await;
+    elapse(Duration::from_millis(250)).await;
     assert_eq!(state_of(&engine, "m-0000"), State::Configuring);
     wait_for_state(&engine, "m-0000", State::Configured).await;
 

@@ -8,6 +8,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
+use provider_testkit::wait::Wait;
 use proxmox_backend::proxmox::{parse_replica_marker, PveOptions, PveSubstrate};
 use proxmox_backend::substrate::{CloneRequest, Substrate};
 use pve_sim::{endpoints, PveSim, SimConfig, StorageKind, StorageSpec, TemplateSpec, Vm};
@@ -343,13 +344,10 @@ async fn a_first_staging_waits_out_a_backup_and_records_the_unlocked_digest() {
             })
             .count()
     };
-    tokio::time::timeout(Duration::from_secs(10), async {
-        while template_reads() < 3 && !create.is_finished() {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-    })
-    .await
-    .expect("the Create reads the template");
+    Wait::new("the Create to read the template", Duration::from_secs(10))
+        .every(Duration::from_millis(10))
+        .until(|| template_reads() >= 3 || create.is_finished())
+        .await;
     assert!(sim.set_lock(9000, None));
     create.await.unwrap().expect("staged after the backup");
     let reps = replicas(&sim);

@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use provider_testkit::wait::until as wait_for;
+use provider_testkit::wait::{until as wait_for, Wait};
 use proxmox_backend::proxmox::{PveOptions, PveSubstrate};
 use proxmox_backend::substrate::{CloneRequest, Substrate, VmRef};
 use pve_sim::{endpoints, PveSim, SimConfig, TemplateSpec};
@@ -134,12 +134,16 @@ async fn same_storage_same_node_clones_serialise() {
     let b = spawn_create(&sub, req("s/OnDemand/t/pve1/001", "pve1", 9002));
     let mut max_in_flight = 0;
     let mut seen_one = false;
-    while !(a.is_finished() && b.is_finished()) {
-        let n = clones_in_flight(&sim);
-        seen_one |= n == 1;
-        max_in_flight = max_in_flight.max(n);
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    // Samples the clones in flight until both Creates end.
+    Wait::new("both Creates to end", Duration::from_secs(60))
+        .every(Duration::from_millis(5))
+        .until(|| {
+            let n = clones_in_flight(&sim);
+            seen_one |= n == 1;
+            max_in_flight = max_in_flight.max(n);
+            a.is_finished() && b.is_finished()
+        })
+        .await;
     let va = a.await.expect("join").expect("create a");
     let vb = b.await.expect("join").expect("create b");
     assert_ne!(va.vmid, vb.vmid);

@@ -3,6 +3,7 @@
 
 use std::time::Duration;
 
+use provider_testkit::wait::Wait;
 use pve_sim::{PveSim, SimConfig};
 use serde_json::Value;
 
@@ -119,18 +120,18 @@ impl Api {
     pub async fn wait_task(&self, upid: &str) -> Value {
         let node = upid.split(':').nth(1).expect("node in upid").to_string();
         let path = format!("/nodes/{node}/tasks/{}/status", urlencode(upid));
-        tokio::time::timeout(Duration::from_secs(20), async {
-            loop {
+        Wait::new(format!("task {upid} to stop"), Duration::from_secs(20))
+            .every(Duration::from_millis(10))
+            .ok_async(|| async {
                 let r = self.get(&path, &[]).await;
                 assert_eq!(r.status, 200, "task status: {:?}", r.body);
                 if r.data()["status"] == "stopped" {
-                    return r.data().clone();
+                    Ok(r.data().clone())
+                } else {
+                    Err(r.body)
                 }
-                tokio::time::sleep(Duration::from_millis(10)).await;
-            }
-        })
-        .await
-        .expect("task finished in time")
+            })
+            .await
     }
 
     /// A task's log lines, joined by newlines.
@@ -162,18 +163,21 @@ impl Api {
         mut f: impl FnMut() -> (reqwest::Method, String),
         ok: impl Fn(&Resp) -> bool,
     ) -> Resp {
-        tokio::time::timeout(Duration::from_secs(20), async {
-            loop {
+        Wait::new(what, Duration::from_secs(20))
+            .every(Duration::from_millis(10))
+            .ok_async(|| {
                 let (m, p) = f();
-                let r = self.call(m, &p, &[]).await;
-                if ok(&r) {
-                    return r;
+                let ok = &ok;
+                async move {
+                    let r = self.call(m, &p, &[]).await;
+                    if ok(&r) {
+                        Ok(r)
+                    } else {
+                        Err(r.body)
+                    }
                 }
-                tokio::time::sleep(Duration::from_millis(10)).await;
-            }
-        })
-        .await
-        .unwrap_or_else(|_| panic!("timed out waiting for {what}"))
+            })
+            .await
     }
 
     /// Wait for the task a response started (asserting it was accepted).

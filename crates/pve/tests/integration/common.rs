@@ -231,6 +231,8 @@ async fn serve_tls(
             };
             let reply = script(&rec, n);
             if !reply.delay.is_zero() {
+                // The scripted reply's own latency: the fake PVE answering
+                // slowly is the behaviour under test, not a wait.
                 tokio::time::sleep(reply.delay).await;
             }
             let mut resp = Response::builder()
