@@ -15,10 +15,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use bigfleet_proto::v1alpha1::{DeleteRequest, MachineState};
+use bigfleet_proto::v1alpha1::MachineState;
 
 use crate::provider::Provider;
-use crate::scenarios::{create_req, run_concurrently, Bench, Profile};
+use crate::scenarios::{create_req, delete_req, run_concurrently, Bench, Profile};
 use crate::stats::us;
 use crate::Report;
 
@@ -264,15 +264,7 @@ async fn deletes(bench: &Bench<'_>, ids: &[String], round: usize) -> Result<()> 
         Arc::new(ids.to_vec()),
         bench.epoch,
         move |mut c, id, epoch| async move {
-            let token = create_req(&id, epoch, seq);
-            c.delete(DeleteRequest {
-                machine_id: token.machine_id,
-                shard_id: token.shard_id,
-                shard_epoch: token.shard_epoch,
-                sequence_number: token.sequence_number,
-            })
-            .await
-            .map(|_| ())
+            c.delete(delete_req(&id, epoch, seq)).await.map(|_| ())
         },
     )
     .await?;

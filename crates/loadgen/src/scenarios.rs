@@ -465,13 +465,7 @@ impl<'a> Bench<'a> {
                     })
                     .await?;
                     wait_state(&mut c, &id, MachineState::Idle).await?;
-                    c.delete(DeleteRequest {
-                        machine_id: id.clone(),
-                        shard_id: SHARD.into(),
-                        shard_epoch: epoch,
-                        sequence_number: next(),
-                    })
-                    .await?;
+                    c.delete(delete_req(&id, epoch, next())).await?;
                     wait_state(&mut c, &id, MachineState::Speculative).await?;
                 }
                 anyhow::Ok(())
@@ -489,6 +483,15 @@ impl<'a> Bench<'a> {
             POLL.as_millis(),
         ));
         Ok(())
+    }
+}
+
+pub(crate) fn delete_req(id: &str, epoch: i64, seq: i64) -> DeleteRequest {
+    DeleteRequest {
+        machine_id: id.to_string(),
+        shard_id: SHARD.into(),
+        shard_epoch: epoch,
+        sequence_number: seq,
     }
 }
 

@@ -34,31 +34,33 @@ pub fn forbid() -> io::Result<()> {
     Ok(())
 }
 
-/// Whether this process may write a core file now: a core limit above 0
-/// and dumpable.
-#[allow(unsafe_code)] // libc calls; see the SAFETY notes inside
-pub fn allowed() -> io::Result<bool> {
-    let mut limit = libc::rlimit {
-        rlim_cur: 0,
-        rlim_max: 0,
-    };
-    // SAFETY: getrlimit writes only the struct passed by reference.
-    if unsafe { libc::getrlimit(libc::RLIMIT_CORE, &mut limit) } != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: PR_GET_DUMPABLE takes no argument and returns the flag.
-    let dumpable = unsafe { libc::prctl(libc::PR_GET_DUMPABLE, 0, 0, 0, 0) };
-    if dumpable < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(limit.rlim_cur > 0 && dumpable > 0)
-}
-
 #[cfg(test)]
 mod tests {
+    use std::io;
+
+    /// Whether this process may write a core file now: a core limit above 0
+    /// and dumpable.
+    #[allow(unsafe_code)] // libc calls; see the SAFETY notes inside
+    fn allowed() -> io::Result<bool> {
+        let mut limit = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
+        // SAFETY: getrlimit writes only the struct passed by reference.
+        if unsafe { libc::getrlimit(libc::RLIMIT_CORE, &mut limit) } != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: PR_GET_DUMPABLE takes no argument and returns the flag.
+        let dumpable = unsafe { libc::prctl(libc::PR_GET_DUMPABLE, 0, 0, 0, 0) };
+        if dumpable < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(limit.rlim_cur > 0 && dumpable > 0)
+    }
+
     #[test]
     fn forbidden_cores_stay_forbidden() {
         super::forbid().expect("lowering a limit needs no privilege");
-        assert!(!super::allowed().expect("readable"));
+        assert!(!allowed().expect("readable"));
     }
 }

@@ -398,21 +398,21 @@ impl Guest {
             blob.chunks(CHUNK_RAW).collect()
         };
         let mut parts = Vec::new();
+        // Writing a chunk again writes the same bytes: repeats are
+        // harmless, so transient failures are retried, within one window
+        // for the whole blob.
+        let deadline = self.api.deadline();
         for (i, chunk) in chunks.into_iter().enumerate() {
             let file = if i == 0 {
                 path.to_string()
             } else {
                 part_path(path, i)
             };
-            // Writing a chunk again writes the same bytes: repeats are
-            // harmless, so transient failures are retried.
-            let deadline = self.api.deadline();
             self.api
-                .retry_raw(Some(&vm.node), deadline, |pve| {
+                .retry_pve(ctx(), Some(&vm.node), deadline, |pve| {
                     pve.agent_file_write(&vm.node, vm.vmid, &file, chunk, FileEncoding::Base64)
                 })
-                .await
-                .map_err(|e| err(ctx(), &e))?;
+                .await?;
             if i > 0 {
                 parts.push(file);
             }
