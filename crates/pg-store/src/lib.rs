@@ -57,7 +57,7 @@ use std::thread::JoinHandle;
 
 use deadpool_postgres::Pool;
 use futures::future::BoxFuture;
-use providerkit::{Change, Loaded, Store, StoreError, Ticket};
+use providerkit::{Change, CommitWaiter, Loaded, Store, StoreError, Ticket};
 use tokio::sync::watch;
 
 use crate::commit::Owner;
@@ -94,7 +94,7 @@ pub struct PgStore {
     report: OpenReport,
     shared: Arc<Shared>,
     pool: Pool,
-    done: watch::Receiver<Ticket>,
+    waiter: CommitWaiter,
     runtime: tokio::runtime::Handle,
     thread: Option<JoinHandle<()>>,
 }
@@ -193,9 +193,13 @@ impl PgStore {
                 machines: opened.machines,
                 fence_marks: opened.fence_marks,
             },
+            waiter: CommitWaiter::new(
+                format!("PostgreSQL state {}", shared.target),
+                done,
+                Arc::clone(&shared.failures),
+            ),
             shared,
             pool,
-            done,
             runtime: handle,
             thread: Some(thread),
         }))
@@ -327,20 +331,7 @@ impl Store for PgStore {
     }
 
     fn durable(&self, ticket: Ticket) -> BoxFuture<'static, Result<(), StoreError>> {
-        let mut done = self.done.clone();
-        let shared = Arc::clone(&self.shared);
-        Box::pin(async move {
-            if done.wait_for(|d| *d >= ticket).await.is_err() {
-                return Err(StoreError::closed(format!(
-                    "PostgreSQL state {}: the writer stopped before ticket {ticket} was committed",
-                    shared.target
-                )));
-            }
-            match shared.failure_for(ticket) {
-                Some(error) => Err(error),
-                None => Ok(()),
-            }
-        })
+        self.waiter.durable(ticket)
     }
 
     fn describe(&self) -> String {
@@ -348,9 +339,6 @@ impl Store for PgStore {
     }
 
     fn health(&self) -> Result<(), StoreError> {
-        match self.shared.pending_failure() {
-            Some(error) => Err(error),
-            None => Ok(()),
-        }
+        self.waiter.health()
     }
 }

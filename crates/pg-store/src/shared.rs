@@ -3,9 +3,10 @@
 //! counters, and this store's name among the writers of the state.
 
 use std::sync::atomic::{AtomicBool, AtomicU64};
+use std::sync::Arc;
 
 use parking_lot::Mutex;
-use providerkit::{ChangeQueue, FailedCommits, StoreError, Ticket};
+use providerkit::{ChangeQueue, FailedCommits};
 use tokio::sync::Notify;
 
 pub(crate) struct Shared {
@@ -20,7 +21,7 @@ pub(crate) struct Shared {
     pub(crate) wake: Notify,
     /// Ticket ranges whose commit failed and whose changes are not yet
     /// durable; cleared once everything is.
-    pub(crate) failures: FailedCommits,
+    pub(crate) failures: Arc<FailedCommits>,
     pub(crate) commits: AtomicU64,
     /// Commits whose answer was lost and that a read found had landed.
     pub(crate) resolved_by_reading: AtomicU64,
@@ -38,19 +39,10 @@ impl Shared {
             writer_id: rand::random::<i64>() | 1,
             queue: Mutex::new(ChangeQueue::default()),
             wake: Notify::new(),
-            failures: FailedCommits::default(),
+            failures: Arc::default(),
             commits: AtomicU64::new(0),
             resolved_by_reading: AtomicU64::new(0),
             lose_next_answer: AtomicBool::new(false),
         }
-    }
-
-    pub(crate) fn failure_for(&self, ticket: Ticket) -> Option<StoreError> {
-        self.failures.failure_for(ticket)
-    }
-
-    /// The latest commit failure whose changes are still not durable.
-    pub(crate) fn pending_failure(&self) -> Option<StoreError> {
-        self.failures.latest()
     }
 }

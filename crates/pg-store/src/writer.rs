@@ -430,7 +430,7 @@ mod tests {
         settle_all(&mut writer).await;
         assert_eq!(*done.borrow(), 3, "every waiter has its answer");
         for ticket in 1..=3 {
-            let error = writer.shared.failure_for(ticket);
+            let error = writer.shared.failures.failure_for(ticket);
             assert!(
                 error.is_some_and(|e| e.to_string().contains("connection reset")),
                 "ticket {ticket} must not be acknowledged while ticket 1 is not durable"
@@ -439,7 +439,7 @@ mod tests {
         // Only the round that did not land is carried again.
         assert_eq!(writer.carry.len(), 1);
         assert!(writer.carry.holds_machine("m-1"));
-        assert!(writer.shared.pending_failure().is_some());
+        assert!(writer.shared.failures.latest().is_some());
     }
 
     #[tokio::test]
@@ -453,13 +453,13 @@ mod tests {
             Outcome::NotLanded(StoreError::unavailable("down")),
         ));
         settle_all(&mut writer).await;
-        assert!(writer.shared.failure_for(1).is_some());
+        assert!(writer.shared.failures.failure_for(1).is_some());
         writer
             .in_flight
             .push_back(round(2, "m-1", 2, 2, Outcome::Landed { by_reading: false }));
         settle_all(&mut writer).await;
-        assert!(writer.shared.failure_for(1).is_none());
-        assert!(writer.shared.pending_failure().is_none());
+        assert!(writer.shared.failures.failure_for(1).is_none());
+        assert!(writer.shared.failures.latest().is_none());
     }
 
     #[tokio::test]
@@ -474,7 +474,7 @@ mod tests {
         ));
         settle_all(&mut writer).await;
         assert_eq!(*done.borrow(), 1);
-        assert!(writer.shared.failure_for(1).is_some());
+        assert!(writer.shared.failures.failure_for(1).is_some());
         assert_eq!(writer.doubts.len(), 1, "its rows wait for the read");
         assert!(writer.carry.is_empty(), "and are not carried before it");
     }

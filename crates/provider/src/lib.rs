@@ -4,8 +4,8 @@
 //! and probe listener ([`probes`]), over terms of serving ([`terms`]: the
 //! engine, the reconcile loop; one term per leader lease held, [`leader`],
 //! with a PostgreSQL state), metrics, logging, TLS, the caller identities
-//! of mTLS ([`identity`], applied by [`guard`]), and `state copy`
-//! ([`state_copy`]). The
+//! of mTLS ([`identity`], applied by [`guard`]), where a state is and how it opens
+//! ([`state`]), and `state copy` ([`state_copy`]). The
 //! Proxmox policy lives in `proxmox-backend`, the contract engine in
 //! `providerkit`, the operator client in `bigfleet-ctl`.
 
@@ -23,6 +23,7 @@ pub mod metrics;
 pub mod plan;
 pub mod probes;
 pub mod serve;
+pub mod state;
 pub mod state_copy;
 pub mod terms;
 pub mod tls;

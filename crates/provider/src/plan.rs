@@ -4,7 +4,6 @@
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -15,6 +14,7 @@ use proxmox_backend::proxmox::PveOptions;
 use crate::config::{self, Args, BackendChoice};
 use crate::error::ConfigError;
 use crate::identity::IdentityCheck;
+use crate::state::{LocateError, StateLocation};
 use crate::tls;
 
 /// Which substrate the process drives, after the gating rules.
@@ -141,18 +141,14 @@ pub struct Plan {
     pub engine: EngineOptions,
 }
 
-/// Where `--state` keeps the state.
+/// Where `--state` keeps the state, and the leader lease of replicas
+/// sharing it.
 #[derive(Clone, Debug)]
-pub enum StateConfig {
-    /// A path: an SQLite database (or the reference's JSON state, imported).
-    Sqlite(PathBuf),
-    /// A `postgres://` or `postgresql://` URL (boxed: the connection
-    /// settings are large beside a path).
-    Postgres {
-        target: Box<pg_store::Target>,
-        options: pg_store::PgOptions,
-        lease: LeaseConfig,
-    },
+pub struct StateConfig {
+    pub location: StateLocation,
+    /// Some for a PostgreSQL state, which replicas share by electing a
+    /// leader; a state file serves one replica.
+    pub lease: Option<LeaseConfig>,
 }
 
 /// The leader lease of a PostgreSQL state (`--lease-ttl`, `--replica-name`).
@@ -174,10 +170,7 @@ const LEASE_TTL_RANGE: (Duration, Duration) = (Duration::from_secs(1), Duration:
 impl StateConfig {
     /// What the start-up line names as the store (`sqlite:PATH`, the URL).
     pub fn describe(&self) -> String {
-        match self {
-            StateConfig::Sqlite(path) => format!("sqlite:{}", path.display()),
-            StateConfig::Postgres { target, .. } => target.display().to_string(),
-        }
+        self.location.describe()
     }
 }
 
@@ -185,38 +178,31 @@ impl StateConfig {
 /// database, anything else is a path. `--state-password-file` only means
 /// something with a database.
 fn state(args: &Args) -> Result<Option<StateConfig>, ConfigError> {
-    let state = args.state.trim();
-    if let Some(why) = pg_store::misread_state(state) {
-        return Err(ConfigError::invalid(format!("--state {why}")));
-    }
-    if !pg_store::is_postgres_url(state) {
-        if let Some(file) = &args.state_password_file {
-            return Err(ConfigError::invalid(format!(
+    let location = StateLocation::parse(&args.state, args.state_password_file.as_deref()).map_err(
+        |e| match e {
+            LocateError::Misread(why) => ConfigError::invalid(format!("--state {why}")),
+            LocateError::PasswordForFile(file) => ConfigError::invalid(format!(
                 "--state-password-file {} needs --state postgres://...: a state file has no \
                  password",
                 file.display()
-            )));
-        }
-        if args.lease_ttl.is_some() || args.replica_name.is_some() {
-            return Err(ConfigError::invalid(
-                "--lease-ttl and --replica-name need --state postgres://...: only replicas \
-                 sharing a PostgreSQL state elect a leader (a state file serves one replica)",
-            ));
-        }
-        return Ok(Some(state)
-            .filter(|s| !s.is_empty())
-            .map(|s| StateConfig::Sqlite(PathBuf::from(s))));
-    }
-    let target = pg_store::Target::parse(state)
-        .map_err(|e| ConfigError::invalid_because(e.to_string(), e))?;
-    Ok(Some(StateConfig::Postgres {
-        target: Box::new(target),
-        options: pg_store::PgOptions {
-            password_file: args.state_password_file.clone(),
-            lease_epoch: None,
+            )),
+            LocateError::Url(e) => ConfigError::invalid_because(e.to_string(), e),
         },
-        lease: lease(args)?,
-    }))
+    )?;
+    let lease = match &location {
+        Some(StateLocation::Postgres { .. }) => Some(lease(args)?),
+        // In memory or in a file: one replica, no leader to elect.
+        None | Some(StateLocation::Sqlite(_)) => {
+            if args.lease_ttl.is_some() || args.replica_name.is_some() {
+                return Err(ConfigError::invalid(
+                    "--lease-ttl and --replica-name need --state postgres://...: only replicas \
+                     sharing a PostgreSQL state elect a leader (a state file serves one replica)",
+                ));
+            }
+            None
+        }
+    };
+    Ok(location.map(|location| StateConfig { location, lease }))
 }
 
 fn lease(args: &Args) -> Result<LeaseConfig, ConfigError> {
@@ -728,7 +714,7 @@ mod tests {
         assert!(fake(&[]).expect("plan").state.is_none());
         let sqlite = fake(&["--state", "/var/lib/bigfleet/state.db"]).expect("plan");
         assert!(
-            matches!(&sqlite.state, Some(StateConfig::Sqlite(p)) if p.ends_with("state.db")),
+            matches!(&sqlite.state, Some(StateConfig { location: StateLocation::Sqlite(p), lease: None }) if p.ends_with("state.db")),
             "{:?}",
             sqlite.state
         );
@@ -739,10 +725,11 @@ mod tests {
             "/run/secrets/pg",
         ])
         .expect("plan");
-        let Some(StateConfig::Postgres {
-            target,
-            options,
-            lease,
+        let Some(StateConfig {
+            location: StateLocation::Postgres {
+                target, options, ..
+            },
+            lease: Some(lease),
         }) = &pg.state
         else {
             panic!("{:?}", pg.state);
@@ -798,7 +785,10 @@ mod tests {
             "pod-1",
         ]))
         .expect("plan");
-        let Some(StateConfig::Postgres { lease, .. }) = &ok.state else {
+        let Some(StateConfig {
+            lease: Some(lease), ..
+        }) = &ok.state
+        else {
             panic!("{:?}", ok.state);
         };
         assert_eq!(

@@ -19,6 +19,7 @@ use crate::layers::{CatchPanicLayer, ObserveLayer};
 use crate::leader::{Standby, Switched};
 use crate::metrics::Metrics;
 use crate::plan::{BackendConfig, Plan, StateConfig};
+use crate::state::StateLocation;
 use crate::terms::{lead_terms, open_store, Served, SharedState, TermContext};
 
 pub use crate::probes::{
@@ -171,10 +172,11 @@ pub async fn run(plan: Plan) -> Result<(), RunError> {
         tracing::info!("no --state: lifecycle state, fences and bindings are kept in memory only and are lost on restart");
     }
     let shared_state = match &plan.state {
-        Some(StateConfig::Postgres {
-            target,
-            options,
-            lease,
+        Some(StateConfig {
+            location: StateLocation::Postgres {
+                target, options, ..
+            },
+            lease: Some(lease),
         }) => Some(((**target).clone(), options.clone(), lease.clone())),
         _ => None,
     };

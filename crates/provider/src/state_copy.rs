@@ -14,9 +14,10 @@
 use std::path::{Path, PathBuf};
 
 use clap::{Args, Subcommand};
-use pg_store::{PgOptions, PgStore, Target, TargetError};
-use providerkit::{copy_state, CopyError, CopyReport, StateDump, StoreError};
-use sqlite_store::{Origin, SqliteStore};
+use pg_store::TargetError;
+use providerkit::{copy_state, CopyError, CopyReport, StoreError};
+
+use crate::state::{LocateError, OpenError, OpenedState, Purpose, StateLocation};
 
 type Cause = Box<dyn std::error::Error + Send + Sync + 'static>;
 
@@ -165,31 +166,20 @@ impl std::fmt::Display for CopySummary {
     }
 }
 
-/// Where one side of the copy is.
-#[derive(Debug)]
-enum Location {
-    Sqlite(PathBuf),
-    Postgres {
-        target: Box<Target>,
-        options: PgOptions,
-        /// The URL as given (without a password: one is refused), to tell
-        /// two schemas of one database apart.
-        url: String,
-    },
-}
-
 /// Run `state copy`.
 pub fn run(args: &CopyArgs) -> Result<CopySummary, StateCopyError> {
-    let from = locate(Side::Source, &args.from, args.from_password_file.as_ref())?;
-    let to = locate(Side::Target, &args.to, args.to_password_file.as_ref())?;
-    if same_state(&from, &to) {
+    let from = locate(Side::Source, &args.from, args.from_password_file.as_deref())?;
+    let to = locate(Side::Target, &args.to, args.to_password_file.as_deref())?;
+    if from.same_state(&to) {
         return Err(StateCopyError::usage(format!(
             "--from and --to name the same state ({}): copy into another one",
             args.to.trim()
         )));
     }
-    let source = open_source(&from)?;
-    let (target, created_file) = open(Side::Target, &to)?;
+    let source = open(Side::Source, &from)?;
+    let target = open(Side::Target, &to)?;
+    let created_file = target.created_file();
+    let (source, target) = (source.into_dump(), target.into_dump());
     let result = copy_state(&*source, &*target);
     let (from_name, to_name) = (source.describe(), target.describe());
     // Both close (their writers end, the file lock is released) before a
@@ -211,45 +201,29 @@ pub fn run(args: &CopyArgs) -> Result<CopySummary, StateCopyError> {
     }
 }
 
-/// Parse one side's flag: empty is refused, a `postgres://` URL names a
-/// database, anything else a file.
+/// Read one side's flag as the provider reads `--state`; empty is refused
+/// (a copy needs both ends).
 fn locate(
     side: Side,
     value: &str,
-    password_file: Option<&PathBuf>,
-) -> Result<Location, StateCopyError> {
+    password_file: Option<&Path>,
+) -> Result<StateLocation, StateCopyError> {
     let (flag, password_flag) = (side.flag(), side.password_flag());
-    let value = value.trim();
-    if value.is_empty() {
-        return Err(StateCopyError::usage(format!(
+    match StateLocation::parse(value, password_file) {
+        Ok(Some(location)) => Ok(location),
+        Ok(None) => Err(StateCopyError::usage(format!(
             "{flag} is empty: name a state file or a postgres:// URL"
-        )));
+        ))),
+        Err(LocateError::Misread(why)) => Err(StateCopyError::usage(format!("{flag} {why}"))),
+        Err(LocateError::PasswordForFile(file)) => Err(StateCopyError::usage(format!(
+            "{password_flag} {} needs {flag} postgres://...: a state file has no password",
+            file.display()
+        ))),
+        Err(LocateError::Url(e)) => Err(StateCopyError::Usage {
+            message: target_message(side, &e),
+            source: Some(Box::new(e)),
+        }),
     }
-    if let Some(why) = pg_store::misread_state(value) {
-        return Err(StateCopyError::usage(format!("{flag} {why}")));
-    }
-    if !pg_store::is_postgres_url(value) {
-        if let Some(file) = password_file {
-            return Err(StateCopyError::usage(format!(
-                "{password_flag} {} needs {flag} postgres://...: a state file has no password",
-                file.display()
-            )));
-        }
-        return Ok(Location::Sqlite(PathBuf::from(value)));
-    }
-    let target = Target::parse(value).map_err(|e| StateCopyError::Usage {
-        message: target_message(side, &e),
-        source: Some(Box::new(e)),
-    })?;
-    Ok(Location::Postgres {
-        target: Box::new(target),
-        options: PgOptions {
-            password_file: password_file.cloned(),
-            // A copy is made with the providers stopped: it holds no lease.
-            lease_epoch: None,
-        },
-        url: value.to_string(),
-    })
 }
 
 /// A URL's error as this command's flags name things: the store's
@@ -276,79 +250,27 @@ fn as_flag(side: Side, message: &str) -> String {
     }
 }
 
-/// Whether two locations are one state (copying a state onto itself).
-fn same_state(a: &Location, b: &Location) -> bool {
-    match (a, b) {
-        (Location::Sqlite(a), Location::Sqlite(b)) => {
-            let resolve = |p: &Path| {
-                std::fs::canonicalize(p)
-                    .or_else(|_| std::path::absolute(p))
-                    .unwrap_or_else(|_| p.to_path_buf())
-            };
-            resolve(a) == resolve(b)
-        }
-        (Location::Postgres { url: a, .. }, Location::Postgres { url: b, .. }) => a == b,
-        _ => false,
-    }
-}
-
-/// The source must already be a state: a path where nothing is, or a
-/// database without the state's tables, is a mistake in `--from`.
-fn open_source(location: &Location) -> Result<Box<dyn StateDump>, StateCopyError> {
-    if let Location::Sqlite(path) = location {
-        if let Err(e) = std::fs::symlink_metadata(path) {
-            // Anything but a missing file is for the store's open to say,
-            // as it would at the provider's start.
-            if e.kind() == std::io::ErrorKind::NotFound {
-                return Err(StateCopyError::NoSource {
-                    name: format!("sqlite:{}", path.display()),
-                    why: "no file is at that path",
-                });
-            }
-        }
-    }
-    let (store, _) = open(Side::Source, location)?;
-    Ok(store)
-}
-
-/// Open one side as the provider opens its `--state`; for the target, the
-/// path of an SQLite file this call created (removed again if the copy
-/// fails, so a failed copy leaves no new file behind).
-fn open(
-    side: Side,
-    location: &Location,
-) -> Result<(Box<dyn StateDump>, Option<PathBuf>), StateCopyError> {
-    let opened = |name: String, source: StoreError| StateCopyError::Open {
-        side,
-        name,
-        message: as_flag(side, source.message()),
-        source,
+/// Open one side as the provider opens its `--state`, except that a
+/// source must already be a state: a path where nothing is, or a database
+/// without the state's tables, is a mistake in `--from`, and nothing is
+/// created for it.
+fn open(side: Side, location: &StateLocation) -> Result<OpenedState, StateCopyError> {
+    let purpose = match side {
+        Side::Source => Purpose::CopySource,
+        Side::Target => Purpose::CopyTarget,
     };
-    match location {
-        Location::Sqlite(path) => {
-            let store = SqliteStore::open(path)
-                .map_err(|e| opened(format!("sqlite:{}", path.display()), e))?;
-            let created = (store.report().origin == Origin::Created).then(|| store.path().into());
-            Ok((Box::new(store), created))
-        }
-        Location::Postgres {
-            target, options, ..
-        } => {
-            let name = || target.display().to_string();
-            let store = match side {
-                // A source is read, never created: a database without
-                // the state's tables is left as it was.
-                Side::Source => PgStore::open_existing(target, options)
-                    .map_err(|e| opened(name(), e))?
-                    .ok_or_else(|| StateCopyError::NoSource {
-                        name: name(),
-                        why: "the database has no state tables",
-                    })?,
-                Side::Target => PgStore::open(target, options).map_err(|e| opened(name(), e))?,
-            };
-            Ok((Box::new(store), None))
-        }
-    }
+    location.open(purpose).map_err(|e| match e {
+        OpenError::NoState(why) => StateCopyError::NoSource {
+            name: location.describe(),
+            why,
+        },
+        OpenError::Store(source) => StateCopyError::Open {
+            side,
+            name: location.describe(),
+            message: as_flag(side, source.message()),
+            source,
+        },
+    })
 }
 
 /// Remove a target file this command created, with SQLite's companions.

@@ -21,58 +21,31 @@ use crate::error::StartupError;
 use crate::guard::{GuardedCapacity, IdentityGuard};
 use crate::leader::{hold_lease, wait_for_lease, LeaseLost, Standby, Switched, Term};
 use crate::metrics::Metrics;
-use crate::plan::{BackendConfig, LeaseConfig, Plan, ProxmoxAccess, ProxmoxConfig, StateConfig};
+use crate::plan::{BackendConfig, LeaseConfig, Plan, ProxmoxAccess, ProxmoxConfig};
 use crate::probes::{follow_store_health, set_health, Readiness, STORE_HEALTH_PERIOD};
+use crate::state::{OpenError, Purpose, StateLocation};
 
+/// The state a single replica serves from: in memory without `--state`.
 pub(crate) fn open_store(plan: &Plan) -> Result<Arc<dyn Store>, StartupError> {
-    match &plan.state {
-        None => Ok(Arc::new(MemoryStore::new())),
-        Some(StateConfig::Sqlite(path)) => open_sqlite(path),
-        Some(StateConfig::Postgres {
-            target, options, ..
-        }) => {
-            let store = pg_store::PgStore::open(target, options)?;
-            let report = store.report();
-            if report.created {
-                tracing::info!(url = %store.target(), "state created");
-            } else {
-                tracing::info!(
-                    url = %store.target(),
-                    machines = report.machines,
-                    fence_marks = report.fence_marks,
-                    "state loaded"
-                );
-            }
-            Ok(Arc::new(store))
-        }
-    }
+    let Some(state) = &plan.state else {
+        return Ok(Arc::new(MemoryStore::new()));
+    };
+    let opened = state
+        .location
+        .open(Purpose::Serve { lease_epoch: None })
+        .map_err(open_failed)?;
+    opened.log_opened();
+    Ok(opened.into_store())
 }
 
-fn open_sqlite(path: &std::path::Path) -> Result<Arc<dyn Store>, StartupError> {
-    let store = sqlite_store::SqliteStore::open(path)?;
-    // Says which of the two happened, so a state that was expected but
-    // silently replaced by a fresh one shows in the first lines of the log.
-    let report = store.report();
-    match &report.origin {
-        sqlite_store::Origin::Created => {
-            tracing::info!(path = %store.path().display(), "state created");
-        }
-        sqlite_store::Origin::Loaded => tracing::info!(
-            path = %store.path().display(),
-            machines = report.machines,
-            fence_marks = report.fence_marks,
-            "state loaded"
-        ),
-        sqlite_store::Origin::Imported(imported) => tracing::info!(
-            path = %store.path().display(),
-            backup = %imported.backup.display(),
-            machines = report.machines,
-            fence_marks = report.fence_marks,
-            operation_ids = imported.operation_ids,
-            "state imported from the reference implementation's JSON file"
-        ),
+fn open_failed(e: OpenError) -> StartupError {
+    match e {
+        OpenError::Store(e) => StartupError::Store(e),
+        // Only a copy's source is required to exist already.
+        OpenError::NoState(why) => StartupError::Store(providerkit::StoreError::unavailable(
+            format!("the state could not be opened: {why}"),
+        )),
     }
-    Ok(Arc::new(store))
 }
 
 /// The real substrate, checked against the cluster before serving: the
@@ -387,29 +360,25 @@ pub(crate) async fn lead_terms(
             tokio::spawn(async move { hold_lease(&lease, &config, &term, epoch).await })
         };
         let started = {
-            let store_options = pg_store::PgOptions {
-                lease_epoch: Some(epoch),
-                ..options.clone()
+            let location = StateLocation::Postgres {
+                target: Box::new(target.clone()),
+                options: options.clone(),
+                url: target.display().to_string(),
             };
-            let target = target.clone();
             let context = context.clone();
             let gate = term.clone();
             async move {
                 let opened = tokio::task::spawn_blocking(move || {
-                    pg_store::PgStore::open(&target, &store_options)
+                    location.open(Purpose::Serve {
+                        lease_epoch: Some(epoch),
+                    })
                 })
                 .await;
                 let store = match opened {
-                    Ok(store) => {
-                        let store = store.map_err(StartupError::from)?;
-                        let report = store.report();
-                        tracing::info!(
-                            url = %store.target(),
-                            machines = report.machines,
-                            fence_marks = report.fence_marks,
-                            "state loaded"
-                        );
-                        store
+                    Ok(opened) => {
+                        let opened = opened.map_err(open_failed)?;
+                        opened.log_opened();
+                        opened.into_store()
                     }
                     Err(e) => {
                         return Err(StartupError::Store(providerkit::StoreError::unavailable(
@@ -417,7 +386,7 @@ pub(crate) async fn lead_terms(
                         )))
                     }
                 };
-                context.start(Arc::new(store), Some(gate)).await
+                context.start(store, Some(gate)).await
             }
         };
         let started = tokio::select! {

@@ -41,6 +41,6 @@ pub use model::{
 };
 pub use state_copy::{copy_state, CopyError, CopyReport, RestoreError, StateDump};
 pub use store::{
-    Change, ChangeBatch, ChangeQueue, FailedCommits, FenceMark, Loaded, Store, StoreError,
-    StoreErrorKind, StoreErrorSource, Ticket,
+    Change, ChangeBatch, ChangeQueue, CommitWaiter, FailedCommits, FenceMark, Loaded, Store,
+    StoreError, StoreErrorKind, StoreErrorSource, Ticket,
 };

@@ -318,6 +318,62 @@ impl FailedCommits {
     }
 }
 
+/// What a durable store's `durable` and `health` answer from: the last
+/// ticket its writer made durable and the commits that failed. One type
+/// for every store, so the rule (a ticket is durable once the writer
+/// passed it and no failed commit still carries it) is written once.
+#[derive(Clone)]
+pub struct CommitWaiter {
+    done: tokio::sync::watch::Receiver<Ticket>,
+    failures: Arc<FailedCommits>,
+    /// The store as its errors name it (`state file /x`, `PostgreSQL
+    /// state postgres://...`).
+    name: Arc<str>,
+}
+
+impl CommitWaiter {
+    /// `done` is what the writer sends each ticket it made durable on;
+    /// `failures` is what it records failed commits in.
+    pub fn new(
+        name: impl Into<Arc<str>>,
+        done: tokio::sync::watch::Receiver<Ticket>,
+        failures: Arc<FailedCommits>,
+    ) -> CommitWaiter {
+        CommitWaiter {
+            done,
+            failures,
+            name: name.into(),
+        }
+    }
+
+    /// [`Store::durable`].
+    pub fn durable(&self, ticket: Ticket) -> BoxFuture<'static, Result<(), StoreError>> {
+        let waiter = self.clone();
+        Box::pin(async move {
+            let mut done = waiter.done;
+            if done.wait_for(|d| *d >= ticket).await.is_err() {
+                return Err(StoreError::closed(format!(
+                    "{}: the writer stopped before ticket {ticket} was committed",
+                    waiter.name
+                )));
+            }
+            match waiter.failures.failure_for(ticket) {
+                Some(error) => Err(error),
+                None => Ok(()),
+            }
+        })
+    }
+
+    /// [`Store::health`]: the latest commit failure whose changes are still
+    /// not durable.
+    pub fn health(&self) -> Result<(), StoreError> {
+        match self.failures.latest() {
+            Some(error) => Err(error),
+            None => Ok(()),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::error::Error as _;

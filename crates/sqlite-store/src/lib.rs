@@ -36,7 +36,7 @@ use std::thread::JoinHandle;
 
 use futures::future::BoxFuture;
 use parking_lot::Mutex;
-use providerkit::{Change, Loaded, Store, StoreError, Ticket};
+use providerkit::{Change, CommitWaiter, Loaded, Store, StoreError, Ticket};
 use rusqlite::{Connection, TransactionBehavior};
 use tokio::sync::watch;
 
@@ -74,7 +74,7 @@ pub struct SqliteStore {
     path: PathBuf,
     report: OpenReport,
     shared: Arc<Shared>,
-    done: watch::Receiver<Ticket>,
+    waiter: CommitWaiter,
     writer: Option<JoinHandle<()>>,
     checkpointer: Option<JoinHandle<()>>,
     // Field order matters: the connection closes before the lock is released.
@@ -154,8 +154,12 @@ impl SqliteStore {
                 machines,
                 fence_marks,
             },
+            waiter: CommitWaiter::new(
+                format!("state file {}", shared.path.display()),
+                done,
+                Arc::clone(&shared.failures),
+            ),
             shared,
-            done,
             writer: Some(writer),
             checkpointer: Some(checkpointer),
             conn,
@@ -236,20 +240,7 @@ impl Store for SqliteStore {
     }
 
     fn durable(&self, ticket: Ticket) -> BoxFuture<'static, Result<(), StoreError>> {
-        let mut done = self.done.clone();
-        let shared = Arc::clone(&self.shared);
-        Box::pin(async move {
-            if done.wait_for(|d| *d >= ticket).await.is_err() {
-                return Err(StoreError::closed(format!(
-                    "state file {}: the writer stopped before ticket {ticket} was committed",
-                    shared.path.display()
-                )));
-            }
-            match shared.failure_for(ticket) {
-                Some(error) => Err(error),
-                None => Ok(()),
-            }
-        })
+        self.waiter.durable(ticket)
     }
 
     fn describe(&self) -> String {
@@ -257,9 +248,6 @@ impl Store for SqliteStore {
     }
 
     fn health(&self) -> Result<(), StoreError> {
-        match self.shared.pending_failure() {
-            Some(error) => Err(error),
-            None => Ok(()),
-        }
+        self.waiter.health()
     }
 }

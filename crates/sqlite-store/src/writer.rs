@@ -5,13 +5,12 @@
 use std::ffi::OsString;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
 use parking_lot::{Condvar, Mutex};
-use providerkit::{
-    Change, ChangeBatch, ChangeQueue, FailedCommits, StoreError, StoreErrorKind, Ticket,
-};
+use providerkit::{Change, ChangeBatch, ChangeQueue, FailedCommits, StoreErrorKind, Ticket};
 use rusqlite::Connection;
 use tokio::sync::watch;
 
@@ -49,7 +48,7 @@ pub(crate) struct Shared {
     pub(crate) wake: Condvar,
     /// Ticket ranges whose commit failed and whose changes are not yet
     /// durable; cleared by the next successful commit (which carries them).
-    failures: FailedCommits,
+    pub(crate) failures: Arc<FailedCommits>,
     pub(crate) commits: AtomicU64,
     stop_checkpoints: Mutex<bool>,
     checkpoint_wake: Condvar,
@@ -61,20 +60,11 @@ impl Shared {
             path,
             queue: Mutex::new(ChangeQueue::default()),
             wake: Condvar::new(),
-            failures: FailedCommits::default(),
+            failures: Arc::default(),
             commits: AtomicU64::new(0),
             stop_checkpoints: Mutex::new(false),
             checkpoint_wake: Condvar::new(),
         }
-    }
-
-    pub(crate) fn failure_for(&self, ticket: Ticket) -> Option<StoreError> {
-        self.failures.failure_for(ticket)
-    }
-
-    /// The latest commit failure whose changes are still not durable.
-    pub(crate) fn pending_failure(&self) -> Option<StoreError> {
-        self.failures.latest()
     }
 }
 
