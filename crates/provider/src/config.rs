@@ -215,6 +215,17 @@ pub struct Args {
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     pub reflection: bool,
 
+    /// Open gRPC connections at most; past it new ones wait in the
+    /// kernel's backlog until one closes. Lowered (with a warning) to fit
+    /// the descriptor limit, whose soft value is raised to the hard one.
+    #[arg(long, default_value_t = crate::accept::DEFAULT_MAX_CONNECTIONS, value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_connections: u32,
+
+    /// Open gRPC connections one peer address may hold; one more is closed
+    /// at once, so one client cannot take every slot.
+    #[arg(long, default_value_t = crate::accept::DEFAULT_MAX_CONNECTIONS_PER_PEER, value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_connections_per_peer: u32,
+
     /// TLS certificate (PEM) for the gRPC listener.
     #[arg(long)]
     pub tls_cert: Option<PathBuf>,

@@ -77,10 +77,12 @@ impl pve::RequestGate for Term {
 
 /// What a standby says when it refuses an RPC: which replica leads, as the
 /// last look at the lease found it.
+/// While start-up runs, what it is waiting for instead.
 #[derive(Clone)]
 pub struct Standby {
     replica: Arc<str>,
     leader: Arc<RwLock<Option<(String, i64)>>>,
+    starting: Arc<RwLock<Option<String>>>,
 }
 
 impl Standby {
@@ -88,7 +90,21 @@ impl Standby {
         Standby {
             replica: replica.into(),
             leader: Arc::default(),
+            starting: Arc::default(),
         }
+    }
+
+    /// Start-up is waiting for `what` (opening the state, the Proxmox
+    /// preflight): every RPC is refused saying so, at once, rather than
+    /// hanging on a port that answers nothing.
+    pub fn starting(&self, what: impl Into<String>) {
+        *self.starting.write() = Some(what.into());
+    }
+
+    /// Start-up ended (the term serves, or it failed and a standby waits
+    /// for the lease again).
+    pub fn started(&self) {
+        *self.starting.write() = None;
     }
 
     /// The lease was last seen held by `holder` under `epoch`.
@@ -103,6 +119,12 @@ impl Standby {
     }
 
     pub fn status(&self) -> tonic::Status {
+        if let Some(what) = &*self.starting.read() {
+            return tonic::Status::unavailable(format!(
+                "the provider is starting and serves nothing yet: {what}; nothing was changed, \
+                 retry (gRPC health answers NOT_SERVING until start-up ends)"
+            ));
+        }
         let leader = match &*self.leader.read() {
             Some((holder, epoch)) if !holder.is_empty() => {
                 format!("the leader is replica {holder} (lease epoch {epoch})")
@@ -139,6 +161,11 @@ impl<S> Switched<S> {
             current: Arc::new(RwLock::new(None)),
             standby,
         }
+    }
+
+    /// What this service answers while no term serves.
+    pub fn standby(&self) -> &Standby {
+        &self.standby
     }
 
     /// Serve through `server` from now on (a term started).

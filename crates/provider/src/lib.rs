@@ -9,6 +9,7 @@
 //! Proxmox policy lives in `proxmox-backend`, the contract engine in
 //! `providerkit`, the operator client in `bigfleet-ctl`.
 
+pub mod accept;
 pub mod admin;
 pub mod budget;
 pub mod config;

@@ -120,6 +120,8 @@ pub struct ServingConfig {
     pub reflection: bool,
     /// How long in-flight RPCs may take after SIGINT/SIGTERM.
     pub shutdown_grace: Duration,
+    /// `--max-connections` and `--max-connections-per-peer`.
+    pub connections: crate::accept::ConnectionLimits,
 }
 
 /// The background passes; a zero period turns one off.
@@ -525,6 +527,10 @@ fn serving(args: &Args) -> Result<ServingConfig, ConfigError> {
         ),
         reflection: args.reflection,
         shutdown_grace: args.shutdown_grace,
+        connections: crate::accept::ConnectionLimits {
+            total: args.max_connections as usize,
+            per_peer: args.max_connections_per_peer as usize,
+        },
     })
 }
 

@@ -7,10 +7,10 @@ use std::sync::Arc;
 
 use providerkit::{bind_aux, AuxListener};
 use tokio::net::TcpListener;
-use tokio_stream::wrappers::TcpListenerStream;
 use tokio_stream::StreamExt;
 use tonic_health::ServingStatus;
 
+use crate::accept::Admitted;
 use crate::budget::{BudgetLayer, FirstBytes, PREFACE_TIMEOUT};
 use crate::error::StartupError;
 use crate::guard::IdentityGuard;
@@ -65,19 +65,19 @@ impl ShutdownSignals {
             _ = self.terminate.recv() => {}
         }
     }
+}
 
-    /// Runs one start-up step unless a signal comes first: the handlers are
-    /// installed before start-up (so a signal right after the start-up line
-    /// is graceful), which would otherwise leave a SIGTERM unheard while a
-    /// step waits on a cluster that does not answer.
-    async fn or_stop<T>(
-        &mut self,
-        step: impl std::future::Future<Output = Result<T, StartupError>>,
-    ) -> Result<T, RunError> {
-        tokio::select! {
-            result = step => Ok(result?),
-            () = self.recv() => Err(RunError::Stopped),
-        }
+/// Runs one start-up step unless a stop was asked for first: the signal
+/// handlers are installed before start-up (so a signal right after the
+/// start-up line is graceful), which would otherwise leave a SIGTERM
+/// unheard while a step waits on a cluster that does not answer.
+async fn or_stop<T>(
+    stop: &mut tokio::sync::watch::Receiver<bool>,
+    step: impl std::future::Future<Output = Result<T, StartupError>>,
+) -> Result<T, RunError> {
+    tokio::select! {
+        result = step => Ok(result?),
+        _ = stop.wait_for(|asked| *asked) => Err(RunError::Stopped),
     }
 }
 
@@ -129,6 +129,13 @@ fn log_serving(plan: &Plan, local_addr: &std::net::SocketAddr, metrics_local: &s
 /// [`RunError::Startup`].
 pub async fn run(plan: Plan) -> Result<(), RunError> {
     let mut signals = ShutdownSignals::install()?;
+    // Set by the first SIGINT/SIGTERM: start-up steps end at once, and the
+    // server drains and stops.
+    let (stop_tx, stop) = tokio::sync::watch::channel(false);
+    tokio::spawn(async move {
+        signals.recv().await;
+        let _ = stop_tx.send(true);
+    });
     let serving = plan.serving.clone();
     let grpc_listener = bind("--addr", serving.addr).await?;
     let local_addr = grpc_listener
@@ -246,57 +253,76 @@ pub async fn run(plan: Plan) -> Result<(), RunError> {
         health: health_reporter.clone(),
         served: served.clone(),
     });
+    tracing::info!(
+        addr = %local_addr,
+        metrics_addr = %metrics_local,
+        "listening: gRPC health answers NOT_SERVING and every RPC UNAVAILABLE, saying what \
+         start-up waits for, until it ends"
+    );
     let (stopping_tx, stopping_rx) = tokio::sync::watch::channel(false);
     let (release_tx, release_rx) = tokio::sync::watch::channel(false);
-    let mut single_term = None;
-    let terms = match shared_state {
-        None => {
-            // One replica on a state of its own: it serves as soon as the
-            // state is loaded, before the listener answers anything.
-            let store = open_store(&context.plan)?;
-            let started = signals.or_stop(context.start(store, None)).await?;
-            single_term = Some(context.lead(started).await);
-            log_serving(&context.plan, &local_addr, &metrics_local);
-            None
-        }
-        Some((target, options, config)) => {
-            let lease = signals
-                .or_stop(async {
-                    pg_store::Lease::connect(&target, &options)
-                        .await
-                        .map_err(StartupError::from)
-                })
-                .await?;
-            if lease.created_the_state() {
-                tracing::info!(url = %target.display(), "state created");
+    // Start-up runs while the server already answers: health NOT_SERVING,
+    // and every CapacityProvider and Admin RPC UNAVAILABLE saying what
+    // start-up waits for (`Standby::starting`), never a silent port.
+    let startup = {
+        let context = context.clone();
+        let mut stop = stop.clone();
+        let metrics_local = metrics_local.clone();
+        async move {
+            match shared_state {
+                None => {
+                    // One replica on a state of its own.
+                    standby.starting(match &context.plan.state {
+                        Some(state) => format!("opening the state {}", state.describe()),
+                        None => "building the engine".to_string(),
+                    });
+                    let store = open_store(&context.plan)?;
+                    let started = or_stop(&mut stop, context.start(store, None)).await?;
+                    let single_term = context.lead(started).await;
+                    log_serving(&context.plan, &local_addr, &metrics_local);
+                    Ok::<_, RunError>((None, Some(single_term)))
+                }
+                Some((target, options, config)) => {
+                    let lease = or_stop(&mut stop, async {
+                        pg_store::Lease::connect(&target, &options)
+                            .await
+                            .map_err(StartupError::from)
+                    })
+                    .await?;
+                    if lease.created_the_state() {
+                        tracing::info!(url = %target.display(), "state created");
+                    }
+                    tracing::info!(
+                        replica = %config.replica,
+                        url = %target.display(),
+                        lease_ttl_ms = config.ttl.as_millis() as u64,
+                        addr = %local_addr,
+                        metrics_addr = %metrics_local,
+                        "replica of a shared PostgreSQL state: standby until it holds the leader lease"
+                    );
+                    let first_serving = {
+                        let context = context.clone();
+                        move || log_serving(&context.plan, &local_addr, &metrics_local)
+                    };
+                    let shared = SharedState {
+                        target,
+                        options,
+                        config,
+                        lease: Arc::new(lease),
+                        standby,
+                    };
+                    Ok((
+                        Some(tokio::spawn(lead_terms(
+                            context.clone(),
+                            shared,
+                            stopping_rx,
+                            release_rx,
+                            first_serving,
+                        ))),
+                        None,
+                    ))
+                }
             }
-            tracing::info!(
-                replica = %config.replica,
-                url = %target.display(),
-                lease_ttl_ms = config.ttl.as_millis() as u64,
-                addr = %local_addr,
-                metrics_addr = %metrics_local,
-                "replica of a shared PostgreSQL state: standby until it holds the leader lease"
-            );
-            let first_serving = {
-                let context = context.clone();
-                let metrics_local = metrics_local.clone();
-                move || log_serving(&context.plan, &local_addr, &metrics_local)
-            };
-            let shared = SharedState {
-                target,
-                options,
-                config,
-                lease: Arc::new(lease),
-                standby,
-            };
-            Some(tokio::spawn(lead_terms(
-                context.clone(),
-                shared,
-                stopping_rx,
-                release_rx,
-                first_serving,
-            )))
         }
     };
 
@@ -308,8 +334,9 @@ pub async fn run(plan: Plan) -> Result<(), RunError> {
         let ready = ready.clone();
         let health_reporter = health_reporter.clone();
         let stopping = stopping.clone();
+        let mut stop = stop.clone();
         async move {
-            signals.recv().await;
+            let _ = stop.wait_for(|asked| *asked).await;
             tracing::info!("shutdown requested: not ready, draining in-flight RPCs");
             // A standby takes no lease from now on. Nobody listening only
             // means no leadership task runs.
@@ -336,18 +363,13 @@ pub async fn run(plan: Plan) -> Result<(), RunError> {
         }
     };
 
-    let incoming = TcpListenerStream::new(grpc_listener);
+    let limits = crate::accept::fit_descriptor_limit(serving.connections);
+    let incoming = crate::accept::accept(grpc_listener, limits);
     let server = async {
         match serving.tls.clone() {
             None => {
-                // Unary RPCs are small writes: without TCP_NODELAY, Nagle
-                // and delayed ACKs add ~40 ms to responses.
-                let incoming = incoming.map(|conn| {
-                    conn.map(|tcp| {
-                        let _ = tcp.set_nodelay(true);
-                        FirstBytes::new(tcp, PREFACE_TIMEOUT)
-                    })
-                });
+                let incoming =
+                    incoming.map(|conn| conn.map(|conn| FirstBytes::new(conn, PREFACE_TIMEOUT)));
                 router
                     .serve_with_incoming_shutdown(incoming, shutdown)
                     .await
@@ -360,8 +382,22 @@ pub async fn run(plan: Plan) -> Result<(), RunError> {
             }
         }
     };
+    tokio::pin!(server);
+    let (terms, single_term) = tokio::select! {
+        started = startup => match started {
+            Ok(started) => started,
+            // The process ends with the start-up error; the server, which
+            // answered only UNAVAILABLE, goes with it.
+            Err(e) => return Err(e),
+        },
+        served = &mut server => {
+            // The server ends before start-up only once a stop was asked.
+            served.map_err(RunError::Serve)?;
+            return Err(RunError::Stopped);
+        }
+    };
     let served_result = tokio::select! {
-        served = server => served,
+        served = &mut server => served,
         () = grace_expired => {
             tracing::warn!(grace = ?grace, "shutdown grace period expired with RPCs still open; exiting");
             Ok(())
@@ -411,32 +447,28 @@ pub async fn run(plan: Plan) -> Result<(), RunError> {
 const HANDSHAKE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// Accept TLS on every connection concurrently, each in its own task with
-/// a timeout, so one stalled peer never blocks the others.
+/// a timeout, so one stalled peer never blocks the others. After the
+/// handshake the HTTP/2 preface has [`PREFACE_TIMEOUT`] as on plaintext: a
+/// peer that completes TLS and then stays silent is closed too.
 fn tls_handshakes(
-    mut incoming: TcpListenerStream,
+    mut incoming: tokio_stream::wrappers::ReceiverStream<std::io::Result<Admitted>>,
     config: Arc<rustls::ServerConfig>,
 ) -> tokio_stream::wrappers::ReceiverStream<
-    Result<tokio_rustls::server::TlsStream<tokio::net::TcpStream>, std::io::Error>,
+    Result<FirstBytes<tokio_rustls::server::TlsStream<Admitted>>, std::io::Error>,
 > {
     let acceptor = tokio_rustls::TlsAcceptor::from(config);
     let (tx, rx) = tokio::sync::mpsc::channel(64);
     tokio::spawn(async move {
         while let Some(conn) = incoming.next().await {
-            let tcp = match conn {
-                Ok(tcp) => tcp,
-                Err(e) => {
-                    tracing::warn!(error = %e, "accepting a connection failed");
-                    continue;
-                }
-            };
-            let _ = tcp.set_nodelay(true);
+            // The accept loop logs and backs off from its own errors.
+            let Ok(tcp) = conn else { continue };
             let acceptor = acceptor.clone();
             let tx = tx.clone();
             tokio::spawn(async move {
                 let peer = tcp.peer_addr().ok();
                 match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
                     Ok(Ok(stream)) => {
-                        let _ = tx.send(Ok(stream)).await;
+                        let _ = tx.send(Ok(FirstBytes::new(stream, PREFACE_TIMEOUT))).await;
                     }
                     Ok(Err(e)) => {
                         tracing::warn!(peer = ?peer, error = %e, "TLS handshake failed");

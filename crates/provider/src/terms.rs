@@ -196,9 +196,18 @@ impl TermContext {
                 (fake.clone(), Some(fake))
             }
             BackendConfig::Proxmox(proxmox) => {
+                self.served.capacity.standby().starting(format!(
+                    "checking the Proxmox cluster at {} before serving (its API must answer: see \
+                     the log for what the check waits on)",
+                    proxmox.access.api_url
+                ));
                 (proxmox_substrate(plan, proxmox, gate).await?, None)
             }
         };
+        self.served.capacity.standby().starting(format!(
+            "loading the state from {} and resuming what was in flight",
+            store.describe()
+        ));
         let substrate: Arc<dyn Substrate> = Arc::new(Metered::new(inner, self.metrics.clone()));
         let backend = Arc::new(ProxmoxBackend::new(
             catalog.slots.clone(),
@@ -243,6 +252,7 @@ impl TermContext {
         let Started { engine, backend } = started;
         let plan = &self.plan;
         let served = &self.served;
+        served.capacity.standby().started();
         served.capacity.lead(
             GuardedCapacity::new(CapacityService::new(engine.clone()), self.guard.clone())
                 .into_server(),
@@ -355,6 +365,10 @@ pub(crate) async fn lead_terms(
             () = raised(&mut stopping) => return,
         };
         tracing::info!(replica = %config.replica, epoch, "took the leader lease: loading the state");
+        standby.starting(format!(
+            "replica {} took the leader lease (epoch {epoch}) and is opening the state",
+            config.replica
+        ));
         let mut hold = {
             let (lease, config, term) = (lease.clone(), config.clone(), term.clone());
             tokio::spawn(async move { hold_lease(&lease, &config, &term, epoch).await })
@@ -394,6 +408,7 @@ pub(crate) async fn lead_terms(
             lost = &mut hold => {
                 let lost = diagnose(lost, &mut own_name);
                 tracing::warn!(epoch, reason = %lost, "lost the leader lease while loading the state: standing by");
+                standby.started();
                 continue;
             }
             () = raised(&mut release) => {
@@ -406,6 +421,7 @@ pub(crate) async fn lead_terms(
             Ok(started) => started,
             Err(e) => {
                 hold.abort();
+                standby.started();
                 tracing::error!(epoch, error = %e, "cannot serve as the leader: giving the lease up and standing by");
                 give_up(&lease, &term, epoch).await;
                 tokio::select! {

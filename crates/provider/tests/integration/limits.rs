@@ -55,6 +55,39 @@ fn a_connection_that_sends_nothing_is_closed() {
     );
 }
 
+/// One peer holds at most `--max-connections-per-peer` connections: one
+/// more is closed at once, and the others keep serving.
+#[tokio::test]
+async fn a_peer_past_its_connection_cap_is_closed() {
+    use tokio::io::AsyncReadExt;
+    let provider = Provider::start(&["--use-fake-backend", "--max-connections-per-peer", "2"]);
+    let mut first = provider.client().await;
+    let _second = provider.client().await;
+    let mut third = tokio::net::TcpStream::connect(provider.grpc)
+        .await
+        .expect("the kernel accepts it");
+    let mut sink = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(5), third.read_to_end(&mut sink))
+        .await
+        .expect("closed at once, not after the preface deadline");
+    assert!(sink.is_empty(), "the third connection was served: {read:?}");
+    assert!(
+        provider
+            .logs
+            .wait_for(Duration::from_secs(5), |l| l
+                .contains("--max-connections-per-peer"))
+            .is_some(),
+        "{}",
+        provider.stderr()
+    );
+    first
+        .get(MachineRef { id: "x".into() })
+        .await
+        .map(|_| ())
+        .or_else(|s| (s.code() == tonic::Code::NotFound).then_some(()).ok_or(s))
+        .expect("the first connection still serves");
+}
+
 #[tokio::test]
 async fn oversized_ids_get_a_short_readable_invalid_argument() {
     let provider = Provider::start(&["--use-fake-backend"]);

@@ -1080,23 +1080,28 @@ async fn a_stalled_log_pipe_does_not_stall_rpcs() {
     // Held open and never read.
     let _stderr = child.stderr.take().expect("stderr");
     let result = tokio::time::timeout(Duration::from_secs(120), async {
-        let mut client = Wait::new(
-            format!("the provider to listen on {addr}"),
+        // The port answers UNAVAILABLE while start-up runs: wait for a
+        // List that succeeds (the log, which would say when, is not read).
+        let (mut client, listed) = Wait::new(
+            format!("the provider to serve on {addr}"),
             common::STARTUP_DEADLINE,
         )
         .every(POLL)
         .ok_async(|| async {
-            tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+            let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
                 .expect("endpoint")
                 .connect()
                 .await
-                .map(CapacityProviderClient::new)
+                .map_err(|e| e.to_string())?;
+            let mut client = CapacityProviderClient::new(channel);
+            let listed = client
+                .list(ListFilter::default())
+                .await
+                .map_err(|s| s.to_string())?;
+            Ok::<_, String>((client, listed))
         })
         .await;
-        let ids: Vec<String> = client
-            .list(ListFilter::default())
-            .await
-            .expect("List")
+        let ids: Vec<String> = listed
             .into_inner()
             .machines
             .into_iter()

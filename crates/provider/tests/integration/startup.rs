@@ -894,6 +894,72 @@ fn sigterm_ends_a_start_up_waiting_on_a_silent_cluster() {
     );
 }
 
+/// While start-up waits on a cluster that does not answer, the gRPC port
+/// speaks from the first second: health NOT_SERVING, and a CapacityProvider
+/// RPC UNAVAILABLE at once, saying what start-up waits for (not a port that
+/// accepts TCP and never sends HTTP/2 SETTINGS).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpc_says_not_serving_while_start_up_waits() {
+    use bigfleet_proto::v1alpha1::capacity_provider_client::CapacityProviderClient;
+    use tonic_health::pb::health_client::HealthClient;
+    use tonic_health::pb::HealthCheckRequest;
+
+    let (_silent, pve) = held_listener();
+    let url = format!("https://{pve}/api2/json");
+    let mut args = vec!["--addr", "127.0.0.1:0", "--metrics-addr", ""];
+    args.extend(real_without("--proxmox-api-url"));
+    args.extend(["--proxmox-api-url", &url]);
+    let starting = common::Starting::spawn(&args);
+    let listening = starting
+        .logs
+        .wait_for(EXIT_DEADLINE, |l| {
+            l.contains("listening: gRPC health answers")
+        })
+        .unwrap_or_else(|| panic!("no listening line:\n{}", starting.logs.text()));
+    let grpc = provider_testkit::addr_field(&listening, "addr").unwrap_or_else(|e| panic!("{e}"));
+    assert!(
+        starting
+            .logs
+            .wait_for(EXIT_DEADLINE, |l| l
+                .contains("preflight: listing the cluster's nodes"))
+            .is_some(),
+        "start-up never reached the preflight:\n{}",
+        starting.logs.text()
+    );
+    let answer_within = Duration::from_secs(5);
+    let channel = tokio::time::timeout(answer_within, common::plain_channel(grpc))
+        .await
+        .expect("the gRPC port answers during start-up");
+    let health = tokio::time::timeout(
+        answer_within,
+        HealthClient::new(channel.clone()).check(HealthCheckRequest {
+            service: String::new(),
+        }),
+    )
+    .await
+    .expect("health answers at once")
+    .expect("health answers OK");
+    assert_eq!(
+        health.into_inner().status,
+        tonic_health::pb::health_check_response::ServingStatus::NotServing as i32
+    );
+    let refused = tokio::time::timeout(
+        answer_within,
+        CapacityProviderClient::new(channel).list(bigfleet_proto::v1alpha1::ListFilter::default()),
+    )
+    .await
+    .expect("List answers at once")
+    .expect_err("nothing is served during start-up");
+    assert_eq!(refused.code(), tonic::Code::Unavailable, "{refused:?}");
+    for says in ["starting", "checking the Proxmox cluster at", url.as_str()] {
+        assert!(
+            refused.message().contains(says),
+            "{says}: {}",
+            refused.message()
+        );
+    }
+}
+
 /// Real-backend flags against a running pve-sim, trusting `ca` (a path).
 fn against_sim(sim: &pve_sim::PveSim, url: &str, secret: &str, ca: &str) -> Vec<String> {
     common::pve_flags(sim, url, secret, ca, "pve1,pve2")

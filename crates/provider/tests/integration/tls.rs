@@ -87,6 +87,42 @@ async fn handshake(
         .map_err(|e| e.to_string())
 }
 
+/// A peer that completes the TLS handshake and then sends nothing is
+/// closed once the HTTP/2 preface deadline passes, as on plaintext.
+#[tokio::test]
+async fn a_silent_connection_after_the_handshake_is_closed() {
+    use tokio::io::AsyncReadExt;
+    let pki = Pki::new();
+    let provider = start_tls(&pki, false);
+    let config = rustls::ClientConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .expect("protocol versions")
+    .with_root_certificates(roots(&pki.ca))
+    .with_no_client_auth();
+    let connector = tokio_rustls::TlsConnector::from(Arc::new(config));
+    let tcp = tokio::net::TcpStream::connect(provider.grpc)
+        .await
+        .expect("tcp");
+    let name = ServerName::try_from("localhost").expect("name").to_owned();
+    let mut tls = connector.connect(name, tcp).await.expect("handshake");
+    let started = std::time::Instant::now();
+    // The server writes its SETTINGS, then closes once the deadline
+    // passes: read until end of stream (or a reset).
+    let mut sink = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(30), tls.read_to_end(&mut sink)).await;
+    let waited = started.elapsed();
+    assert!(
+        read.is_ok(),
+        "the silent TLS connection was still open after {waited:?}"
+    );
+    assert!(
+        waited < Duration::from_secs(20),
+        "closed only after {waited:?}"
+    );
+}
+
 #[tokio::test]
 async fn tls_serves_a_client_that_trusts_the_ca() {
     let pki = Pki::new();
