@@ -15,7 +15,7 @@ BFC := $(DEBUG_DIR)/bfconformance
 SEED_FLAG := $(if $(SEED),--seed $(SEED),)
 
 .PHONY: build build-proxmox run-fake test test-proxmox lint fmt certify-proxmox failover \
-        report-proxmox report-ci report-durable-postgres certify-pve-sim scale-100k mutation-check bench bench-scaling bench-memory bench-postgres bench-replicas bench-configure crash-1000 crash-real fuzz \
+        report-proxmox report-ci report-durable-postgres certify-pve-sim scale-100k mutation-check bench bench-scaling bench-half-sent bench-memory bench-postgres bench-replicas bench-configure crash-1000 crash-real fuzz \
         image-rootfs chart-render
 
 build:
@@ -116,6 +116,7 @@ scale-100k:
 # pve-sim: shared template, warm replica, first staging, 16-way burst).
 bench:
 	$(MAKE) bench-scaling SCALING_OUT=bench/latest.txt
+	$(MAKE) bench-half-sent
 	$(RELEASE_DIR)/loadgen --provider-bin $(RELEASE_DIR)/bigfleet-proxmox --out bench/latest.txt
 	$(RELEASE_DIR)/loadgen --provider-bin $(RELEASE_DIR)/bigfleet-proxmox --pin --out bench/latest.txt
 	$(CARGO) bench -p providerkit --bench engine_bench | tee -a bench/latest.txt
@@ -135,6 +136,15 @@ bench-scaling:
 	$(CARGO) build --release -p bigfleet-proxmox -p loadgen
 	$(RELEASE_DIR)/loadgen --provider-bin $(RELEASE_DIR)/bigfleet-proxmox --sizes 1000,100000 \
 	  --only scaling --out $(SCALING_OUT)
+
+# Callers that declare large requests and never finish sending them (issue
+# #45): 4 connections x 64 half-sent Configures under the transport cap,
+# then 4 x 64 half-sent 4 MB Creates; fails when the provider's RSS grows
+# past 100 MiB or Get p99 passes 4x its value at rest (BENCHMARKS.md).
+bench-half-sent:
+	$(CARGO) build --release -p bigfleet-proxmox -p loadgen
+	$(RELEASE_DIR)/loadgen --provider-bin $(RELEASE_DIR)/bigfleet-proxmox --only half-sent --quick \
+	  | tee -a bench/latest.txt
 
 # Issue #24's figures, appended to bench/latest.txt: durable Create acks at
 # 16 callers with the state in SQLite and in PostgreSQL at 10k and 100k

@@ -2,6 +2,7 @@
 //! provider on the fake backend and prints one `key=value` line per figure.
 
 mod durable;
+mod half_sent;
 mod machine;
 mod provider;
 mod scaling;
@@ -258,6 +259,17 @@ async fn run(args: Args) -> Result<()> {
             bail!(
                 "the scaling guard failed: a figure at {large} machines is under {:.2} of its value at {small} (the scaling_guard= lines above)",
                 scaling::FLOOR
+            );
+        }
+    }
+    if profile.runs(scenarios::Scenario::HalfSent) {
+        let met = half_sent::run(&args.provider_bin, boot_timeout, &profile, &mut report).await?;
+        if !met {
+            bail!(
+                "the half-sent-bodies guard failed: the resident set grew past {} MiB or Get p99 \
+                 passed {}x its value at rest (the half_sent_guard= lines above)",
+                half_sent::RSS_GROWTH_LIMIT_MIB,
+                half_sent::GET_P99_LIMIT
             );
         }
     }

@@ -54,6 +54,10 @@ pub enum Scenario {
     /// ratios; loadgen fails when one is under its floor. Runs only when
     /// named.
     Scaling,
+    /// Callers that declare large requests and never finish sending them:
+    /// the provider's RSS growth and Get p99 meanwhile, against limits.
+    /// Runs only when named.
+    HalfSent,
 }
 
 pub struct Profile {
@@ -74,7 +78,10 @@ impl Profile {
     pub fn runs(&self, scenario: Scenario) -> bool {
         // The PostgreSQL scenario needs a server, the scaling guard boots
         // providers of its own: only when asked for.
-        if matches!(scenario, Scenario::Postgres | Scenario::Scaling) {
+        if matches!(
+            scenario,
+            Scenario::Postgres | Scenario::Scaling | Scenario::HalfSent
+        ) {
             return self.only.contains(&scenario);
         }
         self.only.is_empty() || self.only.contains(&scenario)
@@ -85,10 +92,12 @@ impl Profile {
     /// SQLite restart are then skipped.
     pub fn only_own_boots(&self) -> bool {
         !self.only.is_empty()
-            && self
-                .only
-                .iter()
-                .all(|s| matches!(s, Scenario::Postgres | Scenario::Scaling))
+            && self.only.iter().all(|s| {
+                matches!(
+                    s,
+                    Scenario::Postgres | Scenario::Scaling | Scenario::HalfSent
+                )
+            })
     }
 
     pub fn full() -> Profile {

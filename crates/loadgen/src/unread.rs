@@ -18,7 +18,11 @@ pub const CONNECTIONS: usize = 4;
 pub const LISTS_PER_CONNECTION: usize = 50;
 
 /// RSS (KiB) once it has not grown for `quiet` (or after `limit`).
-async fn settled_rss(provider: &Provider, quiet: Duration, limit: Duration) -> Result<u64> {
+pub(crate) async fn settled_rss(
+    provider: &Provider,
+    quiet: Duration,
+    limit: Duration,
+) -> Result<u64> {
     let started = Instant::now();
     let (_, mut last) = provider.memory_kib()?;
     let mut since = Instant::now();

@@ -131,6 +131,38 @@ impl IdentityGuard {
             // without one is refused as having no identity.
             None => Err(identity::anonymous(rpc, need)),
         };
+        self.verdict(rpc, verdict)
+    }
+
+    /// The part of [`IdentityGuard::admit`] that needs no request body, run
+    /// before the body is read: for a mutation, whether the caller may act
+    /// for any shard at all (its `shard_id` is checked once decoded); for
+    /// the other RPCs, the whole check.
+    pub fn admit_before_body(
+        &self,
+        certs: Option<&[rustls::pki_types::CertificateDer<'static>]>,
+        rpc: &'static str,
+        need: Need<'_>,
+    ) -> Result<(), Status> {
+        if self.check != IdentityCheck::Bigfleet {
+            return Ok(());
+        }
+        let Some(leaf) = certs.and_then(|chain| chain.first()) else {
+            return self.verdict(rpc, Err(identity::anonymous(rpc, need)));
+        };
+        let verdict = match need {
+            Need::ActFor { .. } => identity::may_act_for_some_shard(leaf, rpc),
+            Need::Read | Need::Admin => identity::check(leaf, rpc, need),
+        };
+        self.verdict(rpc, verdict)
+    }
+
+    /// Count, log (rate-limited) and word a refusal.
+    fn verdict(
+        &self,
+        rpc: &'static str,
+        verdict: Result<(), identity::Refusal>,
+    ) -> Result<(), Status> {
         let Err(refusal) = verdict else {
             return Ok(());
         };

@@ -307,6 +307,33 @@ pub fn anonymous(rpc: &str, need: Need<'_>) -> Refusal {
     )
 }
 
+/// Whether the certificate's caller may make the mutation `rpc` for some
+/// shard: an admin or a shard may (the request's `shard_id` decides, once
+/// read); read-only tooling and a certificate without a usable identity
+/// may not, whatever the body says.
+pub fn may_act_for_some_shard(leaf: &CertificateDer<'_>, rpc: &str) -> Result<(), Refusal> {
+    let need = Need::ActFor { shard_id: "" };
+    let uris = bigfleet_uris(leaf).map_err(|cause| Refusal {
+        cause: Some(cause),
+        ..Refusal::new(
+            Reason::NoIdentity,
+            "none (the client certificate could not be parsed)".to_owned(),
+            rpc,
+            need,
+        )
+    })?;
+    match identify(&uris).map_err(|(reason, seen)| Refusal::new(reason, seen, rpc, need))? {
+        Caller::Admin | Caller::Shard(_) => Ok(()),
+        readonly @ Caller::Readonly => Err(Refusal {
+            reason: Reason::NotPermitted,
+            seen: readonly.uri(),
+            action: format!("call {rpc}, a mutation"),
+            needed: format!("{SHARD_PREFIX}<the request's shard_id> or {ADMIN}"),
+            cause: None,
+        }),
+    }
+}
+
 /// The whole decision for a verified leaf certificate.
 pub fn check(leaf: &CertificateDer<'_>, rpc: &str, need: Need<'_>) -> Result<(), Refusal> {
     let uris = bigfleet_uris(leaf).map_err(|cause| Refusal {

@@ -17,6 +17,7 @@ pub mod core_dumps;
 pub mod error;
 pub mod guard;
 pub mod identity;
+pub mod intake;
 pub mod layers;
 pub mod leader;
 pub mod logging;

@@ -15,6 +15,7 @@ use crate::budget::{BudgetLayer, FirstBytes, PREFACE_TIMEOUT};
 use crate::error::StartupError;
 use crate::guard::IdentityGuard;
 use crate::identity::IdentityCheck;
+use crate::intake::Intake;
 use crate::layers::{CatchPanicLayer, ObserveLayer};
 use crate::leader::{Standby, Switched};
 use crate::metrics::Metrics;
@@ -239,6 +240,7 @@ pub async fn run(plan: Plan) -> Result<(), RunError> {
             metrics: metrics.clone(),
         })
         .layer(BudgetLayer)
+        .layer(Intake::new(guard.clone(), &plan.engine.limits))
         .add_service(served.capacity.clone())
         .add_service(served.admin.clone())
         .add_service(health_service)

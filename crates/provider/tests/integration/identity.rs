@@ -306,8 +306,10 @@ async fn readonly_reads_and_only_admin_reclaims() {
     denied(
         create(&mut ro, &id, "a", (1, 1)).await,
         Some(
-            "caller identity bigfleet://readonly may not act for shard_id \"a\": \
-             needs bigfleet://shard/a or bigfleet://admin",
+            // Refused from the certificate alone, before the body (and its
+            // shard_id) is read.
+            "caller identity bigfleet://readonly may not call Create, a mutation: needs \
+             bigfleet://shard/<the request's shard_id> or bigfleet://admin",
         ),
     );
     denied(create(&mut ro, &id, "", (0, 0)).await, None);

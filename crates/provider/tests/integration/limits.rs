@@ -114,8 +114,32 @@ async fn oversized_ids_get_a_short_readable_invalid_argument() {
         .await
         .expect_err("1 MiB shard id");
     assert_eq!(status.code(), tonic::Code::InvalidArgument, "{status:?}");
+    // Refused from the gRPC length prefix, before the body is read.
     assert!(
-        status.message().starts_with("shard_id is 1048576 bytes"),
+        status
+            .message()
+            .starts_with("a Create request of 1048587 bytes was refused before decoding"),
+        "{}",
+        status.message()
+    );
+    assert!(
+        status.message().contains("shard_id: 256 bytes"),
+        "{}",
+        status.message()
+    );
+    // Under the transport's cap, the engine's own cap speaks.
+    let status = c
+        .create(CreateRequest {
+            machine_id: "m".into(),
+            shard_id: "s".repeat(4096),
+            shard_epoch: 1,
+            sequence_number: 1,
+        })
+        .await
+        .expect_err("4 KiB shard id");
+    assert_eq!(status.code(), tonic::Code::InvalidArgument, "{status:?}");
+    assert!(
+        status.message().starts_with("shard_id is 4096 bytes"),
         "{}",
         status.message()
     );
