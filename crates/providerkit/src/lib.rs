@@ -19,6 +19,7 @@ pub mod model;
 pub mod service;
 pub mod state_copy;
 pub mod store;
+pub mod sweeper;
 
 pub use backend::{
     Admission, AdmitCtx, Backend, BackendError, Cause, ConfigureCtx, CreateCtx, DeleteCtx,
@@ -28,8 +29,7 @@ pub use backend::{
 pub use engine::Mutants;
 pub use engine::{
     Ack, Census, Engine, EngineOptions, Limits, ListPage, ReclaimError, ReclaimHandle,
-    ReclaimOutcome, ReclaimSweeper, ReconcileError, ReconcileReport, ResumeOutcome, StartError,
-    Timeouts,
+    ReclaimOutcome, ReconcileError, ReconcileReport, ResumeOutcome, StartError, Timeouts,
 };
 pub use error::KitError;
 pub use fence::Token;
@@ -44,3 +44,4 @@ pub use store::{
     Change, ChangeBatch, ChangeQueue, CommitWaiter, FailedCommits, FenceMark, Loaded, Store,
     StoreError, StoreErrorKind, StoreErrorSource, Ticket,
 };
+pub use sweeper::ReclaimSweeper;

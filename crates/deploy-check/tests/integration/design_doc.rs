@@ -1,9 +1,9 @@
 //! docs/DESIGN.md against the code: every path it names in backticks
 //! (`crate::module::Item`, `module::item`, `Type::method`) resolves to a
-//! module file or a definition, and its drawing of the real substrate's
-//! parts lists every part file, each above the parts it imports. So the
-//! page cannot drift from the code silently: a move or a rename fails
-//! here until the page says the new truth.
+//! module file or a definition, and its drawings of the engine's and the
+//! real substrate's parts each list every part file, each above the parts
+//! it imports. So the page cannot drift from the code silently: a move or
+//! a rename fails here until the page says the new truth.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -169,9 +169,10 @@ struct PartLine {
     files: Vec<String>,
 }
 
-fn parts_drawing(text: &str) -> Vec<PartLine> {
+/// The drawing under the heading `section`.
+fn parts_drawing(text: &str, section: &str) -> Vec<PartLine> {
     let section = text
-        .split("## The real substrate's parts")
+        .split(&format!("## {section}"))
         .nth(1)
         .expect("the parts section");
     let block = section.split("```").nth(1).expect("the parts drawing");
@@ -195,9 +196,30 @@ fn parts_drawing(text: &str) -> Vec<PartLine> {
 }
 
 #[test]
-fn the_parts_drawing_lists_every_part_above_the_parts_it_imports() {
-    let dir = workspace().join("crates/proxmox-backend/src/proxmox");
-    let lines = parts_drawing(&design());
+fn the_substrate_drawing_lists_every_part_above_the_parts_it_imports() {
+    let wrong =
+        drawing_against_imports("The real substrate's parts", "proxmox-backend/src/proxmox");
+    assert!(
+        wrong.is_empty(),
+        "docs/DESIGN.md's drawing of the substrate's parts: {wrong:#?}"
+    );
+}
+
+#[test]
+fn the_engine_drawing_lists_every_part_above_the_parts_it_imports() {
+    let wrong = drawing_against_imports("The engine's parts", "providerkit/src/engine");
+    assert!(
+        wrong.is_empty(),
+        "docs/DESIGN.md's drawing of the engine's parts: {wrong:#?}"
+    );
+}
+
+/// What the drawing under `section` gets wrong about the files under
+/// `crates/<dir>`: a file it does not list, or an import of a part it
+/// lists above the importer (or not at all).
+fn drawing_against_imports(section: &str, dir: &str) -> Vec<String> {
+    let dir = workspace().join("crates").join(dir);
+    let lines = parts_drawing(&design(), section);
     // Module name (a file's stem, `preflight/sdn.rs` as `preflight`) ->
     // the drawing's line.
     let mut line_of: BTreeMap<String, usize> = BTreeMap::new();
@@ -213,7 +235,7 @@ fn the_parts_drawing_lists_every_part_above_the_parts_it_imports() {
     for path in &on_disk {
         let rel = path
             .strip_prefix(&dir)
-            .expect("under proxmox/")
+            .expect("under the parts' folder")
             .to_string_lossy()
             .to_string();
         let module = rel.split(['/', '.']).next().unwrap_or_default().to_string();
@@ -239,8 +261,5 @@ fn the_parts_drawing_lists_every_part_above_the_parts_it_imports() {
             }
         }
     }
-    assert!(
-        wrong.is_empty(),
-        "docs/DESIGN.md's parts drawing: {wrong:#?}"
-    );
+    wrong
 }

@@ -1,85 +1,145 @@
 //! The accepting half of a transition, under the state lock: validate the
-//! request, fence, then not-found, idempotency and position, and accept
-//! (the background half is in [`super::worker`]).
+//! request, fence, then not-found, idempotency and position, and accept;
+//! the accepted work is handed to the worker. The [`Acceptor`] owns what
+//! deciding takes: the input caps, the operation ids it mints, and whether
+//! it still accepts at all (a shutdown stops it).
+//!
+//! The mutants that break acceptance are here, beside what they break:
+//! a refusal out of position answered as fenced, metadata stored cut
+//! short.
 
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::options::echo_prefix;
-use super::{Ack, Engine, Inner, Params, Work};
+use super::ledger::{Books, Ledger};
+use super::options::{echo_prefix, EngineOptions, Timeouts};
+use super::request::{InputCaps, Params};
+use super::worker::{Attempt, Work, Worker};
 use crate::backend::{
-    Admission, AdmitCtx, BackendError, ConfigureCtx, CreateCtx, DeleteCtx, DrainCtx,
+    Admission, AdmitCtx, Backend, BackendError, ConfigureCtx, CreateCtx, DeleteCtx, DrainCtx,
 };
 use crate::error::KitError;
 use crate::fence::Token;
-use crate::model::{Begin, InFlight, State, TransitionKind};
-use crate::store::{Change, FenceMark};
+use crate::model::{Begin, InFlight, MachineRecord, State, TransitionError, TransitionKind};
+use crate::store::Change;
 
-impl Engine {
-    pub(super) fn validate(
+/// The accepted (or idempotently repeated) transition.
+#[derive(Clone, Debug)]
+pub struct Ack {
+    pub operation_id: String,
+    /// The machine as of the ack (a snapshot; the engine moves on).
+    pub machine: Arc<MachineRecord>,
+}
+
+pub(super) struct Acceptor {
+    ledger: Arc<Ledger>,
+    backend: Arc<dyn Backend>,
+    worker: Arc<Worker>,
+    caps: InputCaps,
+    timeouts: Timeouts,
+    supports_delete: bool,
+    /// The boot's generation, in every operation id minted.
+    generation: u64,
+    next_op: AtomicU64,
+    /// Set when shutdown begins: mutations are refused from then on.
+    stopping: AtomicBool,
+    /// Mutant: an out-of-position request is FAILED_PRECONDITION, as fenced.
+    #[cfg(feature = "mutants")]
+    out_of_position_failed_precondition: bool,
+    /// Mutant: metadata is stored cut short.
+    #[cfg(feature = "mutants")]
+    truncate_metadata: bool,
+}
+
+impl Acceptor {
+    pub(super) fn new(
+        ledger: Arc<Ledger>,
+        backend: Arc<dyn Backend>,
+        worker: Arc<Worker>,
+        generation: u64,
+        opts: &EngineOptions,
+    ) -> Acceptor {
+        let supports_delete = backend.supports_delete();
+        Acceptor {
+            ledger,
+            backend,
+            worker,
+            caps: InputCaps::new(opts),
+            timeouts: opts.timeouts.clone(),
+            supports_delete,
+            generation,
+            next_op: AtomicU64::new(1),
+            stopping: AtomicBool::new(false),
+            #[cfg(feature = "mutants")]
+            out_of_position_failed_precondition: opts.mutants.out_of_position_failed_precondition,
+            #[cfg(feature = "mutants")]
+            truncate_metadata: opts.mutants.truncate_metadata,
+        }
+    }
+
+    pub(super) fn supports_delete(&self) -> bool {
+        self.supports_delete
+    }
+
+    /// Refuse every mutation from now on (UNAVAILABLE).
+    pub(super) fn stop_accepting(&self) {
+        self.stopping.store(true, Ordering::Release);
+    }
+
+    fn is_stopping(&self) -> bool {
+        self.stopping.load(Ordering::Acquire)
+    }
+
+    pub(super) async fn create(&self, id: &str, token: Token) -> Result<Ack, KitError> {
+        self.transition(id, token, Params::Create).await
+    }
+
+    pub(super) async fn configure(
         &self,
         id: &str,
-        token: &Token,
-        params: &Params,
-    ) -> Result<(), KitError> {
-        if id.is_empty() {
-            return Err(KitError::InvalidArgument(
-                "machine_id must not be empty".into(),
-            ));
+        token: Token,
+        cluster_id: String,
+        bootstrap_blob: Vec<u8>,
+        shard_metadata: HashMap<String, String>,
+    ) -> Result<Ack, KitError> {
+        self.transition(
+            id,
+            token,
+            Params::Configure {
+                cluster_id,
+                bootstrap_blob,
+                shard_metadata,
+            },
+        )
+        .await
+    }
+
+    pub(super) async fn drain(
+        &self,
+        id: &str,
+        token: Token,
+        grace_period_seconds: i64,
+    ) -> Result<Ack, KitError> {
+        if grace_period_seconds < 0 {
+            return Err(KitError::InvalidArgument(format!(
+                "grace_period_seconds must be >= 0, got {grace_period_seconds}"
+            )));
         }
-        let limits = &self.opts.limits;
-        check_len("machine_id", id, limits.max_machine_id_bytes)?;
-        check_len("shard_id", &token.shard_id, limits.max_shard_id_bytes)?;
-        token.validate()?;
-        if let Some(e) = self.mutant_token_error(token) {
-            return Err(e);
-        }
-        if let Params::Configure {
-            cluster_id,
-            bootstrap_blob,
-            shard_metadata,
-        } = params
-        {
-            if cluster_id.is_empty() {
-                return Err(KitError::InvalidArgument(
-                    "cluster_id must not be empty".into(),
-                ));
-            }
-            check_len("cluster_id", cluster_id, limits.max_cluster_id_bytes)?;
-            if bootstrap_blob.len() > limits.max_bootstrap_blob_bytes {
-                return Err(KitError::InvalidArgument(format!(
-                    "bootstrap_blob is {} bytes; the cap is {}",
-                    bootstrap_blob.len(),
-                    limits.max_bootstrap_blob_bytes
-                )));
-            }
-            if shard_metadata.len() > limits.max_metadata_entries {
-                return Err(KitError::InvalidArgument(format!(
-                    "shard_metadata has {} entries; the cap is {}",
-                    shard_metadata.len(),
-                    limits.max_metadata_entries
-                )));
-            }
-            for (key, value) in shard_metadata {
-                check_len("a shard_metadata key", key, limits.max_metadata_key_bytes)?;
-                if value.len() > limits.max_metadata_value_bytes {
-                    return Err(KitError::InvalidArgument(format!(
-                        "shard_metadata value for key {} is {} bytes; the cap is {} bytes",
-                        echo_prefix(key),
-                        value.len(),
-                        limits.max_metadata_value_bytes
-                    )));
-                }
-            }
-            let bytes: usize = shard_metadata.iter().map(|(k, v)| k.len() + v.len()).sum();
-            if bytes > limits.max_metadata_bytes {
-                return Err(KitError::InvalidArgument(format!(
-                    "shard_metadata is {bytes} bytes; the cap is {}",
-                    limits.max_metadata_bytes
-                )));
-            }
-        }
+        let grace = Duration::from_secs(grace_period_seconds as u64);
+        self.transition(id, token, Params::Drain { grace }).await
+    }
+
+    pub(super) async fn delete(&self, id: &str, token: Token) -> Result<Ack, KitError> {
+        self.transition(id, token, Params::Delete).await
+    }
+
+    /// The request's shape, then whether this provider can do it at all.
+    fn validate(&self, id: &str, token: &Token, params: &Params) -> Result<(), KitError> {
+        self.caps.check(id, token, params)?;
         if params.kind() == TransitionKind::Delete && !self.supports_delete {
             return Err(KitError::Unimplemented(
                 "this provider cannot delete machines".into(),
@@ -89,12 +149,7 @@ impl Engine {
     }
 
     /// Fence, then not-found, then idempotency, then position; accept.
-    pub(super) async fn transition(
-        self: &Arc<Self>,
-        id: &str,
-        token: Token,
-        params: Params,
-    ) -> Result<Ack, KitError> {
+    async fn transition(&self, id: &str, token: Token, params: Params) -> Result<Ack, KitError> {
         self.validate(id, &token, &params)?;
         if self.is_stopping() {
             return Err(KitError::ShuttingDown(format!(
@@ -118,10 +173,10 @@ impl Engine {
         };
         let mut work = None;
         let (result, ticket) = {
-            let mut inner = self.inner.write();
+            let mut books = self.ledger.write();
             let mut changes = Vec::new();
             let result = self.decide(
-                &mut inner,
+                &mut books,
                 id,
                 &token,
                 params,
@@ -129,26 +184,21 @@ impl Engine {
                 &mut changes,
                 &mut work,
             );
-            (result, self.store.submit(changes))
+            (result, self.ledger.submit(changes))
         };
         if let Some(work) = work {
-            let engine = Arc::clone(self);
-            let limit = self.opts.timeouts.for_kind(kind);
-            let attempt = super::worker::Attempt {
+            let limit = self.timeouts.for_kind(kind);
+            let attempt = Attempt {
                 kind,
                 deadline: Instant::now() + limit,
                 limit,
                 resumed: false,
             };
-            let guard = self.in_flight.enter();
-            tokio::spawn(async move {
-                engine.run(attempt, work, ticket, guard).await;
-                // The Create's claim on the substrate lasts until its
-                // outcome has landed.
-                drop(admission);
-            });
+            // The Create's claim on the substrate lasts until its outcome
+            // has landed.
+            self.worker.start(attempt, work, ticket, admission);
         }
-        self.store.durable(ticket).await.map_err(KitError::Store)?;
+        self.ledger.durable(ticket).await.map_err(KitError::Store)?;
         result
     }
 
@@ -157,8 +207,8 @@ impl Engine {
     /// never refused for room). `None`: not asked.
     async fn admit(&self, id: &str) -> Option<Result<Admission, BackendError>> {
         let ctx = {
-            let inner = self.inner.read();
-            let record = &inner.machines[*inner.index.get(id)?];
+            let books = self.ledger.read();
+            let record = books.machines.at(books.machines.slot(id)?);
             if record.state() != State::Speculative {
                 return None;
             }
@@ -171,72 +221,13 @@ impl Engine {
         Some(self.backend.admit_create(&ctx).await)
     }
 
-    pub(super) fn fence(
-        &self,
-        inner: &mut Inner,
-        id: &str,
-        token: &Token,
-        changes: &mut Vec<Change>,
-    ) -> Result<(), KitError> {
-        if token.is_absent() {
-            return Ok(());
-        }
-        let mark_key = self.fence_key(id);
-        let mark = inner
-            .fences
-            .get(&token.shard_id)
-            .and_then(|m| m.get(mark_key))
-            .copied();
-        if !token.is_newer_than(mark) {
-            let (epoch, sequence) = mark.unwrap_or_default();
-            return Err(KitError::Fenced(format!(
-                "stale fencing token for shard {:?} on machine {id:?}: ({}, {}) is not newer \
-                 than ({epoch}, {sequence})",
-                token.shard_id, token.epoch, token.sequence
-            )));
-        }
-        let mark = (token.epoch, token.sequence);
-        // Keys are allocated only the first time a pair is seen.
-        match inner
-            .fences
-            .get_mut(&token.shard_id)
-            .and_then(|marks| marks.get_mut(mark_key))
-        {
-            Some(slot) => *slot = mark,
-            None => {
-                let cap = self.opts.limits.max_shard_marks_per_machine;
-                let held = inner.shard_marks.get(mark_key).copied().unwrap_or(0);
-                if held >= cap {
-                    return Err(KitError::InvalidArgument(format!(
-                        "machine {} already carries fencing marks from {held} shards; the cap \
-                         is {cap} shards per machine: reuse an existing shard_id for it",
-                        echo_prefix(id)
-                    )));
-                }
-                *inner.shard_marks.entry(mark_key.to_string()).or_default() += 1;
-                inner
-                    .fences
-                    .entry(token.shard_id.clone())
-                    .or_default()
-                    .insert(mark_key.to_string(), mark);
-            }
-        }
-        changes.push(Change::Fence(FenceMark {
-            shard_id: token.shard_id.clone(),
-            machine_id: mark_key.to_string(),
-            epoch: token.epoch,
-            sequence: token.sequence,
-        }));
-        Ok(())
-    }
-
     // The request's parts and the state it writes to are each one argument,
     // as every caller has them apart; a struct would only be built to be
     // taken apart here.
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn decide(
+    fn decide(
         &self,
-        inner: &mut Inner,
+        books: &mut Books,
         id: &str,
         token: &Token,
         params: Params,
@@ -245,12 +236,12 @@ impl Engine {
         work: &mut Option<Work>,
     ) -> Result<Ack, KitError> {
         let kind = params.kind();
-        self.fence(inner, id, token, changes)?;
-        let slot = *inner
-            .index
-            .get(id)
+        books.fences.advance(id, token, changes)?;
+        let machines = &mut books.machines;
+        let slot = machines
+            .slot(id)
             .ok_or_else(|| KitError::NotFound(format!("machine {id:?} not found")))?;
-        let record = &inner.machines[slot];
+        let record = machines.at(slot);
         let state = record.state();
         // Idempotency first: a FAILED machine is never at a transition's
         // own or target state, so its refusal below is unaffected.
@@ -268,11 +259,11 @@ impl Engine {
                 let adopted = record
                     .adopt_create(op.clone())
                     .map_err(|e| self.out_of_position(e))?;
-                let change = inner.replace(slot, adopted);
+                let change = machines.replace(slot, adopted);
                 changes.push(change);
                 return Ok(Ack {
                     operation_id: op,
-                    machine: Arc::clone(&inner.machines[slot]),
+                    machine: Arc::clone(machines.at(slot)),
                 });
             }
         }
@@ -296,7 +287,7 @@ impl Engine {
             Params::Delete => Begin::Delete,
         };
         let mut record = record
-            .begin(begin, || self.mint_operation_id(), inner.next_rev())
+            .begin(begin, || self.mint_operation_id(), machines.next_rev())
             .map_err(|e| self.out_of_position(e))?;
         let grace = match &params {
             Params::Drain { grace } => *grace,
@@ -306,7 +297,7 @@ impl Engine {
         // under the deadline it has now.
         record.in_flight = Some(InFlight::starting(
             crate::model::wall_clock_ms(),
-            self.opts.timeouts.for_kind(kind),
+            self.timeouts.for_kind(kind),
             grace,
         ));
         let op = record.op(kind).unwrap_or_default().to_string();
@@ -348,24 +339,44 @@ impl Engine {
                 host_ref,
             }),
         });
-        let change = inner.replace(slot, record);
+        let change = machines.replace(slot, record);
         changes.push(change);
         Ok(Ack {
             operation_id: op,
-            machine: Arc::clone(&inner.machines[slot]),
+            machine: Arc::clone(machines.at(slot)),
         })
     }
-}
 
-/// INVALID_ARGUMENT when `value` is longer than `cap` bytes; the message
-/// repeats only a short prefix of it.
-pub(super) fn check_len(what: &str, value: &str, cap: usize) -> Result<(), KitError> {
-    if value.len() <= cap {
-        return Ok(());
+    fn mint_operation_id(&self) -> String {
+        let n = self.next_op.fetch_add(1, Ordering::Relaxed);
+        format!("op-{:x}-{:x}", self.generation, n)
     }
-    Err(KitError::InvalidArgument(format!(
-        "{what} is {} bytes (starts {}); the cap is {cap} bytes: use a shorter one",
-        value.len(),
-        echo_prefix(value)
-    )))
+
+    /// The answer to a request the position matrix refuses.
+    fn out_of_position(&self, refusal: TransitionError) -> KitError {
+        #[cfg(feature = "mutants")]
+        if self.out_of_position_failed_precondition {
+            return KitError::Fenced(refusal.to_string());
+        }
+        KitError::Conflict(refusal)
+    }
+
+    /// The metadata as stored with the machine: verbatim.
+    #[cfg(feature = "mutants")]
+    fn stored_metadata(&self, metadata: &HashMap<String, String>) -> HashMap<String, String> {
+        if self.truncate_metadata {
+            return metadata
+                .iter()
+                .take(8)
+                .map(|(k, v)| (k.clone(), v.chars().take(16).collect()))
+                .collect();
+        }
+        metadata.clone()
+    }
+
+    /// The metadata as stored with the machine: verbatim.
+    #[cfg(not(feature = "mutants"))]
+    fn stored_metadata(&self, metadata: &HashMap<String, String>) -> HashMap<String, String> {
+        metadata.clone()
+    }
 }

@@ -1,15 +1,19 @@
 //! List: revision-ordered deltas, capped pages, and the rotating walk a
-//! capped cursor-less List starts (see [`crate::cursor::Walk`]).
+//! capped cursor-less List starts (see [`crate::cursor::Walk`]). The
+//! [`Lister`] owns what List alone reads: the cursor codec and where the
+//! next cursor-less walk starts.
 
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use bigfleet_proto::raw::{EncodedMachineList, RawMessage};
 use bigfleet_proto::v1alpha1 as pb;
 use prost::encoding::{encode_key, encode_varint, encoded_len_varint, WireType};
 
-use super::{Engine, Inner};
-use crate::cursor::{Cursor, Walk};
+use super::ledger::Ledger;
+use super::machines::Machines;
+use super::options::EngineOptions;
+use crate::cursor::{Cursor, CursorCodec, Walk};
 use crate::model::MachineRecord;
 
 /// The answer to a List: a snapshot of the matching records, taken under
@@ -51,11 +55,11 @@ impl ListPage {
     }
 }
 
-pub(super) fn wanted(states: &[i32], machine: &MachineRecord) -> bool {
+fn wanted(states: &[i32], machine: &MachineRecord) -> bool {
     states.is_empty() || states.contains(&(machine.state.to_wire() as i32))
 }
 
-pub(super) struct WalkPage {
+struct WalkPage {
     machines: Vec<Arc<MachineRecord>>,
     /// The revision of the first machine returned.
     head: Option<u64>,
@@ -63,8 +67,8 @@ pub(super) struct WalkPage {
 }
 
 /// One page of a [`Walk`]: revisions above `start`, then around to it.
-pub(super) fn scan_walk(inner: &Inner, states: &[i32], cap: usize, walk: Walk) -> WalkPage {
-    let mut machines = Vec::with_capacity(cap.min(inner.machines.len()));
+fn scan_walk(table: &Machines, states: &[i32], cap: usize, walk: Walk) -> WalkPage {
+    let mut machines = Vec::with_capacity(cap.min(table.len()));
     let mut head = None;
     let Walk {
         start,
@@ -78,11 +82,10 @@ pub(super) fn scan_walk(inner: &Inner, states: &[i32], cap: usize, walk: Walk) -
             None => Some(pos.saturating_add(1)..=u64::MAX),
             Some(_) => (pos < start).then(|| pos + 1..=start),
         };
-        for (&rev, &slot) in range.into_iter().flat_map(|r| inner.by_rev.range(r)) {
+        for (rev, machine) in range.into_iter().flat_map(|r| table.by_revision(r)) {
             if machines.len() == cap {
                 break;
             }
-            let machine = &inner.machines[slot];
             if wanted(states, machine) {
                 machines.push(Arc::clone(machine));
                 head.get_or_insert(rev);
@@ -103,7 +106,7 @@ pub(super) fn scan_walk(inner: &Inner, states: &[i32], cap: usize, walk: Walk) -
         }
         match settled {
             None => {
-                settled = Some(inner.revision);
+                settled = Some(table.revision());
                 pos = 0;
             }
             Some(at) => {
@@ -117,7 +120,31 @@ pub(super) fn scan_walk(inner: &Inner, states: &[i32], cap: usize, walk: Walk) -
     }
 }
 
-impl Engine {
+pub(super) struct Lister {
+    ledger: Arc<Ledger>,
+    cursor: CursorCodec,
+    /// Where the next capped, cursor-less List starts: the revision of the
+    /// head the previous one returned.
+    head: AtomicU64,
+    /// Mutant: a capped, cursor-less List always starts at the same head.
+    #[cfg(feature = "mutants")]
+    frozen_head: bool,
+}
+
+impl Lister {
+    /// `generation`: the boot's, embedded in every cursor so none is
+    /// honoured across a restart. Of `opts` only a mutant is read.
+    #[cfg_attr(not(feature = "mutants"), allow(unused_variables))]
+    pub(super) fn new(ledger: Arc<Ledger>, generation: u64, opts: &EngineOptions) -> Lister {
+        Lister {
+            ledger,
+            cursor: CursorCodec::new(generation),
+            head: AtomicU64::new(0),
+            #[cfg(feature = "mutants")]
+            frozen_head: opts.mutants.frozen_list_head,
+        }
+    }
+
     /// List. With a valid `since_revision` only machines changed after it
     /// are returned, in revision order; when `max_results` cuts the page,
     /// the cursor is the revision of the last machine returned, so the next
@@ -127,19 +154,20 @@ impl Engine {
     /// same head: it starts just after the head the previous such List
     /// returned (callers pick machines this way), and its cursor continues
     /// a [`Walk`] around the revision order, so paging stays set-complete.
-    pub fn list(&self, states: &[i32], max_results: i32, since_revision: &[u8]) -> ListPage {
+    pub(super) fn list(&self, states: &[i32], max_results: i32, since_revision: &[u8]) -> ListPage {
         let cap = if max_results > 0 {
             max_results as usize
         } else {
             usize::MAX
         };
-        let inner = self.inner.read();
+        let books = self.ledger.read();
+        let table = &books.machines;
         let walk = match self.cursor.decode_cursor(since_revision) {
-            Some(Cursor::Since(since)) => return self.list_since(&inner, states, cap, since),
-            None if cap == usize::MAX => return self.list_since(&inner, states, cap, 0),
+            Some(Cursor::Since(since)) => return self.list_since(table, states, cap, since),
+            None if cap == usize::MAX => return self.list_since(table, states, cap, 0),
             Some(Cursor::Walk(walk)) => walk,
             None => {
-                let start = self.list_head.load(Ordering::Relaxed);
+                let start = self.head.load(Ordering::Relaxed);
                 Walk {
                     start,
                     pos: start,
@@ -148,11 +176,11 @@ impl Engine {
             }
         };
         let fresh = walk.pos == walk.start && walk.settled.is_none();
-        let page = scan_walk(&inner, states, cap, walk);
+        let page = scan_walk(table, states, cap, walk);
         if fresh {
             if let Some(head) = page.head {
-                if !self.mutant_frozen_list_head() {
-                    self.list_head.store(head, Ordering::Relaxed);
+                if !self.mutant_frozen_head() {
+                    self.head.store(head, Ordering::Relaxed);
                 }
             }
         }
@@ -162,33 +190,36 @@ impl Engine {
         }
     }
 
-    pub(super) fn list_since(
-        &self,
-        inner: &Inner,
-        states: &[i32],
-        cap: usize,
-        since: u64,
-    ) -> ListPage {
-        let mut machines = Vec::with_capacity(cap.min(inner.machines.len()));
+    fn list_since(&self, table: &Machines, states: &[i32], cap: usize, since: u64) -> ListPage {
+        let mut machines = Vec::with_capacity(cap.min(table.len()));
         let mut last_rev = None;
-        for (&rev, &slot) in inner.by_rev.range(since.saturating_add(1)..) {
+        for (rev, machine) in table.by_revision(since.saturating_add(1)..) {
             if machines.len() == cap {
                 break;
             }
-            let machine = &inner.machines[slot];
             if wanted(states, machine) {
                 machines.push(Arc::clone(machine));
                 last_rev = Some(rev);
             }
         }
         let cursor_rev = if machines.len() == cap {
-            last_rev.unwrap_or(inner.revision)
+            last_rev.unwrap_or(table.revision())
         } else {
-            inner.revision
+            table.revision()
         };
         ListPage {
             machines,
             revision: self.cursor.encode(cursor_rev),
         }
+    }
+
+    #[cfg(feature = "mutants")]
+    fn mutant_frozen_head(&self) -> bool {
+        self.frozen_head
+    }
+
+    #[cfg(not(feature = "mutants"))]
+    fn mutant_frozen_head(&self) -> bool {
+        false
     }
 }

@@ -1,9 +1,12 @@
 //! What an engine is built with: provider label, per-transition deadlines,
 //! documented input caps, and (for the mutation check only) deliberately
-//! broken behaviours.
+//! broken behaviours. Each part of the engine takes what it needs of these
+//! when it is built; the words every part's messages use for a cap or a
+//! deadline are here beside them, so two parts never word one limit twice.
 
 use std::time::Duration;
 
+use crate::error::KitError;
 use crate::model::TransitionKind;
 
 /// Per-transition deadlines, measured from acceptance.
@@ -37,6 +40,18 @@ impl Timeouts {
             TransitionKind::Drain => self.drain,
             TransitionKind::Delete => self.delete,
         }
+    }
+}
+
+/// A deadline as messages word it: `8m`, `90s`, `1500ms`.
+pub(crate) fn humanize(d: Duration) -> String {
+    let secs = d.as_secs();
+    if d.subsec_millis() != 0 || secs == 0 {
+        format!("{}ms", d.as_millis())
+    } else if secs.is_multiple_of(60) {
+        format!("{}m", secs / 60)
+    } else {
+        format!("{secs}s")
     }
 }
 
@@ -92,18 +107,38 @@ pub fn echo_prefix(value: &str) -> String {
     }
 }
 
+/// INVALID_ARGUMENT when `value` is longer than `cap` bytes; the message
+/// repeats only a short prefix of it.
+pub(super) fn check_len(what: &str, value: &str, cap: usize) -> Result<(), KitError> {
+    if value.len() <= cap {
+        return Ok(());
+    }
+    Err(KitError::InvalidArgument(format!(
+        "{what} is {} bytes (starts {}); the cap is {cap} bytes: use a shorter one",
+        value.len(),
+        echo_prefix(value)
+    )))
+}
+
 /// Deliberately broken behaviours, compiled only for the certification
-/// suite's mutation check (it proves the suite can fail).
+/// suite's mutation check (it proves the suite can fail). Each switch is
+/// read by the one part it breaks, beside the code it breaks; a normal
+/// build has neither the switches nor their hooks.
 #[cfg(feature = "mutants")]
 #[derive(Clone, Debug, Default)]
 pub struct Mutants {
+    /// Fencing marks are kept per shard, not per (shard, machine) (`Fences`).
     pub fence_per_shard: bool,
+    /// Stored metadata is cut short (`Acceptor`).
     pub truncate_metadata: bool,
+    /// An out-of-position request is FAILED_PRECONDITION (`Acceptor`).
     pub out_of_position_failed_precondition: bool,
+    /// Every reconcile pass bumps every machine's revision (`Inventory`).
     pub bump_revision_on_reconcile: bool,
-    /// A capped, cursor-less List always starts at the same head.
+    /// A capped, cursor-less List always starts at the same head (`Lister`).
     pub frozen_list_head: bool,
-    /// Tokens with a negative epoch or sequence are INVALID_ARGUMENT.
+    /// Tokens with a negative epoch or sequence are INVALID_ARGUMENT
+    /// (`Acceptor`).
     pub reject_negative_tokens: bool,
 }
 

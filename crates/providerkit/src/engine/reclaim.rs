@@ -4,19 +4,17 @@
 //! for the machine, then return the slot to SPECULATIVE with a fresh
 //! revision. Fence marks are kept, so a shard's stale token stays stale.
 //!
-//! Also here: the per-state census the metrics read at scrape time, and the
-//! sweeper behind the optional automatic reclaim.
+//! The [`Reclaims`] own what reclaiming takes: the one-at-a-time lock, and
+//! the window a reclaim's destruction may take (the Delete timeout).
 
-use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::task::{JoinError, JoinHandle};
-use tokio::time::Instant;
 
-use super::worker::humanize;
-use super::Engine;
-use crate::backend::{BackendError, ReclaimCtx};
+use super::ledger::Ledger;
+use super::options::{humanize, EngineOptions};
+use crate::backend::{Backend, BackendError, ReclaimCtx};
 use crate::model::{MachineRecord, State};
 use crate::store::StoreError;
 
@@ -130,25 +128,33 @@ impl ReclaimHandle {
     }
 }
 
-/// Machines by zone and lifecycle state.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct Census {
-    pub counts: BTreeMap<(String, State), u64>,
+pub(super) struct Reclaims {
+    ledger: Arc<Ledger>,
+    backend: Arc<dyn Backend>,
+    /// How long destroying a machine's hosts may take: the Delete timeout.
+    limit: Duration,
+    /// One reclaim at a time: it is a rare operator action, and serialising
+    /// it means two reclaims never destroy the same machine's hosts at once.
+    one_at_a_time: tokio::sync::Mutex<()>,
 }
 
-impl Census {
-    pub fn get(&self, zone: &str, state: State) -> u64 {
-        self.counts
-            .get(&(zone.to_string(), state))
-            .copied()
-            .unwrap_or(0)
+impl Reclaims {
+    pub(super) fn new(
+        ledger: Arc<Ledger>,
+        backend: Arc<dyn Backend>,
+        opts: &EngineOptions,
+    ) -> Reclaims {
+        Reclaims {
+            ledger,
+            backend,
+            limit: opts.timeouts.delete,
+            one_at_a_time: tokio::sync::Mutex::new(()),
+        }
     }
-}
 
-impl Engine {
     /// Check that `id` can be reclaimed and start the reclaim. Refuses a
     /// machine that is neither FAILED nor already SPECULATIVE.
-    pub fn start_reclaim(self: &Arc<Self>, id: &str) -> Result<ReclaimHandle, ReclaimError> {
+    pub(super) fn start(self: &Arc<Self>, id: &str) -> Result<ReclaimHandle, ReclaimError> {
         let machine = self.reclaimable(id)?;
         if machine.state() == State::Speculative {
             return Ok(ReclaimHandle {
@@ -157,19 +163,14 @@ impl Engine {
                 done: None,
             });
         }
-        let engine = Arc::clone(self);
+        let reclaims = Arc::clone(self);
         let owned = id.to_string();
-        let done = tokio::spawn(async move { engine.run_reclaim(&owned).await });
+        let done = tokio::spawn(async move { reclaims.run(&owned).await });
         Ok(ReclaimHandle {
             machine,
             id: id.to_string(),
             done: Some(done),
         })
-    }
-
-    /// Reclaim `id` and wait for the outcome.
-    pub async fn reclaim(self: &Arc<Self>, id: &str) -> Result<ReclaimOutcome, ReclaimError> {
-        self.start_reclaim(id)?.wait().await
     }
 
     /// The machine, if it is FAILED or SPECULATIVE.
@@ -179,12 +180,12 @@ impl Engine {
                 "machine_id must not be empty".into(),
             ));
         }
-        let inner = self.inner.read();
-        let slot = *inner
-            .index
-            .get(id)
+        let books = self.ledger.read();
+        let slot = books
+            .machines
+            .slot(id)
             .ok_or_else(|| ReclaimError::NotFound(id.to_string()))?;
-        let machine = Arc::clone(&inner.machines[slot]);
+        let machine = Arc::clone(books.machines.at(slot));
         match machine.state() {
             State::Failed | State::Speculative => Ok(machine),
             state => Err(ReclaimError::NotFailed {
@@ -194,8 +195,8 @@ impl Engine {
         }
     }
 
-    async fn run_reclaim(&self, id: &str) -> Result<ReclaimOutcome, ReclaimError> {
-        let _one_at_a_time = self.reclaims.lock().await;
+    async fn run(&self, id: &str) -> Result<ReclaimOutcome, ReclaimError> {
+        let _one_at_a_time = self.one_at_a_time.lock().await;
         // Checked again under the reclaim lock: another reclaim may have
         // finished while this one waited.
         let machine = self.reclaimable(id)?;
@@ -207,7 +208,7 @@ impl Engine {
             host_ref: machine.host.as_ref().map(|h| h.r#ref.clone()),
         };
         tracing::info!(machine_id = %id, host = ctx.host_ref.as_deref().unwrap_or("-"), "reclaim: destroying the machine's hosts");
-        let limit = self.opts.timeouts.delete;
+        let limit = self.limit;
         match tokio::time::timeout(limit, self.backend.reclaim(ctx)).await {
             Ok(Ok(())) => {}
             Ok(Err(source)) => {
@@ -226,26 +227,27 @@ impl Engine {
             }
         }
         let (record, ticket) = {
-            let mut inner = self.inner.write();
-            let slot = *inner
-                .index
-                .get(id)
+            let mut books = self.ledger.write();
+            let machines = &mut books.machines;
+            let slot = machines
+                .slot(id)
                 .ok_or_else(|| ReclaimError::NotFound(id.to_string()))?;
             // Only a reclaim moves a FAILED machine, and reclaims are serial.
-            let state = inner.machines[slot].state();
-            let next = inner.machines[slot]
-                .reclaimed(inner.next_rev())
+            let state = machines.at(slot).state();
+            let next = machines
+                .at(slot)
+                .reclaimed(machines.next_rev())
                 .map_err(|_| ReclaimError::NotFailed {
                     id: id.to_string(),
                     state,
                 })?;
-            let change = inner.replace(slot, next);
+            let change = machines.replace(slot, next);
             (
-                Arc::clone(&inner.machines[slot]),
-                self.store.submit(vec![change]),
+                Arc::clone(machines.at(slot)),
+                self.ledger.submit(vec![change]),
             )
         };
-        self.store
+        self.ledger
             .durable(ticket)
             .await
             .map_err(|source| ReclaimError::Store {
@@ -254,113 +256,5 @@ impl Engine {
             })?;
         tracing::info!(machine_id = %id, rev = record.rev, "reclaimed: the machine is SPECULATIVE again");
         Ok(ReclaimOutcome::Reclaimed(record))
-    }
-
-    /// Machines by zone and state, every state of every zone present (at 0
-    /// when empty). One pass under the read lock; meant for scrape time.
-    pub fn census(&self, zones: &[String]) -> Census {
-        let mut counts = BTreeMap::new();
-        for zone in zones {
-            for state in State::ALL {
-                counts.insert((zone.clone(), state), 0);
-            }
-        }
-        // Counted per shared facts first: one zone string per offering,
-        // not one allocation per machine.
-        let mut by_facts: HashMap<
-            *const crate::model::Facts,
-            (Arc<crate::model::Facts>, [u64; 8]),
-        > = HashMap::new();
-        {
-            let inner = self.inner.read();
-            for m in &inner.machines {
-                let entry = by_facts
-                    .entry(Arc::as_ptr(&m.facts))
-                    .or_insert_with(|| (Arc::clone(&m.facts), [0; 8]));
-                entry.1[m.state() as usize] += 1;
-            }
-        }
-        for (facts, per_state) in by_facts.into_values() {
-            for state in State::ALL {
-                let n = per_state[state as usize];
-                *counts.entry((facts.zone.clone(), state)).or_insert(0) += n;
-            }
-        }
-        Census { counts }
-    }
-
-    /// Ids of the FAILED machines.
-    pub fn failed_ids(&self) -> Vec<String> {
-        let inner = self.inner.read();
-        inner
-            .machines
-            .iter()
-            .filter(|m| m.state() == State::Failed)
-            .map(|m| m.id.clone())
-            .collect()
-    }
-}
-
-/// The automatic reclaim: a machine is reclaimed once this process has
-/// seen it FAILED for the whole hold period. The clock starts when the
-/// sweeper first sees the machine FAILED (after a restart it starts over:
-/// the hold is never shortened, only lengthened).
-pub struct ReclaimSweeper {
-    hold: Duration,
-    first_seen: HashMap<String, Instant>,
-}
-
-impl ReclaimSweeper {
-    pub fn new(hold: Duration) -> ReclaimSweeper {
-        ReclaimSweeper {
-            hold,
-            first_seen: HashMap::new(),
-        }
-    }
-
-    /// How often to sweep: often enough that a machine is reclaimed close
-    /// to its hold period, rarely enough to cost nothing.
-    pub fn period(&self) -> Duration {
-        (self.hold / 4).clamp(Duration::from_millis(50), Duration::from_secs(30))
-    }
-
-    /// One sweep: reclaim every machine held FAILED long enough. Returns
-    /// how many were reclaimed. A failed reclaim starts the machine's hold
-    /// over, so a substrate that keeps refusing is retried once per period.
-    pub async fn sweep(&mut self, engine: &Arc<Engine>) -> usize {
-        let now = Instant::now();
-        let failed = engine.failed_ids();
-        let mut seen = HashMap::with_capacity(failed.len());
-        let mut due = Vec::new();
-        for id in failed {
-            let since = self.first_seen.get(&id).copied().unwrap_or(now);
-            if now.duration_since(since) >= self.hold {
-                due.push(id.clone());
-            }
-            seen.insert(id, since);
-        }
-        // Machines no longer FAILED are forgotten.
-        self.first_seen = seen;
-        let mut reclaimed = 0;
-        for id in due {
-            match engine.reclaim(&id).await {
-                Ok(ReclaimOutcome::Reclaimed(_)) => {
-                    tracing::info!(machine_id = %id, hold = %humanize(self.hold), "FAILED machine reclaimed automatically (--reclaim-failed-after)");
-                    self.first_seen.remove(&id);
-                    reclaimed += 1;
-                }
-                Ok(ReclaimOutcome::AlreadySpeculative(_)) => {
-                    self.first_seen.remove(&id);
-                }
-                Err(ReclaimError::NotFailed { .. }) | Err(ReclaimError::NotFound(_)) => {
-                    self.first_seen.remove(&id);
-                }
-                Err(e) => {
-                    tracing::warn!(machine_id = %id, error = %e, "automatic reclaim failed; retrying after another hold period");
-                    self.first_seen.insert(id, Instant::now());
-                }
-            }
-        }
-        reclaimed
     }
 }

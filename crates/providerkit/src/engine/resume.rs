@@ -6,22 +6,24 @@
 //! record. At start-up every transitional record is either resumed (the
 //! substrate work runs again: each backend step is idempotent and finds
 //! what an earlier attempt left) or, when it cannot continue, landed FAILED
-//! with a `last_error` that says why.
+//! with a `last_error` that says why. The [`Resumes`] own the transitions
+//! found in flight until they are started again.
 
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::running::ResumeOutcome;
-use super::worker::humanize;
-use super::{Engine, Work};
+use super::ledger::Ledger;
+use super::options::humanize;
+use super::running::{ResumeCounters, ResumeOutcome};
+use super::worker::{Attempt, Work, Worker};
 use crate::backend::{ConfigureCtx, CreateCtx, DeleteCtx, DrainCtx};
 use crate::model::{MachineRecord, TransitionKind};
+use crate::store::StoreError;
 
 /// What start-up decided for one transitional record.
-pub(super) enum Found {
+enum Found {
     /// Continue it: the record stays as stored.
     Resume(Pending),
     /// End it: the record to store instead, and how it counts.
@@ -29,7 +31,7 @@ pub(super) enum Found {
 }
 
 /// A transition to resume once the engine is up.
-pub(super) struct Pending {
+struct Pending {
     kind: TransitionKind,
     work: Work,
     /// What was left of the window at load time.
@@ -42,7 +44,7 @@ pub(super) struct Pending {
 /// Decide, for a record loaded in a transitional state, whether it resumes.
 /// `readiness`: whether the backend can tell when a configured node is
 /// ready (the only way a Configure can finish without its blob).
-pub(super) fn on_load(record: &MachineRecord, now_ms: u64, readiness: bool) -> Option<Found> {
+fn on_load(record: &MachineRecord, now_ms: u64, readiness: bool) -> Option<Found> {
     let kind = record.state().transition()?;
     let end = |message: String, outcome: ResumeOutcome| {
         record
@@ -124,11 +126,87 @@ pub(super) fn on_load(record: &MachineRecord, now_ms: u64, readiness: bool) -> O
     }))
 }
 
-impl Engine {
-    /// Start the transitions found in flight at load time (once; later calls
-    /// find nothing). Returns how many were resumed.
-    pub fn resume(self: &Arc<Self>) -> usize {
-        let pending = std::mem::take(&mut *self.pending_resumes.lock());
+/// The stored records sorted at start-up: each transitional one either
+/// resumes or is ended (FAILED, saying why).
+pub(super) struct Sorted {
+    /// Every record, to load in this order; an ended one as FAILED.
+    pub(super) records: Vec<MachineRecord>,
+    /// The ended ones: machine id and `last_error`.
+    pub(super) ended: Vec<(String, String)>,
+    pub(super) resumes: Resumes,
+}
+
+/// The transitions found in flight at load time, until [`Resumes::start`].
+pub(super) struct Resumes {
+    pending: parking_lot::Mutex<Vec<Pending>>,
+}
+
+impl Resumes {
+    /// Sort the stored `records` (see [`on_load`]) as of `now_ms`; an
+    /// ended transition is counted in `counted` as it is found.
+    /// `readiness`: whether the backend can tell when a configured node is
+    /// ready.
+    pub(super) fn sort(
+        stored: Vec<MachineRecord>,
+        now_ms: u64,
+        readiness: bool,
+        counted: &ResumeCounters,
+    ) -> Sorted {
+        let mut records = Vec::with_capacity(stored.len());
+        let mut ended = Vec::new();
+        let mut pending = Vec::new();
+        for record in stored {
+            let record = match on_load(&record, now_ms, readiness) {
+                Some(Found::End(failed, kind, outcome)) => {
+                    counted.add(kind, outcome);
+                    ended.push((failed.id.clone(), failed.last_error.clone()));
+                    failed
+                }
+                Some(Found::Resume(p)) => {
+                    pending.push(p);
+                    record
+                }
+                // Not in a transition: loaded as stored.
+                None => record,
+            };
+            records.push(record);
+        }
+        Sorted {
+            records,
+            ended,
+            resumes: Resumes {
+                pending: parking_lot::Mutex::new(pending),
+            },
+        }
+    }
+
+    /// Give the ended transitions a fresh revision, so delta readers see
+    /// them, and wait until that is durable.
+    pub(super) async fn publish_ended(
+        ledger: &Ledger,
+        ended: &[(String, String)],
+    ) -> Result<(), StoreError> {
+        let ticket = {
+            let mut books = ledger.write();
+            let mut changes = Vec::new();
+            for (id, _) in ended {
+                if let Some(slot) = books.machines.slot(id) {
+                    changes.push(books.machines.bump(slot));
+                }
+            }
+            ledger.submit(changes)
+        };
+        ledger.durable(ticket).await?;
+        for (id, why) in ended {
+            tracing::warn!(machine_id = %id, error = %why, "transition interrupted by restart recovered as FAILED");
+        }
+        Ok(())
+    }
+
+    /// Start the transitions found in flight at load time (once; later
+    /// calls find nothing). Returns how many were resumed.
+    pub(super) fn start(&self, worker: &Arc<Worker>, ledger: &Ledger) -> usize {
+        let pending = std::mem::take(&mut *self.pending.lock());
         let resumed = pending.len();
         for p in pending {
             let (machine_id, operation_id) = p.work.ids();
@@ -139,49 +217,17 @@ impl Engine {
                 time_left = %humanize_left(p.remaining),
                 "resuming a transition interrupted by a provider restart"
             );
-            let engine = Arc::clone(self);
-            let deadline = Instant::now() + p.remaining;
-            let guard = self.in_flight.enter();
+            let attempt = Attempt {
+                kind: p.kind,
+                deadline: Instant::now() + p.remaining,
+                limit: p.limit,
+                resumed: true,
+            };
             // Already durable: the record was loaded from the store.
-            let ticket = self.store.submit(Vec::new());
-            tokio::spawn(async move {
-                let attempt = super::worker::Attempt {
-                    kind: p.kind,
-                    deadline,
-                    limit: p.limit,
-                    resumed: true,
-                };
-                engine.run(attempt, p.work, ticket, guard).await;
-            });
+            let ticket = ledger.submit(Vec::new());
+            worker.start(attempt, p.work, ticket, None);
         }
         resumed
-    }
-
-    /// Transitions found at start-up, per kind and outcome, since start.
-    pub fn resumed_counts(&self) -> Vec<(TransitionKind, ResumeOutcome, u64)> {
-        self.resumed.snapshot()
-    }
-
-    /// Refuse every mutation from now on (UNAVAILABLE): the process is
-    /// shutting down, and what is in flight is left to land or to resume.
-    pub fn stop_accepting(&self) {
-        self.stopping.store(true, Ordering::Release);
-    }
-
-    pub(super) fn is_stopping(&self) -> bool {
-        self.stopping.load(Ordering::Acquire)
-    }
-
-    /// Transitions whose substrate work is running now.
-    pub fn transitions_running(&self) -> usize {
-        self.in_flight.running()
-    }
-
-    /// Wait until no transition is running, or `bound` passes. Returns how
-    /// many were still running (they stay transitional in the store and
-    /// resume at the next start).
-    pub async fn quiesce(&self, bound: Duration) -> usize {
-        self.in_flight.wait_idle(Instant::now() + bound).await
     }
 }
 

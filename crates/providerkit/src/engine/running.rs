@@ -1,8 +1,8 @@
 //! What is running, and how the transitions found at start-up ended: the
 //! count of transitions in flight that a graceful shutdown waits on, and
-//! the resume counters behind `bigfleet_proxmox_resumed_total`. Shared by
-//! the worker, which runs transitions, and `resume`, which starts the ones
-//! a restart interrupted.
+//! the resume counters behind `bigfleet_proxmox_resumed_total`. The worker
+//! owns both; start-up counts into the resume counters before handing
+//! them over (a transition it ends never runs).
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;

@@ -1,22 +1,59 @@
 //! The background half of a transition: wait until its acceptance is
 //! durable, run the substrate work under the deadline, and land the outcome
-//! (a completion after the transition already failed is discarded).
+//! (a completion after the transition already failed is discarded). The
+//! [`Worker`] owns what running transitions takes: the count of those in
+//! flight, which a graceful shutdown waits on, and the counts of how the
+//! ones a restart interrupted ended.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::running::{InFlightGuard, ResumeOutcome};
-use super::{Engine, Outcome, Work};
-use crate::backend::BackendError;
+use super::ledger::Ledger;
+use super::machines::host_ref;
+use super::options::{humanize, EngineOptions};
+use super::running::{InFlightCount, InFlightGuard, ResumeCounters, ResumeOutcome};
+use crate::backend::{
+    Admission, Backend, BackendError, ConfigureCtx, CreateCtx, DeleteCtx, DrainCtx, SubstrateHost,
+};
 use crate::model::{State, TransitionKind};
 use crate::store::{StoreError, Ticket};
+
+/// Substrate work handed to a background task once a transition is accepted.
+pub(super) enum Work {
+    Create(CreateCtx),
+    Configure(ConfigureCtx),
+    /// A Configure resumed after a restart: its blob was never stored, so
+    /// all that is left is to wait for the node to report ready.
+    AwaitReady(ConfigureCtx),
+    Drain(DrainCtx),
+    Delete(DeleteCtx),
+}
+
+impl Work {
+    /// The machine and operation the work is for.
+    pub(super) fn ids(&self) -> (String, String) {
+        match self {
+            Work::Create(c) => (c.machine_id.clone(), c.operation_id.clone()),
+            Work::Configure(c) | Work::AwaitReady(c) => {
+                (c.machine_id.clone(), c.operation_id.clone())
+            }
+            Work::Drain(c) => (c.machine_id.clone(), c.operation_id.clone()),
+            Work::Delete(c) => (c.machine_id.clone(), c.operation_id.clone()),
+        }
+    }
+}
+
+enum Outcome {
+    Created(SubstrateHost),
+    Done,
+}
 
 /// Why a transition failed. Its `Display` is the machine's `last_error`
 /// word for word; the store's or the substrate's error stays the source.
 #[derive(Debug, thiserror::Error)]
-pub(super) enum TransitionFailure {
+enum TransitionFailure {
     /// The acceptance never became durable, so the substrate was not touched.
     #[error("state store write failed before {}: {source}", kind.name())]
     Store {
@@ -71,10 +108,72 @@ pub(super) struct Attempt {
     pub(super) resumed: bool,
 }
 
-impl Engine {
+pub(super) struct Worker {
+    ledger: Arc<Ledger>,
+    backend: Arc<dyn Backend>,
+    /// Stamped on the host a Create lands with.
+    provider: String,
+    /// Pause between node-readiness probes after a successful configure.
+    readiness_poll: Duration,
+    in_flight: Arc<InFlightCount>,
+    resumed: ResumeCounters,
+}
+
+impl Worker {
+    /// `resumed`: the counts start-up began, with the transitions it ended.
+    pub(super) fn new(
+        ledger: Arc<Ledger>,
+        backend: Arc<dyn Backend>,
+        opts: &EngineOptions,
+        resumed: ResumeCounters,
+    ) -> Worker {
+        Worker {
+            ledger,
+            backend,
+            provider: opts.provider.clone(),
+            readiness_poll: opts.timeouts.readiness_poll,
+            in_flight: Arc::default(),
+            resumed,
+        }
+    }
+
+    /// Run `work` in a task of its own, counted in flight from now until it
+    /// has landed. `claim`: the substrate's admission of a Create, held
+    /// until its outcome has landed.
+    pub(super) fn start(
+        self: &Arc<Self>,
+        attempt: Attempt,
+        work: Work,
+        ticket: Ticket,
+        claim: Option<Admission>,
+    ) {
+        let worker = Arc::clone(self);
+        let guard = self.in_flight.enter();
+        tokio::spawn(async move {
+            worker.run(attempt, work, ticket, guard).await;
+            drop(claim);
+        });
+    }
+
+    /// Transitions whose substrate work is running now.
+    pub(super) fn running(&self) -> usize {
+        self.in_flight.running()
+    }
+
+    /// Wait until no transition is running, or `bound` passes. Returns how
+    /// many were still running.
+    pub(super) async fn quiesce(&self, bound: Duration) -> usize {
+        self.in_flight.wait_idle(Instant::now() + bound).await
+    }
+
+    /// Transitions found at start-up, per kind and outcome, since start.
+    pub(super) fn resumed_counts(&self) -> Vec<(TransitionKind, ResumeOutcome, u64)> {
+        self.resumed.snapshot()
+    }
+
     /// The background half of a transition. `_running` counts it as in
     /// flight until it has landed (a graceful shutdown waits on it).
-    pub(super) async fn run(
+    async fn run(
         self: Arc<Self>,
         attempt: Attempt,
         work: Work,
@@ -93,7 +192,7 @@ impl Engine {
             _ => None,
         };
         // Never touch the substrate for a transition that is not durable.
-        let outcome = match self.store.durable(ticket).await {
+        let outcome = match self.ledger.durable(ticket).await {
             Err(source) => Err(TransitionFailure::Store { kind, source }),
             Ok(()) => match tokio::time::timeout_at(deadline, self.execute(work)).await {
                 Ok(Ok(outcome)) => Ok(outcome),
@@ -119,21 +218,21 @@ impl Engine {
             .await;
     }
 
-    pub(super) async fn execute(&self, work: Work) -> Result<Outcome, BackendError> {
+    async fn execute(&self, work: Work) -> Result<Outcome, BackendError> {
         match work {
             Work::Create(ctx) => self.backend.create(ctx).await.map(Outcome::Created),
             Work::Configure(ctx) => {
                 self.backend.configure(&ctx).await?;
                 if self.backend.supports_readiness() {
                     while !self.backend.node_ready(&ctx).await? {
-                        tokio::time::sleep(self.opts.timeouts.readiness_poll).await;
+                        tokio::time::sleep(self.readiness_poll).await;
                     }
                 }
                 Ok(Outcome::Done)
             }
             Work::AwaitReady(ctx) => {
                 while !self.backend.node_ready(&ctx).await? {
-                    tokio::time::sleep(self.opts.timeouts.readiness_poll).await;
+                    tokio::time::sleep(self.readiness_poll).await;
                 }
                 Ok(Outcome::Done)
             }
@@ -145,7 +244,7 @@ impl Engine {
     /// Land an outcome, unless the transition is no longer the current one
     /// (a late completion after a timeout is discarded). A `resumed` one is
     /// counted as it becomes visible.
-    pub(super) async fn land(
+    async fn land(
         &self,
         kind: TransitionKind,
         id: &str,
@@ -154,16 +253,17 @@ impl Engine {
         resumed: bool,
     ) {
         let ticket = {
-            let mut inner = self.inner.write();
-            let Some(&slot) = inner.index.get(id) else {
+            let mut books = self.ledger.write();
+            let machines = &mut books.machines;
+            let Some(slot) = machines.slot(id) else {
                 return;
             };
-            let record = &inner.machines[slot];
-            let rev = inner.next_rev();
+            let record = machines.at(slot);
+            let rev = machines.next_rev();
             let landed = match outcome {
                 Ok(outcome) => {
                     let host = match &outcome {
-                        Outcome::Created(host) => Some(self.host_ref(host)),
+                        Outcome::Created(host) => Some(host_ref(&self.provider, host)),
                         Outcome::Done => None,
                     };
                     record.land_success(kind, operation_id, host, rev)
@@ -190,23 +290,12 @@ impl Engine {
                 };
                 self.resumed.add(kind, counted);
             }
-            let change = inner.replace(slot, next);
-            self.store.submit(vec![change])
+            let change = machines.replace(slot, next);
+            self.ledger.submit(vec![change])
         };
-        if let Err(e) = self.store.durable(ticket).await {
+        if let Err(e) = self.ledger.durable(ticket).await {
             tracing::error!(machine_id = %id, error = %e, "could not persist transition outcome");
         }
-    }
-}
-
-pub(super) fn humanize(d: Duration) -> String {
-    let secs = d.as_secs();
-    if d.subsec_millis() != 0 || secs == 0 {
-        format!("{}ms", d.as_millis())
-    } else if secs.is_multiple_of(60) {
-        format!("{}m", secs / 60)
-    } else {
-        format!("{secs}s")
     }
 }
 
