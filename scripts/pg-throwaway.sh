@@ -12,6 +12,8 @@
 #       empty) and print its URL (also written to DIR/url)
 #   scripts/pg-throwaway.sh restart DIR         restart it (fast shutdown: open
 #       connections are cut), with the options it was started with
+#   scripts/pg-throwaway.sh halt DIR            stop the server, keep DIR (an
+#       outage); `resume DIR` starts it again on the same port
 #   scripts/pg-throwaway.sh stop DIR            stop it and remove DIR
 #   scripts/pg-throwaway.sh bindir              where initdb and pg_ctl are
 #
@@ -96,8 +98,10 @@ start() {
   local attempt
   for attempt in 1 2 3; do
     port=$(free_port)
+    # Kept for `resume`, which starts the server again as it was.
+    echo "-c listen_addresses=127.0.0.1 -p $port -k $dir/data -c max_connections=200 $tls" >"$dir/options"
     if as_owner "$bin/pg_ctl" -D "$dir/data" -l "$dir/data/server.log" -w -t 60 \
-      -o "-c listen_addresses=127.0.0.1 -p $port -k $dir/data -c max_connections=200 $tls" start >/dev/null; then
+      -o "$(cat "$dir/options")" start >/dev/null; then
       echo "postgres://bigfleet@127.0.0.1:$port/postgres?sslmode=disable$ca" >"$dir/url"
       cat "$dir/url"
       return 0
@@ -139,6 +143,21 @@ restart() {
   as_owner "$bin/pg_ctl" -D "$dir/data" -l "$dir/data/server.log" -m fast -w -t 60 restart >/dev/null
 }
 
+# Stop the server and keep its data (an outage), then start it again on
+# the same port with the same options.
+halt() {
+  local dir=$1 bin
+  bin=$(pg_bindir) || return 1
+  as_owner "$bin/pg_ctl" -D "$dir/data" -m fast -w -t 60 stop >/dev/null
+}
+
+resume() {
+  local dir=$1 bin
+  bin=$(pg_bindir) || return 1
+  as_owner "$bin/pg_ctl" -D "$dir/data" -l "$dir/data/server.log" -w -t 60 \
+    -o "$(cat "$dir/options")" start >/dev/null
+}
+
 run() {
   if [ "${1:-}" = "--" ]; then shift; fi
   if [ $# = 0 ]; then
@@ -174,10 +193,12 @@ case "${1:-}" in
   run) shift; run "$@" ;;
   start) start "${2:?usage: $0 start DIR}" ;;
   restart) restart "${2:?usage: $0 restart DIR}" ;;
+  halt) halt "${2:?usage: $0 halt DIR}" ;;
+  resume) resume "${2:?usage: $0 resume DIR}" ;;
   stop) stop "${2:?usage: $0 stop DIR}" ;;
   bindir) pg_bindir ;;
   *)
-    echo "usage: $0 run -- COMMAND... | start DIR | restart DIR | stop DIR | bindir" >&2
+    echo "usage: $0 run -- COMMAND... | start DIR | restart DIR | halt DIR | resume DIR | stop DIR | bindir" >&2
     exit 2
     ;;
 esac

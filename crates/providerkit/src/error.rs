@@ -27,6 +27,19 @@ pub enum KitError {
     Conflict(#[source] TransitionError),
     #[error("state store: {0}")]
     Store(#[source] StoreError),
+    /// A mutation whose acceptance the store could not commit: withdrawn,
+    /// the machine is as it was.
+    #[error(
+        "the state store could not commit this {}: {source}; nothing was changed, the machine \
+         is as it was: retry (with a new fencing token) once the store commits again (/readyz \
+         answers ready)",
+        kind.name()
+    )]
+    NotCommitted {
+        kind: crate::model::TransitionKind,
+        #[source]
+        source: StoreError,
+    },
     /// A Create the substrate has no room for now
     /// ([`crate::Backend::admit_create`] refused it): nothing was accepted.
     #[error("{0}")]
@@ -46,7 +59,7 @@ impl KitError {
             KitError::Unimplemented(_) => Code::Unimplemented,
             KitError::Conflict(_) => Code::Aborted,
             KitError::Exhausted(_) => Code::ResourceExhausted,
-            KitError::Store(_) => Code::Unavailable,
+            KitError::Store(_) | KitError::NotCommitted { .. } => Code::Unavailable,
             KitError::ShuttingDown(_) => Code::Unavailable,
         }
     }

@@ -541,6 +541,20 @@ impl PrivateCluster {
         PrivateCluster { dir, url }
     }
 
+    /// `pg-throwaway.sh halt|resume|restart DIR`.
+    fn control(&self, verb: &str) {
+        let out = std::process::Command::new(THROWAWAY)
+            .arg(verb)
+            .arg(&self.dir)
+            .output()
+            .expect("run pg-throwaway.sh");
+        assert!(
+            out.status.success(),
+            "pg-throwaway.sh {verb}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
     fn restart(&self) {
         let out = std::process::Command::new(THROWAWAY)
             .arg("restart")
@@ -562,6 +576,67 @@ impl Drop for PrivateCluster {
             .arg(&self.dir)
             .output();
     }
+}
+
+/// PostgreSQL stopped (`pg_ctl stop`) under a serving leader: a Create is
+/// refused UNAVAILABLE saying nothing was changed and `/readyz` says not
+/// ready (Get and List too answer UNAVAILABLE while changes wait for a
+/// commit: they show only durable state); with the database back (`pg_ctl
+/// start`) it is ready again by itself, the same machine is SPECULATIVE,
+/// never FAILED, and the retry with a new token lands IDLE.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_database_outage_costs_no_machine() {
+    if provider_testkit::postgres::fresh().is_none() {
+        return;
+    }
+    let cluster = tokio::task::block_in_place(PrivateCluster::start);
+    let p = {
+        let args = [
+            "--use-fake-backend",
+            "--seed-count",
+            "4",
+            "--state",
+            cluster.url.as_str(),
+            "--replica-name",
+            "replica-a",
+            // Long enough that the leader keeps its term through the outage.
+            "--lease-ttl",
+            "60s",
+        ];
+        tokio::task::block_in_place(|| Provider::start(&args))
+    };
+    let mut c = p.client().await;
+    let id = speculative_id(&mut c).await;
+    tokio::task::block_in_place(|| cluster.control("halt"));
+    let refused = c
+        .create(create(&id, 1))
+        .await
+        .expect_err("a Create the database cannot commit is not acknowledged");
+    assert_eq!(refused.code(), tonic::Code::Unavailable, "{refused:?}");
+    assert!(
+        refused.message().contains("nothing was changed"),
+        "{}",
+        refused.message()
+    );
+    let get = |c: &CapacityProviderClient<Channel>| {
+        let id = id.clone();
+        let mut c = c.clone();
+        async move { c.get(MachineRef { id }).await.map(|m| m.into_inner()) }
+    };
+    Wait::new("/readyz to say not ready", Duration::from_secs(10))
+        .until(|| http_get(p.metrics, "/readyz").is_ok_and(|(status, _)| status == 503))
+        .await;
+    tokio::task::block_in_place(|| cluster.control("resume"));
+    Wait::new("/readyz ready again by itself", Duration::from_secs(60))
+        .until(|| http_get(p.metrics, "/readyz").is_ok_and(|(status, _)| status == 200))
+        .await;
+    let m = get(&c).await.expect("Get");
+    assert_eq!(m.state, MachineState::Speculative as i32, "{m:?}");
+    assert!(m.last_error.is_empty(), "{m:?}");
+    c.create(create(&id, 2))
+        .await
+        .expect("the retry with a new token is accepted");
+    wait_state(&mut c, &id, MachineState::Idle, Duration::from_secs(30)).await;
 }
 
 /// `pg_ctl restart` of the database in the middle of a 16-way burst: the

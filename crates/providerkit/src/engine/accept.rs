@@ -186,19 +186,25 @@ impl Acceptor {
             );
             (result, self.ledger.submit(changes))
         };
-        if let Some(work) = work {
+        if let Some((work, before)) = work {
             let limit = self.timeouts.for_kind(kind);
             let attempt = Attempt {
                 kind,
                 deadline: Instant::now() + limit,
                 limit,
                 resumed: false,
+                before: Some(before),
             };
             // The Create's claim on the substrate lasts until its outcome
             // has landed.
             self.worker.start(attempt, work, ticket, admission);
         }
-        self.ledger.durable(ticket).await.map_err(KitError::Store)?;
+        // Never committed: the worker puts the machine back as it was, so
+        // the caller's retry (with a new token) starts from there.
+        self.ledger
+            .durable(ticket)
+            .await
+            .map_err(|source| KitError::NotCommitted { kind, source })?;
         result
     }
 
@@ -233,7 +239,7 @@ impl Acceptor {
         params: Params,
         refusal: Option<BackendError>,
         changes: &mut Vec<Change>,
-        work: &mut Option<Work>,
+        work: &mut Option<(Work, Arc<MachineRecord>)>,
     ) -> Result<Ack, KitError> {
         let kind = params.kind();
         books.fences.advance(id, token, changes)?;
@@ -286,6 +292,8 @@ impl Acceptor {
             Params::Drain { .. } => Begin::Drain,
             Params::Delete => Begin::Delete,
         };
+        // What the machine goes back to if the acceptance is never committed.
+        let before = Arc::clone(record);
         let mut record = record
             .begin(begin, || self.mint_operation_id(), machines.next_rev())
             .map_err(|e| self.out_of_position(e))?;
@@ -306,39 +314,42 @@ impl Acceptor {
             .as_ref()
             .map(|h| h.r#ref.clone())
             .unwrap_or_default();
-        *work = Some(match params {
-            Params::Create => Work::Create(CreateCtx {
-                machine_id: id.to_string(),
-                operation_id: op.clone(),
-                instance_type: record.facts.instance_type.clone(),
-                zone: record.facts.zone.clone(),
-                resumed: false,
-            }),
-            Params::Configure {
-                cluster_id,
-                bootstrap_blob,
-                shard_metadata,
-            } => Work::Configure(ConfigureCtx {
-                machine_id: id.to_string(),
-                operation_id: op.clone(),
-                host_ref,
-                cluster_id,
-                bootstrap_blob,
-                shard_metadata,
-            }),
-            Params::Drain { grace } => Work::Drain(DrainCtx {
-                machine_id: id.to_string(),
-                operation_id: op.clone(),
-                host_ref,
-                cluster_id: record.cluster.clone(),
-                grace_period: grace,
-            }),
-            Params::Delete => Work::Delete(DeleteCtx {
-                machine_id: id.to_string(),
-                operation_id: op.clone(),
-                host_ref,
-            }),
-        });
+        *work = Some((
+            match params {
+                Params::Create => Work::Create(CreateCtx {
+                    machine_id: id.to_string(),
+                    operation_id: op.clone(),
+                    instance_type: record.facts.instance_type.clone(),
+                    zone: record.facts.zone.clone(),
+                    resumed: false,
+                }),
+                Params::Configure {
+                    cluster_id,
+                    bootstrap_blob,
+                    shard_metadata,
+                } => Work::Configure(ConfigureCtx {
+                    machine_id: id.to_string(),
+                    operation_id: op.clone(),
+                    host_ref,
+                    cluster_id,
+                    bootstrap_blob,
+                    shard_metadata,
+                }),
+                Params::Drain { grace } => Work::Drain(DrainCtx {
+                    machine_id: id.to_string(),
+                    operation_id: op.clone(),
+                    host_ref,
+                    cluster_id: record.cluster.clone(),
+                    grace_period: grace,
+                }),
+                Params::Delete => Work::Delete(DeleteCtx {
+                    machine_id: id.to_string(),
+                    operation_id: op.clone(),
+                    host_ref,
+                }),
+            },
+            before,
+        ));
         let change = machines.replace(slot, record);
         changes.push(change);
         Ok(Ack {

@@ -222,6 +222,7 @@ impl Resumes {
                 deadline: Instant::now() + p.remaining,
                 limit: p.limit,
                 resumed: true,
+                before: None,
             };
             // Already durable: the record was loaded from the store.
             let ticket = ledger.submit(Vec::new());

@@ -17,7 +17,7 @@ use super::running::{InFlightCount, InFlightGuard, ResumeCounters, ResumeOutcome
 use crate::backend::{
     Admission, Backend, BackendError, ConfigureCtx, CreateCtx, DeleteCtx, DrainCtx, SubstrateHost,
 };
-use crate::model::{State, TransitionKind};
+use crate::model::{MachineRecord, State, TransitionKind};
 use crate::store::{StoreError, Ticket};
 
 /// Substrate work handed to a background task once a transition is accepted.
@@ -106,6 +106,10 @@ pub(super) struct Attempt {
     pub(super) limit: Duration,
     /// Continues a transition a restart interrupted (counted on landing).
     pub(super) resumed: bool,
+    /// The machine as it was before this transition was accepted: put back
+    /// if the acceptance is never committed. None for a resumed one, whose
+    /// acceptance was committed before the restart.
+    pub(super) before: Option<Arc<MachineRecord>>,
 }
 
 pub(super) struct Worker {
@@ -185,6 +189,7 @@ impl Worker {
             deadline,
             limit,
             resumed,
+            before,
         } = attempt;
         let (machine_id, operation_id) = work.ids();
         let configuring = match &work {
@@ -193,7 +198,16 @@ impl Worker {
         };
         // Never touch the substrate for a transition that is not durable.
         let outcome = match self.ledger.durable(ticket).await {
-            Err(source) => Err(TransitionFailure::Store { kind, source }),
+            Err(source) => match before {
+                // The caller was answered UNAVAILABLE: withdraw the
+                // acceptance rather than fail a machine for a mutation
+                // nobody was told was accepted.
+                Some(before) => {
+                    self.withdraw(kind, &machine_id, &operation_id, before, &source);
+                    return;
+                }
+                None => Err(TransitionFailure::Store { kind, source }),
+            },
             Ok(()) => match tokio::time::timeout_at(deadline, self.execute(work)).await {
                 Ok(Ok(outcome)) => Ok(outcome),
                 Ok(Err(source)) => Err(TransitionFailure::Backend(source)),
@@ -216,6 +230,46 @@ impl Worker {
         };
         self.land(kind, &machine_id, &operation_id, outcome, resumed)
             .await;
+    }
+
+    /// Put machine `id` back as it was before the acceptance of
+    /// `operation_id`, which the store could not commit, unless something
+    /// else has changed it since. The withdrawal is queued behind the
+    /// acceptance, so once the store commits again both land together and
+    /// the state holds the machine as it was. A fence mark the token raised
+    /// stays raised: marks only ever rise, and a lower one could admit a
+    /// writer a newer epoch has already deposed.
+    fn withdraw(
+        &self,
+        kind: TransitionKind,
+        id: &str,
+        operation_id: &str,
+        before: Arc<MachineRecord>,
+        cause: &StoreError,
+    ) {
+        let mut books = self.ledger.write();
+        let machines = &mut books.machines;
+        let Some(slot) = machines.slot(id) else {
+            return;
+        };
+        let current = machines.at(slot);
+        if current.state() != kind.via_state() || current.op(kind) != Some(operation_id) {
+            tracing::info!(machine_id = %id, operation_id, "an uncommitted acceptance was already superseded");
+            return;
+        }
+        let mut restored = (*before).clone();
+        restored.rev = machines.next_rev();
+        let change = machines.replace(slot, restored);
+        // Not awaited: it commits with the acceptance once the store can.
+        let _ = self.ledger.submit(vec![change]);
+        tracing::warn!(
+            machine_id = %id,
+            operation_id,
+            error = %cause,
+            "the state store could not commit the acceptance of {}: withdrawn, the machine is as it \
+             was; the caller was answered UNAVAILABLE and its retry is safe",
+            kind.name()
+        );
     }
 
     async fn execute(&self, work: Work) -> Result<Outcome, BackendError> {

@@ -232,3 +232,36 @@ async fn failed_commit_reports_and_later_commit_heals() {
     assert_eq!(ids, ["m-0", "m-big", "m-1"]);
     assert_eq!(loaded.machines[1], big);
 }
+
+/// A database that is full (as on a full disk) refuses a mutation
+/// UNAVAILABLE and costs no machine: the retry lands once there is room,
+/// and the state holds the landing, not a FAILED machine.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_database_costs_no_machine() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("state.db");
+    let store = std::sync::Arc::new(SqliteStore::open(&path).unwrap());
+    let (fail, heal) = (store.clone(), store.clone());
+    let engine =
+        provider_testkit::store_contract::a_mutation_the_store_cannot_commit_costs_no_machine(
+            store.clone(),
+            move || {
+                let pages = fail.page_count_for_tests().expect("page count");
+                fail.set_max_page_count_for_tests(pages).expect("cap");
+            },
+            move || {
+                heal.set_max_page_count_for_tests(0).expect("uncap");
+            },
+        )
+        .await;
+    // Everything submitted is durable: what a restart would load.
+    engine.read_barrier().await.expect("the store commits");
+    let loaded = providerkit::StateDump::dump(&*store).expect("dump");
+    let m1 = loaded
+        .machines
+        .iter()
+        .find(|m| m.id == "m-1")
+        .expect("m-1 is in the state");
+    assert_eq!(m1.state(), State::Configured, "{m1:?}");
+    assert!(m1.last_error.is_empty(), "{m1:?}");
+}

@@ -15,7 +15,7 @@ use super::{runtime, StateUnderTest};
 use crate::engine::wait_for_state;
 
 /// Three slots; configure of `m-hang` never finishes (the "crash" window).
-struct TinyBackend;
+pub struct TinyBackend;
 
 #[async_trait]
 impl Backend for TinyBackend {
@@ -194,4 +194,73 @@ pub fn engine_state_survives_restart<S: StateUnderTest>(state: S) {
         let m1 = engine.get("m-1").unwrap();
         assert_eq!(m1.state, State::Configured.to_wire() as i32);
     });
+}
+
+/// A mutation whose acceptance `store` cannot commit (`fail` made it so)
+/// is refused UNAVAILABLE saying nothing was changed, and the machine stays
+/// as it was, never FAILED; once `heal` lets the store commit again, the
+/// caller's retry with a new token lands. The mutation is a Configure with
+/// 200 KiB of shard metadata (four 50 KiB values), so a store that is full (no page left for
+/// it) fails as a store on a full disk does. Returns the engine, for the
+/// store's own test to restart on the state.
+pub async fn a_mutation_the_store_cannot_commit_costs_no_machine(
+    store: Arc<dyn providerkit::Store>,
+    fail: impl FnOnce(),
+    heal: impl FnOnce(),
+) -> Arc<Engine> {
+    let engine = Engine::start(
+        Arc::new(TinyBackend),
+        store.clone(),
+        EngineOptions::default(),
+    )
+    .await
+    .expect("the engine starts");
+    engine
+        .create("m-1", Token::new("shard-a", 1, 1))
+        .await
+        .expect("Create with a healthy store");
+    wait_for_state(&engine, "m-1", State::Idle).await;
+    // Four values of 50 KiB: under the per-value and the total caps.
+    let metadata: HashMap<String, String> = (0..4)
+        .map(|i| (format!("bulk-{i}"), "x".repeat(50 * 1024)))
+        .collect();
+    let configure = |sequence| {
+        engine.configure(
+            "m-1",
+            Token::new("shard-a", 1, sequence),
+            "cluster-1".to_string(),
+            b"join".to_vec(),
+            metadata.clone(),
+        )
+    };
+    fail();
+    let refused = configure(2)
+        .await
+        .expect_err("a Configure the store cannot commit is not acknowledged");
+    assert!(
+        matches!(refused, KitError::NotCommitted { .. }),
+        "{refused:?}"
+    );
+    assert!(
+        refused.to_string().contains("nothing was changed"),
+        "{refused}"
+    );
+    // Withdrawn at once, in memory: Get answers throughout.
+    let back = wait_for_state(&engine, "m-1", State::Idle).await;
+    assert!(back.last_error.is_empty(), "{back:?}");
+    assert!(back.shard_metadata.is_empty(), "{back:?}");
+    assert!(
+        store.health().is_err(),
+        "the failing commit shows in health"
+    );
+    heal();
+    crate::wait::Wait::new("the store to commit again", crate::engine::STATE_WAIT)
+        .ok(|| store.health())
+        .await;
+    configure(3)
+        .await
+        .expect("the retry with a new token is accepted");
+    let landed = wait_for_state(&engine, "m-1", State::Configured).await;
+    assert!(landed.last_error.is_empty(), "{landed:?}");
+    engine
 }

@@ -22,7 +22,9 @@ use std::sync::Arc;
 use bigfleet_proto::v1alpha1 as pb;
 use providerkit::{CatalogFacts, Change, FenceMark, MachineRecord, State, StateDump};
 
-pub use engine::engine_state_survives_restart;
+pub use engine::{
+    a_mutation_the_store_cannot_commit_costs_no_machine, engine_state_survives_restart,
+};
 pub use resume::{
     a_configure_without_a_readiness_check_cannot_resume_and_says_why,
     a_record_stored_without_a_window_is_failed_as_before,
