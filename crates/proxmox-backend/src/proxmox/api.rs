@@ -444,6 +444,35 @@ impl Api {
         Ok(nodes.iter().any(|n| n.node == node && n.status != "online"))
     }
 
+    /// Waits until `/nodes` lists `node` as online again, polling `/nodes`
+    /// (which the cluster answers whatever node is down) rather than the
+    /// node itself, whose calls each hang until the connect gives up. Past
+    /// `deadline` the error names the node.
+    pub(super) async fn wait_node_online(
+        &self,
+        node: &str,
+        deadline: Instant,
+    ) -> Result<(), SubstrateError> {
+        let mut attempt = 0;
+        loop {
+            if !self.node_offline(node, deadline).await? {
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                return Err(SubstrateError::with_kind(
+                    ErrorKind::Transient,
+                    format!(
+                        "node {node} is offline (GET /nodes) and did not come back within {:?}",
+                        self.opts.retry_window
+                    ),
+                ));
+            }
+            tracing::debug!(node, attempt, "node is offline; waiting for it");
+            self.pause(attempt, deadline).await;
+            attempt += 1;
+        }
+    }
+
     /// Whether VMID `vmid` exists anywhere in the cluster, whoever can see it:
     /// `GET /cluster/nextid?vmid=N` needs no privilege on the VM and answers N
     /// when free, 400 "VM N already exists" when not. This is how a 403 on a

@@ -12,6 +12,7 @@ mod bad_day;
 mod configurations;
 mod guest_hostname;
 mod node_memory;
+mod offline_node;
 mod preflight;
 mod proxmox_clone_bound;
 mod proxmox_late_clone;
