@@ -21,4 +21,5 @@ mod proxmox_robust;
 mod proxmox_sim;
 mod pve_fidelity;
 mod resumed_create;
+mod stale_lock;
 mod transition_detail;
