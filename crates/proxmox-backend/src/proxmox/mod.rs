@@ -572,6 +572,12 @@ impl Substrate for PveSubstrate {
             // The process before the restart may have a clone of this
             // machine still running: wait for it, then look again.
             let template_node = self.inventory.template_node(req.template_vmid, &list)?;
+            // Its running clones are asked of the template's node: not of
+            // one that is down.
+            self.refuse_if_down(
+                &template_node,
+                &format!("the node of template {}", req.template_vmid),
+            )?;
             let mut nodes = vec![template_node.as_str()];
             if req.node != template_node {
                 // A replica's clone runs on the target node.

@@ -125,14 +125,14 @@ async fn creates_on_live_nodes_keep_their_speed_and_never_touch_an_offline_node(
     let ours = seed_ours(&sim, "pve3", 500, 12);
     let sub = Arc::new(PveSubstrate::new(client(&sim), opts()));
     assert_eq!(sub.describe_managed().await.expect("inventory").len(), 12);
-    let healthy = burst(&sub, 0, 4).await;
+    let healthy = burst(&sub, 0, 8).await;
 
     assert!(sim.set_node_online("pve3", false));
     until_samples_expired(&sim, "pve3").await;
     sim.clear_requests();
     sim.reset_counts();
-    let degraded = burst(&sub, 10, 4).await;
-    println!("burst of 8 Creates: healthy {healthy:?}, pve3 offline {degraded:?}");
+    let degraded = burst(&sub, 10, 8).await;
+    println!("burst of 16 Creates: healthy {healthy:?}, pve3 offline {degraded:?}");
     assert_eq!(
         calls_to(&sim, "pve3"),
         Vec::<String>::new(),
@@ -143,7 +143,7 @@ async fn creates_on_live_nodes_keep_their_speed_and_never_touch_an_offline_node(
         0,
         "no VM is read one at a time"
     );
-    // 8 Creates, each a scan: pve3's 12 VMs would each cost a 595 after
+    // 16 Creates, each a scan: pve3's 12 VMs would each cost a 595 after
     // 500 ms, retried, if they were asked for.
     assert!(
         degraded < healthy * 3 / 2 + Duration::from_secs(1),
