@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use provider_testkit::wait::Wait;
 use proxmox_backend::proxmox::{marker_description, vm_name, PveOptions, PveSubstrate};
 use proxmox_backend::substrate::{CloneRequest, Substrate};
-use pve_sim::{endpoints, PveSim, SimConfig, TemplateSpec};
+use pve_sim::{endpoints, GuestOutput, PveSim, SimConfig, TemplateSpec};
 
 use crate::common::{self, client, req, sim_with};
 
@@ -222,6 +222,48 @@ async fn a_delete_on_an_offline_node_waits_for_it_and_finishes_once_it_is_back()
         .expect("joined")
         .expect("the Delete finishes once the node is back");
     assert!(sim.vm(vm.vmid).is_none(), "destroyed");
+    sim.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_drain_on_an_offline_node_waits_for_it_and_finishes_once_it_is_back() {
+    let sim = sim_with(three_nodes(
+        Duration::from_millis(500),
+        Duration::from_secs(300),
+    ))
+    .await;
+    sim.on_guest_command("kubectl drain", GuestOutput::exit(0));
+    let sub = Arc::new(PveSubstrate::new(client(&sim), opts()));
+    let vm = sub
+        .clone_vm(&on("pve3", 9003, 2))
+        .await
+        .expect("create on pve3");
+    assert!(sim.set_node_online("pve3", false));
+    sub.describe_managed()
+        .await
+        .expect("a pass learns pve3 is down");
+    sim.clear_requests();
+
+    let nodes_reads = sim.call_count(endpoints::NODES);
+    let drain = {
+        let (sub, vm) = (Arc::clone(&sub), vm.clone());
+        tokio::spawn(async move { sub.drain(&vm, Duration::from_secs(10)).await })
+    };
+    common::until("the Drain asked /nodes about pve3 again and again", || {
+        sim.call_count(endpoints::NODES) >= nodes_reads + 3
+    })
+    .await;
+    assert!(!drain.is_finished(), "the Drain waits for the node");
+    assert!(
+        calls_to(&sim, "pve3").is_empty(),
+        "{:?}",
+        calls_to(&sim, "pve3")
+    );
+    assert!(sim.set_node_online("pve3", true));
+    drain
+        .await
+        .expect("joined")
+        .expect("the Drain finishes once the node is back");
     sim.shutdown().await;
 }
 
