@@ -160,6 +160,16 @@ pub struct Metrics {
     /// The backend whose node memory guard the memory gauges read, while
     /// this replica leads.
     memory: Arc<RwLock<Option<Arc<ProxmoxBackend>>>>,
+    /// The backend and zones (nodes) `bigfleet_proxmox_node_up` reports,
+    /// while this replica leads.
+    nodes: Arc<RwLock<Option<NodeSource>>>,
+}
+
+/// What `bigfleet_proxmox_node_up` is computed from at scrape time.
+struct NodeSource {
+    backend: Arc<ProxmoxBackend>,
+    /// The configured zones, each a node: every one has a series.
+    zones: Vec<String>,
 }
 
 /// What `bigfleet_proxmox_machines` is computed from at scrape time.
@@ -228,6 +238,10 @@ impl Metrics {
         registry.register_collector(Box::new(MemoryCollector {
             source: Arc::clone(&memory),
         }));
+        let nodes = Arc::new(RwLock::new(None));
+        registry.register_collector(Box::new(NodesCollector {
+            source: Arc::clone(&nodes),
+        }));
         let leader = Gauge::default();
         registry.register(
             "bigfleet_proxmox_leader",
@@ -273,6 +287,7 @@ impl Metrics {
             machines,
             leader,
             memory,
+            nodes,
         })
     }
 
@@ -331,6 +346,13 @@ impl Metrics {
         self.leader.set(0);
         *self.machines.write() = None;
         *self.memory.write() = None;
+        *self.nodes.write() = None;
+    }
+
+    /// Report whether each of `zones` (nodes) is up at every scrape from
+    /// now on, as the backend's last inventory read found it.
+    pub fn observe_nodes(&self, backend: Arc<ProxmoxBackend>, zones: Vec<String>) {
+        *self.nodes.write() = Some(NodeSource { backend, zones });
     }
 
     /// Report the node memory guard's room per node at every scrape from
@@ -433,6 +455,42 @@ impl Collector for MachinesCollector {
                 outcome: outcome.name().to_string(),
             };
             ConstCounter::new(count).encode(family.encode_family(&labels)?)?;
+        }
+        Ok(())
+    }
+}
+
+/// `bigfleet_proxmox_node_up{node}`: 0 for a node the last inventory read
+/// found down (`GET /nodes`), 1 for every other configured node.
+struct NodesCollector {
+    source: Arc<RwLock<Option<NodeSource>>>,
+}
+
+impl std::fmt::Debug for NodesCollector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("NodesCollector")
+    }
+}
+
+impl Collector for NodesCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let source = self.source.read();
+        let Some(source) = source.as_ref() else {
+            return Ok(());
+        };
+        let down = source.backend.offline_nodes();
+        let mut family = encoder.encode_descriptor(
+            "bigfleet_proxmox_node_up",
+            "1 while the node answers, 0 while the cluster lists it offline (as the last \
+             inventory read found it): its machines are reported as last seen, Creates there \
+             fail, Deletes and Drains of its machines wait for it",
+            None,
+            MetricType::Gauge,
+        )?;
+        for zone in &source.zones {
+            let labels = NodeLabels { node: zone.clone() };
+            let up = i64::from(!down.contains(zone));
+            ConstGauge::new(up).encode(family.encode_family(&labels)?)?;
         }
         Ok(())
     }

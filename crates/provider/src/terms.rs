@@ -264,6 +264,8 @@ impl TermContext {
         *served.engine.write() = Some(engine.clone());
         self.metrics
             .observe_engine(engine.clone(), plan.catalog.zones.clone());
+        self.metrics
+            .observe_nodes(backend.clone(), plan.catalog.zones.clone());
         self.metrics.observe_memory(backend);
         let mut tasks = Vec::new();
         if let Some(task) =

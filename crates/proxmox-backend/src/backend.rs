@@ -49,6 +49,11 @@ impl ProxmoxBackend {
         self.substrate.memory_rooms()
     }
 
+    /// The nodes the last inventory read found down (`GET /nodes`).
+    pub fn offline_nodes(&self) -> Vec<String> {
+        self.substrate.offline_nodes()
+    }
+
     /// Reads each of `nodes`' memory room now (see [`Self::memory_rooms`]).
     pub async fn observe_memory(&self, nodes: &[String]) -> Vec<crate::memory::MemoryRoom> {
         self.substrate.observe_memory(nodes).await

@@ -161,6 +161,10 @@ pub trait Substrate: Send + Sync + 'static {
     async fn observe_memory(&self, _nodes: &[String]) -> Vec<MemoryRoom> {
         Vec::new()
     }
+    /// The nodes the last inventory read found down (for `node_up`).
+    fn offline_nodes(&self) -> Vec<String> {
+        Vec::new()
+    }
     /// Clone, size, mark, start and wait for the guest agent. A VM already
     /// marked for this machine id is adopted (and powered on) instead.
     async fn clone_vm(&self, req: &CloneRequest) -> Result<VmRef, SubstrateError>;
@@ -239,6 +243,9 @@ impl Substrate for Metered {
     }
     async fn observe_memory(&self, nodes: &[String]) -> Vec<MemoryRoom> {
         self.inner.observe_memory(nodes).await
+    }
+    fn offline_nodes(&self) -> Vec<String> {
+        self.inner.offline_nodes()
     }
     async fn clone_vm(&self, req: &CloneRequest) -> Result<VmRef, SubstrateError> {
         self.timed("CloneVM", self.inner.clone_vm(req)).await

@@ -468,6 +468,16 @@ pub struct SimConfig {
     pub form_semicolon_separator: bool,
     /// How long an offline migration task copies the VM.
     pub migrate_duration: Duration,
+    /// How long a call routed to an offline node hangs before its 595
+    /// (`No route to host`): pveproxy forwards it with no online check
+    /// (pve-manager `PVE/HTTPServer.pm`) and the connect to a powered-off
+    /// host fails once ARP goes unanswered, about 3 s. 0 = at once.
+    pub offline_delay: Duration,
+    /// How long `/cluster/resources` keeps an offline node's VMs' last RRD
+    /// sample (`name`, `status`, `template`, ...): pmxcfs drops samples
+    /// older than 5 minutes (pve-cluster `pmxcfs/status.c`), after which
+    /// PVE lists the VMs `status: unknown` with no name or template.
+    pub rrd_expiry: Duration,
     /// Each node's physical memory: its `maxmem` in `/nodes` and
     /// `/cluster/resources`, and `memory.total` of its status (16 TiB).
     pub node_memory: NodeMemory,
@@ -555,6 +565,7 @@ impl SimConfig {
     /// form decoding. For tests that need a forgiving server on purpose.
     pub fn forgiving(mut self) -> Self {
         self.rrd_lag = Duration::ZERO;
+        self.offline_delay = Duration::ZERO;
         self.http_server_version = HttpServerVersion::CURRENT;
         self.description_newline = false;
         self.tag_style = TagStyle::Verbatim;
@@ -604,6 +615,8 @@ impl Default for SimConfig {
             agent_latin1: true,
             form_semicolon_separator: true,
             migrate_duration: Duration::from_millis(200),
+            offline_delay: Duration::from_secs(3),
+            rrd_expiry: Duration::from_secs(300),
             node_memory: NodeMemory::default(),
             exec_output_limit: 16 * 1024 * 1024,
             vmid_range: (100, 999_999),

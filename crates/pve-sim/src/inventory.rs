@@ -139,6 +139,21 @@ impl Shared {
         let mut rows = Vec::with_capacity(vms.len());
         for vm in &vms {
             let mut row = fresh_fields(vm);
+            if !c.nodes.get(&vm.node).is_some_and(|n| n.online) {
+                // Nobody samples a dead node's VMs: its last sample stands
+                // until pmxcfs drops it, then only the cluster filesystem's
+                // fields are left (pve-manager `extract_vm_stats`).
+                let kept = c
+                    .rrd
+                    .get(&vm.vmid)
+                    .filter(|(t, _)| now.duration_since(*t) < self.cfg.rrd_expiry);
+                match (kept, row.as_object_mut()) {
+                    (Some((_, Value::Object(sample))), Some(o)) => o.extend(sample.clone()),
+                    _ => row["status"] = json!("unknown"),
+                }
+                rows.push(row);
+                continue;
+            }
             let sample = if lag.is_zero() {
                 Some(rrd_fields(vm))
             } else if c
@@ -162,10 +177,6 @@ impl Shared {
                 // pve-manager's `/cluster/resources` says `unknown` for a VM
                 // with no RRD sample yet (and has no name or template).
                 _ => row["status"] = json!("unknown"),
-            }
-            let online = c.nodes.get(&vm.node).is_some_and(|n| n.online);
-            if !online {
-                row["status"] = json!("unknown");
             }
             rows.push(row);
         }
@@ -710,7 +721,7 @@ fn fresh_fields(vm: &Vm) -> Value {
 }
 
 /// Row fields from pvestatd's RRD sample of the VM.
-fn rrd_fields(vm: &Vm) -> Value {
+pub(crate) fn rrd_fields(vm: &Vm) -> Value {
     json!({
         "name": vm.name,
         "status": vm.status_str(),

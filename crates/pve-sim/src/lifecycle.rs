@@ -178,6 +178,9 @@ impl Shared {
                 me.clone_worker(w).await
             },
         );
+        if let Some(t) = c.tasks.get_mut(&upid) {
+            t.newid = Some(newid);
+        }
         c.task_log(
             &upid,
             format!("create {kind} clone of drive scsi0 ({})", src.disk()),

@@ -289,6 +289,10 @@ async fn handle(
         .map(|(_, v)| v.clone())
     {
         if let Err(e) = check_node(&s, &node) {
+            if e == offline_node() && !s.cfg.offline_delay.is_zero() {
+                // pveproxy's connect to a powered-off host waits out ARP.
+                tokio::time::sleep(s.cfg.offline_delay).await;
+            }
             return error_response(&e);
         }
     }
@@ -355,9 +359,14 @@ fn check_node(s: &Shared, node: &str) -> ApiResult<()> {
         None => Err(ApiError::internal(format!(
             "hostname lookup '{node}' failed - failed to get address info for: {node}: Name or service not known"
         ))),
-        Some(n) if !n.online => Err(ApiError::Status(595, "No route to host".into())),
+        Some(n) if !n.online => Err(offline_node()),
         Some(_) => Ok(()),
     }
+}
+
+/// pveproxy's answer for a call it could not forward to a node.
+fn offline_node() -> ApiError {
+    ApiError::Status(595, "No route to host".into())
 }
 
 /// Match an API path against [`ROUTES`]; returns the template and path params.
@@ -432,7 +441,8 @@ fn reason_phrase(msg: &str) -> String {
 //   POST   /_sim/drop-exec-status  {"count"}
 //   GET    /_sim/counters | DELETE /_sim/counters
 //   GET    /_sim/requests | DELETE /_sim/requests
-//   POST   /_sim/nodes/{node}/offline | /online
+//   POST   /_sim/nodes/{node}/offline | /online   (powered off: calls hang
+//          --offline-delay then 595, its tasks die, its samples expire)
 //   POST   /_sim/storages/{node}/{storage}/hung | /ok   (a mount that hangs)
 //   POST   /_sim/vms/{vmid}/stop | /start      (out of band)
 //   POST   /_sim/vms/{vmid}/lock  {"lock": "clone"|null}

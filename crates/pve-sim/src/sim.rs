@@ -83,6 +83,7 @@ impl Shared {
             resources_cache: None,
             created: HashMap::new(),
             rrd: HashMap::new(),
+            workers: HashMap::new(),
         };
         let qga_bin = cfg.guest_agent.resolve()?;
         let storages_offline = Mutex::new(cfg.storages_offline.iter().cloned().collect());
@@ -281,18 +282,22 @@ impl Shared {
         let injected = (kind != "qmclone")
             .then(|| self.faults.take_task_failure(kind))
             .flatten();
-        tokio::spawn(async move {
+        let worker = tokio::spawn(async move {
             let res = match injected {
                 Some(msg) => Err(msg),
                 None => work(Arc::clone(&me), u.clone()).await,
             };
             let mut c = me.cluster.lock();
+            c.workers.remove(&u);
             match res {
                 Ok(status) => c.finish_task(&u, status),
                 Err(e) => c.finish_task(&u, e),
             }
             me.touch(&mut c);
         });
+        // The caller holds the state lock, so the worker cannot finish (and
+        // remove its handle) before the handle is in.
+        c.workers.insert(upid.clone(), worker.abort_handle());
         upid
     }
 
@@ -359,14 +364,66 @@ impl Shared {
         }
     }
 
+    /// A node powering off or coming back. Going offline, the node's
+    /// worker tasks die with it (their status reads `unexpected status`
+    /// once it is back, as PVE reports a task whose process vanished), the
+    /// config file locks they held go with their processes, and a clone
+    /// worker leaves its new VM as it was: `lock: clone`, and outside the
+    /// pool (qemu-server adds the VM to its pool last, in `add_vm_to_pool`).
+    /// pvestatd on the node stops: its VMs' last RRD samples are what
+    /// `/cluster/resources` shows until they expire
+    /// ([`crate::SimConfig::rrd_expiry`]).
     pub fn set_node_online(&self, node: &str, online: bool) -> bool {
         let mut c = self.cluster.lock();
         let Some(n) = c.nodes.get_mut(node) else {
             return false;
         };
+        let was = n.online;
         n.online = online;
+        if was && !online {
+            self.power_off(&mut c, node);
+        }
+        c.resources_cache = None;
         self.touch(&mut c);
         true
+    }
+
+    fn power_off(&self, c: &mut Cluster, node: &str) {
+        let dying: Vec<String> = c
+            .tasks
+            .values()
+            .filter(|t| t.node == node && t.exitstatus.is_none())
+            .map(|t| t.upid.clone())
+            .collect();
+        for upid in dying {
+            if let Some(w) = c.workers.remove(&upid) {
+                w.abort();
+            }
+            let newid = c.tasks.get(&upid).and_then(|t| t.newid);
+            c.finish_task(&upid, "unexpected status");
+            if let Some(vm) = newid.and_then(|id| c.vms.get_mut(&id)) {
+                vm.lock = Some("clone".into());
+                vm.pool = None;
+            }
+        }
+        c.active_clones.retain(|(n, _), _| n != node);
+        let now = Instant::now();
+        let lag = self.cfg.rrd_lag;
+        let on_node: Vec<Vm> = c.vms.values().filter(|v| v.node == node).cloned().collect();
+        for vm in on_node {
+            if let Some(v) = c.vms.get_mut(&vm.vmid) {
+                v.flock = 0;
+            }
+            // pvestatd's last cycle sampled every VM it already knew.
+            let too_new = c
+                .created
+                .get(&vm.vmid)
+                .is_some_and(|t| now.duration_since(*t) < lag);
+            if !too_new {
+                c.rrd
+                    .insert(vm.vmid, (now, crate::inventory::rrd_fields(&vm)));
+            }
+        }
     }
 }
 

@@ -221,6 +221,9 @@ pub struct Cluster {
     pub next_pid: u32,
     pub pstart: u32,
     pub resources_cache: Option<(Instant, Value)>,
+    /// Abort handles of running worker tasks, by UPID: a node that goes
+    /// offline takes its workers with it.
+    pub workers: HashMap<String, tokio::task::AbortHandle>,
     /// When each VM created through the API was created (seeded VMs and
     /// templates count as old: their RRD data exists from the start).
     pub created: HashMap<u32, Instant>,

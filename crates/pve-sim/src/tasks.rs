@@ -20,6 +20,8 @@ pub struct Task {
     /// When it finished (seconds since the epoch).
     pub endtime: Option<u64>,
     pub log: Vec<String>,
+    /// For a clone worker: the VMID it creates.
+    pub newid: Option<u32>,
 }
 
 impl Task {
@@ -41,6 +43,7 @@ impl Task {
             exitstatus: None,
             endtime: None,
             log: Vec::new(),
+            newid: None,
         }
     }
 

@@ -592,6 +592,23 @@ pub struct ClusterVm {
     pub maxcpu: Option<f64>,
 }
 
+/// The cluster's VMs as one read sees them, with the nodes that were down
+/// ([`crate::PveClient::cluster_vms`]).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ClusterVms {
+    pub vms: Vec<ClusterVm>,
+    /// Nodes `GET /nodes` listed as anything but `online`, sorted.
+    pub offline_nodes: Vec<String>,
+}
+
+impl ClusterVms {
+    /// Whether `node` was down: its rows are PVE's last sample (or
+    /// `unknown`), and a call to it would hang until the connect fails.
+    pub fn is_offline(&self, node: &str) -> bool {
+        self.offline_nodes.iter().any(|n| n == node)
+    }
+}
+
 /// One node from `GET /nodes`.
 #[derive(Debug, Clone, Default, PartialEq, Deserialize)]
 pub struct NodeInfo {

@@ -29,6 +29,7 @@ const METRICS: &[(&str, &str)] = &[
     ("bigfleet_proxmox_leader", "gauge"),
     ("bigfleet_proxmox_node_memory_committed_bytes", "gauge"),
     ("bigfleet_proxmox_node_memory_limit_bytes", "gauge"),
+    ("bigfleet_proxmox_node_up", "gauge"),
 ];
 
 fn doc(name: &str) -> String {

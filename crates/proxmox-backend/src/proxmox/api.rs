@@ -64,6 +64,56 @@ pub(super) fn err_at(
     }
 }
 
+/// What a VM whose lock no task holds is to the provider, which decides
+/// what root must do besides unlocking it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum LockedVm {
+    /// Carries the machine's marker: once unlocked, the provider deletes it.
+    Ours,
+    /// The VMID a clone of ours went to, but the clone died before writing
+    /// the marker: nothing proves it ours, so the provider never destroys it.
+    Unmarked,
+    /// Outside the token's pool (a clone dies before `add_vm_to_pool`):
+    /// the token can neither see nor destroy it.
+    OutsidePool,
+}
+
+/// The error for a VM whose `lock` no running task holds: only root can
+/// clear it (pve-guest-common `check_lock` guards destroy, `skiplock` is
+/// root-only, and a config update refuses `lock`: "only root can set
+/// 'lock' config"), so waiting would never end.
+pub(super) fn stale_lock_error(vm: &VmRef, lock: &str, what: LockedVm) -> SubstrateError {
+    let cause = match lock {
+        "clone" => "a clone that died with its node or its process",
+        "migrate" => "a migration that died with its node or its process",
+        _ => "a task that died",
+    };
+    let (node, vmid) = (&vm.node, vm.vmid);
+    let fix = match what {
+        LockedVm::Ours => format!(
+            "as root on node {node}, run `qm unlock {vmid}`; then reclaim the machine \
+             (`bigfleet-proxmox ctl reclaim <machine id>`) and its VM is deleted"
+        ),
+        LockedVm::Unmarked => format!(
+            "as root on node {node}, check that `qm config {vmid}` shows `lock: {lock}` and no \
+             description, then run `qm unlock {vmid}` and `qm destroy {vmid}`: the clone died \
+             before marking it, so the provider never destroys it"
+        ),
+        LockedVm::OutsidePool => format!(
+            "as root on node {node}, check that `qm config {vmid}` shows `lock: {lock}`, then run \
+             `qm unlock {vmid}` and `qm destroy {vmid}`: the VM never joined the pool, so the API \
+             token can neither see nor destroy it"
+        ),
+    };
+    SubstrateError::with_kind(
+        ErrorKind::Permanent,
+        format!(
+            "VM {vm} is locked ({lock}) and no running task holds the lock: {cause} left it, \
+             and only root can clear it; {fix}"
+        ),
+    )
+}
+
 /// What [`Api::probe`] found at a VMID a clone of ours was started on.
 pub(super) enum Probe {
     /// Our marker; the VM's tags.
@@ -328,8 +378,15 @@ impl Api {
                     Ok(upid) => match self.wait_task(&upid, "stop").await {
                         Ok(()) => break,
                         // `VM 104 is locked (backup)` from the worker: the
-                        // stop did nothing; a repeated stop is harmless.
+                        // stop did nothing; a repeated stop is harmless,
+                        // unless no task holds the lock (see below).
                         Err(e) if e.is_transient() && Instant::now() < deadline => {
+                            if e.is_locked() && !e.is_lock_timeout() {
+                                if let Some(lock) = self.stale_lock(vm, deadline).await? {
+                                    tracing::warn!(vm = %vm, lock = %lock, "the VM is locked and no task holds the lock; only root can clear it");
+                                    return Err(stale_lock_error(vm, &lock, LockedVm::Ours));
+                                }
+                            }
                             tracing::info!(vm = %vm, error = %e, attempt, "stop task failed transiently; retrying");
                             self.pause(attempt, deadline).await;
                             attempt += 1;
@@ -370,6 +427,7 @@ impl Api {
                 },
                 Err(e) if e.is_not_found() || e.is_forbidden() => return Ok(()),
                 Err(e) if e.is_protected() => e,
+                Err(e) if e.is_locked() && !e.is_lock_timeout() => e,
                 Err(e) => return Err(err_at(format!("destroying VM {vm}"), node, &e)),
             };
             // A VM cloned before marking cleared `protection` (PVE copies it
@@ -394,6 +452,15 @@ impl Api {
                     "a storage of the node is offline or hangs; destroying the VM without looking for unreferenced disks");
                 unreferenced_too = false;
                 continue;
+            }
+            // A lock no running task holds stays until root clears it:
+            // fail naming the command instead of retrying until the
+            // deadline (and again on every Delete after it).
+            if failed.is_locked() && !failed.is_lock_timeout() {
+                if let Some(lock) = self.stale_lock(vm, deadline).await? {
+                    tracing::warn!(vm = %vm, lock = %lock, "the VM is locked and no task holds the lock; only root can clear it");
+                    return Err(stale_lock_error(vm, &lock, LockedVm::Ours));
+                }
             }
             // PVE checks the VM's lock inside the worker, after the DELETE
             // answered 200: `VM is locked (backup)`, or its config lock
@@ -442,6 +509,83 @@ impl Api {
             )
             .await?;
         Ok(nodes.iter().any(|n| n.node == node && n.status != "online"))
+    }
+
+    /// The lock on VM `vm` when no running task holds it, `None` when it
+    /// has none or its holder may still be running. Only the locks this
+    /// token's own operations take are judged (`clone`, `migrate`): the
+    /// node's task list shows the token its own tasks only, so a backup's
+    /// or a snapshot's holder could not be seen, and those locks are
+    /// waited out as before. A `clone` lock counts as held while any clone
+    /// runs on the node (its task is named after the source, not the new
+    /// VM), a `migrate` lock while a migration of the VM does.
+    pub(super) async fn stale_lock(
+        &self,
+        vm: &VmRef,
+        deadline: Instant,
+    ) -> Result<Option<String>, SubstrateError> {
+        let node = Some(vm.node.as_str());
+        let st = match self
+            .retry_raw(node, deadline, |pve| pve.status_current(&vm.node, vm.vmid))
+            .await
+        {
+            Ok(st) => st,
+            Err(e) if e.is_not_found() || e.is_forbidden() => return Ok(None),
+            Err(e) => return Err(err_at(format!("reading the lock of VM {vm}"), node, &e)),
+        };
+        let Some(lock) = st.lock else {
+            return Ok(None);
+        };
+        let (task_type, by_id) = match lock.as_str() {
+            "clone" => ("qmclone", false),
+            "migrate" => ("qmigrate", true),
+            _ => return Ok(None),
+        };
+        let tasks = self
+            .retry_raw(node, deadline, |pve| pve.active_tasks(&vm.node, task_type))
+            .await
+            .map_err(|e| {
+                err_at(
+                    format!("listing the tasks running on node {}", vm.node),
+                    node,
+                    &e,
+                )
+            })?;
+        let vmid = vm.vmid.to_string();
+        let held = tasks
+            .iter()
+            .filter(|t| t.is_running())
+            .any(|t| !by_id || t.id.as_deref() == Some(vmid.as_str()));
+        Ok((!held).then_some(lock))
+    }
+
+    /// Waits until `/nodes` lists `node` as online again, polling `/nodes`
+    /// (which the cluster answers whatever node is down) rather than the
+    /// node itself, whose calls each hang until the connect gives up. Past
+    /// `deadline` the error names the node.
+    pub(super) async fn wait_node_online(
+        &self,
+        node: &str,
+        deadline: Instant,
+    ) -> Result<(), SubstrateError> {
+        let mut attempt = 0;
+        loop {
+            if !self.node_offline(node, deadline).await? {
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                return Err(SubstrateError::with_kind(
+                    ErrorKind::Transient,
+                    format!(
+                        "node {node} is offline (GET /nodes) and did not come back within {:?}",
+                        self.opts.retry_window
+                    ),
+                ));
+            }
+            tracing::debug!(node, attempt, "node is offline; waiting for it");
+            self.pause(attempt, deadline).await;
+            attempt += 1;
+        }
     }
 
     /// Whether VMID `vmid` exists anywhere in the cluster, whoever can see it:

@@ -8,7 +8,7 @@ use providerkit::ErrorKind;
 use pve::{CloneParams, ConfigParams, PveError};
 use tokio::time::Instant;
 
-use super::api::{err, err_at, Api, Probe};
+use super::api::{err, err_at, stale_lock_error, Api, LockedVm, Probe};
 use super::inventory::{Inventory, Known};
 use super::late::LateClones;
 use super::marker::{
@@ -313,8 +313,6 @@ impl Cloner {
         deadline: Instant,
     ) -> Result<(), SubstrateError> {
         const WHAT: &str = "checking the failed clone";
-        // Gone, or outside the token's pool (never joined it): nothing of
-        // ours that this token could destroy.
         let Some(st) = self
             .api
             .read_present(WHAT, vm, deadline, |pve| {
@@ -322,6 +320,14 @@ impl Cloner {
             })
             .await?
         else {
+            // Gone, or outside the token's pool. A clone worker that died
+            // (its node powered off) leaves the new VM `lock: clone` and
+            // never adds it to the pool: the VMID we cloned to is still
+            // taken, by a VM this token can neither see nor destroy. Say
+            // so rather than leak it silently.
+            if self.api.vmid_taken(vm.vmid, deadline).await? {
+                return Err(stale_lock_error(vm, "clone", LockedVm::OutsidePool));
+            }
             return Ok(());
         };
         let Some(cfg) = self
@@ -331,6 +337,14 @@ impl Cloner {
         else {
             return Ok(());
         };
+        // A bare temporary config (`lock: clone`, no marker yet) at the
+        // VMID our clone went to, with no clone running to finish it: the
+        // worker died and left it, and only root can unlock it.
+        if cfg.lock.as_deref() == Some("clone") && cfg.description.is_none() {
+            if let Some(lock) = self.api.stale_lock(vm, deadline).await? {
+                return Err(stale_lock_error(vm, &lock, LockedVm::Unmarked));
+            }
+        }
         if !owned_by(
             cfg.description.as_deref(),
             &req.machine_id,

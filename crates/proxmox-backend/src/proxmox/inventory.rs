@@ -45,6 +45,8 @@ pub(super) struct Inventory {
     templates: Mutex<HashMap<u32, String>>,
     /// VMs whose clone we started, by machine id (covers a stale inventory).
     pending: Mutex<HashMap<String, VmRef>>,
+    /// The nodes the last listing found down (`GET /nodes`), sorted.
+    offline: Mutex<Vec<String>>,
 }
 
 impl Inventory {
@@ -54,6 +56,7 @@ impl Inventory {
             index: Mutex::new(HashMap::new()),
             templates: Mutex::new(HashMap::new()),
             pending: Mutex::new(HashMap::new()),
+            offline: Mutex::new(Vec::new()),
         }
     }
 
@@ -64,11 +67,15 @@ impl Inventory {
         &self,
         want: impl Fn(&ClusterVm) -> bool,
     ) -> Result<(Vec<ClusterVm>, Vec<(ClusterVm, String)>), SubstrateError> {
-        let list = self
+        let listed = self
             .api
-            .once(|pve| pve.cluster_resources_vms())
+            .once(|pve| pve.cluster_vms())
             .await
             .map_err(|e| err("listing the cluster's VMs", &e))?;
+        self.note_offline(&listed.offline_nodes);
+        let offline = listed.offline_nodes;
+        let is_down = |node: &str| offline.iter().any(|n| n == node);
+        let list = listed.vms;
         {
             let mut t = self.templates.lock();
             for v in list.iter().filter(|v| v.template) {
@@ -87,6 +94,11 @@ impl Inventory {
                 .cloned()
                 .collect()
         };
+        // A node that is down is not asked: every call to it hangs until
+        // the connect fails (~3 s, each retry as long). Its VMs keep what
+        // the last pass learnt of them.
+        let (away, to_read): (Vec<ClusterVm>, Vec<ClusterVm>) =
+            to_read.into_iter().partition(|v| is_down(&v.node));
         let read: Vec<(ClusterVm, ConfigRead)> = stream::iter(to_read)
             .map(|v| async move {
                 match self.api.once(|pve| pve.get_config(&v.node, v.vmid)).await {
@@ -117,6 +129,9 @@ impl Inventory {
             .try_filter_map(|x| async move { Ok(x) })
             .try_collect()
             .await?;
+        let read = read
+            .into_iter()
+            .chain(away.into_iter().map(|v| (v, Unread)));
 
         let marked = {
             let mut index = self.index.lock();
@@ -125,10 +140,14 @@ impl Inventory {
                     Read(id) => id,
                     Unread => {
                         // Follow the listing's tags and name so the cached
-                        // machine id stays reported while the node is away.
+                        // machine id stays reported while the node is away
+                        // (a dead node's rows lose their name after 5
+                        // minutes: the name is kept, see below).
                         if let Some(k) = index.get_mut(&v.vmid) {
                             k.tags.clone_from(&v.tags);
-                            k.name.clone_from(&v.name);
+                            if !is_down(&v.node) {
+                                k.name.clone_from(&v.name);
+                            }
                         }
                         continue;
                     }
@@ -151,7 +170,10 @@ impl Inventory {
                     // A migrated VM keeps its marker; follow it without a re-read.
                     k.node.clone_from(&v.node);
                     if let Some(id) = &k.machine_id {
-                        if k.tags == v.tags && k.name == v.name {
+                        // A dead node's row is PVE's last sample, or no
+                        // name at all once that expired: what the last
+                        // pass read stands until the node answers.
+                        if is_down(&v.node) || (k.tags == v.tags && k.name == v.name) {
                             marked.push((v.clone(), id.clone()));
                         }
                     }
@@ -160,6 +182,25 @@ impl Inventory {
             marked
         };
         Ok((list, marked))
+    }
+
+    /// Records which nodes the last listing found down, saying so once
+    /// per change (a WARN when a node goes, an INFO when it is back).
+    fn note_offline(&self, now: &[String]) {
+        let mut known = self.offline.lock();
+        for n in now.iter().filter(|n| !known.contains(n)) {
+            tracing::warn!(node = %n, "node is offline: its VMs are reported as last seen and not touched until it is back; \
+                Creates there fail, Deletes and Drains of machines on it wait for it");
+        }
+        for n in known.iter().filter(|n| !now.contains(n)) {
+            tracing::info!(node = %n, "node is online again");
+        }
+        known.clone_from(&now.to_vec());
+    }
+
+    /// The nodes the last listing found down.
+    pub(super) fn offline_nodes(&self) -> Vec<String> {
+        self.offline.lock().clone()
     }
 
     /// Drops what is known of a VMID (destroyed, or not ours after all).
@@ -202,12 +243,16 @@ impl Inventory {
     /// Finds the node a VMID is on now (after a 'does not exist' on the node we
     /// expected); `None` if the cluster no longer has it.
     pub(super) async fn locate(&self, vmid: u32) -> Result<Option<ClusterVm>, SubstrateError> {
-        let list = self
+        let listed = self
             .api
-            .once(|pve| pve.cluster_resources_vms())
+            .once(|pve| pve.cluster_vms())
             .await
             .map_err(|e| err("listing the cluster's VMs", &e))?;
-        Ok(list.into_iter().find(|v| v.vmid == vmid && !v.template))
+        self.note_offline(&listed.offline_nodes);
+        Ok(listed
+            .vms
+            .into_iter()
+            .find(|v| v.vmid == vmid && !v.template))
     }
 
     pub(super) fn template_node(

@@ -39,7 +39,9 @@
 //! Cost model (API calls per operation, independent of cluster size):
 //! Create = 2 reads for the node memory guard at admission (`/nodes` and
 //! `/nodes/{node}/qemu`; none with `--node-memory-limit 0`) + 1 inventory
-//! read + 1 `nextid` + clone + task polls + 1 config PUT +
+//! read (`/nodes` for which nodes are down, `/cluster/resources`, and one
+//! `/nodes/{node}/qemu` per live node listing VMs too new to be sampled) +
+//! 1 `nextid` + clone + task polls + 1 config PUT +
 //! start + task polls + agent pings, + 1 storage status read per full clone
 //! (the storage room check). The first Create per template also reads the
 //! template's config once (disk storages and sizes), the first cross-node
@@ -51,7 +53,10 @@
 //! status + ping + exec + exec-status polls; Delete = status + config (the
 //! marker is the ownership proof) + stop + destroy + task polls; a
 //! reconcile pass = 1 inventory read plus config reads only for marked VMs that
-//! are new or whose tags/name changed since the last pass.
+//! are new or whose tags/name changed since the last pass. A node the
+//! inventory read found down is never called: its VMs keep what the last
+//! pass learnt, a Create for it fails naming it, and a Delete or Drain of
+//! a machine on it polls `/nodes` until it is back.
 //!
 //! Transient failures (595/596/597, 502-504, refused or reset connections,
 //! timeouts, an offline node, a template locked by a backup) are retried with
@@ -223,6 +228,36 @@ impl PveSubstrate {
     ) -> Result<(Vec<ClusterVm>, Vec<(ClusterVm, String)>), SubstrateError> {
         let (list, marked) = self.inventory.scan(want).await?;
         Ok((list, self.late.reap(marked).await))
+    }
+
+    /// Fails a Create whose `node` the last listing found down, naming it.
+    fn refuse_if_down(&self, node: &str, what: &str) -> Result<(), SubstrateError> {
+        if !self.inventory.offline_nodes().iter().any(|n| n == node) {
+            return Ok(());
+        }
+        Err(SubstrateError::with_kind(
+            ErrorKind::Transient,
+            format!(
+                "node {node} is offline ({what}, by GET /nodes): a clone cannot be made or \
+                 started there until it is back; create the machine in another zone, or again \
+                 once the node is online"
+            ),
+        ))
+    }
+
+    /// Before a Delete or Drain of a VM on a node the last listing found
+    /// down: waits for the node (polling `/nodes`, not the node, whose
+    /// calls each hang until the connect fails), so the transition ends
+    /// once it is back. A node not known down costs nothing here.
+    async fn wait_if_down(&self, node: &str, deadline: Instant) -> Result<(), SubstrateError> {
+        if !self.inventory.offline_nodes().iter().any(|n| n == node) {
+            return Ok(());
+        }
+        tracing::info!(
+            node,
+            "the VM's node is offline; waiting for it to come back"
+        );
+        self.api.wait_node_online(node, deadline).await
     }
 
     /// Drops what is known of a destroyed (or never ours) VMID and cools it down.
@@ -495,6 +530,10 @@ impl Substrate for PveSubstrate {
         self.memory.guard().rooms()
     }
 
+    fn offline_nodes(&self) -> Vec<String> {
+        self.inventory.offline_nodes()
+    }
+
     async fn observe_memory(&self, nodes: &[String]) -> Vec<MemoryRoom> {
         self.memory.rooms_now(nodes).await
     }
@@ -525,10 +564,20 @@ impl Substrate for PveSubstrate {
             None
         };
         let (mut existing, mut list) = self.find_existing(req, &name, deadline).await?;
+        // The listing just now said which nodes are down: a Create there
+        // fails at once, naming the node, rather than hang in CREATING for
+        // the retry window (PVE would even accept a clone to it).
+        self.refuse_if_down(&req.node, "the machine's node")?;
         if existing.is_none() && req.resumed {
             // The process before the restart may have a clone of this
             // machine still running: wait for it, then look again.
             let template_node = self.inventory.template_node(req.template_vmid, &list)?;
+            // Its running clones are asked of the template's node: not of
+            // one that is down.
+            self.refuse_if_down(
+                &template_node,
+                &format!("the node of template {}", req.template_vmid),
+            )?;
             let mut nodes = vec![template_node.as_str()];
             if req.node != template_node {
                 // A replica's clone runs on the target node.
@@ -558,6 +607,10 @@ impl Substrate for PveSubstrate {
         }
 
         let template_node = self.inventory.template_node(req.template_vmid, &list)?;
+        self.refuse_if_down(
+            &template_node,
+            &format!("the node of template {}", req.template_vmid),
+        )?;
         if memory.is_none() {
             memory = self.memory.claim_for_clone(req, deadline).await?;
         }
@@ -579,6 +632,7 @@ impl Substrate for PveSubstrate {
     async fn delete_vm(&self, vm: &VmRef, machine_id: &str) -> Result<(), SubstrateError> {
         self.guest.forget(vm.vmid);
         let deadline = self.api.deadline();
+        self.wait_if_down(&vm.node, deadline).await?;
         let Some((vm, st)) = self.find_for_delete(vm, deadline).await? else {
             tracing::info!(vm = %vm, "VM already gone");
             self.forget(vm.vmid);
@@ -647,6 +701,7 @@ impl Substrate for PveSubstrate {
     }
 
     async fn drain(&self, vm: &VmRef, grace: Duration) -> Result<(), SubstrateError> {
+        self.wait_if_down(&vm.node, self.api.deadline()).await?;
         self.guest.drain(vm, grace).await
     }
 }

@@ -292,11 +292,16 @@ impl<'a> Preflight<'a> {
                         names.join(", ")
                     )))
                 }
-                Some(n) if n.status != "online" => warnings.push(format!(
-                    "node {node:?} is {}: serving anyway; Creates aimed at it wait for it \
-                     (up to the retry window) and its VMs keep their last known state",
-                    n.status
-                )),
+                Some(n) if n.status != "online" => {
+                    tracing::warn!(node = %node, status = %n.status,
+                        "node is not online: serving the other nodes; Creates there fail until it is back");
+                    warnings.push(format!(
+                        "node {node:?} is {}: serving the other nodes; Creates aimed at it fail \
+                         naming it, Deletes and Drains of its machines wait for it, and its VMs \
+                         keep their last known state",
+                        n.status
+                    ))
+                }
                 Some(_) => {}
             }
         }
@@ -313,6 +318,25 @@ impl<'a> Preflight<'a> {
             "preflight: reading the cluster's VMs and the templates"
         );
         let (list, _) = self.inventory.scan(|_| false).await?;
+        let down = self.inventory.offline_nodes();
+        // What is checked through the nodes themselves (template configs,
+        // node storages, placement) is checked on the live ones only:
+        // every call to a node that is down hangs until the connect fails,
+        // and its first Create once it is back checks it.
+        let live_nodes: Vec<String> = nodes
+            .iter()
+            .filter(|n| !down.contains(n))
+            .cloned()
+            .collect();
+        let live_templates: Vec<u32> = templates
+            .iter()
+            .copied()
+            .filter(|t| {
+                list.iter()
+                    .find(|v| v.vmid == *t)
+                    .is_none_or(|v| !down.contains(&v.node))
+            })
+            .collect();
         let mut storages: BTreeSet<String> = BTreeSet::new();
         // Templates with the host's CD-ROM drive, and its key.
         let mut physical_cdrom: Vec<(u32, String)> = Vec::new();
@@ -330,6 +354,16 @@ impl<'a> Preflight<'a> {
                     "source VMID {t} on node {} is not a template: clones copy a live VM",
                     v.node
                 ));
+            }
+            if down.contains(&v.node) {
+                // Every call to a node that is down hangs until the connect
+                // fails: start serving the other nodes now.
+                warnings.push(format!(
+                    "template VMID {t} is on node {}, which is offline: its config is not \
+                     checked until a restart while the node is online",
+                    v.node
+                ));
+                continue;
             }
             match self
                 .read(Some(&v.node), |pve| pve.get_config(&v.node, *t))
@@ -367,7 +401,9 @@ impl<'a> Preflight<'a> {
             None => "/vms".to_string(),
         };
         let mut paths: Vec<(String, &[Need])> = vec![(pool_path.clone(), ON_CLONES)];
-        let replicas = self.stages_replicas(nodes, templates, &list).await;
+        let replicas = self
+            .stages_replicas(&live_nodes, &live_templates, &list)
+            .await;
         if replicas.stages {
             paths.push((pool_path.clone(), ON_REPLICAS));
         }
@@ -442,7 +478,7 @@ impl<'a> Preflight<'a> {
         tracing::info!(url = %url, "preflight: checking storages and clone placement");
         warnings.extend(
             self.placement
-                .check_placement(nodes, templates, &list)
+                .check_placement(&live_nodes, &live_templates, &list)
                 .await?,
         );
         self.check_tag_policy(sys_modify_on_root, sys_audit_on_root, &mut warnings)

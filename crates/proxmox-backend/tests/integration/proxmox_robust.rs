@@ -485,29 +485,30 @@ async fn offline_node_at_startup_and_during_a_create() {
         .await
         .expect("the first reconcile does not fail");
 
-    // A Create aimed at the offline node waits for it.
-    let task = {
-        let sub = Arc::clone(&sub);
-        tokio::spawn(async move {
-            sub.clone_vm(&req("p/OnDemand/pve.small/pve2/071", "pve2"))
-                .await
-        })
-    };
-    // PVE would accept a clone to the offline node: the Create checks the
-    // node before each attempt and sends none.
-    let checks = sim.call_count(endpoints::NODES);
-    until(
-        "the Create checked the offline node again and again",
-        || sim.call_count(endpoints::NODES) >= checks + 3,
-    )
-    .await;
+    // A Create aimed at the offline node fails at once, naming it (PVE
+    // would accept a clone to it): nothing is sent, it never hangs in
+    // CREATING for the retry window.
+    let started = std::time::Instant::now();
+    let e = sub
+        .clone_vm(&req("p/OnDemand/pve.small/pve2/071", "pve2"))
+        .await
+        .expect_err("pve2 is offline");
+    assert!(e.to_string().contains("node pve2"), "{e}");
+    assert!(
+        started.elapsed() < opts().retry_window,
+        "{:?}",
+        started.elapsed()
+    );
     assert_eq!(
         sim.call_count(endpoints::CLONE),
         1,
         "no clone to the offline node"
     );
     assert!(sim.set_node_online("pve2", true));
-    let vm = task.await.unwrap().expect("created once the node is back");
+    let vm = sub
+        .clone_vm(&req("p/OnDemand/pve.small/pve2/071", "pve2"))
+        .await
+        .expect("created once the node is back");
     assert_eq!(vm.node, "pve2");
 
     // Offline past the window: last_error names the node.

@@ -139,7 +139,7 @@ async fn delete_succeeds_while_a_storage_it_never_used_is_offline() {
 }
 
 #[tokio::test]
-async fn a_create_waits_for_an_offline_target_node_instead_of_cloning_there() {
+async fn a_create_for_an_offline_target_node_fails_naming_it_instead_of_cloning_there() {
     let sim = sim_with(SimConfig {
         templates: vec![TemplateSpec::shared(9000, "pve1")],
         ..fast()

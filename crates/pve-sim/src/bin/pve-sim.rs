@@ -83,6 +83,16 @@ struct Args {
     /// Offline migration task duration.
     #[arg(long, default_value = "1s", value_parser = humantime_ms)]
     migrate_duration: Duration,
+    /// How long a call routed to an offline node (`POST
+    /// /_sim/nodes/{node}/offline`) hangs before its 595: the connect to a
+    /// powered-off host waiting out ARP (PVE: about 3s).
+    #[arg(long, default_value = "3s", value_parser = humantime_ms)]
+    offline_delay: Duration,
+    /// How long /cluster/resources keeps an offline node's VMs' last RRD
+    /// sample before listing them `status: unknown` without name or
+    /// template (pmxcfs: 5m).
+    #[arg(long, default_value = "5m", value_parser = humantime_ms)]
+    rrd_expiry: Duration,
     /// Clone task duration, e.g. 2s.
     #[arg(long, default_value = "2s", value_parser = humantime_ms)]
     clone_duration: Duration,
@@ -232,6 +242,8 @@ async fn main() -> Result<()> {
         agent_latin1: a.agent_latin1,
         form_semicolon_separator: a.form_semicolon_separator,
         migrate_duration: a.migrate_duration,
+        offline_delay: a.offline_delay,
+        rrd_expiry: a.rrd_expiry,
         node_memory: a.node_memory,
         pool_acl: a.pool_acl,
         clone_timeline: a.clone_timeline,

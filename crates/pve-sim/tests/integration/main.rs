@@ -10,6 +10,7 @@ mod configurations;
 mod failure_modes;
 mod fidelity;
 mod memory;
+mod node_offline;
 mod proxmoxer;
 mod qga;
 mod realism;

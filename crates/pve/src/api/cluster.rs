@@ -10,7 +10,9 @@ use crate::client::PveClient;
 use crate::error::PveError;
 use crate::form::Params;
 use crate::sdn::SdnVnet;
-use crate::types::{lenient, ClusterOptions, ClusterVm, NodeInfo};
+use std::collections::BTreeSet;
+
+use crate::types::{lenient, ClusterOptions, ClusterVm, ClusterVms, NodeInfo};
 
 #[derive(Deserialize)]
 struct LenientU32(#[serde(deserialize_with = "lenient::u32")] u32);
@@ -27,11 +29,35 @@ impl PveClient {
         Ok(id)
     }
 
-    /// `GET /cluster/resources?type=vm`, QEMU VMs only (containers are dropped).
-    /// Rows of VMs too new to have an RRD sample are completed with
-    /// `status/current` (see the body). Statuses of older VMs may still be up to
-    /// one sample interval (~10 s) old.
+    /// [`PveClient::cluster_vms`], the VMs only.
     pub async fn cluster_resources_vms(&self) -> Result<Vec<ClusterVm>, PveError> {
+        Ok(self.cluster_vms().await?.vms)
+    }
+
+    /// The cluster's QEMU VMs (containers are dropped) and which nodes are
+    /// down: `GET /nodes`, then `GET /cluster/resources?type=vm`, then, only
+    /// for live nodes with rows pvestatd has not sampled yet, one
+    /// `GET /nodes/{node}/qemu` per node. Statuses of older VMs may still be
+    /// up to one sample interval (~10 s) old.
+    ///
+    /// `name`, `status` and `template` come from pvestatd's RRD samples: a
+    /// VM created in the last ~10 s has none yet, and PVE lists it with
+    /// `status: "unknown"` and no name (pve-manager `API2/Cluster.pm`;
+    /// older servers leave `status` out). Its node knows: its VM list
+    /// completes every such row of the node in one call. A node that is
+    /// down is never asked: pveproxy forwards the call anyway and it fails
+    /// only after the connect gives up (595 after ~3 s, each retry as
+    /// long), and its VMs' rows are what PVE keeps of them (the last sample
+    /// for 5 minutes, then `unknown` with no name or template), which the
+    /// caller tells apart by [`ClusterVms::is_offline`]. A row whose node
+    /// does not answer stays as listed.
+    pub async fn cluster_vms(&self) -> Result<ClusterVms, PveError> {
+        let nodes = self.nodes().await?;
+        let offline_nodes: BTreeSet<String> = nodes
+            .iter()
+            .filter(|n| n.status != "online")
+            .map(|n| n.node.clone())
+            .collect();
         let mut p = Params::new();
         p.push("type", "vm");
         let all: Vec<ClusterVm> = self
@@ -41,33 +67,39 @@ impl PveClient {
             .into_iter()
             .filter(|v| v.kind == "qemu" || (v.kind.is_empty() && v.id.starts_with("qemu/")))
             .collect();
-        // `name`, `status` and `template` come from pvestatd's RRD samples: a VM
-        // created in the last ~10 s has none yet, and PVE lists it with
-        // `status: "unknown"` and no name (pve-manager `API2/Cluster.pm`;
-        // older servers leave `status` out). Complete those rows from the
-        // owning node, which knows; only brand-new VMs cost a call. An
-        // `unknown` row with a name or `template: 1` has a sample: a VM of an
-        // offline node, whose last sample PVE keeps; nothing to ask. A row
-        // whose node cannot answer (offline, VM gone meanwhile) stays as
-        // listed.
+        // An `unknown` row with a name or `template: 1` has a sample.
         let unsampled = |v: &ClusterVm| {
             v.status.is_empty() || (v.status == "unknown" && v.name.is_none() && !v.template)
         };
-        for v in vms.iter_mut().filter(|v| unsampled(v)) {
-            match self.status_current(&v.node, v.vmid).await {
-                Ok(st) => {
-                    v.status = st.status;
-                    v.template = st.template;
-                    if v.name.is_none() {
-                        v.name = st.name;
-                    }
-                }
+        let to_ask: BTreeSet<String> = vms
+            .iter()
+            .filter(|v| unsampled(v) && !offline_nodes.contains(&v.node))
+            .map(|v| v.node.clone())
+            .collect();
+        for node in to_ask {
+            let listed = match self.node_vms(&node).await {
+                Ok(l) => l,
                 Err(e) => {
-                    tracing::debug!(vmid = v.vmid, node = %v.node, error = %e, "could not complete an unsampled /cluster/resources row");
+                    tracing::debug!(node = %node, error = %e, "could not complete the unsampled /cluster/resources rows of a node");
+                    continue;
+                }
+            };
+            for v in vms.iter_mut().filter(|v| v.node == node && unsampled(v)) {
+                // Gone meanwhile: listed as PVE listed it.
+                let Some(n) = listed.iter().find(|n| n.vmid == v.vmid) else {
+                    continue;
+                };
+                v.status.clone_from(&n.status);
+                v.template = n.template;
+                if v.name.is_none() {
+                    v.name.clone_from(&n.name);
                 }
             }
         }
-        Ok(vms)
+        Ok(ClusterVms {
+            vms,
+            offline_nodes: offline_nodes.into_iter().collect(),
+        })
     }
 
     /// `GET /version`: the release, e.g. `8.3` (`release` is missing on

@@ -323,7 +323,9 @@ async fn lock_timeout_gives_up_after_max_attempts() {
 #[tokio::test]
 async fn node_unreachable_retried() {
     let (srv, c, calls) = setup(|r, n| {
-        if r.method == "GET" && n >= 2 {
+        if r.path.ends_with("/nodes") {
+            ok(json!([{"node": "pve1", "status": "online"}, {"node": "pve2", "status": "offline"}]))
+        } else if r.method == "GET" && n >= 3 {
             ok(json!([
                 {"id": "qemu/101", "type": "qemu", "vmid": "101", "node": "pve1", "name": "bigfleet-a",
                  "status": "running", "template": 0, "tags": "bigfleet;BigFleet-x", "pool": "bf",
@@ -339,7 +341,7 @@ async fn node_unreachable_retried() {
     .await;
     let vms = c.cluster_resources_vms().await.unwrap();
     assert_eq!(last_call(&calls), ("cluster_resources".into(), true, 3));
-    assert_eq!(srv.recorded()[2].query.as_deref(), Some("type=vm"));
+    assert_eq!(srv.recorded()[3].query.as_deref(), Some("type=vm"));
     assert_eq!(vms.len(), 2, "containers are dropped");
     assert_eq!(vms[0].vmid, 101);
     assert_eq!(vms[0].tags, vec!["bigfleet", "bigfleet-x"]);
@@ -365,7 +367,9 @@ async fn lost_answer_to_a_post_is_not_retried() {
 }
 
 /// PVE lists a VM pvestatd has not sampled yet without `name`, `status` or
-/// `template`; the client completes such rows from the VM's node.
+/// `template`; the client completes such rows from their node's VM list,
+/// one call per live node, never one per VM and never on a node `/nodes`
+/// says is down.
 #[tokio::test]
 async fn unsampled_resource_rows_are_completed_from_the_node() {
     let (srv, c, _) = setup(|r, _| {
@@ -380,25 +384,39 @@ async fn unsampled_resource_rows_are_completed_from_the_node() {
                  "status": "unknown"},
                 // A VM of an offline node keeps its last sample's name.
                 {"id": "qemu/105", "type": "qemu", "vmid": 105, "node": "pve3",
-                 "status": "unknown", "name": "away"}
+                 "status": "unknown", "name": "away"},
+                // ... and after 5 minutes loses it: nobody asks pve3.
+                {"id": "qemu/106", "type": "qemu", "vmid": 106, "node": "pve3",
+                 "status": "unknown", "tags": "bigfleet"}
             ]))
-        } else if r.path.ends_with("/qemu/102/status/current") {
-            ok(json!({"status": "running", "name": "bigfleet-new", "vmid": 102}))
-        } else if r.path.ends_with("/qemu/104/status/current") {
-            ok(json!({"status": "stopped", "name": "bigfleet-newer", "vmid": 104, "template": 1}))
+        } else if r.path.ends_with("/nodes") {
+            ok(json!([
+                {"node": "pve1", "status": "online"},
+                {"node": "pve2", "status": "online"},
+                {"node": "pve3", "status": "offline"}
+            ]))
+        } else if r.path.ends_with("/nodes/pve2/qemu") {
+            // 103 was destroyed meanwhile.
+            ok(json!([{"vmid": 102, "status": "running", "name": "bigfleet-new"}]))
+        } else if r.path.ends_with("/nodes/pve1/qemu") {
+            ok(json!([
+                {"vmid": 101, "status": "running", "name": "old"},
+                {"vmid": 104, "status": "stopped", "name": "bigfleet-newer", "template": 1}
+            ]))
         } else {
-            fail(
-                500,
-                "Configuration file 'nodes/pve2/qemu-server/103.conf' does not exist",
-            )
+            fail(595, "No route to host")
         }
     })
     .await;
-    let vms = c.cluster_resources_vms().await.unwrap();
-    assert_eq!(vms.len(), 5);
+    let listed = c.cluster_vms().await.unwrap();
+    assert_eq!(listed.offline_nodes, ["pve3"]);
+    assert!(listed.is_offline("pve3") && !listed.is_offline("pve1"));
+    let vms = listed.vms;
+    assert_eq!(vms.len(), 6);
     assert_eq!(
         (vms[0].status.as_str(), vms[0].name.as_deref()),
-        ("stopped", Some("old"))
+        ("stopped", Some("old")),
+        "a sampled row is left as listed"
     );
     assert_eq!(
         (vms[1].status.as_str(), vms[1].name.as_deref()),
@@ -418,14 +436,18 @@ async fn unsampled_resource_rows_are_completed_from_the_node() {
         (vms[4].status.as_str(), vms[4].name.as_deref()),
         ("unknown", Some("away"))
     );
+    assert_eq!(
+        (vms[5].status.as_str(), vms[5].name.as_deref()),
+        ("unknown", None)
+    );
     let paths: Vec<String> = srv.recorded().iter().map(|r| r.path.clone()).collect();
     assert_eq!(
         paths,
         [
+            "/api2/json/nodes",
             "/api2/json/cluster/resources",
-            "/api2/json/nodes/pve2/qemu/102/status/current",
-            "/api2/json/nodes/pve2/qemu/103/status/current",
-            "/api2/json/nodes/pve1/qemu/104/status/current",
+            "/api2/json/nodes/pve1/qemu",
+            "/api2/json/nodes/pve2/qemu",
         ]
     );
 }
