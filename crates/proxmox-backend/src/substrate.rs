@@ -161,6 +161,11 @@ pub trait Substrate: Send + Sync + 'static {
     async fn observe_memory(&self, _nodes: &[String]) -> Vec<MemoryRoom> {
         Vec::new()
     }
+    /// How many volumes destroys reported they could not free (the VM went,
+    /// the disk stayed), since this substrate was made.
+    fn destroy_leftovers(&self) -> u64 {
+        0
+    }
     /// Clone, size, mark, start and wait for the guest agent. A VM already
     /// marked for this machine id is adopted (and powered on) instead.
     async fn clone_vm(&self, req: &CloneRequest) -> Result<VmRef, SubstrateError>;
@@ -239,6 +244,9 @@ impl Substrate for Metered {
     }
     async fn observe_memory(&self, nodes: &[String]) -> Vec<MemoryRoom> {
         self.inner.observe_memory(nodes).await
+    }
+    fn destroy_leftovers(&self) -> u64 {
+        self.inner.destroy_leftovers()
     }
     async fn clone_vm(&self, req: &CloneRequest) -> Result<VmRef, SubstrateError> {
         self.timed("CloneVM", self.inner.clone_vm(req)).await
