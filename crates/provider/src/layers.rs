@@ -18,6 +18,7 @@ use tonic::body::Body;
 use tonic::Code;
 use tower::{Layer, Service};
 
+use crate::guard::{RateLimit, REFUSAL_LOG_PERIOD};
 use crate::metrics::Metrics;
 
 type HttpRequest = http::Request<Body>;
@@ -219,9 +220,63 @@ pub fn metric_code_name(code: Code) -> &'static str {
     }
 }
 
+/// The provider's RPCs by name, so a key made of one stays in a fixed set
+/// whatever path a caller sends (any other is `other`).
+const METHODS: [&str; 8] = [
+    "Create",
+    "Configure",
+    "Drain",
+    "Delete",
+    "Get",
+    "List",
+    "Reclaim",
+    "NodeMemory",
+];
+
+fn known_method(method: &str) -> &'static str {
+    METHODS
+        .iter()
+        .find(|m| **m == method)
+        .copied()
+        .unwrap_or("other")
+}
+
+/// Whether a failed call's code says the caller's request was refused
+/// (bad arguments, wrong state, no room, no such machine, a stale fence,
+/// not allowed) rather than the server failing: every code but those the
+/// `BigFleetProxmoxGrpcInternalErrors` alert counts. A caller can make as
+/// many of these as it sends calls, so their lines are rate-limited.
+fn is_refusal(code: Code) -> bool {
+    !matches!(
+        code,
+        Code::Ok
+            | Code::Unknown
+            | Code::Internal
+            | Code::Unavailable
+            | Code::DeadlineExceeded
+            | Code::DataLoss
+    )
+}
+
+/// One line per RPC, with its metrics. Server errors are a WARN each;
+/// refusals (see [`is_refusal`]) a WARN at most once per method and code
+/// every [`REFUSAL_LOG_PERIOD`], the rest at DEBUG, so a client retrying a
+/// refused call in a loop cannot flood the log. PERMISSION_DENIED is at
+/// DEBUG only: the identity guard, its only source, already writes a
+/// rate-limited `caller identity refused` WARN for it.
 #[derive(Clone)]
 pub struct ObserveLayer {
-    pub metrics: Arc<Metrics>,
+    metrics: Arc<Metrics>,
+    refusals: Arc<RateLimit<(&'static str, Code)>>,
+}
+
+impl ObserveLayer {
+    pub fn new(metrics: Arc<Metrics>) -> ObserveLayer {
+        ObserveLayer {
+            metrics,
+            refusals: Arc::new(RateLimit::new(REFUSAL_LOG_PERIOD)),
+        }
+    }
 }
 
 impl<S> Layer<S> for ObserveLayer {
@@ -230,6 +285,7 @@ impl<S> Layer<S> for ObserveLayer {
         Observe {
             inner,
             metrics: self.metrics.clone(),
+            refusals: Arc::clone(&self.refusals),
         }
     }
 }
@@ -238,6 +294,7 @@ impl<S> Layer<S> for ObserveLayer {
 pub struct Observe<S> {
     inner: S,
     metrics: Arc<Metrics>,
+    refusals: Arc<RateLimit<(&'static str, Code)>>,
 }
 
 impl<S> Service<HttpRequest> for Observe<S>
@@ -259,6 +316,7 @@ where
         let clone = self.inner.clone();
         let mut inner = std::mem::replace(&mut self.inner, clone);
         let metrics = self.metrics.clone();
+        let refusals = Arc::clone(&self.refusals);
         let path = request.uri().path().to_string();
         // Health and reflection calls are not part of the provider API.
         let ours = path.starts_with("/bigfleet.");
@@ -290,10 +348,21 @@ where
                 let ms = elapsed.as_secs_f64() * 1000.0;
                 let dur_ms = format_args!("{ms:.3}");
                 let machine_id = id.as_ref().and_then(|id| id.get()).map(String::as_str);
-                if code != Code::Ok {
-                    // `error`, as on every other failure line: `message` is
-                    // the line's own message in tracing (and in JSON).
-                    let error = result.as_ref().ok().and_then(message_of);
+                // `error`, as on every other failure line: `message` is
+                // the line's own message in tracing (and in JSON).
+                let error = || result.as_ref().ok().and_then(message_of);
+                let limited = is_refusal(code) && code != Code::PermissionDenied;
+                let written = limited.then(|| {
+                    refusals.admit_key((known_method(method), code), tokio::time::Instant::now())
+                });
+                if code == Code::PermissionDenied || written == Some(None) {
+                    let error = error();
+                    tracing::debug!(method = %method, machine_id, code = name, dur_ms = %dur_ms, error, "rpc");
+                } else if let Some(Some(suppressed)) = written {
+                    let error = error();
+                    tracing::warn!(method = %method, machine_id, code = name, dur_ms = %dur_ms, error, suppressed, "rpc");
+                } else if code != Code::Ok {
+                    let error = error();
                     tracing::warn!(method = %method, machine_id, code = name, dur_ms = %dur_ms, error, "rpc");
                 } else if method == "Get" || method == "List" {
                     tracing::debug!(method = %method, machine_id, code = name, dur_ms = %dur_ms, "rpc");
@@ -455,6 +524,29 @@ mod tests {
             }
         }
         assert!(body.done && body.id.get().is_none());
+    }
+
+    /// A refusal's per-RPC line is a WARN once per method and code in each
+    /// period; PERMISSION_DENIED never (the guard's line reports it); a
+    /// server error always.
+    #[test]
+    fn refusals_are_told_from_server_errors() {
+        for code in [
+            Code::InvalidArgument,
+            Code::NotFound,
+            Code::PermissionDenied,
+            Code::Unauthenticated,
+            Code::FailedPrecondition,
+            Code::ResourceExhausted,
+            Code::Aborted,
+        ] {
+            assert!(is_refusal(code), "{code:?}");
+        }
+        for code in [Code::Ok, Code::Internal, Code::Unknown, Code::Unavailable] {
+            assert!(!is_refusal(code), "{code:?}");
+        }
+        assert_eq!(known_method("Create"), "Create");
+        assert_eq!(known_method("AnythingAcallerSends"), "other");
     }
 
     #[test]
