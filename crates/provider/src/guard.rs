@@ -18,6 +18,7 @@ use bigfleet_proto::serving::capacity_provider_server::{CapacityProvider, Capaci
 use providerkit::service::{CapacityService, MAX_DECODING_MESSAGE_SIZE};
 use tokio::time::Instant;
 use tonic::{Request, Response, Status};
+use zeroize::Zeroize;
 
 use crate::identity::{self, IdentityCheck, Need, Reason};
 use crate::metrics::Metrics;
@@ -199,8 +200,15 @@ impl CapacityProvider for GuardedCapacity {
         request: Request<pb::ConfigureRequest>,
     ) -> Result<Response<pb::TransitionAck>, Status> {
         let shard_id = request.get_ref().shard_id.as_str();
-        self.guard
-            .admit(&request, "Configure", Need::ActFor { shard_id })?;
+        if let Err(refused) = self
+            .guard
+            .admit(&request, "Configure", Need::ActFor { shard_id })
+        {
+            // The engine wipes the blob of every Configure it is given;
+            // a refused one never reaches it, so it is wiped here.
+            request.into_inner().bootstrap_blob.zeroize();
+            return Err(refused);
+        }
         self.inner.configure(request).await
     }
 

@@ -17,6 +17,7 @@ use prost::encoding::decode_varint;
 use tonic::body::Body;
 use tonic::Code;
 use tower::{Layer, Service};
+use zeroize::Zeroizing;
 
 use crate::guard::{RateLimit, REFUSAL_LOG_PERIOD};
 use crate::metrics::Metrics;
@@ -128,8 +129,11 @@ fn clip(text: &str) -> String {
 /// from the first bytes it yields.
 struct PeekBody {
     inner: Body,
-    /// The first bytes, kept only when the first frame was too short.
-    head: Vec<u8>,
+    /// The first bytes, kept only when the first frame was too short. In a
+    /// Configure they may hold the start of the bootstrap blob, so they are
+    /// wiped when let go (and held in one buffer of [`PEEK_BYTES`], never
+    /// grown, so no outgrown copy is left behind).
+    head: Zeroizing<Vec<u8>>,
     done: bool,
     id: Arc<OnceLock<String>>,
 }
@@ -150,13 +154,15 @@ impl PeekBody {
             }
             Peeked::Absent => self.done = true,
             Peeked::NeedMore if self.head.is_empty() => {
-                self.head = data[..data.len().min(PEEK_BYTES)].to_vec();
+                let mut head = Vec::with_capacity(PEEK_BYTES);
+                head.extend_from_slice(&data[..data.len().min(PEEK_BYTES)]);
+                self.head = Zeroizing::new(head);
                 self.done = self.head.len() >= PEEK_BYTES;
             }
             Peeked::NeedMore => self.done = self.head.len() >= PEEK_BYTES,
         }
         if self.done {
-            self.head = Vec::new();
+            self.head = Zeroizing::default();
         }
     }
 }
@@ -325,7 +331,7 @@ where
             Some(id) => request.map(|inner| {
                 Body::new(PeekBody {
                     inner,
-                    head: Vec::new(),
+                    head: Zeroizing::default(),
                     done: false,
                     id: Arc::clone(id),
                 })
@@ -500,7 +506,7 @@ mod tests {
         let buf = frame(&string_field(1, "m-42"));
         let mut body = PeekBody {
             inner: Body::empty(),
-            head: Vec::new(),
+            head: Zeroizing::default(),
             done: false,
             id: Arc::new(OnceLock::new()),
         };
@@ -514,7 +520,7 @@ mod tests {
         long.extend(std::iter::repeat_n(0x80, 2 * PEEK_BYTES));
         let mut body = PeekBody {
             inner: Body::empty(),
-            head: Vec::new(),
+            head: Zeroizing::default(),
             done: false,
             id: Arc::new(OnceLock::new()),
         };
@@ -524,6 +530,28 @@ mod tests {
             }
         }
         assert!(body.done && body.id.get().is_none());
+    }
+
+    /// The bytes kept to read the machine id off (in a Configure, maybe the
+    /// start of the blob) are one buffer, never grown, wiped when let go.
+    #[test]
+    fn the_peeked_bytes_are_one_buffer_wiped_when_let_go() {
+        fn wiped_on_drop<T: zeroize::ZeroizeOnDrop>(_: &T) {}
+        let buf = frame(&string_field(1, "m-42"));
+        let mut body = PeekBody {
+            inner: Body::empty(),
+            head: Zeroizing::default(),
+            done: false,
+            id: Arc::new(OnceLock::new()),
+        };
+        body.look(&buf[..3]);
+        wiped_on_drop(&body.head);
+        assert_eq!(body.head.capacity(), PEEK_BYTES);
+        let held = body.head.as_ptr();
+        body.look(&buf[3..5]);
+        assert_eq!(body.head.as_ptr(), held, "grown in place, never moved");
+        body.look(&buf[5..]);
+        assert!(body.done && body.head.is_empty() && body.head.capacity() == 0);
     }
 
     /// A refusal's per-RPC line is a WARN once per method and code in each

@@ -13,6 +13,7 @@ use std::time::Duration;
 use bigfleet_proto::raw::EncodedMachine;
 use bigfleet_proto::v1alpha1 as pb;
 use parking_lot::RwLock;
+use zeroize::Zeroizing;
 
 use crate::backend::{
     Backend, BackendError, ConfigureCtx, CreateCtx, DeleteCtx, DrainCtx, SlotSpec, SubstrateHost,
@@ -67,7 +68,7 @@ enum Params {
     Create,
     Configure {
         cluster_id: String,
-        bootstrap_blob: Vec<u8>,
+        bootstrap_blob: Zeroizing<Vec<u8>>,
         shard_metadata: HashMap<String, String>,
     },
     Drain {
@@ -504,7 +505,9 @@ impl Engine {
             token,
             Params::Configure {
                 cluster_id,
-                bootstrap_blob,
+                // Taken over as it is (no copy), and wiped wherever the
+                // Configure ends: refused, failed or done.
+                bootstrap_blob: Zeroizing::new(bootstrap_blob),
                 shard_metadata,
             },
         )
