@@ -8,6 +8,7 @@
 //! `--tls-ca` may call them.
 
 use std::collections::HashMap;
+use std::hash::Hash;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -17,6 +18,7 @@ use bigfleet_proto::serving::capacity_provider_server::{CapacityProvider, Capaci
 use providerkit::service::{CapacityService, MAX_DECODING_MESSAGE_SIZE};
 use tokio::time::Instant;
 use tonic::{Request, Response, Status};
+use zeroize::Zeroize;
 
 use crate::identity::{self, IdentityCheck, Need, Reason};
 use crate::metrics::Metrics;
@@ -38,14 +40,20 @@ pub const GUARDED: [(&str, Need<'static>); 8] = [
 /// line says how many were not logged.
 pub const REFUSAL_LOG_PERIOD: Duration = Duration::from_secs(10);
 
+/// Rate limit of log lines, per key: the first line of a key in each
+/// period is written, the next one written says how many were not. Each
+/// user keeps its keys bounded (fixed sets of RPCs, reasons, codes), since
+/// a key's window is never forgotten.
+#[derive(Debug)]
+pub struct RateLimit<K> {
+    period: Duration,
+    windows: Mutex<HashMap<K, Window>>,
+}
+
 /// Rate limit of the refusal lines, per (RPC, reason): a misconfigured
 /// client retrying in a loop yields one line per period, not one per call.
 /// The keys are bounded (the RPCs and reasons are fixed sets).
-#[derive(Debug)]
-pub struct RefusalLog {
-    period: Duration,
-    windows: Mutex<HashMap<(&'static str, Reason), Window>>,
-}
+pub type RefusalLog = RateLimit<(&'static str, Reason)>;
 
 #[derive(Debug)]
 struct Window {
@@ -53,23 +61,23 @@ struct Window {
     suppressed: u64,
 }
 
-impl RefusalLog {
-    pub fn new(period: Duration) -> RefusalLog {
-        RefusalLog {
+impl<K: Eq + Hash> RateLimit<K> {
+    pub fn new(period: Duration) -> RateLimit<K> {
+        RateLimit {
             period,
             windows: Mutex::default(),
         }
     }
 
-    /// Whether a refusal at `now` is logged; if so, how many refusals of
-    /// the same key were not logged since the last line.
-    pub fn admit(&self, rpc: &'static str, reason: Reason, now: Instant) -> Option<u64> {
+    /// Whether a line for `key` at `now` is written; if so, how many lines
+    /// of the same key were not since the last one.
+    pub fn admit_key(&self, key: K, now: Instant) -> Option<u64> {
         // A panic while holding the lock leaves only counters behind.
         let mut windows = self.windows.lock().unwrap_or_else(|e| e.into_inner());
-        match windows.get_mut(&(rpc, reason)) {
+        match windows.get_mut(&key) {
             None => {
                 windows.insert(
-                    (rpc, reason),
+                    key,
                     Window {
                         logged_at: now,
                         suppressed: 0,
@@ -86,6 +94,14 @@ impl RefusalLog {
                 None
             }
         }
+    }
+}
+
+impl RefusalLog {
+    /// Whether a refusal at `now` is logged; if so, how many refusals of
+    /// the same key were not logged since the last line.
+    pub fn admit(&self, rpc: &'static str, reason: Reason, now: Instant) -> Option<u64> {
+        self.admit_key((rpc, reason), now)
     }
 }
 
@@ -216,8 +232,15 @@ impl CapacityProvider for GuardedCapacity {
         request: Request<pb::ConfigureRequest>,
     ) -> Result<Response<pb::TransitionAck>, Status> {
         let shard_id = request.get_ref().shard_id.as_str();
-        self.guard
-            .admit(&request, "Configure", Need::ActFor { shard_id })?;
+        if let Err(refused) = self
+            .guard
+            .admit(&request, "Configure", Need::ActFor { shard_id })
+        {
+            // The engine wipes the blob of every Configure it is given;
+            // a refused one never reaches it, so it is wiped here.
+            request.into_inner().bootstrap_blob.zeroize();
+            return Err(refused);
+        }
         self.inner.configure(request).await
     }
 

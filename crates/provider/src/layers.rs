@@ -17,7 +17,9 @@ use prost::encoding::decode_varint;
 use tonic::body::Body;
 use tonic::Code;
 use tower::{Layer, Service};
+use zeroize::Zeroizing;
 
+use crate::guard::{RateLimit, REFUSAL_LOG_PERIOD};
 use crate::metrics::Metrics;
 
 type HttpRequest = http::Request<Body>;
@@ -127,8 +129,11 @@ fn clip(text: &str) -> String {
 /// from the first bytes it yields.
 struct PeekBody {
     inner: Body,
-    /// The first bytes, kept only when the first frame was too short.
-    head: Vec<u8>,
+    /// The first bytes, kept only when the first frame was too short. In a
+    /// Configure they may hold the start of the bootstrap blob, so they are
+    /// wiped when let go (and held in one buffer of [`PEEK_BYTES`], never
+    /// grown, so no outgrown copy is left behind).
+    head: Zeroizing<Vec<u8>>,
     done: bool,
     id: Arc<OnceLock<String>>,
 }
@@ -149,13 +154,15 @@ impl PeekBody {
             }
             Peeked::Absent => self.done = true,
             Peeked::NeedMore if self.head.is_empty() => {
-                self.head = data[..data.len().min(PEEK_BYTES)].to_vec();
+                let mut head = Vec::with_capacity(PEEK_BYTES);
+                head.extend_from_slice(&data[..data.len().min(PEEK_BYTES)]);
+                self.head = Zeroizing::new(head);
                 self.done = self.head.len() >= PEEK_BYTES;
             }
             Peeked::NeedMore => self.done = self.head.len() >= PEEK_BYTES,
         }
         if self.done {
-            self.head = Vec::new();
+            self.head = Zeroizing::default();
         }
     }
 }
@@ -219,9 +226,63 @@ pub fn metric_code_name(code: Code) -> &'static str {
     }
 }
 
+/// The provider's RPCs by name, so a key made of one stays in a fixed set
+/// whatever path a caller sends (any other is `other`).
+const METHODS: [&str; 8] = [
+    "Create",
+    "Configure",
+    "Drain",
+    "Delete",
+    "Get",
+    "List",
+    "Reclaim",
+    "NodeMemory",
+];
+
+fn known_method(method: &str) -> &'static str {
+    METHODS
+        .iter()
+        .find(|m| **m == method)
+        .copied()
+        .unwrap_or("other")
+}
+
+/// Whether a failed call's code says the caller's request was refused
+/// (bad arguments, wrong state, no room, no such machine, a stale fence,
+/// not allowed) rather than the server failing: every code but those the
+/// `BigFleetProxmoxGrpcInternalErrors` alert counts. A caller can make as
+/// many of these as it sends calls, so their lines are rate-limited.
+fn is_refusal(code: Code) -> bool {
+    !matches!(
+        code,
+        Code::Ok
+            | Code::Unknown
+            | Code::Internal
+            | Code::Unavailable
+            | Code::DeadlineExceeded
+            | Code::DataLoss
+    )
+}
+
+/// One line per RPC, with its metrics. Server errors are a WARN each;
+/// refusals (see [`is_refusal`]) a WARN at most once per method and code
+/// every [`REFUSAL_LOG_PERIOD`], the rest at DEBUG, so a client retrying a
+/// refused call in a loop cannot flood the log. PERMISSION_DENIED is at
+/// DEBUG only: the identity guard, its only source, already writes a
+/// rate-limited `caller identity refused` WARN for it.
 #[derive(Clone)]
 pub struct ObserveLayer {
-    pub metrics: Arc<Metrics>,
+    metrics: Arc<Metrics>,
+    refusals: Arc<RateLimit<(&'static str, Code)>>,
+}
+
+impl ObserveLayer {
+    pub fn new(metrics: Arc<Metrics>) -> ObserveLayer {
+        ObserveLayer {
+            metrics,
+            refusals: Arc::new(RateLimit::new(REFUSAL_LOG_PERIOD)),
+        }
+    }
 }
 
 impl<S> Layer<S> for ObserveLayer {
@@ -230,6 +291,7 @@ impl<S> Layer<S> for ObserveLayer {
         Observe {
             inner,
             metrics: self.metrics.clone(),
+            refusals: Arc::clone(&self.refusals),
         }
     }
 }
@@ -238,6 +300,7 @@ impl<S> Layer<S> for ObserveLayer {
 pub struct Observe<S> {
     inner: S,
     metrics: Arc<Metrics>,
+    refusals: Arc<RateLimit<(&'static str, Code)>>,
 }
 
 impl<S> Service<HttpRequest> for Observe<S>
@@ -259,6 +322,7 @@ where
         let clone = self.inner.clone();
         let mut inner = std::mem::replace(&mut self.inner, clone);
         let metrics = self.metrics.clone();
+        let refusals = Arc::clone(&self.refusals);
         let path = request.uri().path().to_string();
         // Health and reflection calls are not part of the provider API.
         let ours = path.starts_with("/bigfleet.");
@@ -267,7 +331,7 @@ where
             Some(id) => request.map(|inner| {
                 Body::new(PeekBody {
                     inner,
-                    head: Vec::new(),
+                    head: Zeroizing::default(),
                     done: false,
                     id: Arc::clone(id),
                 })
@@ -290,10 +354,21 @@ where
                 let ms = elapsed.as_secs_f64() * 1000.0;
                 let dur_ms = format_args!("{ms:.3}");
                 let machine_id = id.as_ref().and_then(|id| id.get()).map(String::as_str);
-                if code != Code::Ok {
-                    // `error`, as on every other failure line: `message` is
-                    // the line's own message in tracing (and in JSON).
-                    let error = result.as_ref().ok().and_then(message_of);
+                // `error`, as on every other failure line: `message` is
+                // the line's own message in tracing (and in JSON).
+                let error = || result.as_ref().ok().and_then(message_of);
+                let limited = is_refusal(code) && code != Code::PermissionDenied;
+                let written = limited.then(|| {
+                    refusals.admit_key((known_method(method), code), tokio::time::Instant::now())
+                });
+                if code == Code::PermissionDenied || written == Some(None) {
+                    let error = error();
+                    tracing::debug!(method = %method, machine_id, code = name, dur_ms = %dur_ms, error, "rpc");
+                } else if let Some(Some(suppressed)) = written {
+                    let error = error();
+                    tracing::warn!(method = %method, machine_id, code = name, dur_ms = %dur_ms, error, suppressed, "rpc");
+                } else if code != Code::Ok {
+                    let error = error();
                     tracing::warn!(method = %method, machine_id, code = name, dur_ms = %dur_ms, error, "rpc");
                 } else if method == "Get" || method == "List" {
                     tracing::debug!(method = %method, machine_id, code = name, dur_ms = %dur_ms, "rpc");
@@ -431,7 +506,7 @@ mod tests {
         let buf = frame(&string_field(1, "m-42"));
         let mut body = PeekBody {
             inner: Body::empty(),
-            head: Vec::new(),
+            head: Zeroizing::default(),
             done: false,
             id: Arc::new(OnceLock::new()),
         };
@@ -445,7 +520,7 @@ mod tests {
         long.extend(std::iter::repeat_n(0x80, 2 * PEEK_BYTES));
         let mut body = PeekBody {
             inner: Body::empty(),
-            head: Vec::new(),
+            head: Zeroizing::default(),
             done: false,
             id: Arc::new(OnceLock::new()),
         };
@@ -455,6 +530,51 @@ mod tests {
             }
         }
         assert!(body.done && body.id.get().is_none());
+    }
+
+    /// The bytes kept to read the machine id off (in a Configure, maybe the
+    /// start of the blob) are one buffer, never grown, wiped when let go.
+    #[test]
+    fn the_peeked_bytes_are_one_buffer_wiped_when_let_go() {
+        fn wiped_on_drop<T: zeroize::ZeroizeOnDrop>(_: &T) {}
+        let buf = frame(&string_field(1, "m-42"));
+        let mut body = PeekBody {
+            inner: Body::empty(),
+            head: Zeroizing::default(),
+            done: false,
+            id: Arc::new(OnceLock::new()),
+        };
+        body.look(&buf[..3]);
+        wiped_on_drop(&body.head);
+        assert_eq!(body.head.capacity(), PEEK_BYTES);
+        let held = body.head.as_ptr();
+        body.look(&buf[3..5]);
+        assert_eq!(body.head.as_ptr(), held, "grown in place, never moved");
+        body.look(&buf[5..]);
+        assert!(body.done && body.head.is_empty() && body.head.capacity() == 0);
+    }
+
+    /// A refusal's per-RPC line is a WARN once per method and code in each
+    /// period; PERMISSION_DENIED never (the guard's line reports it); a
+    /// server error always.
+    #[test]
+    fn refusals_are_told_from_server_errors() {
+        for code in [
+            Code::InvalidArgument,
+            Code::NotFound,
+            Code::PermissionDenied,
+            Code::Unauthenticated,
+            Code::FailedPrecondition,
+            Code::ResourceExhausted,
+            Code::Aborted,
+        ] {
+            assert!(is_refusal(code), "{code:?}");
+        }
+        for code in [Code::Ok, Code::Internal, Code::Unknown, Code::Unavailable] {
+            assert!(!is_refusal(code), "{code:?}");
+        }
+        assert_eq!(known_method("Create"), "Create");
+        assert_eq!(known_method("AnythingAcallerSends"), "other");
     }
 
     #[test]

@@ -242,6 +242,9 @@ impl Metrics {
         registry.register_collector(Box::new(NodesCollector {
             source: Arc::clone(&nodes),
         }));
+        registry.register_collector(Box::new(LeftoverCollector {
+            source: Arc::clone(&memory),
+        }));
         let leader = Gauge::default();
         registry.register(
             "bigfleet_proxmox_leader",
@@ -547,6 +550,36 @@ impl Collector for MemoryCollector {
             }
         }
         Ok(())
+    }
+}
+
+/// `bigfleet_proxmox_destroy_leftover_volumes_total`, from the backend at
+/// scrape time while this replica leads (the leader destroys). It counts
+/// from 0 again each term, a reset `increase()` and `rate()` handle.
+struct LeftoverCollector {
+    source: Arc<RwLock<Option<Arc<ProxmoxBackend>>>>,
+}
+
+impl std::fmt::Debug for LeftoverCollector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("LeftoverCollector")
+    }
+}
+
+impl Collector for LeftoverCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let Some(backend) = self.source.read().clone() else {
+            return Ok(());
+        };
+        let family = encoder.encode_descriptor(
+            "bigfleet_proxmox_destroy_leftover_volumes",
+            "Volumes PVE could not remove when it destroyed a VM (`Could not remove disk`: \
+             RBD watchers, an LV or ZFS dataset in use): the VM is gone, the disk still takes \
+             space until removed by hand",
+            None,
+            MetricType::Counter,
+        )?;
+        ConstCounter::new(backend.destroy_leftovers()).encode(family)
     }
 }
 

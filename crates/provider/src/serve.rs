@@ -233,9 +233,7 @@ pub async fn run(plan: Plan) -> Result<(), RunError> {
         .http2_max_header_list_size(16 * 1024)
         .http2_keepalive_interval(Some(std::time::Duration::from_secs(60)))
         .http2_keepalive_timeout(Some(std::time::Duration::from_secs(20)))
-        .layer(ObserveLayer {
-            metrics: metrics.clone(),
-        })
+        .layer(ObserveLayer::new(metrics.clone()))
         .layer(CatchPanicLayer {
             metrics: metrics.clone(),
         })

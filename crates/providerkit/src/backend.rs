@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use crate::model::SharedFacts;
 use async_trait::async_trait;
+use zeroize::Zeroizing;
 
 /// What kind of failure a substrate reports: how a caller may react to it
 /// (retry, give up, treat as gone, fix a permission) and how metrics label it.
@@ -193,8 +194,9 @@ pub struct ConfigureCtx {
     pub operation_id: String,
     pub host_ref: String,
     pub cluster_id: String,
-    /// Secret material: never log or persist it.
-    pub bootstrap_blob: Vec<u8>,
+    /// Secret material: never log or persist it. Wiped when the last
+    /// copy of the context is dropped (the Configure has ended).
+    pub bootstrap_blob: Zeroizing<Vec<u8>>,
     pub shard_metadata: HashMap<String, String>,
 }
 
@@ -330,6 +332,29 @@ mod tests {
     use std::error::Error as _;
 
     use super::*;
+
+    /// The blob a Configure carries is wiped when its context goes, with
+    /// every clone of it; its Debug form never shows it.
+    #[test]
+    fn the_blob_of_a_configure_is_wiped_with_its_context() {
+        fn wiped_on_drop<T: zeroize::ZeroizeOnDrop>(_: &T) {}
+        let ctx = ConfigureCtx {
+            machine_id: "m".into(),
+            operation_id: "op".into(),
+            host_ref: "pve1/100".into(),
+            cluster_id: "c".into(),
+            bootstrap_blob: Zeroizing::new(b"kubeadm join --token s3cret".to_vec()),
+            shard_metadata: HashMap::new(),
+        };
+        wiped_on_drop(&ctx.bootstrap_blob);
+        wiped_on_drop(&ctx.clone().bootstrap_blob);
+        assert!(!format!("{ctx:?}").contains("s3cret"));
+        // What dropping runs: every byte, the spare capacity too, is zero.
+        let mut blob = ctx.bootstrap_blob.clone();
+        let held = blob.as_ptr();
+        zeroize::Zeroize::zeroize(&mut *blob);
+        assert!(blob.is_empty() && blob.as_ptr() == held);
+    }
 
     #[test]
     fn the_cause_is_the_source_itself() {

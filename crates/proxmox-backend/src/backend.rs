@@ -54,6 +54,12 @@ impl ProxmoxBackend {
         self.substrate.offline_nodes()
     }
 
+    /// How many volumes destroys could not free since this backend was
+    /// made (each also logged as a WARN naming it).
+    pub fn destroy_leftovers(&self) -> u64 {
+        self.substrate.destroy_leftovers()
+    }
+
     /// Reads each of `nodes`' memory room now (see [`Self::memory_rooms`]).
     pub async fn observe_memory(&self, nodes: &[String]) -> Vec<crate::memory::MemoryRoom> {
         self.substrate.observe_memory(nodes).await

@@ -11,6 +11,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use aho_corasick::{AhoCorasick, AhoCorasickBuilder, AhoCorasickKind, MatchKind};
+use zeroize::{Zeroize, Zeroizing};
 
 /// What replaces a redacted piece.
 pub const REDACTED: &str = "[redacted]";
@@ -53,9 +54,38 @@ pub struct Redactor {
     runs: Option<Runs>,
 }
 
+/// The pieces of the blob and the copy of it kept for long runs are wiped
+/// when the redactor goes (the Configure, or its last readiness probe, is
+/// over). The matcher's automaton holds the short pieces too, in tables of
+/// its own that cannot be reached to wipe (docs/security.md).
+impl Drop for Redactor {
+    fn drop(&mut self) {
+        self.wipe();
+    }
+}
+
 impl Redactor {
+    /// Overwrites every piece and the blob's copy with zeros, as dropping
+    /// does. Each piece was made with `to_string` (capacity = length).
+    fn wipe(&mut self) {
+        for piece in &mut self.pieces {
+            piece.as_mut_str().zeroize();
+        }
+        if let Some(runs) = &mut self.runs {
+            runs.blob.as_mut_slice().zeroize();
+        }
+    }
+
     pub fn new(secret: &[u8]) -> Redactor {
-        let text = String::from_utf8_lossy(secret);
+        // A blob that is not UTF-8 is copied with its invalid bytes
+        // replaced: that copy is wiped at the end too.
+        let lossy: Option<Zeroizing<String>> = std::str::from_utf8(secret)
+            .is_err()
+            .then(|| Zeroizing::new(String::from_utf8_lossy(secret).into_owned()));
+        let text: &str = match &lossy {
+            Some(copy) => copy.as_str(),
+            None => std::str::from_utf8(secret).unwrap_or_default(),
+        };
         let mut pieces: Vec<String> = Vec::new();
         let mut add = |piece: &str| {
             let piece = piece.trim();
@@ -63,7 +93,7 @@ impl Redactor {
                 pieces.push(piece.to_string());
             }
         };
-        add(&text);
+        add(text);
         for line in text.lines() {
             add(line);
         }
@@ -116,7 +146,8 @@ impl Redactor {
         // The semaphore is never closed, so acquiring cannot fail; if it
         // did, building without the turn is still correct.
         let _turn = ONE_BUILD.acquire().await.ok();
-        let owned = secret.to_vec();
+        // Wiped when the build is done with it.
+        let owned = Zeroizing::new(secret.to_vec());
         match tokio::task::spawn_blocking(move || Redactor::new(&owned)).await {
             Ok(r) => Arc::new(r),
             // Only a panic inside `new` (a bug) gets here: build it inline
@@ -187,6 +218,7 @@ fn replace_spans(output: &str, mut spans: Vec<(usize, usize)>) -> String {
 /// was not tried: short words of a long line, never a token of 8 bytes or
 /// more (those are patterns of their own).
 struct Runs {
+    /// A copy of the blob, wiped with the [`Redactor`].
     blob: Vec<u8>,
     /// Window hash -> where windows with that hash start in the blob (the
     /// first [`CANDIDATES`]).
@@ -307,6 +339,29 @@ fn char_bounds(s: &str, mut start: usize, mut end: usize) -> (usize, usize) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_pieces_and_the_copy_of_the_blob_are_wiped() {
+        let long = "x".repeat(MAX_PATTERN * 4);
+        let blob = format!("kubeadm join --token abcdef.0123456789abcdef\n{long}\n");
+        let mut r = Redactor::new(blob.as_bytes());
+        assert!(!r.pieces.is_empty());
+        assert!(r.runs.is_some(), "a long line is matched as a run");
+        r.wipe();
+        for piece in &r.pieces {
+            assert!(
+                !piece.is_empty() && piece.bytes().all(|b| b == 0),
+                "{piece:?}"
+            );
+        }
+        let runs = r
+            .runs
+            .as_ref()
+            .map(|runs| runs.blob.clone())
+            .unwrap_or_default();
+        assert_eq!(runs.len(), blob.len());
+        assert!(runs.iter().all(|b| *b == 0));
+    }
 
     #[test]
     fn blob_lines_and_tokens_are_redacted_short_words_kept() {

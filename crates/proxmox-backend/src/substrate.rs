@@ -165,6 +165,12 @@ pub trait Substrate: Send + Sync + 'static {
     fn offline_nodes(&self) -> Vec<String> {
         Vec::new()
     }
+
+    /// How many volumes destroys reported they could not free (the VM went,
+    /// the disk stayed), since this substrate was made.
+    fn destroy_leftovers(&self) -> u64 {
+        0
+    }
     /// Clone, size, mark, start and wait for the guest agent. A VM already
     /// marked for this machine id is adopted (and powered on) instead.
     async fn clone_vm(&self, req: &CloneRequest) -> Result<VmRef, SubstrateError>;
@@ -246,6 +252,9 @@ impl Substrate for Metered {
     }
     fn offline_nodes(&self) -> Vec<String> {
         self.inner.offline_nodes()
+    }
+    fn destroy_leftovers(&self) -> u64 {
+        self.inner.destroy_leftovers()
     }
     async fn clone_vm(&self, req: &CloneRequest) -> Result<VmRef, SubstrateError> {
         self.timed("CloneVM", self.inner.clone_vm(req)).await

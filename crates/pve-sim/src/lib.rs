@@ -58,7 +58,7 @@ pub use config::{
 pub use faults::Faults;
 pub use guest_root::{GUEST_ROOT_ENV, TEMPLATE_HOSTNAME};
 pub use params::Params;
-pub use sim::RecordedRequest;
+pub use sim::{LeftoverVolume, RecordedRequest};
 pub use state::Vm;
 
 /// Endpoint names for counters and fault injection (`"METHOD /template"`).
@@ -361,6 +361,24 @@ impl PveSim {
     /// VM's own disks are freed; without the option the destroy ends.
     pub fn set_storage_hung(&self, node: &str, storage: &str, hung: bool) {
         self.shared.set_storage_hung(node, storage, hung);
+    }
+
+    /// Make freeing volumes on `storage` fail on `node` (an RBD image with
+    /// watchers, an LV or ZFS dataset in use) or work again. A destroy there
+    /// then does as qemu-server's `destroy_vm`: it logs `Could not remove
+    /// disk '<volid>', check manually: <error>` (`WARN: ` in front on PVE
+    /// 9), removes the VM all the same, and leaves the volume (see
+    /// [`PveSim::leftover_volumes`]); with `destroy-unreferenced-disks` the
+    /// second attempt warns again. PVE 9 counts both warnings (`WARNINGS:
+    /// N`), PVE 8 writes them with plain `warn` and ends `OK` (see
+    /// [`SimConfig::pve9`]).
+    pub fn set_storage_busy(&self, node: &str, storage: &str, busy: bool) {
+        self.shared.set_storage_busy(node, storage, busy);
+    }
+
+    /// The volumes destroys could not free, oldest first.
+    pub fn leftover_volumes(&self) -> Vec<LeftoverVolume> {
+        self.shared.leftover_volumes.lock().clone()
     }
 
     /// Replace all guest command handlers with `h`.

@@ -13,7 +13,7 @@ use std::time::Instant;
 use serde_json::json;
 
 use crate::params::Params;
-use crate::sim::Shared;
+use crate::sim::{LeftoverVolume, Shared};
 use crate::state::{locked, ApiError, ApiResult, Cluster, Vm};
 
 /// What a clone worker needs; `pending` is the finished VM when the worker
@@ -488,11 +488,40 @@ impl Shared {
                     ));
                 }
                 tokio::time::sleep(me.cfg.destroy_duration).await;
-                // qemu-server `destroy_vm`: the VM's own disks are freed
-                // first; `destroy-unreferenced-disks` then lists every
-                // storage holding images, activating each, and one that
-                // cannot be activated kills the worker before the config
-                // is removed.
+                // qemu-server `destroy_vm` frees the VM's own disks first;
+                // one that cannot be freed (busy) is a warning, not an
+                // error: the volume stays and the destroy goes on.
+                let (volid, bytes, busy) = {
+                    let c = me.cluster.lock();
+                    match c.vms.get(&vmid) {
+                        Some(vm) => {
+                            let volid = format!("{}:{}", vm.storage, vm.volume());
+                            let busy = me.busy_free_error(&c, &n, &vm.storage, vmid, &vm.volume());
+                            (volid, vm.allocated_bytes(), busy)
+                        }
+                        None => (String::new(), 0, None),
+                    }
+                };
+                // PVE 9 warns through `log_warn` (a `WARN: ` prefix, and
+                // the task ends `WARNINGS: N`); PVE 8 through Perl's `warn`
+                // (the bare text, and the task ends `OK`).
+                let pve9 = me.cfg.pve9;
+                let warn_line = |text: String| {
+                    if pve9 {
+                        format!("WARN: {text}")
+                    } else {
+                        text
+                    }
+                };
+                let mut log = vec![match &busy {
+                    Some(why) => warn_line(format!(
+                        "Could not remove disk '{volid}', check manually: {why}"
+                    )),
+                    None => format!("Removing image: 100% complete...done. ({disk})"),
+                }];
+                // `destroy-unreferenced-disks` then lists every storage
+                // holding images, activating each, and one that cannot be
+                // activated kills the worker before the config is removed.
                 // pve-storage's `activate_storage`: an offline storage says
                 // so; a hung mount does not answer `-d` within 2 s.
                 let unreachable = me
@@ -509,16 +538,22 @@ impl Shared {
                     });
                 if let (true, Some(why)) = (unreferenced, unreachable) {
                     me.release_flock(vmid, |c| {
-                        if let Some(vm) = c.vms.get_mut(&vmid) {
+                        if let (Some(vm), None) = (c.vms.get_mut(&vmid), &busy) {
                             vm.disk_gib = 0;
                         }
-                        c.task_log(
-                            &upid,
-                            format!("Removing image: 100% complete...done. ({disk})"),
-                        );
+                        for line in log {
+                            c.task_log(&upid, line);
+                        }
                     });
                     return Err(why);
                 }
+                // The unreferenced-disk pass finds the volume still there
+                // (it is the VM's) and fails to free it again: a second
+                // warning, the bare error.
+                if let (true, Some(why)) = (unreferenced, &busy) {
+                    log.push(warn_line(why.clone()));
+                }
+                let warnings = if busy.is_some() { log.len() } else { 0 };
                 let root = me.guest_root(vmid);
                 me.release_flock(vmid, |c| {
                     c.vms.remove(&vmid);
@@ -526,15 +561,26 @@ impl Shared {
                     // Under the state lock so a re-used VMID never loses its new root.
                     // Best effort: it is only scratch space.
                     let _ = std::fs::remove_dir_all(&root);
-                    c.task_log(
-                        &upid,
-                        format!("Removing image: 100% complete...done. ({disk})"),
-                    );
+                    if busy.is_some() {
+                        let storage = volid.split(':').next().unwrap_or_default().to_string();
+                        me.leftover_volumes.lock().push(LeftoverVolume {
+                            node: n.clone(),
+                            storage,
+                            volid: volid.clone(),
+                            bytes,
+                        });
+                    }
+                    for line in log {
+                        c.task_log(&upid, line);
+                    }
                     c.task_log(
                         &upid,
                         format!("purging VM {vmid} from related configurations.."),
                     );
                 });
+                if pve9 && warnings > 0 {
+                    return Ok(format!("WARNINGS: {warnings}"));
+                }
                 Ok("OK".into())
             },
         );

@@ -443,7 +443,8 @@ fn reason_phrase(msg: &str) -> String {
 //   GET    /_sim/requests | DELETE /_sim/requests
 //   POST   /_sim/nodes/{node}/offline | /online   (powered off: calls hang
 //          --offline-delay then 595, its tasks die, its samples expire)
-//   POST   /_sim/storages/{node}/{storage}/hung | /ok   (a mount that hangs)
+//   POST   /_sim/storages/{node}/{storage}/hung | /busy | /ok
+//          (a mount that hangs; volumes that cannot be freed; both cleared)
 //   POST   /_sim/vms/{vmid}/stop | /start      (out of band)
 //   POST   /_sim/vms/{vmid}/lock  {"lock": "clone"|null}
 //   POST   /_sim/vms/{vmid}/ha    {"state": "started"|"stopped"|null}
@@ -569,8 +570,9 @@ fn admin(s: &Arc<Shared>, method: &Method, rest: &str, body: &[u8]) -> ApiResult
                 Err(ApiError::Status(404, format!("no such node '{node}'")))
             }
         }
-        ("POST", ["storages", node, storage, state @ ("hung" | "ok")]) => {
+        ("POST", ["storages", node, storage, state @ ("hung" | "busy" | "ok")]) => {
             s.set_storage_hung(node, storage, *state == "hung");
+            s.set_storage_busy(node, storage, *state == "busy");
             Ok(Value::Null)
         }
         ("POST", ["vms", vmid, action @ ("stop" | "start")]) => {

@@ -52,6 +52,24 @@ pub struct Shared {
     /// `(node, storage)` pairs whose mount hangs: pve-storage's
     /// `activate_storage` gives up on it (see [`crate::PveSim::set_storage_hung`]).
     pub storages_hung: Mutex<BTreeSet<(String, String)>>,
+    /// `(node, storage)` pairs where freeing a volume fails (an RBD image
+    /// with watchers, an LV or ZFS dataset in use): `destroy_vm` warns and
+    /// leaves the volume (see [`crate::PveSim::set_storage_busy`]).
+    pub storages_busy: Mutex<BTreeSet<(String, String)>>,
+    /// Volumes a destroy could not free: still on their storage, taking
+    /// their space, owned by no VM.
+    pub leftover_volumes: Mutex<Vec<LeftoverVolume>>,
+}
+
+/// A volume a destroy left behind (`Could not remove disk`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct LeftoverVolume {
+    /// Where the destroy ran.
+    pub node: String,
+    pub storage: String,
+    /// `storage:volume`, as the task log names it.
+    pub volid: String,
+    pub bytes: u64,
 }
 
 impl Shared {
@@ -90,6 +108,8 @@ impl Shared {
         let s = Self {
             storages_offline,
             storages_hung: Mutex::default(),
+            storages_busy: Mutex::default(),
+            leftover_volumes: Mutex::default(),
             qga_bin,
             cfg,
             cluster: Mutex::new(cluster),
@@ -358,6 +378,17 @@ impl Shared {
         let key = (node.to_string(), storage.to_string());
         let mut set = self.storages_hung.lock();
         if hung {
+            set.insert(key);
+        } else {
+            set.remove(&key);
+        }
+    }
+
+    /// See [`crate::PveSim::set_storage_busy`].
+    pub fn set_storage_busy(&self, node: &str, storage: &str, busy: bool) {
+        let key = (node.to_string(), storage.to_string());
+        let mut set = self.storages_busy.lock();
+        if busy {
             set.insert(key);
         } else {
             set.remove(&key);

@@ -167,12 +167,62 @@ impl Shared {
         shared: bool,
         except: Option<u32>,
     ) -> u64 {
-        c.vms
+        let vms: u64 = c
+            .vms
             .values()
             .filter(|v| v.storage == storage && (shared || v.node == node))
             .filter(|v| Some(v.vmid) != except)
             .map(|v| v.allocated_bytes())
-            .sum()
+            .sum();
+        // A volume a destroy could not free still takes its space.
+        let leftovers: u64 = self
+            .leftover_volumes
+            .lock()
+            .iter()
+            .filter(|l| l.storage == storage && (shared || l.node == node))
+            .map(|l| l.bytes)
+            .sum();
+        vms + leftovers
+    }
+
+    /// Why freeing `volume` of VM `vmid` on `storage` fails on `node` when
+    /// the storage is busy there, in the words of pve-storage's plugin for
+    /// its kind (`vdisk_free`); `None` when it is not busy.
+    pub(crate) fn busy_free_error(
+        &self,
+        c: &Cluster,
+        node: &str,
+        storage: &str,
+        vmid: u32,
+        volume: &str,
+    ) -> Option<String> {
+        if !self
+            .storages_busy
+            .lock()
+            .contains(&(node.to_string(), storage.to_string()))
+        {
+            return None;
+        }
+        let kind = self
+            .storage_on(c, node, storage)
+            .map_or(StorageKind::Dir, |s| s.kind);
+        // A linked clone's volume is `base-B-disk-0/vm-N-disk-0`; the
+        // plugins free the part after the slash.
+        let own = volume.rsplit('/').next().unwrap_or(volume);
+        Some(match kind {
+            StorageKind::Rbd => {
+                format!("rbd rm '{own}' error: rbd: error: image still has watchers")
+            }
+            StorageKind::Lvm | StorageKind::LvmThin => format!(
+                "lvremove 'pve/{own}' error:   Logical volume pve/{own} in use."
+            ),
+            StorageKind::ZfsPool => {
+                format!("zfs error: cannot destroy 'rpool/data/{own}': dataset is busy")
+            }
+            StorageKind::Dir | StorageKind::Nfs => format!(
+                "unlink '/mnt/pve/{storage}/images/{vmid}/{own}.qcow2' failed - Device or resource busy"
+            ),
+        })
     }
 
     /// `storage` as `node` sees it, if it exists.

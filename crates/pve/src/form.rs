@@ -3,6 +3,7 @@
 //! GET/DELETE query strings, arrays as repeated keys.
 
 use percent_encoding::{percent_encode, AsciiSet, NON_ALPHANUMERIC};
+use zeroize::Zeroize;
 
 /// Everything except RFC 3986 unreserved characters is escaped. Escaping space as
 /// `%20` (not `+`) and `+`/`=`/`&` as `%2B`/`%3D`/`%26` keeps values byte-exact.
@@ -17,15 +18,46 @@ pub fn encode_segment(s: &str) -> String {
     percent_encode(s.as_bytes(), FORM).to_string()
 }
 
-/// An ordered list of key/value parameters.
+/// Bytes `v` takes once escaped with [`FORM`]: unreserved characters as
+/// they are, every other byte as `%XX`.
+fn encoded_len(v: &[u8]) -> usize {
+    v.iter()
+        .map(|b| {
+            if b.is_ascii_alphanumeric() || b"-._~".contains(b) {
+                1
+            } else {
+                3
+            }
+        })
+        .sum()
+}
+
+/// An ordered list of key/value parameters. Its values are wiped when it
+/// is dropped: one may be a piece of the bootstrap blob (a file-write's
+/// `content`), and a dropped `Vec` leaves its bytes in freed memory.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Params {
     pairs: Vec<(String, Vec<u8>)>,
 }
 
+impl Drop for Params {
+    fn drop(&mut self) {
+        self.wipe();
+    }
+}
+
 impl Params {
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// Overwrites every value with zeros, as dropping does. Each value was
+    /// copied in with `to_vec` (capacity = length), so its slice is all of
+    /// its buffer.
+    fn wipe(&mut self) {
+        for (_, v) in &mut self.pairs {
+            v.as_mut_slice().zeroize();
+        }
     }
 
     /// Adds one key/value pair.
@@ -63,9 +95,17 @@ impl Params {
         self.pairs.is_empty()
     }
 
-    /// The encoded `k=v&k=v` string (usable as a body or after `?`).
+    /// The encoded `k=v&k=v` string (usable as a body or after `?`),
+    /// allocated once at its final size: a string grown while encoding
+    /// would leave copies of the values behind in the buffers it outgrew.
     pub fn encode(&self) -> String {
-        let mut out = String::new();
+        let len = self
+            .pairs
+            .iter()
+            .map(|(k, v)| encoded_len(k.as_bytes()) + 1 + encoded_len(v))
+            .sum::<usize>()
+            + self.pairs.len().saturating_sub(1);
+        let mut out = String::with_capacity(len);
         for (i, (k, v)) in self.pairs.iter().enumerate() {
             if i > 0 {
                 out.push('&');
@@ -102,6 +142,20 @@ mod tests {
             "UPID%3Apve1%3A00000ACD%3Ax%3Abigfleet%40pve%21a%3A"
         );
         assert_eq!(encode_segment("pve-1.a_b"), "pve-1.a_b");
+    }
+
+    #[test]
+    fn values_are_wiped_and_encoded_in_one_allocation() {
+        let mut p = Params::new();
+        p.push("file", "/run/bigfleet/bootstrap");
+        p.push("content", "c2VjcmV0IHRva2Vu+/=");
+        let body = p.encode();
+        // Never grown: one allocation of the final size.
+        assert_eq!(body.capacity(), body.len(), "{body}");
+        p.wipe();
+        for (_, v) in &p.pairs {
+            assert!(!v.is_empty() && v.iter().all(|b| *b == 0), "{v:?}");
+        }
     }
 
     #[test]

@@ -555,6 +555,18 @@ impl TaskLogLine {
     pub fn is_error(&self) -> bool {
         self.t.contains("ERROR") || self.t.contains("failed")
     }
+
+    /// The volume a destroy could not free, when this line says so:
+    /// qemu-server's `destroy_vm` goes on past a disk whose `vdisk_free`
+    /// fails (RBD watchers, an LV or ZFS dataset in use) with `Could not
+    /// remove disk '<volid>', check manually: <error>`, written by
+    /// `log_warn` on PVE 9 (`WARN: ` in front, counted in `WARNINGS: N`)
+    /// and by Perl's `warn` on PVE 8 (bare, the task still ends `OK`).
+    pub fn unremoved_disk(&self) -> Option<&str> {
+        let (_, rest) = self.t.split_once("Could not remove disk '")?;
+        let (volid, _) = rest.split_once("', check manually")?;
+        (!volid.is_empty()).then_some(volid)
+    }
 }
 
 /// One VM from `GET /cluster/resources?type=vm` (may be seconds stale; no description).
@@ -744,6 +756,32 @@ mod tests {
         assert!(!row(serde_json::json!("OK")).is_running());
         assert!(!row(serde_json::json!("unable to create VM 130")).is_running());
         assert!(!row(serde_json::json!("WARNINGS: 1")).is_running());
+    }
+
+    #[test]
+    fn a_destroy_log_names_the_disks_it_could_not_free_on_pve_8_and_9() {
+        let line = |t: &str| super::TaskLogLine { n: 1, t: t.into() };
+        // PVE 9 (`log_warn`) and PVE 8 (Perl's `warn`).
+        for t in [
+            "WARN: Could not remove disk 'ceph-pool:vm-130-disk-0', check manually: \
+             rbd rm 'vm-130-disk-0' error: rbd: error: image still has watchers",
+            "Could not remove disk 'ceph-pool:vm-130-disk-0', check manually: \
+             rbd rm 'vm-130-disk-0' error: rbd: error: image still has watchers",
+        ] {
+            assert_eq!(
+                line(t).unremoved_disk(),
+                Some("ceph-pool:vm-130-disk-0"),
+                "{t}"
+            );
+        }
+        for t in [
+            "Removing image: 100% complete...done.",
+            "WARN: rbd rm 'vm-130-disk-0' error: rbd: error: image still has watchers",
+            "Could not remove disk '', check manually: x",
+            "Could not remove disk 'local-lvm:vm-1-disk-0",
+        ] {
+            assert_eq!(line(t).unremoved_disk(), None, "{t}");
+        }
     }
 
     use super::*;

@@ -25,6 +25,7 @@ const METRICS: &[(&str, &str)] = &[
     ("bigfleet_proxmox_log_lines_dropped_total", "counter"),
     ("bigfleet_proxmox_machines", "gauge"),
     ("bigfleet_proxmox_identity_rejected_total", "counter"),
+    ("bigfleet_proxmox_destroy_leftover_volumes_total", "counter"),
     ("bigfleet_proxmox_resumed_total", "counter"),
     ("bigfleet_proxmox_leader", "gauge"),
     ("bigfleet_proxmox_node_memory_committed_bytes", "gauge"),

@@ -237,6 +237,10 @@ fn alerts_carry_severity_summary_and_description() {
             "callers refused for their identity",
             "bigfleet_proxmox_identity_rejected_total",
         ),
+        (
+            "disks a destroy could not remove",
+            "bigfleet_proxmox_destroy_leftover_volumes_total",
+        ),
         ("provider down", r#"up{job="bigfleet-proxmox"} == 0"#),
     ] {
         assert!(

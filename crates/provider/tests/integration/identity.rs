@@ -442,3 +442,69 @@ async fn any_restores_the_chain_only_check() {
     // No identity is checked, so no refusal series exists.
     assert_eq!(rejected(&p, "List", "cluster_identity"), None);
 }
+
+/// A client retrying refused calls in a loop cannot flood the log: 500
+/// Creates from read-only tooling write one `caller identity refused` WARN
+/// per refusal period (the per-RPC line of a refusal is at DEBUG), and 200
+/// Gets of a machine that does not exist one per-RPC WARN per period, the
+/// rest at DEBUG.
+#[tokio::test]
+async fn refused_calls_in_a_loop_write_at_most_the_limiters_lines() {
+    let pki = Pki::new();
+    let readonly = pki.client("readonly", &["bigfleet://readonly"]);
+    let p = start(&pki, &[]);
+    let mut ro = client(&p, &pki, &readonly).await;
+    let id = speculative_id(&mut ro).await;
+    let started = std::time::Instant::now();
+    for _ in 0..500 {
+        denied(create(&mut ro, &id, "a", (1, 1)).await, None);
+    }
+    let missing = "proxmox/OnDemand/pve.small/pve-a/999";
+    for _ in 0..200 {
+        let status = get(&mut ro, missing).await.expect_err("no such machine");
+        assert_eq!(status.code(), Code::NotFound);
+    }
+    // Each refusal period may begin a new line per key.
+    let periods = 1 + started.elapsed().as_secs() as usize / 10;
+    // A line written after all of theirs: the admin's Create, at INFO.
+    let mut c = client(&p, &pki, &admin(&pki)).await;
+    create(&mut c, &id, "a", (1, 1))
+        .await
+        .expect("the admin's Create");
+    p.logs
+        .wait_for(SETTLE, |l| {
+            l.contains(" msg=rpc") && l.contains("method=Create") && l.contains("code=OK")
+        })
+        .unwrap_or_else(|| panic!("no Create line:\n{}", p.stderr()));
+    let warns: Vec<String> = p
+        .logs
+        .lines()
+        .into_iter()
+        .filter(|l| l.contains("level=warn"))
+        .collect();
+    let refusal_lines = warns
+        .iter()
+        .filter(|l| l.contains("caller identity refused") && l.contains("rpc=Create"))
+        .count();
+    let create_lines = warns
+        .iter()
+        .filter(|l| l.contains(" msg=rpc") && l.contains("method=Create"))
+        .count();
+    let get_lines: Vec<&String> = warns
+        .iter()
+        .filter(|l| l.contains(" msg=rpc") && l.contains("method=Get"))
+        .collect();
+    assert!(
+        (1..=periods).contains(&refusal_lines),
+        "{refusal_lines} refusal lines in {periods} period(s):\n{warns:#?}"
+    );
+    assert_eq!(create_lines, 0, "{warns:#?}");
+    assert!(
+        (1..=periods).contains(&get_lines.len()),
+        "{} Get lines in {periods} period(s):\n{get_lines:#?}",
+        get_lines.len()
+    );
+    assert_eq!(field(get_lines[0], "code").as_deref(), Some("NotFound"));
+    assert_eq!(field(get_lines[0], "machine_id").as_deref(), Some(missing));
+    assert_eq!(rejected(&p, "Create", "not_permitted"), Some(500));
+}

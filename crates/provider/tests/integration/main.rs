@@ -14,6 +14,7 @@ mod common;
 mod admin_tls;
 mod configure_load;
 mod ctl;
+mod destroy_leftovers;
 mod failover;
 mod identity;
 mod limits;

@@ -1005,9 +1005,7 @@ async fn panicking_handler_answers_internal_and_the_server_survives() {
     let addr = listener.local_addr().expect("addr");
     // Same layer order as the binary: observe outside, catch panics inside.
     let server = tonic::transport::Server::builder()
-        .layer(ObserveLayer {
-            metrics: metrics.clone(),
-        })
+        .layer(ObserveLayer::new(metrics.clone()))
         .layer(CatchPanicLayer {
             metrics: metrics.clone(),
         })

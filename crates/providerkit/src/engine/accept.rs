@@ -111,7 +111,9 @@ impl Acceptor {
             token,
             Params::Configure {
                 cluster_id,
-                bootstrap_blob,
+                // Taken over as it is (no copy), and wiped wherever the
+                // Configure ends: refused, failed or done.
+                bootstrap_blob: zeroize::Zeroizing::new(bootstrap_blob),
                 shard_metadata,
             },
         )

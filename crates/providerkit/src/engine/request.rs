@@ -16,7 +16,7 @@ pub(super) enum Params {
     Create,
     Configure {
         cluster_id: String,
-        bootstrap_blob: Vec<u8>,
+        bootstrap_blob: zeroize::Zeroizing<Vec<u8>>,
         shard_metadata: HashMap<String, String>,
     },
     Drain {

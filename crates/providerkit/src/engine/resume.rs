@@ -13,6 +13,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::time::Instant;
+use zeroize::Zeroizing;
 
 use super::ledger::Ledger;
 use super::options::humanize;
@@ -101,7 +102,7 @@ fn on_load(record: &MachineRecord, now_ms: u64, readiness: bool) -> Option<Found
             operation_id,
             host_ref,
             cluster_id: record.cluster.clone(),
-            bootstrap_blob: Vec::new(),
+            bootstrap_blob: Zeroizing::default(),
             shard_metadata: record.shard_metadata.clone(),
         }),
         TransitionKind::Drain => Work::Drain(DrainCtx {

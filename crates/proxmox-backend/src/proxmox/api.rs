@@ -5,18 +5,20 @@
 //! caller reports a failure rather than waits it out, goes through
 //! [`Api::once`]. It also waits on tasks and status and holds the VM
 //! primitives (start, stop and destroy, status, the VMID-in-use check,
-//! what is at a VMID). It holds no state and no locks, so any part can use
-//! it without reaching into another; the options a part uses live with
-//! that part, and the Api keeps only its own (poll interval, retry window,
-//! task timeout).
+//! what is at a VMID). It holds no locks and no state but one counter (the
+//! volumes destroys left behind, for the metrics), so any part can use it
+//! without reaching into another; the options a part uses live with that
+//! part, and the Api keeps only its own (poll interval, retry window, task
+//! timeout).
 
 use std::future::Future;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use futures::future::Either;
 use providerkit::ErrorKind;
-use pve::{PveClient, PveError, Upid, VmStatus};
+use pve::{PveClient, PveError, TaskLogLine, TaskStatus, Upid, VmStatus};
 use rand::Rng;
 use tokio::time::Instant;
 
@@ -130,11 +132,28 @@ pub(super) enum Probe {
 pub(super) struct Api {
     client: PveClient,
     opts: Arc<PveOptions>,
+    /// Volumes destroy tasks said they could not free, since this Api was
+    /// made (see [`Api::report_unremoved_disks`]).
+    unremoved_disks: AtomicU64,
 }
+
+/// Lines of a destroy task's log read for the disks it could not free: one
+/// line per disk and a few more (`purging VM`, `TASK ...`); a VM of ours has
+/// one disk, so this is ample.
+const DESTROY_LOG_LINES: u64 = 500;
 
 impl Api {
     pub(super) fn new(client: PveClient, opts: Arc<PveOptions>) -> Api {
-        Api { client, opts }
+        Api {
+            client,
+            opts,
+            unremoved_disks: AtomicU64::new(0),
+        }
+    }
+
+    /// How many volumes destroy tasks have said they could not free.
+    pub(super) fn unremoved_disks(&self) -> u64 {
+        self.unremoved_disks.load(Ordering::Relaxed)
     }
 
     /// The API's base URL, for messages.
@@ -253,9 +272,16 @@ impl Api {
     }
 
     pub(super) async fn wait_task(&self, upid: &Upid, what: &str) -> Result<(), PveError> {
+        self.wait_task_status(upid, what).await.map(|_| ())
+    }
+
+    /// [`Api::wait_task`], returning the ended task's status (its exit
+    /// status tells `OK` from `WARNINGS: N`).
+    async fn wait_task_status(&self, upid: &Upid, what: &str) -> Result<TaskStatus, PveError> {
         tokio::time::sleep(self.first_poll()).await;
         let deadline = Instant::now() + self.opts.task_timeout;
-        self.wait_task_until(upid, deadline)
+        self.client
+            .wait_task(upid, deadline, self.opts.poll_interval)
             .await
             .inspect_err(|e| tracing::debug!(task = what, error = %e, "PVE task failed"))
     }
@@ -416,8 +442,12 @@ impl Api {
                 }
             };
             let failed = match self.retry_raw(node, deadline, destroy).await {
-                Ok(upid) => match self.wait_task(&upid, "destroy").await {
-                    Ok(()) => return Ok(()),
+                Ok(upid) => match self.wait_task_status(&upid, "destroy").await {
+                    Ok(done) => {
+                        self.report_unremoved_disks(vm, &upid, &done, deadline)
+                            .await;
+                        return Ok(());
+                    }
                     // Another destroy of the VM (one a restarted provider
                     // left running) held its config lock and removed the
                     // config before this worker got the lock: `Configuration
@@ -473,6 +503,50 @@ impl Api {
             tracing::info!(vm = %vm, error = %failed, attempt, "destroy task failed transiently; retrying");
             self.pause(attempt, deadline).await;
             attempt += 1;
+        }
+    }
+
+    /// Reports the disks a successful destroy could not free. qemu-server's
+    /// `destroy_vm` goes on past a disk `vdisk_free` fails on (RBD
+    /// watchers, an LV or ZFS dataset in use): the VM is gone, the volume
+    /// stays. Only the task's log says so: PVE 9 ends the task `WARNINGS:
+    /// N`, PVE 8 `OK`. Each such volume gets a WARN (the volume, the task)
+    /// and a count in [`Api::unremoved_disks`]; the Delete still succeeds.
+    ///
+    /// The log is read after every destroy, `OK` too: PVE 8 gives no other
+    /// sign. Measured on pve-sim (`cargo test -p proxmox-backend --test
+    /// integration destroy_log_cost -- --ignored --nocapture`), a Delete of
+    /// a running VM makes 6 API calls without the read and 7 with it, and
+    /// the read takes 0.3 ms (median; 2.3 ms at most) of a Delete's 110 ms;
+    /// on PVE it is one small file read on the task's node, like one of the
+    /// destroy's status polls. Cheaper than telling versions apart per node
+    /// (a cluster being upgraded runs both), and never wrong.
+    /// Best effort: an unreadable log is a WARN, never a failed Delete.
+    async fn report_unremoved_disks(
+        &self,
+        vm: &VmRef,
+        upid: &Upid,
+        done: &TaskStatus,
+        deadline: Instant,
+    ) {
+        let exit = done.exitstatus.as_deref().unwrap_or_default();
+        let lines = match self
+            .retry_raw(Some(&upid.node), deadline, |pve| {
+                pve.task_log(upid, 0, DESTROY_LOG_LINES)
+            })
+            .await
+        {
+            Ok(lines) => lines,
+            Err(e) => {
+                tracing::warn!(vm = %vm, upid = %upid, exit, error = %e,
+                    "could not read the log of the destroy task: a disk it could not free would go unreported; look for `Could not remove disk` in that task's log on PVE");
+                return;
+            }
+        };
+        for volume in lines.iter().filter_map(TaskLogLine::unremoved_disk) {
+            self.unremoved_disks.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(vm = %vm, volume, upid = %upid, exit,
+                "PVE destroyed the VM but could not remove one of its disks (still in use: RBD watchers, a busy LV or ZFS dataset); it keeps its space on the storage. Find what holds it, then remove it with `pvesm free <volume>`");
         }
     }
 

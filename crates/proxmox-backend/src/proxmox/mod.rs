@@ -538,6 +538,10 @@ impl Substrate for PveSubstrate {
         self.memory.rooms_now(nodes).await
     }
 
+    fn destroy_leftovers(&self) -> u64 {
+        self.api.unremoved_disks()
+    }
+
     async fn clone_vm(&self, req: &CloneRequest) -> Result<VmRef, SubstrateError> {
         if req.machine_id.trim().is_empty() || req.node.trim().is_empty() {
             return Err(SubstrateError::new(

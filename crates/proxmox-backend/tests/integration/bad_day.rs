@@ -99,3 +99,112 @@ async fn a_delete_finishes_while_a_storage_it_never_used_hangs() {
     );
     sim.shutdown().await;
 }
+
+/// A disk the destroy cannot free (an LV in use, an RBD image with
+/// watchers): qemu-server's `destroy_vm` warns `Could not remove disk
+/// '<volid>', check manually`, removes the VM and leaves the volume; PVE 9
+/// ends the task `WARNINGS: N`, PVE 8 `OK`. On both, the Delete succeeds (the
+/// VM is gone), and the volume is reported: a WARN naming it and the task,
+/// and one more in the leftover count.
+#[tokio::test]
+async fn a_disk_the_destroy_could_not_free_is_reported_on_pve_8_and_9() {
+    for pve9 in [false, true] {
+        let sim = sim_with(SimConfig {
+            pve9,
+            ..common::fast_sim_150()
+        })
+        .await;
+        let sub = PveSubstrate::new(client(&sim), opts());
+        let id = "p/OnDemand/pve.small/pve1/005";
+        let vm = sub.clone_vm(&req(id, "pve1")).await.expect("create");
+        let storage = sim.vm(vm.vmid).expect("the clone").storage;
+        sim.set_storage_busy("pve1", &storage, true);
+        let logs = provider_testkit::logs::capture();
+        sub.delete_vm(&vm, id).await.expect("the Delete succeeds");
+        assert!(sim.vm(vm.vmid).is_none(), "the VM is gone");
+        let left = sim.leftover_volumes();
+        assert_eq!(left.len(), 1, "pve9={pve9}: {left:?}");
+        assert_eq!(sub.destroy_leftovers(), 1, "pve9={pve9}");
+        let warned: Vec<_> = logs
+            .events()
+            .into_iter()
+            .filter(|e| e.level == tracing::Level::WARN && e.field("volume").is_some())
+            .collect();
+        assert_eq!(warned.len(), 1, "pve9={pve9}: {warned:?}");
+        let w = &warned[0];
+        assert_eq!(w.field("volume"), Some(left[0].volid.as_str()));
+        assert_eq!(w.field("vm"), Some(vm.to_string().as_str()));
+        let upid = w.field("upid").expect("the task's UPID");
+        assert!(
+            upid.starts_with("UPID:pve1:") && upid.contains(":qmdestroy:"),
+            "{upid}"
+        );
+        assert!(!format!("{w:?}").contains(sim.token_secret()));
+        assert_eq!(
+            w.field("exit"),
+            Some(if pve9 { "WARNINGS: 2" } else { "OK" })
+        );
+        // A destroy that freed everything reports nothing.
+        sim.set_storage_busy("pve1", &storage, false);
+        let id = "p/OnDemand/pve.small/pve1/006";
+        let vm = sub.clone_vm(&req(id, "pve1")).await.expect("create");
+        sub.delete_vm(&vm, id).await.expect("delete");
+        assert_eq!(sub.destroy_leftovers(), 1);
+        drop(logs);
+        sim.shutdown().await;
+    }
+}
+
+/// What reading the destroy task's log costs a Delete, measured on pve-sim
+/// (see `Api::report_unremoved_disks`): API calls per Delete with and
+/// without the read, and the read's own time. Not a check; run with
+/// `cargo test -p proxmox-backend --test integration destroy_log_cost --
+/// --ignored --nocapture`.
+#[tokio::test]
+#[ignore = "a measurement, not a check"]
+async fn destroy_log_cost() {
+    let sim = sim_with(common::fast_sim_150()).await;
+    let sub = PveSubstrate::new(client(&sim), opts());
+    const N: usize = 20;
+    let mut calls = Vec::new();
+    let mut logs = Vec::new();
+    let mut took = Vec::new();
+    for i in 0..N {
+        let id = format!("p/OnDemand/pve.small/pve1/{i:03}");
+        let vm = sub.clone_vm(&req(&id, "pve1")).await.expect("create");
+        sim.faults().reset_counts();
+        let started = std::time::Instant::now();
+        sub.delete_vm(&vm, &id).await.expect("delete");
+        took.push(started.elapsed());
+        calls.push(common::total_calls(&sim));
+        logs.push(sim.faults().call_count(endpoints::TASK_LOG));
+    }
+    // The log read alone, timed on its own.
+    let c = client(&sim);
+    let id = "p/OnDemand/pve.small/pve1/999";
+    let vm = sub.clone_vm(&req(id, "pve1")).await.expect("create");
+    assert!(sim.stop_vm_out_of_band(vm.vmid));
+    let upid = c.destroy(&vm.node, vm.vmid).await.expect("destroy");
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(10);
+    c.wait_task(&upid, deadline, std::time::Duration::from_millis(20))
+        .await
+        .expect("destroyed");
+    let mut reads = Vec::new();
+    for _ in 0..N {
+        let started = std::time::Instant::now();
+        c.task_log(&upid, 0, 500).await.expect("log");
+        reads.push(started.elapsed());
+    }
+    took.sort();
+    reads.sort();
+    println!(
+        "Delete: {} API calls each ({} of them the task log read); median {:?}; \
+         the log read alone: median {:?}, max {:?}",
+        calls[N / 2],
+        logs[N / 2],
+        took[N / 2],
+        reads[N / 2],
+        reads[N - 1]
+    );
+    sim.shutdown().await;
+}

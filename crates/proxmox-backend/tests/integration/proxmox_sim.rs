@@ -741,7 +741,9 @@ async fn lifecycle_through_the_backend() {
             operation_id: "op-cfg".into(),
             host_ref: host.host_ref.clone(),
             cluster_id: "c1".into(),
-            bootstrap_blob: b"echo ok > \"$BIGFLEET_GUEST_ROOT/run/ok\"\n".to_vec(),
+            bootstrap_blob: b"echo ok > \"$BIGFLEET_GUEST_ROOT/run/ok\"\n"
+                .to_vec()
+                .into(),
             shard_metadata: Default::default(),
         })
         .await

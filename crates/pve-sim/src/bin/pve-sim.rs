@@ -138,6 +138,13 @@ struct Args {
     /// VMID in range [LOWER, UPPER]`.
     #[arg(long, default_value = "100:1000000", value_parser = next_id_range)]
     next_id: (u32, u32),
+    /// The PVE major version the nodes run, 8 or 9: privilege names
+    /// (`VM.Monitor` or `VM.GuestAgent.*`), `/version`, and how a task
+    /// that warned ends (a destroy that cannot free a disk on a storage
+    /// made busy with `POST /_sim/storages/{node}/{storage}/busy` ends
+    /// `WARNINGS: N` on 9, `OK` on 8, with the warning in its log).
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u8).range(8..=9))]
+    pve_version: u8,
 }
 
 /// `LOWER:UPPER` (UPPER exclusive) as the inclusive range the simulator keeps.
@@ -251,6 +258,7 @@ async fn main() -> Result<()> {
         keepalive_idle: (!a.keepalive_idle.is_zero()).then_some(a.keepalive_idle),
         close_after_error: a.close_after_error,
         vmid_range: a.next_id,
+        pve9: a.pve_version == 9,
         ..SimConfig::default()
     };
     if a.forgiving {

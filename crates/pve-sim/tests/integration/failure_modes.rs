@@ -441,3 +441,83 @@ async fn a_hung_storage_fails_a_destroy_that_activates_every_storage() {
     assert_eq!(api.wait_task_of(r).await["exitstatus"], "OK");
     sim.shutdown().await;
 }
+
+/// A storage where volumes cannot be freed (an RBD image with watchers, an
+/// LV in use), set through the admin endpoint: qemu-server's `destroy_vm`
+/// warns `Could not remove disk '<volid>', check manually: <error>`, removes
+/// the VM all the same and leaves the volume, taking its space. PVE 9 counts
+/// the warnings (`WARNINGS: N`, `WARN: ` in front of each line; the
+/// unreferenced-disk pass warns a second time); PVE 8 writes them with
+/// Perl's `warn` and ends `OK`.
+#[tokio::test]
+async fn a_busy_storage_leaves_the_volume_and_warns_as_each_version_does() {
+    for (pve9, with_option, exit, prefix) in [
+        (true, true, "WARNINGS: 2", "WARN: "),
+        (true, false, "WARNINGS: 1", "WARN: "),
+        (false, true, "OK", ""),
+    ] {
+        let (sim, api) = start_sim(SimConfig { pve9, ..fast() }).await;
+        for newid in ["140", "141"] {
+            let r = api
+                .post(CLONE, &[("newid", newid), ("name", "x"), ("full", "1")])
+                .await;
+            api.wait_task_of(r).await;
+        }
+        let used = || {
+            let r = api.get("/nodes/pve1/storage/local-lvm/status", &[]);
+            async move { r.await.data()["used"].as_u64().expect("used") }
+        };
+        let before = used().await;
+        let admin = |state: &'static str| {
+            let call = api
+                .c
+                .post(format!(
+                    "{}/_sim/storages/pve1/local-lvm/{state}",
+                    api.base.trim_end_matches("/api2/json")
+                ))
+                .header("authorization", sim.auth_header())
+                .send();
+            async move {
+                assert_eq!(call.await.expect("admin call").status(), 200, "{state}");
+            }
+        };
+        admin("busy").await;
+        let opts: &[(&str, &str)] = if with_option {
+            &[("destroy-unreferenced-disks", "1"), ("purge", "1")]
+        } else {
+            &[("purge", "1")]
+        };
+        let r = api.delete("/nodes/pve1/qemu/140", opts).await;
+        let upid = r.data().as_str().expect("upid").to_string();
+        let done = api.wait_task(&upid).await;
+        assert_eq!(done["exitstatus"], exit, "pve9={pve9}");
+        let log = api.task_log_text(&upid).await;
+        let volid = "local-lvm:vm-140-disk-0";
+        let why = "lvremove 'pve/vm-140-disk-0' error:   Logical volume pve/vm-140-disk-0 in use.";
+        assert!(
+            log.contains(&format!(
+                "{prefix}Could not remove disk '{volid}', check manually: {why}"
+            )),
+            "{log}"
+        );
+        assert_eq!(
+            log.contains(&format!("\n{prefix}{why}\n")),
+            with_option,
+            "the unreferenced-disk pass warns again: {log}"
+        );
+        assert!(log.ends_with(&format!("TASK {exit}")), "{log}");
+        assert!(sim.vm(140).is_none(), "the VM is gone");
+        let left = sim.leftover_volumes();
+        assert_eq!(left.len(), 1, "{left:?}");
+        assert_eq!(left[0].volid, volid);
+        assert_eq!(used().await, before, "the volume still takes its space");
+        // Freed again, a destroy there removes its disk.
+        admin("ok").await;
+        let r = api.delete("/nodes/pve1/qemu/141", opts).await;
+        let upid = r.data().as_str().expect("upid").to_string();
+        assert_eq!(api.wait_task(&upid).await["exitstatus"], "OK");
+        assert!(!api.task_log_text(&upid).await.contains("Could not remove"));
+        assert_eq!(sim.leftover_volumes().len(), 1);
+        sim.shutdown().await;
+    }
+}

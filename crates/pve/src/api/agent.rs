@@ -6,6 +6,7 @@ use base64::Engine as _;
 use http::Method;
 use serde::Deserialize;
 use serde_json::Value;
+use zeroize::Zeroizing;
 
 use super::vm_path;
 use crate::client::PveClient;
@@ -47,10 +48,12 @@ impl PveClient {
         if path.is_empty() {
             return Err(PveError::InvalidArgument("file-write path is empty".into()));
         }
+        // The content may be a piece of the bootstrap blob: its encoded
+        // copy is wiped once sent (`Params` wipes its own copy).
         let (payload, encode) = match encoding {
-            FileEncoding::PveEncodes => (latin1_text(content), true),
+            FileEncoding::PveEncodes => (Zeroizing::new(latin1_text(content)), true),
             FileEncoding::Base64 => (
-                base64::engine::general_purpose::STANDARD.encode(content),
+                Zeroizing::new(base64::engine::general_purpose::STANDARD.encode(content)),
                 false,
             ),
         };
@@ -63,7 +66,7 @@ impl PveClient {
         }
         let mut p = Params::new();
         p.push("file", path);
-        p.push("content", payload);
+        p.push("content", payload.as_bytes());
         p.push_bool("encode", encode);
         let _: Value = self
             .call(
@@ -163,7 +166,11 @@ fn bytes_as_sent(text: String) -> String {
 /// each byte as the character with that code point delivers the bytes exactly,
 /// whatever they are; UTF-8 text sent as-is would arrive re-encoded or fail.
 fn latin1_text(bytes: &[u8]) -> String {
-    bytes.iter().map(|&b| char::from(b)).collect()
+    // Sized once (bytes >= 0x80 take two in UTF-8), so no outgrown buffer
+    // keeps a copy of a secret's characters.
+    let mut out = String::with_capacity(bytes.iter().map(|&b| 1 + usize::from(b >= 0x80)).sum());
+    out.extend(bytes.iter().map(|&b| char::from(b)));
+    out
 }
 
 #[cfg(test)]

@@ -9,7 +9,6 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
-use bytes::Bytes;
 use http::{HeaderValue, Uri};
 use http_body_util::Full;
 use hyper_rustls::HttpsConnector;
@@ -19,6 +18,7 @@ use hyper_util::rt::TokioExecutor;
 
 use crate::error::PveError;
 
+mod body;
 mod config;
 mod decode;
 mod request;
@@ -27,7 +27,7 @@ mod retry;
 pub use config::{ApiCall, ApiObserver, PveConfig, RequestGate, DEFAULT_POOL_IDLE, MAX_POOL_IDLE};
 pub use retry::RetryPolicy;
 
-type HttpClient = Client<HttpsConnector<HttpConnector>, Full<Bytes>>;
+type HttpClient = Client<HttpsConnector<HttpConnector>, Full<body::WipedBody>>;
 
 struct Inner {
     http: HttpClient,

@@ -6,12 +6,12 @@
 use std::error::Error;
 use std::time::Instant;
 
-use bytes::Bytes;
 use http::header::{ACCEPT, AUTHORIZATION, CONTENT_TYPE};
 use http::{Method, Request};
 use http_body_util::{BodyExt, Full, Limited};
 use serde::de::DeserializeOwned;
 
+use super::body::WipedBody;
 use super::config::ApiCall;
 use super::decode::{api_error, decode_data};
 use super::retry::retryable;
@@ -120,11 +120,12 @@ impl PveClient {
             .uri(&url)
             .header(AUTHORIZATION, self.inner.auth.clone())
             .header(ACCEPT, "application/json");
+        // Built again for each attempt, and wiped when hyper drops it.
         let body = if has_body {
             req = req.header(CONTENT_TYPE, "application/x-www-form-urlencoded");
-            Bytes::from(params.encode())
+            WipedBody::new(params.encode().into_bytes())
         } else {
-            Bytes::new()
+            WipedBody::default()
         };
         let req = req.body(Full::new(body)).map_err(|e| {
             PveError::InvalidArgument(format!("cannot build request for {op} ({path}): {e}"))
