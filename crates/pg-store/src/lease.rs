@@ -41,7 +41,8 @@ const ACQUIRE: &str = "UPDATE bigfleet_lease
 const TAKE_LEASE_LOCK: &str = concat!("SELECT pg_advisory_xact_lock(", lease_lock_key!(), ")");
 
 const RENEW: &str = "UPDATE bigfleet_lease SET expires_at = now() + make_interval(secs => $2)
-     WHERE id = 1 AND epoch = $1";
+     WHERE id = 1 AND epoch = $1
+     RETURNING (SELECT schema_version FROM bigfleet_meta WHERE id = 1)";
 
 const RELEASE: &str = "UPDATE bigfleet_lease SET expires_at = '-infinity'
      WHERE id = 1 AND epoch = $1";
@@ -180,11 +181,26 @@ impl Lease {
     pub async fn renew(&self, epoch: i64, ttl: Duration) -> Result<Option<Instant>, StoreError> {
         let client = self.client().await?;
         let sent = Instant::now();
-        let updated = client
-            .execute(RENEW, &[&epoch, &ttl.as_secs_f64()])
+        let renewed = client
+            .query_opt(RENEW, &[&epoch, &ttl.as_secs_f64()])
             .await
             .map_err(|e| self.error("cannot renew the leader lease", e))?;
-        Ok((updated == 1).then_some(sent))
+        let Some(row) = renewed else {
+            return Ok(None);
+        };
+        // A replica of a newer release may have migrated the schema while
+        // this one led (it migrates when it opens the state); a leader that
+        // kept committing would write rows the newer schema reads wrongly.
+        let version: Option<i64> = row.get(0);
+        if let Some(version) = version.filter(|v| *v > crate::SCHEMA_VERSION) {
+            return Err(StoreError::incompatible(format!(
+                "PostgreSQL state {} now has schema {version}, written by a newer release (this \
+                 one knows up to {}): this replica stops leading; upgrade it",
+                self.target,
+                crate::SCHEMA_VERSION
+            )));
+        }
+        Ok(Some(sent))
     }
 
     /// Give the lease held under `epoch` up, so a standby takes it at its

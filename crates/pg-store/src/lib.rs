@@ -99,6 +99,30 @@ pub struct PgStore {
     thread: Option<JoinHandle<()>>,
 }
 
+/// The whole state at `target`, read without writing anything (see
+/// `schema::read_unchanged`): `state copy --from`. `None` when the database
+/// holds no state. Blocks until the database answered.
+pub fn read_state(target: &Target, options: &PgOptions) -> Result<Option<Loaded>, StoreError> {
+    let name = target.display().to_string();
+    let pool = build_pool(target, options, 1)?;
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| {
+            StoreError::unavailable(format!(
+                "PostgreSQL state {name}: cannot start a runtime to read it: {e}"
+            ))
+            .with_source(e)
+        })?;
+    runtime.block_on(async {
+        let mut client = pool
+            .get()
+            .await
+            .map_err(|e| pool_error(&name, "cannot connect", e))?;
+        schema::read_unchanged(&name, &mut client).await
+    })
+}
+
 impl PgStore {
     /// Connect, create or migrate the schema to [`SCHEMA_VERSION`], and
     /// start the writer. Blocks until the database answered (or refused).

@@ -130,6 +130,58 @@ pub(crate) fn vanished(target: &str) -> StoreError {
     ))
 }
 
+/// The whole state at `target`, read without writing anything: for
+/// `state copy --from`, whose source must stay as it was (a rollback to the
+/// release that wrote it must still read it, and a provider that owns it
+/// must not find its writer generation moved). An older schema is migrated
+/// inside the read's own transaction, which is then rolled back, so the
+/// source never sees it. `None` when the database holds no state.
+pub(crate) async fn read_unchanged(
+    target: &str,
+    client: &mut Client,
+) -> Result<Option<providerkit::Loaded>, StoreError> {
+    let err = |action: &str| {
+        let action = action.to_string();
+        move |e| pg_error(target, &action, e)
+    };
+    let tx = client
+        .build_transaction()
+        .isolation_level(tokio_postgres::IsolationLevel::RepeatableRead)
+        .start()
+        .await
+        .map_err(err("cannot start the read transaction"))?;
+    let exists: bool = tx
+        .query_one("SELECT to_regclass('bigfleet_meta') IS NOT NULL", &[])
+        .await
+        .map_err(err("cannot read the schema"))?
+        .get(0);
+    if !exists {
+        return Ok(None);
+    }
+    let version: i64 = tx
+        .query_one("SELECT schema_version FROM bigfleet_meta WHERE id = 1", &[])
+        .await
+        .map_err(err("cannot read the schema version"))?
+        .get(0);
+    if version > SCHEMA_VERSION {
+        return Err(StoreError::incompatible(format!(
+            "PostgreSQL state {target} was written by a newer version (schema {version}, this \
+             build knows up to {SCHEMA_VERSION})"
+        )));
+    }
+    for (from, sql) in MIGRATIONS.iter().enumerate().skip(version.max(0) as usize) {
+        let to = from as i64 + 1;
+        tx.batch_execute(sql)
+            .await
+            .map_err(err(&format!("cannot read schema {from} as {to}")))?;
+    }
+    let loaded = crate::decode::load_state(target, &tx).await?;
+    tx.rollback()
+        .await
+        .map_err(err("cannot end the read transaction"))?;
+    Ok(Some(loaded))
+}
+
 /// [`prepare`], or `None` with nothing written when the database holds no
 /// state and `absent` says to leave it so.
 pub(crate) async fn prepare_if(

@@ -230,6 +230,15 @@ impl Target {
         &self.display
     }
 
+    /// The host the URL names (a TCP host name or address, or a socket
+    /// directory), if any.
+    pub fn host(&self) -> Option<String> {
+        match self.config.get_hosts().first()? {
+            Host::Tcp(name) => Some(name.clone()),
+            Host::Unix(path) => Some(path.display().to_string()),
+        }
+    }
+
     /// The TLS mode the URL asked for.
     pub fn tls(&self) -> &Tls {
         &self.tls

@@ -299,12 +299,16 @@ pub enum LeaseLost {
     TakenUnderThisName { replica: String, epoch: i64 },
     /// No renewal succeeded before the term ran out.
     Expired { last_error: Option<String> },
+    /// A replica of a newer release raised the state's schema: this one
+    /// stops committing at once.
+    NewerSchema { message: String },
 }
 
 impl std::fmt::Display for LeaseLost {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             LeaseLost::Taken => f.write_str("another replica took the leader lease"),
+            LeaseLost::NewerSchema { message } => f.write_str(message),
             LeaseLost::TakenUnderThisName { replica, epoch } => write!(
                 f,
                 "another live replica runs under this replica's name {replica} and took the \
@@ -356,6 +360,12 @@ pub async fn hold_lease(lease: &Lease, config: &LeaseConfig, term: &Term, epoch:
             Ok(None) => {
                 term.end();
                 return who_took_it(lease, config).await;
+            }
+            Err(e) if e.kind() == providerkit::StoreErrorKind::Incompatible => {
+                term.end();
+                return LeaseLost::NewerSchema {
+                    message: e.to_string(),
+                };
             }
             Err(e) => {
                 tracing::warn!(error = %e, "cannot renew the leader lease; retrying until it runs out");

@@ -16,6 +16,7 @@ pub mod config;
 pub mod core_dumps;
 pub mod error;
 pub mod guard;
+pub mod hygiene;
 pub mod identity;
 pub mod intake;
 pub mod layers;

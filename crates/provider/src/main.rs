@@ -95,6 +95,9 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    for warning in bigfleet_proxmox::hygiene::warnings(&args, &plan) {
+        tracing::warn!(warning = %warning, "secrets at risk");
+    }
     let runtime = match runtime() {
         Ok(rt) => rt,
         Err(e) => {

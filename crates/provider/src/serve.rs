@@ -121,6 +121,7 @@ fn log_serving(plan: &Plan, local_addr: &std::net::SocketAddr, metrics_local: &s
         zones = %catalog.zones.join(","),
         metrics_addr = %metrics_local,
         store = %engine_store_name(plan),
+        store_tls = store_tls(plan),
         "{}",
         providerkit::service::STARTUP_MESSAGE
     );
@@ -481,6 +482,18 @@ fn tls_handshakes(
         }
     });
     tokio_stream::wrappers::ReceiverStream::new(rx)
+}
+
+/// How the state store is reached: `verify-full` or `disabled` for a
+/// PostgreSQL state, `-` for a file or memory.
+fn store_tls(plan: &Plan) -> &'static str {
+    match plan.state.as_ref().map(|s| &s.location) {
+        Some(StateLocation::Postgres { target, .. }) => match target.tls() {
+            pg_store::Tls::Disabled => "disabled",
+            pg_store::Tls::VerifyFull { .. } => "verify-full",
+        },
+        _ => "-",
+    }
 }
 
 fn engine_store_name(plan: &Plan) -> String {

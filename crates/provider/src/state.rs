@@ -8,8 +8,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use pg_store::{PgOptions, PgStore, Target, TargetError};
-use providerkit::{StateDump, Store, StoreError};
-use sqlite_store::{Origin, SqliteStore};
+use providerkit::{StateDump, StateSource, Store, StoreError};
+use sqlite_store::{Origin, ReadOnlySource, SqliteStore};
 
 /// A state: an SQLite file or a PostgreSQL database.
 #[derive(Clone, Debug)]
@@ -48,9 +48,6 @@ pub enum Purpose {
     /// The provider serves it: created when absent, migrated; with a
     /// lease epoch, every commit checks that this replica still leads.
     Serve { lease_epoch: Option<i64> },
-    /// `state copy --from`: it must already be a state; nothing is
-    /// created for a mistyped name.
-    CopySource,
     /// `state copy --to`: created when absent.
     CopyTarget,
 }
@@ -129,18 +126,7 @@ impl StateLocation {
     /// the database answered.
     pub fn open(&self, purpose: Purpose) -> Result<OpenedState, OpenError> {
         match self {
-            StateLocation::Sqlite(path) => {
-                if purpose == Purpose::CopySource {
-                    if let Err(e) = std::fs::symlink_metadata(path) {
-                        // Anything but a missing file is for the store's
-                        // open to say, as it would at the provider's start.
-                        if e.kind() == std::io::ErrorKind::NotFound {
-                            return Err(OpenError::NoState("no file is at that path"));
-                        }
-                    }
-                }
-                Ok(OpenedState::Sqlite(SqliteStore::open(path)?))
-            }
+            StateLocation::Sqlite(path) => Ok(OpenedState::Sqlite(SqliteStore::open(path)?)),
             StateLocation::Postgres {
                 target, options, ..
             } => {
@@ -152,15 +138,67 @@ impl StateLocation {
                         };
                         PgStore::open(target, &options)?
                     }
-                    // A source is read, never created: a database without
-                    // the state's tables is left as it was.
-                    Purpose::CopySource => PgStore::open_existing(target, options)?
-                        .ok_or(OpenError::NoState("the database has no state tables"))?,
                     Purpose::CopyTarget => PgStore::open(target, options)?,
                 };
                 Ok(OpenedState::Postgres(store))
             }
         }
+    }
+}
+
+impl StateLocation {
+    /// The state as a copy's source: read without writing anything (no
+    /// lock file beside a state file, no migration, no writer generation
+    /// moved), so it stays byte for byte as it was. A path where nothing
+    /// is, or a database without the state's tables, is no state, and
+    /// nothing is created for it.
+    pub fn open_source(&self) -> Result<Box<dyn StateSource>, OpenError> {
+        match self {
+            StateLocation::Sqlite(path) => {
+                if let Err(e) = std::fs::symlink_metadata(path) {
+                    // Anything but a missing file is for the open to say.
+                    if e.kind() == std::io::ErrorKind::NotFound {
+                        return Err(OpenError::NoState("no file is at that path"));
+                    }
+                }
+                Ok(Box::new(ReadOnlySource::open(path)?))
+            }
+            StateLocation::Postgres {
+                target, options, ..
+            } => {
+                // Read once here, so a database without the tables is
+                // refused before anything else happens.
+                if pg_store::read_state(target, options)?.is_none() {
+                    return Err(OpenError::NoState("the database has no state tables"));
+                }
+                Ok(Box::new(PgSource {
+                    target: (**target).clone(),
+                    options: options.clone(),
+                }))
+            }
+        }
+    }
+}
+
+/// A PostgreSQL state as a copy's source: each read is its own snapshot,
+/// rolled back (see `pg_store::read_state`).
+struct PgSource {
+    target: Target,
+    options: PgOptions,
+}
+
+impl StateSource for PgSource {
+    fn read(&self) -> Result<providerkit::Loaded, StoreError> {
+        pg_store::read_state(&self.target, &self.options)?.ok_or_else(|| {
+            StoreError::corrupt(format!(
+                "PostgreSQL state {}: the state's tables went away during the copy",
+                self.target.display()
+            ))
+        })
+    }
+
+    fn describe(&self) -> String {
+        self.target.display().to_string()
     }
 }
 
@@ -287,7 +325,7 @@ mod tests {
         let dir = tempfile::tempdir().expect("tempdir");
         let path = dir.path().join("none.db");
         let location = StateLocation::Sqlite(path.clone());
-        match location.open(Purpose::CopySource) {
+        match location.open_source() {
             Err(OpenError::NoState(why)) => assert_eq!(why, "no file is at that path"),
             Err(e) => panic!("{e}"),
             Ok(_) => panic!("opened a state that is not there"),

@@ -176,10 +176,12 @@ pub fn run(args: &CopyArgs) -> Result<CopySummary, StateCopyError> {
             args.to.trim()
         )));
     }
-    let source = open(Side::Source, &from)?;
+    let source = from
+        .open_source()
+        .map_err(|e| opening(Side::Source, &from, e))?;
     let target = open(Side::Target, &to)?;
     let created_file = target.created_file();
-    let (source, target) = (source.into_dump(), target.into_dump());
+    let target = target.into_dump();
     let result = copy_state(&*source, &*target);
     let (from_name, to_name) = (source.describe(), target.describe());
     // Both close (their writers end, the file lock is released) before a
@@ -250,16 +252,17 @@ fn as_flag(side: Side, message: &str) -> String {
     }
 }
 
-/// Open one side as the provider opens its `--state`, except that a
-/// source must already be a state: a path where nothing is, or a database
-/// without the state's tables, is a mistake in `--from`, and nothing is
-/// created for it.
+/// Open the target as the provider opens its `--state` (the source is
+/// read without writing: [`StateLocation::open_source`]).
 fn open(side: Side, location: &StateLocation) -> Result<OpenedState, StateCopyError> {
-    let purpose = match side {
-        Side::Source => Purpose::CopySource,
-        Side::Target => Purpose::CopyTarget,
-    };
-    location.open(purpose).map_err(|e| match e {
+    location
+        .open(Purpose::CopyTarget)
+        .map_err(|e| opening(side, location, e))
+}
+
+/// A side that could not be opened, named as this command names it.
+fn opening(side: Side, location: &StateLocation, e: OpenError) -> StateCopyError {
+    match e {
         OpenError::NoState(why) => StateCopyError::NoSource {
             name: location.describe(),
             why,
@@ -270,7 +273,7 @@ fn open(side: Side, location: &StateLocation) -> Result<OpenedState, StateCopyEr
             message: as_flag(side, source.message()),
             source,
         },
-    })
+    }
 }
 
 /// Remove a target file this command created, with SQLite's companions.

@@ -39,7 +39,7 @@ pub use model::{
     wall_clock_ms, CatalogFacts, Facts, FactsInterner, InFlight, MachineRecord, RecordError,
     SharedFacts, State, TransitionError, TransitionKind,
 };
-pub use state_copy::{copy_state, CopyError, CopyReport, RestoreError, StateDump};
+pub use state_copy::{copy_state, CopyError, CopyReport, RestoreError, StateDump, StateSource};
 pub use store::{
     Change, ChangeBatch, ChangeQueue, CommitWaiter, FailedCommits, FenceMark, Loaded, Store,
     StoreError, StoreErrorKind, StoreErrorSource, Ticket,

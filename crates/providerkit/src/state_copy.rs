@@ -18,6 +18,27 @@ use crate::store::{Loaded, Store, StoreError};
 const DIFFERENCES_SHOWN: usize = 5;
 
 /// A store whose whole state can be read out and written into another.
+/// A state read whole, without being written: the source of a copy. Every
+/// [`StateDump`] is one; a source that must stay untouched (a state file a
+/// rollback still has to read) implements only this.
+pub trait StateSource {
+    /// Everything the state holds, in one consistent view.
+    fn read(&self) -> Result<Loaded, StoreError>;
+
+    /// What messages name the state by.
+    fn describe(&self) -> String;
+}
+
+impl<T: StateDump + ?Sized> StateSource for T {
+    fn read(&self) -> Result<Loaded, StoreError> {
+        self.dump()
+    }
+
+    fn describe(&self) -> String {
+        Store::describe(self)
+    }
+}
+
 pub trait StateDump: Store {
     /// Everything the state holds, read in one consistent view, without
     /// starting a boot generation (so reading a state never changes it).
@@ -137,8 +158,8 @@ fn summary(differences: &[String]) -> String {
 /// both back: the target must hold exactly the source's records and fence
 /// marks with at least its boot generation, and the source must not have
 /// changed meanwhile.
-pub fn copy_state(from: &dyn StateDump, to: &dyn StateDump) -> Result<CopyReport, CopyError> {
-    let (from_name, to_name) = (from.describe(), to.describe());
+pub fn copy_state(from: &dyn StateSource, to: &dyn StateDump) -> Result<CopyReport, CopyError> {
+    let (from_name, to_name) = (from.describe(), Store::describe(to));
     let read_source = |source| CopyError::ReadSource {
         from: from_name.clone(),
         source,
@@ -147,7 +168,7 @@ pub fn copy_state(from: &dyn StateDump, to: &dyn StateDump) -> Result<CopyReport
         to: to_name.clone(),
         source,
     };
-    let source = from.dump().map_err(read_source)?;
+    let source = from.read().map_err(read_source)?;
     let before = to.dump().map_err(read_target)?;
     if !before.machines.is_empty() || !before.fences.is_empty() {
         return Err(CopyError::TargetNotEmpty {
@@ -188,7 +209,7 @@ pub fn copy_state(from: &dyn StateDump, to: &dyn StateDump) -> Result<CopyReport
             differences,
         });
     }
-    let after = from.dump().map_err(read_source)?;
+    let after = from.read().map_err(read_source)?;
     let mut changed = differences_between(&source, &after);
     if after.boot_generation != source.boot_generation {
         changed.push(format!(

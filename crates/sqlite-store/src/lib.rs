@@ -27,6 +27,7 @@ mod error;
 mod import;
 mod lock;
 mod schema;
+mod source;
 mod writer;
 
 use std::path::{Path, PathBuf};
@@ -46,6 +47,7 @@ use crate::writer::{checkpoint_loop, shutdown, writer_loop, Shared};
 
 pub use import::Imported;
 pub use schema::SCHEMA_VERSION;
+pub use source::ReadOnlySource;
 
 /// How [`SqliteStore::open`] found the state.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -128,7 +128,7 @@ const IDENTITY_REFUSED: Proof = Source {
 };
 const STORE_UNAVAILABLE: Proof = Source {
     file: "crates/providerkit/src/error.rs",
-    text: "KitError::Store(_) => Code::Unavailable",
+    text: "KitError::Store(_) | KitError::NotCommitted { .. } => Code::Unavailable",
 };
 
 /// A mutation after SIGTERM; the live provider here is never stopping when
@@ -243,15 +243,76 @@ const CLAIMS: &[Claim] = &[
     },
     Claim {
         page: "configuration.md",
-        says: "larger messages are refused by the transport (`OUT_OF_RANGE`",
-        codes: &["OUT_OF_RANGE"],
+        says: "a Configure larger than its caps allow is refused from its length prefix, \
+               before its body is read (`INVALID_ARGUMENT`",
+        codes: &["INVALID_ARGUMENT"],
         proofs: &[Live(MessageOver4MiB)],
     },
     Claim {
         page: "observability.md",
-        says: "every RPC answers `UNAVAILABLE`",
+        says: "every CapacityProvider RPC answers `UNAVAILABLE`",
         codes: &["UNAVAILABLE"],
         proofs: &[STORE_UNAVAILABLE],
+    },
+    Claim {
+        page: "configuration.md",
+        says: "a request's body, from its headers | 15 s | `DEADLINE_EXCEEDED`",
+        codes: &["DEADLINE_EXCEEDED"],
+        proofs: &[Source {
+            file: "crates/provider/src/intake.rs",
+            text: "Status::deadline_exceeded(format!(",
+        }],
+    },
+    Claim {
+        page: "configuration.md",
+        says: "refused before its body is read (`PERMISSION_DENIED`)",
+        codes: &["PERMISSION_DENIED"],
+        proofs: &[Source {
+            file: "crates/provider/src/intake.rs",
+            text: ".admit_before_body(",
+        }],
+    },
+    Claim {
+        page: "configuration.md",
+        says: "a mutation is refused `UNAVAILABLE` and withdrawn",
+        codes: &["UNAVAILABLE"],
+        proofs: &[STORE_UNAVAILABLE],
+    },
+    Claim {
+        page: "operations.md",
+        says: "A mutation whose acceptance cannot be committed is refused `UNAVAILABLE`",
+        codes: &["UNAVAILABLE"],
+        proofs: &[STORE_UNAVAILABLE],
+    },
+    Claim {
+        page: "observability.md",
+        says: "every CapacityProvider and Admin RPC answers `UNAVAILABLE` at once",
+        codes: &["UNAVAILABLE"],
+        proofs: &[Source {
+            file: "crates/provider/src/leader.rs",
+            text: "\"the provider is starting and serves nothing yet: {what}",
+        }],
+    },
+    Claim {
+        page: "operations.md",
+        says: "Get and List answer `UNAVAILABLE` too while changes wait for a commit",
+        codes: &["UNAVAILABLE"],
+        proofs: &[STORE_UNAVAILABLE],
+    },
+    Claim {
+        page: "security.md",
+        says: "the mutation is answered `UNAVAILABLE` and withdrawn",
+        codes: &["UNAVAILABLE"],
+        proofs: &[STORE_UNAVAILABLE],
+    },
+    Claim {
+        page: "troubleshooting.md",
+        says: "a gRPC client gets `UNAVAILABLE: the provider is starting and serves nothing yet",
+        codes: &["UNAVAILABLE"],
+        proofs: &[Source {
+            file: "crates/provider/src/leader.rs",
+            text: "\"the provider is starting and serves nothing yet: {what}",
+        }],
     },
     Claim {
         page: "observability.md",

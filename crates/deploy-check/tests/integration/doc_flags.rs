@@ -60,6 +60,8 @@ const SPEC_FLAGS: &[&str] = &[
     "--log-format",
     "--log-level",
     "--core-dumps",
+    "--max-connections",
+    "--max-connections-per-peer",
     "--create-timeout",
     "--configure-timeout",
     "--drain-timeout",

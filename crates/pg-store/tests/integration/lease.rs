@@ -279,3 +279,23 @@ fn a_renewal_is_not_held_back_by_commits_in_flight() {
     assert!(renewed.is_some());
     in_flight.commit();
 }
+
+/// A replica of a newer release raised the schema under a leader: the
+/// leader's next renewal says so (Incompatible), so it stops leading
+/// instead of committing rows the newer schema would misread.
+#[test]
+fn a_renewal_finds_a_schema_a_newer_release_raised() {
+    let Some(state) = fresh() else { return };
+    let rt = runtime();
+    let (a, mine, _store) = leader(&rt, &state);
+    assert!(rt.block_on(a.renew(mine, TTL)).expect("renew").is_some());
+    state.schema.admin(&format!(
+        "UPDATE bigfleet_meta SET schema_version = {}",
+        pg_store::SCHEMA_VERSION + 1
+    ));
+    let e = rt
+        .block_on(a.renew(mine, TTL))
+        .expect_err("a newer schema ends the term");
+    assert_eq!(e.kind(), StoreErrorKind::Incompatible, "{e}");
+    assert!(e.to_string().contains("written by a newer release"), "{e}");
+}

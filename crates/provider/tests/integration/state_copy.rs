@@ -6,7 +6,7 @@
 //! the test server (provider-testkit's `postgres`); they skip without it
 //! and fail under CI=true.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 use std::process::{Command, Output, Stdio};
 use std::sync::Arc;
@@ -149,9 +149,18 @@ fn a_state_goes_from_sqlite_to_postgres_and_back_unchanged() {
         "the windows are in the database's columns"
     );
 
+    // A PostgreSQL source is read in a transaction that is rolled back:
+    // its writer generation (which a writer's open moves) stays.
+    let generation = "SELECT writer_generation FROM bigfleet_meta WHERE id = 1";
+    let before = schema.query_i64(generation);
     let out = copy(&schema.url, path_str(&back), &[]);
     let (stdout, stderr) = text(&out);
     assert!(out.status.success(), "{stdout}{stderr}");
+    assert_eq!(
+        schema.query_i64(generation),
+        before,
+        "the source was written"
+    );
     assert!(
         stdout.starts_with("copied 5 machines and 3 fence marks from postgres://"),
         "{stdout}"
@@ -260,14 +269,37 @@ fn a_sqlite_target_that_is_not_empty_is_refused_with_nothing_written() {
     assert_eq!(after.boot_generation, before.boot_generation);
 }
 
+/// Every file in `dir` with its bytes.
+fn files(dir: &Path) -> BTreeMap<String, Vec<u8>> {
+    std::fs::read_dir(dir)
+        .expect("read_dir")
+        .map(|e| {
+            let e = e.expect("entry");
+            let bytes = std::fs::read(e.path()).expect("read");
+            (e.file_name().to_string_lossy().into_owned(), bytes)
+        })
+        .collect()
+}
+
 #[test]
 fn sqlite_to_sqlite_creates_the_target_and_copies_everything() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let (source, target) = (dir.path().join("a.db"), dir.path().join("new.db"));
+    let (dir, elsewhere) = (
+        tempfile::tempdir().expect("tempdir"),
+        tempfile::tempdir().expect("tempdir"),
+    );
+    let (source, target) = (dir.path().join("a.db"), elsewhere.path().join("new.db"));
     write_state(&source);
+    let untouched = files(dir.path());
     let out = copy(path_str(&source), path_str(&target), &[]);
     let (stdout, stderr) = text(&out);
     assert!(out.status.success(), "{stdout}{stderr}");
+    // The source is read, never written: the same files, byte for byte,
+    // and no lock file beside it.
+    assert_eq!(
+        files(dir.path()),
+        untouched,
+        "the source's directory changed"
+    );
     assert_eq!(
         normalised(dump_sqlite(&target)).machines,
         normalised(dump_sqlite(&source)).machines

@@ -249,10 +249,9 @@ pub async fn a_mutation_the_store_cannot_commit_costs_no_machine(
     let back = wait_for_state(&engine, "m-1", State::Idle).await;
     assert!(back.last_error.is_empty(), "{back:?}");
     assert!(back.shard_metadata.is_empty(), "{back:?}");
-    assert!(
-        store.health().is_err(),
-        "the failing commit shows in health"
-    );
+    // The store keeps retrying the waiting changes; the withdrawal replaced
+    // the acceptance's row, so a store that refused only for its size may
+    // already commit again here.
     heal();
     crate::wait::Wait::new("the store to commit again", crate::engine::STATE_WAIT)
         .ok(|| store.health())
