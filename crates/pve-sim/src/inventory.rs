@@ -13,7 +13,7 @@ use crate::sim::Shared;
 use crate::state::{ApiError, ApiResult, Cluster, Vm};
 
 /// Root disk size reported for every VM.
-const STORAGE_BYTES: u64 = 32 * 1024 * 1024 * 1024;
+use crate::state::STORAGE_BYTES;
 
 impl Shared {
     // ---- cluster-level ----
@@ -155,7 +155,7 @@ impl Shared {
                 continue;
             }
             let sample = if lag.is_zero() {
-                Some(rrd_fields(vm))
+                Some(vm.rrd_sample())
             } else if c
                 .created
                 .get(&vm.vmid)
@@ -168,7 +168,7 @@ impl Shared {
                     .get(&vm.vmid)
                     .is_none_or(|(t, _)| now.duration_since(*t) >= lag);
                 if due {
-                    c.rrd.insert(vm.vmid, (now, rrd_fields(vm)));
+                    c.rrd.insert(vm.vmid, (now, vm.rrd_sample()));
                 }
                 c.rrd.get(&vm.vmid).map(|(_, v)| v.clone())
             };
@@ -687,7 +687,7 @@ fn node_mem(c: &Cluster, node: &str) -> u64 {
 /// pool members).
 fn resource_row(c: &Cluster, vm: &Vm) -> Value {
     let mut row = fresh_fields(vm);
-    if let (Value::Object(sample), Some(o)) = (rrd_fields(vm), row.as_object_mut()) {
+    if let (Value::Object(sample), Some(o)) = (vm.rrd_sample(), row.as_object_mut()) {
         o.extend(sample);
     }
     let online = c.nodes.get(&vm.node).is_some_and(|n| n.online);
@@ -718,23 +718,6 @@ fn fresh_fields(vm: &Vm) -> Value {
         v["hastate"] = json!(h);
     }
     v
-}
-
-/// Row fields from pvestatd's RRD sample of the VM.
-pub(crate) fn rrd_fields(vm: &Vm) -> Value {
-    json!({
-        "name": vm.name,
-        "status": vm.status_str(),
-        "template": u8::from(vm.template),
-        "maxmem": vm.memory_mib * 1024 * 1024,
-        "maxcpu": vm.cores * vm.sockets,
-        "maxdisk": STORAGE_BYTES,
-        "disk": 0,
-        "mem": if vm.running { vm.memory_mib * 1024 * 1024 / 4 } else { 0 },
-        "cpu": if vm.running { 0.01 } else { 0.0 },
-        "uptime": vm.started_at.map(|t| t.elapsed().as_secs()).unwrap_or(0),
-        "netin": 0, "netout": 0, "diskread": 0, "diskwrite": 0,
-    })
 }
 
 /// How PVE returns a stored description: it keeps it as `#` comment lines and

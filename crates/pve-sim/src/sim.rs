@@ -452,7 +452,7 @@ impl Shared {
                 .is_some_and(|t| now.duration_since(*t) < lag);
             if !too_new {
                 c.rrd
-                    .insert(vm.vmid, (now, crate::inventory::rrd_fields(&vm)));
+                    .insert(vm.vmid, (now, vm.rrd_sample()));
             }
         }
     }

@@ -12,6 +12,9 @@ use crate::agent::AgentState;
 use crate::schema::ParamErrors;
 use crate::tasks::Task;
 
+/// The size every simulated disk reports.
+pub(crate) const STORAGE_BYTES: u64 = 32 * 1024 * 1024 * 1024;
+
 /// An API failure, rendered the PVE way by the server.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum ApiError {
@@ -75,6 +78,25 @@ pub struct Vm {
 }
 
 impl Vm {
+    /// Row fields from pvestatd's RRD sample of the VM (what
+    /// `/cluster/resources` shows of it).
+    pub(crate) fn rrd_sample(&self) -> Value {
+        let vm = self;
+        json!({
+            "name": vm.name,
+            "status": vm.status_str(),
+            "template": u8::from(vm.template),
+            "maxmem": vm.memory_mib * 1024 * 1024,
+            "maxcpu": vm.cores * vm.sockets,
+            "maxdisk": STORAGE_BYTES,
+            "disk": 0,
+            "mem": if vm.running { vm.memory_mib * 1024 * 1024 / 4 } else { 0 },
+            "cpu": if vm.running { 0.01 } else { 0.0 },
+            "uptime": vm.started_at.map(|t| t.elapsed().as_secs()).unwrap_or(0),
+            "netin": 0, "netout": 0, "diskread": 0, "diskwrite": 0,
+        })
+    }
+
     pub fn agent_enabled(&self) -> bool {
         let first = self.agent.split(',').next().unwrap_or("");
         let v = first.strip_prefix("enabled=").unwrap_or(first);
