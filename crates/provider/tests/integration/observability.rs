@@ -662,6 +662,7 @@ async fn lifecycle_metrics_logs_and_secrets() {
         "DescribeManaged",
         "EnsureRunning",
         "Configure",
+        "NodeReady",
         "Drain",
     ] {
         assert_eq!(
@@ -692,6 +693,7 @@ async fn lifecycle_metrics_logs_and_secrets() {
         "DeleteVM",
         "EnsureRunning",
         "DescribeManaged",
+        "NodeReady",
     ] {
         assert_eq!(
             exp.must(&format!("{api_dur}_count"), &[("op", op)]),
