@@ -61,10 +61,14 @@ const NOT_RUN: &[(&str, &str)] = &[
         "a build; these tests run the debug binaries it makes",
     ),
     (
-        "target/debug/pve-sim --listen 127.0.0.1:18006 --guest-agent builtin --ca-out \
+        "pve-sim --listen 127.0.0.1:18006 --guest-agent builtin --ca-out \
          ./pve-sim-ca.pem > pve-sim.log 2>&1 &",
         "start_sim starts pve-sim the same way (--guest-agent builtin, --ca-out) for the \
          page's provider command, on a free port",
+    ),
+    (
+        "export PATH=\"$PWD/target/debug:$PATH\"",
+        "puts the debug binaries on PATH; these tests run them by path",
     ),
     (
         "sed -n 's/^token_secret: //p' pve-sim.log > token",
