@@ -358,7 +358,7 @@ fn provider_boots_from_the_image_root_as_65532_read_only_without_a_shell() {
         assert!(!in_ci(), "{why} (CI=true: the image boot must run)");
         provider_testkit::skip::report(
             "booting the provider from the image's root filesystem",
-            &why,
+            why,
         );
         return;
     }
