@@ -53,6 +53,22 @@ impl Baseline {
     }
 }
 
+/// The closing line of a certifying run that passed, naming the baseline
+/// that actually ran: without the upstream `go test` record, only the
+/// built-in baseline did, and the line must not claim the upstream one.
+pub fn certified_line(upstream_ran: bool) -> String {
+    if upstream_ran {
+        "CERTIFIED: proxmox passed the upstream baseline (go test), the built-in baseline and \
+         the extension suite"
+            .to_string()
+    } else {
+        format!(
+            "CERTIFIED: proxmox passed the built-in baseline and the extension suite (the upstream \
+             baseline did not run: set {SRC_ENV} to a bigfleet checkout to include it)"
+        )
+    }
+}
+
 /// The `go test` command line for `target`.
 pub fn go_test_args(target: &str) -> Vec<String> {
     [
@@ -118,4 +134,21 @@ pub async fn run(src: &Path, target: &str, log: &Path) -> anyhow::Result<String>
     );
     let summary: Vec<&str> = text.lines().filter(|l| l.starts_with("ok")).collect();
     Ok(summary.join("; "))
+}
+
+#[cfg(test)]
+mod certified_tests {
+    use super::*;
+
+    #[test]
+    fn the_certified_line_names_the_baseline_that_ran() {
+        let built_in = certified_line(false);
+        assert!(
+            built_in.contains("passed the built-in baseline"),
+            "{built_in}"
+        );
+        assert!(!built_in.contains("passed the upstream"), "{built_in}");
+        assert!(built_in.contains(SRC_ENV), "{built_in}");
+        assert!(certified_line(true).contains("passed the upstream baseline (go test)"));
+    }
 }

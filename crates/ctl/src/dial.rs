@@ -68,26 +68,25 @@ impl Session {
         let hint = match status.code() {
             Code::FailedPrecondition => Some(precondition_hint.to_string()),
             // Locally generated transport failures carry a source; answers
-            // from the provider never do.
-            _ if std::error::Error::source(status).is_some()
-                || status.code() == Code::Unavailable =>
-            {
-                Some(if !self.tls {
-                    format!(
-                        "check that the provider runs at {}; if it serves TLS, pass --tls-ca \
+            // from the provider never do. A provider that answered
+            // UNAVAILABLE itself (a standby, a provider still starting, a
+            // state store that could not commit) was reached: its message
+            // says what to do, and "check that it runs" would mislead.
+            _ if std::error::Error::source(status).is_some() => Some(if !self.tls {
+                format!(
+                    "check that the provider runs at {}; if it serves TLS, pass --tls-ca \
                          (and --tls-cert/--tls-key for mTLS)",
-                        self.target
-                    )
-                } else if !self.client_cert {
-                    format!(
-                        "check that the provider runs at {} and whether it requires a client \
+                    self.target
+                )
+            } else if !self.client_cert {
+                format!(
+                    "check that the provider runs at {} and whether it requires a client \
                          certificate (--tls-cert/--tls-key)",
-                        self.target
-                    )
-                } else {
-                    format!("check that the provider runs at {}", self.target)
-                })
-            }
+                    self.target
+                )
+            } else {
+                format!("check that the provider runs at {}", self.target)
+            }),
             Code::DeadlineExceeded => Some(format!(
                 "no answer within --timeout {}",
                 humantime::format_duration(self.timeout)
@@ -255,7 +254,7 @@ impl TlsDial {
         let tls = TlsConnector::from(Arc::new(config))
             .connect(self.server_name.clone(), tcp)
             .await
-            .map_err(|e| std::io::Error::other(format!("TLS handshake failed: {e}")))?;
+            .map_err(|e| std::io::Error::other(handshake_failure(&self.address, &e)))?;
         if probe.is_some_and(|p| p.0.load(Ordering::SeqCst)) {
             return Err(std::io::Error::other(
                 "the provider requires a client certificate (mTLS): pass --tls-cert and \
@@ -263,6 +262,32 @@ impl TlsDial {
             ));
         }
         Ok(TokioIo::new(tls))
+    }
+}
+
+/// What a failed TLS handshake means. A plaintext gRPC server answers the
+/// ClientHello with HTTP/2 bytes, which rustls reports only as a corrupt
+/// record; say what that means and what to do instead.
+fn handshake_failure(address: &str, e: &std::io::Error) -> String {
+    let plaintext = e
+        .get_ref()
+        .and_then(|inner| inner.downcast_ref::<rustls::Error>())
+        .is_some_and(|tls| {
+            matches!(
+                tls,
+                rustls::Error::InvalidMessage(
+                    rustls::InvalidMessage::InvalidContentType
+                        | rustls::InvalidMessage::UnknownProtocolVersion
+                )
+            )
+        });
+    if plaintext {
+        format!(
+            "TLS handshake failed: {e}: the provider at {address} seems to serve plaintext; \
+             drop --tls-ca/--tls-cert/--tls-key (or use an http:// target)"
+        )
+    } else {
+        format!("TLS handshake failed: {e}")
     }
 }
 
@@ -383,4 +408,92 @@ pub(crate) async fn connect_with_deadline(
         client_cert,
         timeout: args.timeout,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn session(tls: bool) -> Session {
+        let channel = Endpoint::from_static("http://127.0.0.1:1").connect_lazy();
+        Session {
+            client: CapacityProviderClient::new(channel.clone()),
+            admin: AdminClient::new(channel),
+            target: "127.0.0.1:1".into(),
+            tls,
+            client_cert: false,
+            timeout: Duration::from_secs(1),
+        }
+    }
+
+    #[tokio::test]
+    async fn the_provider_s_own_unavailable_gets_no_connection_hint() {
+        let s = session(false);
+        for answer in [
+            "replica r2 is a standby; the leader serves",
+            "the provider is starting and serves nothing yet: reading the state",
+            "the state store could not commit the mutation: disk full",
+        ] {
+            let err = s
+                .status_error("List", &tonic::Status::unavailable(answer))
+                .to_string();
+            assert_eq!(err, format!("List: UNAVAILABLE: {answer}"));
+        }
+    }
+
+    #[tokio::test]
+    async fn a_transport_failure_keeps_the_connection_hint() {
+        let s = session(false);
+        let io = std::io::Error::new(std::io::ErrorKind::ConnectionReset, "connection reset");
+        let status = tonic::Status::from_error(Box::new(io));
+        assert!(std::error::Error::source(&status).is_some());
+        let err = s.status_error("List", &status).to_string();
+        assert!(
+            err.contains(
+                "check that the provider runs at 127.0.0.1:1; if it serves TLS, pass --tls-ca"
+            ),
+            "{err}"
+        );
+    }
+
+    #[tokio::test]
+    async fn tls_against_a_plaintext_provider_says_so() {
+        // A plaintext HTTP/2 server opens with its SETTINGS frame: the bytes
+        // a TLS client reads where it expects a record.
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = listener.local_addr().unwrap().to_string();
+        tokio::spawn(async move {
+            use tokio::io::AsyncWriteExt;
+            while let Ok((mut conn, _)) = listener.accept().await {
+                let _ = conn.write_all(&[0, 0, 0, 4, 0, 0, 0, 0, 0]).await;
+                // Keep the connection open until the client gives up.
+                tokio::spawn(async move {
+                    tokio::time::sleep(Duration::from_secs(5)).await;
+                    drop(conn);
+                });
+            }
+        });
+        let key = rcgen::KeyPair::generate().unwrap();
+        let cert = rcgen::CertificateParams::new(vec!["localhost".to_string()])
+            .unwrap()
+            .self_signed(&key)
+            .unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let ca = dir.path().join("ca.pem");
+        std::fs::write(&ca, cert.pem()).unwrap();
+        let args = CtlArgs {
+            target: address.clone(),
+            tls_ca: Some(ca),
+            timeout: Duration::from_secs(5),
+            ..crate::tests::parse_ctl(&["list"])
+        };
+        let err = connect(&args).await.err().expect("the handshake fails");
+        let err = err.to_string();
+        assert!(
+            err.contains(&format!(
+                "the provider at {address} seems to serve plaintext; drop --tls-ca"
+            )),
+            "{err}"
+        );
+    }
 }

@@ -76,7 +76,7 @@ impl Mutation {
         });
         // `None`: a waited-for Delete removed the machine entirely.
         let machine = if wait.wait {
-            wait_for(session, id, target, snapshot, &wait).await?
+            wait_for(session, rpc, id, target, snapshot, &wait).await?
         } else {
             Some(snapshot)
         };
@@ -403,6 +403,11 @@ mod tests {
     #[derive(Subcommand, Debug)]
     enum ParentCommand {
         Ctl(CtlArgs),
+    }
+
+    /// Parsed arguments for tests elsewhere in the crate.
+    pub(crate) fn parse_ctl(argv: &[&str]) -> CtlArgs {
+        parse(argv).expect("valid arguments")
     }
 
     fn parse(argv: &[&str]) -> Result<CtlArgs, clap::Error> {

@@ -11,17 +11,60 @@ use crate::dial::Session;
 use crate::error::CtlError;
 use crate::render::{cell, elapsed, emit, json_error, state_name, MachineView, WatchLine};
 
-pub(crate) fn progress(start: Instant, id: &str, m: &Machine) {
+/// One `--wait` line: the state, and while a transition is under way what
+/// it waits for, as far as Get tells: the operation, how long the machine
+/// has been in this state, its host and the `last_error` the provider
+/// reports (none until the step fails or times out).
+pub(crate) fn progress_line(
+    total: Duration,
+    id: &str,
+    m: &Machine,
+    rpc: &str,
+    target: MachineState,
+    in_state: Duration,
+) -> String {
     let mut line = format!(
         "[{:>8}] {}: {}",
-        elapsed(start.elapsed()),
+        elapsed(total),
         cell(id),
         state_name(m.state)
     );
-    if m.state == MachineState::Failed as i32 && !m.last_error.is_empty() {
+    let transitional = [
+        MachineState::Creating,
+        MachineState::Configuring,
+        MachineState::Draining,
+        MachineState::Deleting,
+    ]
+    .iter()
+    .any(|s| *s as i32 == m.state);
+    if transitional && m.state != target as i32 {
+        let host = m
+            .host
+            .as_ref()
+            .filter(|h| !h.r#ref.is_empty())
+            .map(|h| format!("host {}/{}", cell(&h.provider), cell(&h.r#ref)))
+            .unwrap_or_else(|| "no host yet".to_string());
+        let error = if m.last_error.is_empty() {
+            "no error reported so far".to_string()
+        } else {
+            format!("last_error: {}", cell(&m.last_error))
+        };
+        // Whole seconds: the first line, just after the RPC, says no "for 0s".
+        let secs = in_state.as_secs();
+        if secs > 0 {
+            line.push_str(&format!(
+                " for {}",
+                humantime::format_duration(Duration::from_secs(secs))
+            ));
+        }
+        line.push_str(&format!(
+            ", waiting for the provider's {rpc} to reach {} ({host}; {error})",
+            state_name(target as i32)
+        ));
+    } else if !m.last_error.is_empty() {
         line.push_str(&format!(" ({})", cell(&m.last_error)));
     }
-    eprintln!("{line}");
+    line
 }
 
 /// Ctrl-C, registered at creation: a bare `ctrl_c()` future only installs
@@ -68,6 +111,7 @@ impl Interrupt {
 /// NOT_FOUND, i.e. the slot itself is gone.
 pub(crate) async fn wait_for(
     session: &mut Session,
+    rpc: &str,
     id: &str,
     target: MachineState,
     accepted: Machine,
@@ -76,7 +120,12 @@ pub(crate) async fn wait_for(
     let start = Instant::now();
     let mut ctrl_c = Interrupt::new()?;
     let mut current = accepted;
-    progress(start, id, &current);
+    // When the machine entered its current state, as far as this poll saw.
+    let mut state_since = Instant::now();
+    let line = |m: &Machine, since: Instant| {
+        progress_line(start.elapsed(), id, m, rpc, target, since.elapsed())
+    };
+    eprintln!("{}", line(&current, state_since));
     // A long transition is not silent: a line at least this often.
     let mut last_line = Instant::now();
     loop {
@@ -118,8 +167,11 @@ pub(crate) async fn wait_for(
             }
             Err(s) => return Err(session.status_error(&format!("Get {}", cell(id)), &s)),
         };
+        if next.state != current.state {
+            state_since = Instant::now();
+        }
         if next.state != current.state || last_line.elapsed() >= HEARTBEAT {
-            progress(start, id, &next);
+            eprintln!("{}", line(&next, state_since));
             last_line = Instant::now();
         }
         current = next;
@@ -200,5 +252,79 @@ pub(crate) async fn watch(
             _ = tokio::time::sleep(interval) => {}
             _ = ctrl_c.recv() => return Ok(()),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use bigfleet_proto::v1alpha1::HostRef;
+
+    fn configuring(last_error: &str) -> Machine {
+        Machine {
+            id: "m1".into(),
+            state: MachineState::Configuring as i32,
+            host: Some(HostRef {
+                provider: "proxmox".into(),
+                r#ref: "pve1/101".into(),
+            }),
+            last_error: last_error.into(),
+            ..Machine::default()
+        }
+    }
+
+    #[test]
+    fn a_transition_line_says_what_it_waits_for() {
+        let line = progress_line(
+            Duration::from_secs(70),
+            "m1",
+            &configuring(""),
+            "Configure",
+            MachineState::Configured,
+            Duration::from_secs(65),
+        );
+        assert_eq!(
+            line,
+            "[  70.00s] m1: CONFIGURING for 1m 5s, waiting for the provider's Configure to \
+             reach CONFIGURED (host proxmox/pve1/101; no error reported so far)"
+        );
+        let line = progress_line(
+            Duration::from_secs(3),
+            "m1",
+            &configuring("agent not running"),
+            "Configure",
+            MachineState::Configured,
+            Duration::from_secs(3),
+        );
+        assert!(
+            line.ends_with("(host proxmox/pve1/101; last_error: agent not running)"),
+            "{line}"
+        );
+    }
+
+    #[test]
+    fn settled_states_print_bare() {
+        let mut m = configuring("");
+        m.state = MachineState::Configured as i32;
+        let line = progress_line(
+            Duration::from_secs(1),
+            "m1",
+            &m,
+            "Configure",
+            MachineState::Configured,
+            Duration::ZERO,
+        );
+        assert_eq!(line, "[   1.00s] m1: CONFIGURED");
+        m.state = MachineState::Failed as i32;
+        m.last_error = "readiness timed out".into();
+        let line = progress_line(
+            Duration::from_secs(1),
+            "m1",
+            &m,
+            "Configure",
+            MachineState::Configured,
+            Duration::ZERO,
+        );
+        assert_eq!(line, "[   1.00s] m1: FAILED (readiness timed out)");
     }
 }

@@ -27,6 +27,7 @@ pub const OTHER_TOOLS: &[&str] = &[
     "podman",
     "pvenode",
     "pveum",
+    "pve-sim",
     "python3",
     "qm",
     "scp",

@@ -24,7 +24,7 @@ pub fn find_or_skip(name: &str, install: &str, check: &str) -> Option<PathBuf> {
         Ok(p) => Some(p),
         Err(e) if in_ci() => panic!("{e} (CI=true: {check} must run)"),
         Err(e) => {
-            eprintln!("SKIPPED {check}: {e}");
+            provider_testkit::skip::report(check, &e);
             None
         }
     }
@@ -46,7 +46,7 @@ pub fn python_module_or_skip(module: &str, install: &str, check: &str) -> bool {
     if in_ci() {
         panic!("{why} (CI=true: {check} must run)");
     }
-    eprintln!("SKIPPED {check}: {why}");
+    provider_testkit::skip::report(check, &why);
     false
 }
 

@@ -197,12 +197,13 @@ pub trait Substrate: Send + Sync + 'static {
 }
 
 /// The `op` label values [`Metered`] reports.
-pub const API_OPS: [&str; 6] = [
+pub const API_OPS: [&str; 7] = [
     "CloneVM",
     "DeleteVM",
     "DescribeManaged",
     "EnsureRunning",
     "Configure",
+    "NodeReady",
     "Drain",
 ];
 
@@ -279,8 +280,11 @@ impl Substrate for Metered {
         self.inner.readiness_gate()
     }
     async fn node_ready(&self, vm: &VmRef) -> Result<bool, SubstrateError> {
-        // Readiness probes are part of the Configure step.
-        self.timed("Configure", self.inner.node_ready(vm)).await
+        // A probe of its own: counted under Configure, the probes of one
+        // slow node made hundreds of Configure "successes" and hid the
+        // error ratio. "Not ready yet" (Ok(false)) is a probe that worked;
+        // only a probe that could not run is an error.
+        self.timed("NodeReady", self.inner.node_ready(vm)).await
     }
     fn readiness_detail(&self, vm: &VmRef) -> Option<String> {
         self.inner.readiness_detail(vm)
@@ -293,6 +297,29 @@ impl Substrate for Metered {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[derive(Default)]
+    struct Seen(parking_lot::Mutex<Vec<(&'static str, bool)>>);
+
+    impl ApiObserver for Seen {
+        fn observe(&self, op: &'static str, outcome: Result<(), ErrorKind>, _: Duration) {
+            self.0.lock().push((op, outcome.is_ok()));
+        }
+    }
+
+    #[tokio::test]
+    async fn readiness_probes_are_metered_as_their_own_op() {
+        let seen = Arc::new(Seen::default());
+        let fake = Arc::new(crate::fake::FakeCluster::new(
+            vec!["pve1".into()],
+            Duration::ZERO,
+        ));
+        let metered = Metered::new(fake, seen.clone());
+        let vm = VmRef::parse("pve1/100").expect("a VM ref");
+        assert!(metered.node_ready(&vm).await.expect("the fake is ready"));
+        assert_eq!(*seen.0.lock(), vec![("NodeReady", true)]);
+        assert!(API_OPS.contains(&"NodeReady"));
+    }
 
     #[test]
     fn the_cause_is_the_source_itself() {

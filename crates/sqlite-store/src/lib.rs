@@ -144,6 +144,8 @@ impl SqliteStore {
                 return Err(e);
             }
         };
+        // Past every refusal: the lock file this open created stays.
+        lock.keep();
         let origin = match imported {
             Some(imported) => Origin::Imported(imported),
             None if created => Origin::Created,

@@ -39,10 +39,18 @@ pub(crate) struct StateLock {
     db: File,
     _pid_file: File,
     key: (u64, u64),
+    /// `<path>.lock` when this open created it, until [`StateLock::keep`]:
+    /// an open that is refused afterwards (an empty or foreign file) must
+    /// leave nothing new beside the file it refused.
+    created_pid_file: Option<PathBuf>,
 }
 
 impl Drop for StateLock {
     fn drop(&mut self) {
+        if let Some(pid_path) = self.created_pid_file.take() {
+            // Best effort: a leftover lock file lets no one in (see above).
+            let _ = std::fs::remove_file(pid_path);
+        }
         if let Some(held) = HELD.lock().as_mut() {
             held.remove(&self.key);
         }
@@ -50,6 +58,11 @@ impl Drop for StateLock {
 }
 
 impl StateLock {
+    /// The open succeeded: `<path>.lock` stays when the lock is released.
+    pub(crate) fn keep(&mut self) {
+        self.created_pid_file = None;
+    }
+
     /// The locked database file (open read-write).
     pub(crate) fn file(&self) -> &File {
         &self.db
@@ -129,33 +142,41 @@ pub(crate) fn acquire(path: &Path) -> Result<StateLock, StoreError> {
             .map_err(|e| io_error(path, "cannot restrict permissions to 0600", e))?;
     }
     let key = (meta.dev(), meta.ino());
-    let pid_file = lock_pid_file(path)?;
+    let (pid_file, created) = lock_pid_file(path)?;
     held.insert(key);
     Ok(StateLock {
         db,
         _pid_file: pid_file,
         key,
+        created_pid_file: created.then(|| pid_path(path)),
     })
 }
 
 /// Take `<path>.lock` (refusing an older build that holds it) and write our
-/// pid into it.
-fn lock_pid_file(path: &Path) -> Result<File, StoreError> {
+/// pid into it; `true` when this call created it.
+fn lock_pid_file(path: &Path) -> Result<(File, bool), StoreError> {
     let pid_path = pid_path(path);
-    let mut file = OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create(true)
-        .truncate(false)
-        .mode(0o600)
-        .open(&pid_path)
-        .map_err(|e| {
-            io_error(
-                path,
-                &format!("cannot create lock file {}", pid_path.display()),
-                e,
-            )
-        })?;
+    let open = |create_new: bool| {
+        let mut options = OpenOptions::new();
+        options.read(true).write(true).mode(0o600);
+        if create_new {
+            options.create_new(true);
+        }
+        options.open(&pid_path)
+    };
+    let (file, created) = match open(true) {
+        Ok(file) => Ok((file, true)),
+        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => open(false).map(|f| (f, false)),
+        Err(e) => Err(e),
+    }
+    .map_err(|e| {
+        io_error(
+            path,
+            &format!("cannot create lock file {}", pid_path.display()),
+            e,
+        )
+    })?;
+    let mut file = file;
     match flock(&file, FlockOperation::NonBlockingLockExclusive) {
         Ok(()) => {}
         Err(e) if e == rustix::io::Errno::WOULDBLOCK => {
@@ -176,7 +197,7 @@ fn lock_pid_file(path: &Path) -> Result<File, StoreError> {
     };
     record_pid(&mut file)
         .map_err(|e| io_error(path, &format!("cannot write {}", pid_path.display()), e))?;
-    Ok(file)
+    Ok((file, created))
 }
 
 fn read_pid(file: &mut File) -> Option<u32> {

@@ -17,15 +17,15 @@ pub fn in_ci() -> bool {
 }
 
 /// A tool a test needs, as `found` says: the tool when present; when
-/// missing, `None` after printing `skipped: <why>` (the test returns
-/// early), or under `CI=true` a failure, as CI must exercise it. `why`
-/// names what is missing and how to install it.
+/// missing, `None` after reporting the skip ([`crate::skip::report`]; the
+/// test returns early), or under `CI=true` a failure, as CI must exercise
+/// it. `why` names what is missing and how to install it.
 pub fn or_skip<T>(found: Result<T, String>) -> Option<T> {
     match found {
         Ok(tool) => Some(tool),
         Err(why) if in_ci() => panic!("CI=true requires it: {why}"),
         Err(why) => {
-            println!("skipped: {why}");
+            crate::skip::report(&crate::skip::current_test(), &why);
             None
         }
     }

@@ -12,7 +12,7 @@
 //! Always: the fields read off a log line, in either log format; a GET to
 //! the probes and `/metrics` ([`http`]); awaiting a condition instead of
 //! sleeping ([`wait`]); the `tracing` events code under test emits
-//! ([`logs`]); what the host has ([`host`]).
+//! ([`logs`]); what the host has ([`host`]); a skip made visible ([`skip`]).
 //!
 //! With `proptest`, the fuzz targets' shared generators (`fuzz`).
 //!
@@ -30,6 +30,7 @@ pub mod http;
 pub mod logs;
 #[cfg(feature = "postgres")]
 pub mod postgres;
+pub mod skip;
 #[cfg(feature = "store-contract")]
 pub mod store_contract;
 pub mod wait;

@@ -22,10 +22,13 @@ pub fn url() -> Option<String> {
              (scripts/pg-throwaway.sh run -- cargo test ...)"
         ),
         _ => {
-            eprintln!(
-                "skipped: {URL_VAR} is not set; run the tests under `scripts/pg-throwaway.sh run \
-                 -- cargo test ...` (needs PostgreSQL's server binaries) to run the PostgreSQL \
-                 tests"
+            crate::skip::report(
+                &crate::skip::current_test(),
+                &format!(
+                    "{URL_VAR} is not set; run the tests under `scripts/pg-throwaway.sh run -- \
+                     cargo test ...` (needs PostgreSQL's server binaries) to run the PostgreSQL \
+                     tests"
+                ),
             );
             None
         }

@@ -212,7 +212,8 @@ async fn main_inner(cli: Cli) -> anyhow::Result<bool> {
     let ok = report.verdict == Verdict::Certified;
     if cli.certify {
         if ok {
-            println!("CERTIFIED: proxmox passed the upstream baseline + the extension suite");
+            let upstream_ran = report.baseline.contains_key(conformance::upstream::RECORD);
+            println!("{}", conformance::upstream::certified_line(upstream_ran));
         } else if let Some((id, r)) = report
             .baseline
             .iter()

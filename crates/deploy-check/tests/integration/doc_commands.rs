@@ -57,6 +57,24 @@ const NOT_RUN: &[(&str, &str)] = &[
          runs it when BIGFLEET_SRC is set",
     ),
     (
+        "cargo build -p bigfleet-proxmox -p pve-sim",
+        "a build; these tests run the debug binaries it makes",
+    ),
+    (
+        "pve-sim --listen 127.0.0.1:18006 --guest-agent builtin --ca-out \
+         ./pve-sim-ca.pem > pve-sim.log 2>&1 &",
+        "start_sim starts pve-sim the same way (--guest-agent builtin, --ca-out) for the \
+         page's provider command, on a free port",
+    ),
+    (
+        "export PATH=\"$PWD/target/debug:$PATH\"",
+        "puts the debug binaries on PATH; these tests run them by path",
+    ),
+    (
+        "sed -n 's/^token_secret: //p' pve-sim.log > token",
+        "at_sim writes pve-sim's token secret into the file --proxmox-token-file names",
+    ),
+    (
         "cargo build --release -p bigfleet-proxmox -p conformance",
         "a release build takes minutes; this test runs the debug build of the same binary",
     ),

@@ -96,6 +96,9 @@ const CTL_FLAGS: &[&str] = &[
     "--wait",
     "--wait-timeout",
     "--until",
+    "--max",
+    "--cluster",
+    "--blob-file",
 ];
 
 /// Flags of `bigfleet-proxmox state copy`. A Job's manifest in the docs

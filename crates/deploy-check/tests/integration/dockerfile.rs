@@ -10,7 +10,7 @@
 use std::process::Command;
 
 use deploy_check::dockerfile::{instructions, stages};
-use deploy_check::tools::{find, HADOLINT_INSTALL};
+use deploy_check::tools::{find_or_skip, HADOLINT_INSTALL};
 use deploy_check::workspace_root;
 
 use crate::common::workspace_package_field;
@@ -35,7 +35,12 @@ fn dockerfile() -> String {
 
 #[test]
 fn hadolint_passes() {
-    let hadolint = find("hadolint", HADOLINT_INSTALL).unwrap_or_else(|e| panic!("{e}"));
+    // Outside CI a missing hadolint is a reported skip, under CI=true a
+    // failure: a fresh machine's `make test` must not fail for want of it.
+    let Some(hadolint) = find_or_skip("hadolint", HADOLINT_INSTALL, "hadolint deploy/Dockerfile")
+    else {
+        return;
+    };
     let root = workspace_root();
     let out = Command::new(&hadolint)
         .arg("deploy/Dockerfile")

@@ -1696,11 +1696,14 @@ fn anti_affinity_yields_to_the_values_own_and_can_be_off() {
 
 #[test]
 fn several_replicas_without_postgres_are_refused_naming_the_fix() {
-    // helm checks the schema first: it names the value to set.
+    // The template's own refusal names replicaCount and what it needs. The
+    // schema must not refuse first: helm would then print only
+    // `at '/state/postgres/url': "" is shorter than 1 character`.
+    let want = "replicaCount above 1 needs the state in PostgreSQL: set state.postgres.url";
     let e = render_err(&format!("{MINIMAL_CA}replicaCount: 2\n"));
-    assert!(e.contains("/state/postgres/url"), "{e}");
-    // A render that skips the schema (helm --skip-schema-validation) meets
-    // the template's own refusal, which says what to do.
+    assert!(e.contains(want), "{e}");
+    assert!(!e.contains("shorter than"), "{e}");
+    // The same without the schema (helm --skip-schema-validation).
     let mut chart = chart();
     chart.schema = None;
     let e = chart
@@ -1710,15 +1713,15 @@ fn several_replicas_without_postgres_are_refused_naming_the_fix() {
         )
         .expect_err("refused")
         .to_string();
-    assert!(
-        e.contains("replicaCount above 1 needs the state in PostgreSQL: set state.postgres.url"),
-        "{e}"
-    );
+    assert!(e.contains(want), "{e}");
     // Nor with the state switched off, even with a URL left in the values.
     let e = render_err(&format!(
         "{MINIMAL_CA}replicaCount: 2\nstate: {{enabled: false, postgres: {{url: 'postgres://bf@db/bf'}}}}\n"
     ));
-    assert!(e.contains("/state/enabled"), "{e}");
+    assert!(
+        e.contains("state.postgres.url needs state.enabled: true"),
+        "{e}"
+    );
 }
 
 #[test]

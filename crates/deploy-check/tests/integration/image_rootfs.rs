@@ -44,7 +44,7 @@ fn staged_or_skip(check: &str) -> Option<PathBuf> {
         Ok(dir) => Some(dir),
         Err(e) if in_ci() => panic!("{e} (CI=true: {check} must run)"),
         Err(e) => {
-            eprintln!("SKIPPED {check}: {e}");
+            provider_testkit::skip::report(check, &e);
             None
         }
     }
@@ -356,7 +356,10 @@ fn provider_boots_from_the_image_root_as_65532_read_only_without_a_shell() {
     if !is_root() {
         let why = "chrooting as uid 65532 needs root";
         assert!(!in_ci(), "{why} (CI=true: the image boot must run)");
-        eprintln!("SKIPPED booting the provider from the image's root filesystem: {why}");
+        provider_testkit::skip::report(
+            "booting the provider from the image's root filesystem",
+            why,
+        );
         return;
     }
     let stage = final_stage();

@@ -137,7 +137,10 @@ fn verify_full_url(state: &PgState) -> Option<String> {
             std::env::var("CI").as_deref() != Ok("true"),
             "under CI=true the test server must speak TLS (scripts/pg-throwaway.sh with openssl)"
         );
-        eprintln!("skipped: the test server has no TLS (start it with scripts/pg-throwaway.sh)");
+        provider_testkit::skip::report(
+            &provider_testkit::skip::current_test(),
+            "the test server has no TLS (start it with scripts/pg-throwaway.sh)",
+        );
         return None;
     }
     let url = state

@@ -647,6 +647,8 @@ async fn lifecycle_metrics_logs_and_secrets() {
     assert_eq!(ok("Drain"), Some(1.0));
     assert_eq!(ok("DeleteVM"), Some(1.0));
     assert_eq!(ok("EnsureRunning"), Some(2.0));
+    // The fake backend has no readiness gate: no probe, and none counted.
+    assert_eq!(ok("NodeReady"), Some(0.0));
     assert!(ok("DescribeManaged").is_some_and(|v| v >= 2.0), "{text}");
     assert!(
         !exp.samples
@@ -662,6 +664,7 @@ async fn lifecycle_metrics_logs_and_secrets() {
         "DescribeManaged",
         "EnsureRunning",
         "Configure",
+        "NodeReady",
         "Drain",
     ] {
         assert_eq!(

@@ -150,6 +150,18 @@ fn empty_file_is_refused_and_left_alone() {
         )
     );
     assert_eq!(std::fs::metadata(&path).unwrap().len(), 0, "not written");
+    assert_only(dir.path(), &["state.db"]);
+}
+
+/// The directory holds exactly `names`: a refused open leaves nothing
+/// beside the file it refused (no `.lock`, no WAL files).
+fn assert_only(dir: &Path, names: &[&str]) {
+    let mut found: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    found.sort();
+    assert_eq!(found, names, "a refused open left files behind");
 }
 
 #[test]
@@ -174,6 +186,7 @@ fn schema_less_sqlite_file_is_refused() {
     assert!(text.contains("is not a valid state database"), "{text}");
     assert!(text.contains("without the state schema"), "{text}");
     assert!(text.contains("point --state at a new path"), "{text}");
+    assert_only(dir.path(), &["state.db"]);
 }
 
 #[test]
@@ -186,6 +199,7 @@ fn foreign_file_is_refused() {
     let text = err.to_string();
     assert!(text.contains("not an SQLite database"), "{text}");
     assert!(text.contains(&path.display().to_string()), "{text}");
+    assert_only(dir.path(), &["state.db"]);
 }
 
 #[tokio::test]

@@ -168,7 +168,10 @@ fn unwritable_directory_is_named() {
     } else if std::fs::write("/sys/probe", b"").is_err() {
         Path::new("/sys/state.db").to_path_buf()
     } else {
-        eprintln!("skipped: no unwritable directory available to this user");
+        provider_testkit::skip::report(
+            &provider_testkit::skip::current_test(),
+            "no unwritable directory available to this user",
+        );
         return;
     };
     let err = SqliteStore::open(&target).err().expect("must fail");

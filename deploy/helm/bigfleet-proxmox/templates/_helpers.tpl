@@ -147,11 +147,6 @@ too; failing here keeps a broken release from ever being applied.
 {{- if and (eq (default "full" .Values.proxmox.cloneMode) "linked") .Values.proxmox.nodeStorage -}}
 {{- fail "proxmox.cloneMode linked keeps every clone's disks on its template's storage (PVE refuses a target storage for linked clones): empty proxmox.nodeStorage, or set proxmox.cloneMode full" -}}
 {{- end -}}
-{{- if gt (int .Values.replicaCount) 1 -}}
-{{- if not (include "bigfleet-proxmox.postgres" .) -}}
-{{- fail "replicaCount above 1 needs the state in PostgreSQL: set state.postgres.url (see docs/install.md, High availability on PostgreSQL), or set replicaCount to 1 (an SQLite state is one file that one process owns)" -}}
-{{- end -}}
-{{- end -}}
 {{- if .Values.state.postgres.url -}}
 {{- if not .Values.state.enabled -}}
 {{- fail "state.postgres.url needs state.enabled: true (state.enabled false keeps the state in memory)" -}}
@@ -161,6 +156,11 @@ too; failing here keeps a broken release from ever being applied.
 {{- end -}}
 {{- if and (include "bigfleet-proxmox.postgresCA" .) (contains "sslrootcert=" .Values.state.postgres.url) -}}
 {{- fail "state.postgres.url carries sslrootcert= and state.postgres.ca is set: drop sslrootcert= from the URL (the chart names the mounted CA file)" -}}
+{{- end -}}
+{{- end -}}
+{{- if gt (int .Values.replicaCount) 1 -}}
+{{- if not (include "bigfleet-proxmox.postgres" .) -}}
+{{- fail "replicaCount above 1 needs the state in PostgreSQL: set state.postgres.url (see docs/install.md, High availability on PostgreSQL), or set replicaCount to 1 (an SQLite state is one file that one process owns)" -}}
 {{- end -}}
 {{- end -}}
 {{- if .Values.tls.enabled -}}
