@@ -451,8 +451,7 @@ impl Shared {
                 .get(&vm.vmid)
                 .is_some_and(|t| now.duration_since(*t) < lag);
             if !too_new {
-                c.rrd
-                    .insert(vm.vmid, (now, vm.rrd_sample()));
+                c.rrd.insert(vm.vmid, (now, vm.rrd_sample()));
             }
         }
     }
