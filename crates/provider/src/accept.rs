@@ -106,6 +106,28 @@ pub fn accept(
     listener: TcpListener,
     limits: ConnectionLimits,
 ) -> tokio_stream::wrappers::ReceiverStream<io::Result<Admitted>> {
+    accept_from(listener, limits)
+}
+
+/// Where connections come from: a TCP listener, or a test's stand-in.
+pub(crate) trait Listen: Send + 'static {
+    fn next(&self)
+        -> impl std::future::Future<Output = io::Result<(TcpStream, SocketAddr)>> + Send;
+}
+
+impl Listen for TcpListener {
+    fn next(
+        &self,
+    ) -> impl std::future::Future<Output = io::Result<(TcpStream, SocketAddr)>> + Send {
+        self.accept()
+    }
+}
+
+/// [`accept`] over any [`Listen`].
+pub(crate) fn accept_from(
+    listener: impl Listen,
+    limits: ConnectionLimits,
+) -> tokio_stream::wrappers::ReceiverStream<io::Result<Admitted>> {
     let (tx, rx) = tokio::sync::mpsc::channel(16);
     let slots = Arc::new(Semaphore::new(limits.total));
     let peers = Arc::new(Peers::default());
@@ -119,7 +141,7 @@ pub fn accept(
             let Ok(slot) = Arc::clone(&slots).acquire_owned().await else {
                 return;
             };
-            match listener.accept().await {
+            match listener.next().await {
                 Ok((tcp, peer)) => {
                     backoff = BACKOFF.0;
                     let Some(peer_slot) = peers.take(peer.ip(), limits.per_peer) else {
@@ -338,6 +360,35 @@ mod tests {
             .await
             .expect("accepted once a slot freed");
         assert!(second.is_some_and(|r| r.is_ok()));
+    }
+
+    /// A listener whose every accept fails as at the descriptor limit.
+    struct Starved(Arc<std::sync::atomic::AtomicUsize>);
+
+    impl Listen for Starved {
+        async fn next(&self) -> io::Result<(TcpStream, SocketAddr)> {
+            self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            Err(io::Error::from_raw_os_error(libc::EMFILE))
+        }
+    }
+
+    /// With accept failing at once, every time (the descriptor limit), the
+    /// loop backs off to one attempt a second instead of spinning.
+    #[test]
+    fn accept_errors_back_off_instead_of_spinning() {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .start_paused(true)
+            .build()
+            .expect("runtime");
+        runtime.block_on(async {
+            let attempts = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+            let _stream = accept_from(Starved(Arc::clone(&attempts)), ConnectionLimits::default());
+            tokio::time::sleep(Duration::from_secs(10)).await;
+            let n = attempts.load(std::sync::atomic::Ordering::Relaxed);
+            // 100 ms doubling to 1 s: 0, 0.1, 0.3, 0.7, 1.5, 2.5, ... 9.5 s.
+            assert!((5..=14).contains(&n), "{n} accept attempts in 10 s");
+        });
     }
 
     #[test]
