@@ -265,7 +265,7 @@ fn is_refusal(code: Code) -> bool {
 }
 
 /// One line per RPC, with its metrics. Server errors are a WARN each;
-/// refusals (see [`is_refusal`]) a WARN at most once per method and code
+/// refusals (the client-error codes) a WARN at most once per method and code
 /// every [`REFUSAL_LOG_PERIOD`], the rest at DEBUG, so a client retrying a
 /// refused call in a loop cannot flood the log. PERMISSION_DENIED is at
 /// DEBUG only: the identity guard, its only source, already writes a
