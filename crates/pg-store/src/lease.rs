@@ -192,12 +192,12 @@ impl Lease {
         // this one led (it migrates when it opens the state); a leader that
         // kept committing would write rows the newer schema reads wrongly.
         let version: Option<i64> = row.get(0);
-        if let Some(version) = version.filter(|v| *v > crate::SCHEMA_VERSION) {
+        if let Some(version) = version.filter(|v| *v > crate::schema::SCHEMA_VERSION) {
             return Err(StoreError::incompatible(format!(
                 "PostgreSQL state {} now has schema {version}, written by a newer release (this \
                  one knows up to {}): this replica stops leading; upgrade it",
                 self.target,
-                crate::SCHEMA_VERSION
+                crate::schema::SCHEMA_VERSION
             )));
         }
         Ok(Some(sent))
