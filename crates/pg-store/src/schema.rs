@@ -130,6 +130,34 @@ pub(crate) fn vanished(target: &str) -> StoreError {
     ))
 }
 
+/// The schema version of the state in this database, `None` when it holds
+/// none; a version newer than this build's is refused.
+async fn stored_version(
+    target: &str,
+    tx: &tokio_postgres::Transaction<'_>,
+) -> Result<Option<i64>, StoreError> {
+    let exists: bool = tx
+        .query_one("SELECT to_regclass('bigfleet_meta') IS NOT NULL", &[])
+        .await
+        .map_err(|e| pg_error(target, "cannot read the schema", e))?
+        .get(0);
+    if !exists {
+        return Ok(None);
+    }
+    let version: i64 = tx
+        .query_one("SELECT schema_version FROM bigfleet_meta WHERE id = 1", &[])
+        .await
+        .map_err(|e| pg_error(target, "cannot read the schema version", e))?
+        .get(0);
+    if version > SCHEMA_VERSION {
+        return Err(StoreError::incompatible(format!(
+            "PostgreSQL state {target} was written by a newer version (schema {version}, this \
+             build knows up to {SCHEMA_VERSION})"
+        )));
+    }
+    Ok(Some(version))
+}
+
 /// The whole state at `target`, read without writing anything: for
 /// `state copy --from`, whose source must stay as it was (a rollback to the
 /// release that wrote it must still read it, and a provider that owns it
@@ -150,25 +178,9 @@ pub(crate) async fn read_unchanged(
         .start()
         .await
         .map_err(err("cannot start the read transaction"))?;
-    let exists: bool = tx
-        .query_one("SELECT to_regclass('bigfleet_meta') IS NOT NULL", &[])
-        .await
-        .map_err(err("cannot read the schema"))?
-        .get(0);
-    if !exists {
+    let Some(version) = stored_version(target, &tx).await? else {
         return Ok(None);
-    }
-    let version: i64 = tx
-        .query_one("SELECT schema_version FROM bigfleet_meta WHERE id = 1", &[])
-        .await
-        .map_err(err("cannot read the schema version"))?
-        .get(0);
-    if version > SCHEMA_VERSION {
-        return Err(StoreError::incompatible(format!(
-            "PostgreSQL state {target} was written by a newer version (schema {version}, this \
-             build knows up to {SCHEMA_VERSION})"
-        )));
-    }
+    };
     for (from, sql) in MIGRATIONS.iter().enumerate().skip(version.max(0) as usize) {
         let to = from as i64 + 1;
         tx.batch_execute(sql)
@@ -201,30 +213,14 @@ pub(crate) async fn prepare_if(
     tx.execute("SELECT pg_advisory_xact_lock($1)", &[&MIGRATION_LOCK])
         .await
         .map_err(err("cannot take the migration lock"))?;
-    let exists: bool = tx
-        .query_one("SELECT to_regclass('bigfleet_meta') IS NOT NULL", &[])
-        .await
-        .map_err(err("cannot read the schema"))?
-        .get(0);
+    let stored = stored_version(target, &tx).await?;
+    let exists = stored.is_some();
     if !exists && absent == IfAbsent::Leave {
         // Dropping the transaction rolls it back: only the advisory lock
         // was taken.
         return Ok(None);
     }
-    let version: i64 = if exists {
-        tx.query_one("SELECT schema_version FROM bigfleet_meta WHERE id = 1", &[])
-            .await
-            .map_err(err("cannot read the schema version"))?
-            .get(0)
-    } else {
-        0
-    };
-    if version > SCHEMA_VERSION {
-        return Err(StoreError::incompatible(format!(
-            "PostgreSQL state {target} was written by a newer version (schema {version}, this \
-             build knows up to {SCHEMA_VERSION})"
-        )));
-    }
+    let version = stored.unwrap_or(0);
     for (from, sql) in MIGRATIONS.iter().enumerate().skip(version.max(0) as usize) {
         let to = from as i64 + 1;
         let action = format!("cannot migrate schema {from} to {to}");
