@@ -174,9 +174,10 @@ impl FromStr for TagStyle {
     }
 }
 
-/// Who may set tags that no VM carries yet (datacenter.cfg `user-tag-access`).
-/// A tag a request is not allowed to set answers 403 `Permission check failed
-/// (/, Sys.Modify)`, as PVE does for a token without `Sys.Modify` on `/`.
+/// Who may add or remove tags (datacenter.cfg `user-tag-access`). A tag a
+/// request may not add or remove answers 403 `Permission check failed (/,
+/// Sys.Modify for modifying tag 'X')`, as PVE does for a token without
+/// `Sys.Modify` on `/`.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub enum TagAccess {
     /// `user-allow=free` (PVE's default): any tag.
@@ -551,6 +552,14 @@ pub struct SimConfig {
     /// it `GET /cluster/sdn/vnets` answers 501 and every bridge is in
     /// `localnetwork`, whatever [`SimConfig::sdn_vnets`] says.
     pub sdn_installed: bool,
+    /// datacenter.cfg `registered-tags`: tags only a token with
+    /// `Sys.Modify` on `/` may add to or remove from a VM, whatever
+    /// `user-tag-access` says (pve-guest-common `get_allowed_tags`).
+    pub registered_tags: Vec<String>,
+    /// Each node's CPU threads: its `maxcpu`, and the most vCPUs
+    /// (`sockets` x `cores`) a VM may have there to start (qemu-server
+    /// `config_to_command`: `MAX N vcpus allowed per VM on this node`).
+    pub node_cpus: u32,
 }
 
 impl SimConfig {
@@ -634,6 +643,8 @@ impl Default for SimConfig {
             storages_offline: Vec::new(),
             sdn_vnets: Vec::new(),
             sdn_installed: true,
+            registered_tags: Vec::new(),
+            node_cpus: 64,
         }
     }
 }

@@ -55,10 +55,13 @@ impl Shared {
                     "ssl_fingerprint": self.fingerprint,
                     "level": "",
                 });
-                if n.online {
+                // pve-manager `API2/Nodes.pm` index: a node the token may
+                // not audit (`Sys.Audit` on `/nodes/<node>`) is listed
+                // without its figures (`API2Tools.pm` `extract_node_stats`).
+                if n.online && self.may_audit_node(name) {
                     let mem = node_mem(&c, name).min(self.cfg.node_memory.of(name));
                     v["cpu"] = json!(0.05);
-                    v["maxcpu"] = json!(64);
+                    v["maxcpu"] = json!(self.cfg.node_cpus);
                     v["mem"] = json!(mem);
                     v["maxmem"] = json!(self.cfg.node_memory.of(name));
                     v["uptime"] = json!(86400);
@@ -95,10 +98,17 @@ impl Shared {
                 let mut row = json!({
                     "id": format!("node/{name}"), "type": "node", "node": name,
                     "status": if n.online { "online" } else { "offline" },
-                    "maxcpu": NODE_CPUS, "maxmem": self.cfg.node_memory.of(name), "level": "",
-                    "cgroup-mode": 2,
+                    "level": "", "cgroup-mode": 2,
                 });
-                if n.online {
+                // The same `extract_node_stats` as `/nodes` (pve-manager
+                // `API2/Cluster.pm` `resources`): no figures without
+                // `Sys.Audit` on `/nodes/<node>`.
+                let audit = self.may_audit_node(name);
+                if audit {
+                    row["maxcpu"] = json!(self.cfg.node_cpus);
+                    row["maxmem"] = json!(self.cfg.node_memory.of(name));
+                }
+                if n.online && audit {
                     row["cpu"] = json!(0.05);
                     row["mem"] = json!(node_mem(&c, name).min(self.cfg.node_memory.of(name)));
                     row["disk"] = json!(4u64 << 30);
@@ -253,7 +263,7 @@ impl Shared {
             "idle": 0,
             "loadavg": ["0.42", "0.38", "0.35"],
             "cpuinfo": {
-                "cpus": NODE_CPUS, "cores": NODE_CPUS / 2, "sockets": 2,
+                "cpus": self.cfg.node_cpus, "cores": self.cfg.node_cpus.div_ceil(2), "sockets": 2,
                 "model": "QEMU Virtual CPU version 2.5+", "mhz": "2400.000",
                 "hvm": "1", "user_hz": 100, "flags": "fpu vme de pse tsc msr pae mce",
             },
@@ -343,6 +353,12 @@ impl Shared {
             out.dedup();
         }
         out
+    }
+
+    /// Whether the token may see `node`'s figures (`Sys.Audit` on
+    /// `/nodes/<node>`).
+    fn may_audit_node(&self, node: &str) -> bool {
+        self.holds(&format!("/nodes/{node}"), "Sys.Audit")
     }
 
     /// Whether the token holds `privilege` on `path`.
@@ -504,7 +520,7 @@ impl Shared {
                         for k in ["id", "type", "node", "pool", "hastate"] {
                             o.remove(k);
                         }
-                        o.insert("cpus".into(), json!(vm.cores * vm.sockets));
+                        o.insert("cpus".into(), json!(vm.vcpus()));
                         if !vm.template {
                             o.remove("template");
                         }
@@ -646,7 +662,7 @@ impl Shared {
             "qmpstatus": vm.status_str(),
             "agent": u8::from(vm.agent_enabled()),
             "ha": vm.ha_json(),
-            "cpus": vm.cores * vm.sockets,
+            "cpus": vm.vcpus(),
             "maxmem": vm.memory_mib * 1024 * 1024,
             "maxdisk": STORAGE_BYTES,
             "uptime": vm.started_at.map(|t| t.elapsed().as_secs()).unwrap_or(0),
@@ -798,7 +814,6 @@ fn default_privileges(pve9: bool) -> Vec<&'static str> {
 
 pub(crate) const PVE_VERSION: &str = "8.3.2";
 pub(crate) const PVE_REPOID: &str = "3e76eec21c4a14a7";
-const NODE_CPUS: u32 = 64;
 const ROOTFS_BYTES: u64 = 100 << 30;
 
 fn pool_members(c: &Cluster, pool: &str) -> Value {

@@ -47,8 +47,26 @@ impl Shared {
             )));
         }
         let target = p.get("target").unwrap_or(node).to_string();
-        // qemu-server checks a given `storage` before anything else: it must
-        // exist, and be shared when the clone goes to another node.
+        // qemu-server `clone_vm` checks a given `storage` before anything
+        // else (`storage_check_enabled`): it must exist and be enabled on
+        // the node the call runs on, the template's, even when the clone
+        // goes elsewhere (a shared storage whose `nodes` list leaves the
+        // template's node out fails here); then enabled on the target, and
+        // shared.
+        let enabled_on = |n: &str, st: &str| -> ApiResult<()> {
+            match self.storage_on(&c, n, st) {
+                Some(info) if !info.enabled => Err(ApiError::internal(format!(
+                    "storage '{st}' is not available on node '{n}'"
+                ))),
+                _ => Ok(()),
+            }
+        };
+        if let Some(st) = p.get("storage") {
+            enabled_on(node, st)?;
+            if target != node {
+                enabled_on(&target, st)?;
+            }
+        }
         let target_storage = match p.get("storage") {
             Some(st) => match self.storage_on(&c, node, st) {
                 None => return Err(ApiError::internal(format!("storage '{st}' does not exist"))),
@@ -333,6 +351,21 @@ impl Shared {
                     }
                     if vm.running {
                         return Err(format!("VM {vmid} already running"));
+                    }
+                    // qemu-server `config_to_command`: `maxcpus` is
+                    // `sockets` x `cores`, refused past the node's CPUs;
+                    // `-smp vcpus,...,maxcpus=N` with more `vcpus` than
+                    // that is QEMU's refusal.
+                    let allowed = me.cfg.node_cpus;
+                    if vm.max_vcpus() > allowed {
+                        return Err(format!("MAX {allowed} vcpus allowed per VM on this node"));
+                    }
+                    if vm.vcpus() > vm.max_vcpus() {
+                        return Err(format!(
+                            "start failed: QEMU exited with code 1 (kvm: Invalid CPU topology: \
+                             maxcpus must be equal to or greater than smp: sockets ({}) * cores ({}) < smp ({}))",
+                            vm.sockets, vm.cores, vm.vcpus()
+                        ));
                     }
                     Ok(())
                 })

@@ -133,8 +133,13 @@ pub(crate) fn config(_: &Shared, p: &Params) -> Required {
     let vm = vm_path(p);
     let mut out = Vec::new();
     for (key, privilege) in [
+        // qemu-server `$check_vm_modify_config_perm`: `$cpuoptions` and
+        // `$memoryoptions`.
         ("cores", "VM.Config.CPU"),
+        ("sockets", "VM.Config.CPU"),
+        ("vcpus", "VM.Config.CPU"),
         ("memory", "VM.Config.Memory"),
+        ("balloon", "VM.Config.Memory"),
         ("description", "VM.Config.Options"),
         ("tags", "VM.Config.Options"),
         ("protection", "VM.Config.Options"),

@@ -87,7 +87,7 @@ impl Vm {
             "status": vm.status_str(),
             "template": u8::from(vm.template),
             "maxmem": vm.memory_mib * 1024 * 1024,
-            "maxcpu": vm.cores * vm.sockets,
+            "maxcpu": vm.vcpus(),
             "maxdisk": STORAGE_BYTES,
             "disk": 0,
             "mem": if vm.running { vm.memory_mib * 1024 * 1024 / 4 } else { 0 },
@@ -95,6 +95,29 @@ impl Vm {
             "uptime": vm.started_at.map(|t| t.elapsed().as_secs()).unwrap_or(0),
             "netin": 0, "netout": 0, "diskread": 0, "diskwrite": 0,
         })
+    }
+
+    /// `balloon` (MiB): the least memory auto-ballooning may leave the
+    /// guest; `Some(0)` disables the balloon device; `None` = `memory`.
+    pub fn balloon_mib(&self) -> Option<u64> {
+        self.extra.get("balloon").and_then(|b| b.trim().parse().ok())
+    }
+
+    /// `sockets` x `cores`: the most vCPUs the VM can have (qemu-server
+    /// `config_to_command`'s `maxcpus`).
+    pub fn max_vcpus(&self) -> u32 {
+        self.sockets.max(1) * self.cores.max(1)
+    }
+
+    /// The vCPUs the guest boots with: `vcpus` when set (hot-plug), else
+    /// [`Vm::max_vcpus`]; what `cpus` of its status reports (qemu-server
+    /// `vmstatus`).
+    pub fn vcpus(&self) -> u32 {
+        self.extra
+            .get("vcpus")
+            .and_then(|v| v.trim().parse::<u32>().ok())
+            .filter(|v| *v > 0)
+            .unwrap_or_else(|| self.max_vcpus())
     }
 
     pub fn agent_enabled(&self) -> bool {

@@ -17,21 +17,37 @@ use crate::sim::{err_text, Shared};
 use crate::state::{locked, ApiError, ApiResult, Cluster, Vm};
 
 impl Shared {
-    /// Datacenter `user-tag-access`: setting a tag the VM does not carry yet
-    /// needs the policy's leave, else `Sys.Modify` on `/`.
+    /// pve-guest-common `GuestHelpers.pm` `assert_tag_permissions`: every
+    /// tag whose count changes, added *or removed* (a `tags` that replaces
+    /// the VM's, or `delete=tags`), needs the datacenter's leave
+    /// (`user-tag-access`, see [`crate::TagAccess`]) and must not be one of
+    /// `registered-tags`, unless the token holds `Sys.Modify` on `/`.
     fn check_tag_access(&self, c: &Cluster, vmid: u32, p: &Params) -> ApiResult<()> {
-        let Some(raw) = p.get("tags") else {
-            return Ok(());
+        let deleted = p
+            .get("delete")
+            .is_some_and(|d| d.split([',', ';', ' ']).any(|k| k == "tags"));
+        let new = match p.get("tags") {
+            Some(raw) => normalize_tags_with(raw, self.cfg.tag_style),
+            None if deleted => String::new(),
+            None => return Ok(()),
         };
         if self.holds("/", "Sys.Modify") {
             return Ok(());
         }
-        let have: Vec<String> = c
+        let old = c
             .vms
             .get(&vmid)
             .and_then(|vm| vm.tags.clone())
-            .map(|t| t.split(';').map(str::to_string).collect())
             .unwrap_or_default();
+        let count = |list: &str, tag: &str| list.split(';').filter(|t| *t == tag).count();
+        let mut changed: Vec<&str> = old
+            .split(';')
+            .chain(new.split(';'))
+            .filter(|t| !t.is_empty())
+            .filter(|t| count(&old, t) != count(&new, t))
+            .collect();
+        changed.sort_unstable();
+        changed.dedup();
         let in_use = |tag: &str| {
             c.vms.values().any(|vm| {
                 vm.tags
@@ -39,12 +55,12 @@ impl Shared {
                     .is_some_and(|t| t.split(';').any(|x| x == tag))
             })
         };
-        let wanted = normalize_tags_with(raw, self.cfg.tag_style);
-        for tag in wanted.split(';').filter(|t| !t.is_empty()) {
-            if !have.iter().any(|h| h == tag) && !self.cfg.tag_access.allows(tag, &in_use) {
+        for tag in changed {
+            let registered = self.cfg.registered_tags.iter().any(|r| r == tag);
+            if registered || !self.cfg.tag_access.allows(tag, &in_use) {
                 return Err(ApiError::Status(
                     403,
-                    "Permission check failed (/, Sys.Modify)".into(),
+                    format!("Permission check failed (/, Sys.Modify for modifying tag '{tag}')"),
                 ));
             }
         }
@@ -92,6 +108,44 @@ impl Shared {
     }
 }
 
+/// qemu-server `API2/Qemu.pm` `$load_and_check_config`: an update that sets
+/// `memory` or `balloon` dies when the balloon it leaves (the one sent,
+/// else the VM's, which a clone copied from its template) is above the
+/// memory (the one sent, else the VM's), before anything is written. A
+/// `delete=balloon` in the same request does not help: deletions are
+/// applied after this check.
+fn check_balloon(vm: &Vm, p: &Params) -> Result<(), String> {
+    let memory = p.get("memory").filter(|m| !m.is_empty());
+    let balloon = p.get("balloon");
+    if memory.is_none() && balloon.is_none() {
+        return Ok(());
+    }
+    let memory_mib = match memory {
+        Some(v) => parse_memory(v)?,
+        None => vm.memory_mib,
+    };
+    let balloon_mib = match balloon {
+        Some(b) => b
+            .trim()
+            .parse::<u64>()
+            .map_err(|_| format!("invalid balloon '{b}'"))?,
+        None => vm.balloon_mib().unwrap_or(0),
+    };
+    if balloon_mib > 0 && balloon_mib > memory_mib {
+        return Err("balloon value too large (must be smaller than assigned memory)".into());
+    }
+    Ok(())
+}
+
+/// `memory` as a number or PVE 8's property string (`current=N`).
+fn parse_memory(v: &str) -> Result<u64, String> {
+    let first = v.split(',').next().unwrap_or("");
+    let n = first.strip_prefix("current=").unwrap_or(first);
+    n.trim()
+        .parse()
+        .map_err(|_| format!("invalid memory '{v}'"))
+}
+
 /// Apply a validated config update like qemu-server's update_vm_api.
 fn apply_config(vm: &mut Vm, p: &Params, tag_style: TagStyle) -> Result<(), String> {
     let skiplock = p.bool("skiplock").unwrap_or(false);
@@ -108,6 +162,7 @@ fn apply_config(vm: &mut Vm, p: &Params, tag_style: TagStyle) -> Result<(), Stri
             );
         }
     }
+    check_balloon(vm, p)?;
     if let Some(del) = p.get("delete") {
         for key in del
             .split(|c: char| c == ',' || c == ';' || c.is_whitespace())
@@ -135,11 +190,7 @@ fn apply_config(vm: &mut Vm, p: &Params, tag_style: TagStyle) -> Result<(), Stri
             | "force" => {}
             "cores" => vm.cores = v.parse().map_err(|_| format!("invalid cores '{v}'"))?,
             "sockets" => vm.sockets = v.parse().map_err(|_| format!("invalid sockets '{v}'"))?,
-            "memory" => {
-                let first = v.split(',').next().unwrap_or("");
-                let n = first.strip_prefix("current=").unwrap_or(first);
-                vm.memory_mib = n.parse().map_err(|_| format!("invalid memory '{v}'"))?;
-            }
+            "memory" => vm.memory_mib = parse_memory(v)?,
             "description" => vm.description = Some(v.clone()),
             "tags" => {
                 let t = normalize_tags_with(v, tag_style);

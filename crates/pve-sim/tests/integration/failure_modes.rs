@@ -188,7 +188,10 @@ async fn restricted_user_tag_access_refuses_new_tags() {
     assert_eq!(put("allowed").await.status, 200, "listed");
     let r = put("allowed;brand-new").await;
     assert_eq!(r.status, 403);
-    assert_eq!(r.message(), "Permission check failed (/, Sys.Modify)");
+    assert_eq!(
+        r.message(),
+        "Permission check failed (/, Sys.Modify for modifying tag 'brand-new')"
+    );
     assert_eq!(
         sim.vm(140).unwrap().tags.as_deref(),
         Some("allowed"),
