@@ -410,6 +410,11 @@ fn pve_options(args: &Args, catalog: &Catalog) -> Result<PveOptions, ConfigError
             .iter()
             .filter_map(|(name, t)| t.storage.clone().map(|s| (name.clone(), s)))
             .collect(),
+        type_balloon: catalog
+            .types
+            .iter()
+            .filter_map(|(name, t)| t.balloon_mib.map(|b| (name.clone(), b)))
+            .collect(),
         // Retries of transient failures end before the engine's shortest
         // transition deadline, so last_error names the cause (the node, the
         // lock) rather than "deadline exceeded".

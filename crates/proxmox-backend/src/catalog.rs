@@ -21,6 +21,12 @@ pub struct InstanceType {
     /// `--node-storage`, else the template's own storage.
     #[serde(default)]
     pub storage: Option<String>,
+    /// The least memory (MiB) host auto-ballooning may leave a clone: at
+    /// most `memory_mib`; 0 removes the balloon device. Unset: the clone's
+    /// balloon is its memory (no ballooning below the type's size), or
+    /// stays 0 where the template has ballooning off.
+    #[serde(default)]
+    pub balloon_mib: Option<u64>,
 }
 
 /// One offering: `count` slots of one type on one node.
@@ -61,6 +67,7 @@ pub fn builtin_instance_types(template_vmid: u32) -> BTreeMap<String, InstanceTy
                 memory_mib: gib * 1024,
                 template_vmid,
                 storage: None,
+                balloon_mib: None,
             },
         )
     })
@@ -106,6 +113,13 @@ pub fn load_instance_types(
         }
         if t.template_vmid == 0 {
             t.template_vmid = template_vmid;
+        }
+        if let Some(b) = t.balloon_mib.filter(|b| *b > t.memory_mib) {
+            return Err(ConfigError::Invalid(format!(
+                "instance type {name}: balloon_mib {b} is above memory_mib {}: PVE refuses a balloon \
+                 larger than the memory; set balloon_mib at most memory_mib (0 turns ballooning off)",
+                t.memory_mib
+            )));
         }
         if let Some(st) = &t.storage {
             let valid = st.starts_with(|c: char| c.is_ascii_alphabetic())

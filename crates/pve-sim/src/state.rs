@@ -100,7 +100,9 @@ impl Vm {
     /// `balloon` (MiB): the least memory auto-ballooning may leave the
     /// guest; `Some(0)` disables the balloon device; `None` = `memory`.
     pub fn balloon_mib(&self) -> Option<u64> {
-        self.extra.get("balloon").and_then(|b| b.trim().parse().ok())
+        self.extra
+            .get("balloon")
+            .and_then(|b| b.trim().parse().ok())
     }
 
     /// `sockets` x `cores`: the most vCPUs the VM can have (qemu-server

@@ -32,8 +32,8 @@ pub use sdn::{SdnPath, SdnVnet, VnetZones};
 pub use tags::{is_valid_tag, join_tags, normalize_tags, sanitize_tag};
 pub use tls::{cert_fingerprint, format_fingerprint, parse_fingerprint, parse_fingerprints};
 pub use types::{
-    exit_ok, Cdrom, CloneParams, ClusterOptions, ClusterVm, ClusterVms, ConfigParams, ExecStatus,
-    FileEncoding, MigrateParams, NodeInfo, Permissions, PoolMember, StorageStatus, TagAccess,
-    TaskLogLine, TaskState, TaskStatus, TaskSummary, VmConfig, VmStatus,
+    exit_ok, Cdrom, CloneParams, ClusterOptions, ClusterVm, ClusterVms, ConfigParams, DeviceBus,
+    ExecStatus, FileEncoding, MigrateParams, NodeInfo, Passthrough, Permissions, PoolMember,
+    StorageStatus, TagAccess, TaskLogLine, TaskState, TaskStatus, TaskSummary, VmConfig, VmStatus,
 };
 pub use upid::Upid;

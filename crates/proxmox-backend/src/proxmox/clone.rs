@@ -16,6 +16,7 @@ use super::marker::{
 };
 use super::options::PveOptions;
 use super::placement::Placement;
+use super::sizing::{Inherited, CLEARED_KEYS};
 use super::slots::CloneSlots;
 use super::vmid::{LateClone, Vmids};
 use crate::substrate::{CloneRequest, SubstrateError, VmRef};
@@ -361,26 +362,33 @@ impl Cloner {
         Ok(())
     }
 
-    /// Sizes and tags the VM, waiting out the clone's config lock. Where the
-    /// cluster's `user-tag-access` refuses the per-machine tag (403), marks
-    /// by sizing and description only, from then on, with one warning.
+    /// Sizes and tags the VM, waiting out the clone's config lock: exactly
+    /// the instance type's vCPUs and memory whatever the template's
+    /// `sockets`, `vcpus` and `balloon` (see [`super::sizing`]), our tags
+    /// beside the template's. Where the cluster's `user-tag-access` refuses
+    /// the per-machine tag (403), marks by sizing and description only,
+    /// from then on, with one warning.
     pub(super) async fn mark(
         &self,
         vm: &VmRef,
         req: &CloneRequest,
+        inherited: &Inherited,
         deadline: Instant,
     ) -> Result<(), SubstrateError> {
-        let tags = vec![MANAGED_TAG.to_string(), machine_tag(&req.machine_id)];
+        let ours = vec![MANAGED_TAG.to_string(), machine_tag(&req.machine_id)];
+        let type_balloon = self.opts.type_balloon.get(&req.instance_type).copied();
         let mut params = ConfigParams {
             cores: Some(req.vcpu),
+            sockets: Some(1),
             memory: Some(req.memory_mib),
+            balloon: inherited.balloon(req.memory_mib, type_balloon),
             description: Some(marker_description(&req.machine_id, &req.operation_id)),
-            tags: (!self.tags.restricted()).then(|| tags.clone()),
+            tags: (!self.tags.restricted()).then(|| inherited.tags_with(&ours)),
             digest: None,
             // PVE copies a template's `protection: 1` onto its clones, and
             // a protected VM cannot be destroyed: the machine's VM is ours
             // to delete, so the flag goes in the same PUT as the marker.
-            delete: vec!["protection".to_string()],
+            delete: CLEARED_KEYS.iter().map(|k| k.to_string()).collect(),
         };
         let mut attempt = 0;
         loop {

@@ -31,7 +31,7 @@ pub const MANAGED_TAG: &str = "bigfleet";
 /// The per-machine tag `bigfleet-<machine id>`, made a valid PVE tag (see
 /// [`pve::sanitize_tag`]): it finds a machine's VM in the inventory without
 /// reading configs.
-pub(super) fn machine_tag(machine_id: &str) -> String {
+pub fn machine_tag(machine_id: &str) -> String {
     pve::sanitize_tag(&format!("bigfleet-{machine_id}"))
 }
 

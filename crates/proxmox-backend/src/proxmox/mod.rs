@@ -82,12 +82,13 @@ use clone::{Cloner, ClonerParts};
 use guest::Guest;
 use inventory::Inventory;
 use late::LateClones;
-use marker::{machine_tag, TagPolicy};
+use marker::TagPolicy;
 use node_memory::NodeMemory;
 use placement::{Placement, StorageRoom};
 use preflight::Preflight;
 use replica::Replicas;
 use restart::InterruptedClones;
+use sizing::Inherited;
 use slots::CloneSlots;
 use vmid::Vmids;
 
@@ -103,11 +104,13 @@ mod placement;
 mod preflight;
 mod replica;
 mod restart;
+mod sizing;
 mod slots;
 mod vmid;
 
 pub use marker::{
-    marker_description, owned_by, parse_marker, parse_marker_operation, vm_name, MANAGED_TAG,
+    machine_tag, marker_description, owned_by, parse_marker, parse_marker_operation, vm_name,
+    MANAGED_TAG,
 };
 pub use options::{
     parse_node_storage, parse_vmid_range, CloneMode, PveOptions, DEFAULT_DRAIN_COMMAND,
@@ -439,7 +442,7 @@ impl PveSubstrate {
                     .await?,
             ) || self
                 .placement
-                .needs_local_source(&req.node, storage.as_deref(), deadline)
+                .needs_local_source(&req.node, template_node, storage.as_deref(), deadline)
                 .await?);
         let (source_vmid, source_node, layout) = if replica {
             let (vmid, layout) = self
@@ -602,7 +605,20 @@ impl Substrate for PveSubstrate {
             // Under restricted tag access the tags never appear: marking is
             // then one idempotent PUT of sizing and marker, not a loop.
             if !tagged {
-                self.cloner.mark(&vm, req, deadline).await?;
+                // Its own config holds what it copied from its template
+                // (whose node may be down now).
+                let cfg = self
+                    .api
+                    .retry_pve(
+                        format!("reading the config of VM {vm}, cloned for this machine"),
+                        Some(&vm.node),
+                        deadline,
+                        |pve| pve.get_config(&vm.node, vm.vmid),
+                    )
+                    .await?;
+                self.cloner
+                    .mark(&vm, req, &Inherited::of(&cfg), deadline)
+                    .await?;
             }
             let st = self.api.managed_status(&vm, deadline).await?;
             self.ensure_running_status(&vm, &st, deadline).await?;
@@ -623,7 +639,15 @@ impl Substrate for PveSubstrate {
             .clone_planned(req, &template_node, &list, &name, deadline)
             .await?;
         tracing::info!(machine_id = %req.machine_id, vm = %vm, "clone done");
-        self.cloner.mark(&vm, req, deadline).await?;
+        // The template's settings (read once per template, cached), not a
+        // replica's: a clone of a replica must not keep the replica's tag.
+        let template = self
+            .placement
+            .layout(req.template_vmid, &template_node, None, deadline)
+            .await?;
+        self.cloner
+            .mark(&vm, req, &template.inherited, deadline)
+            .await?;
         self.api.start(&vm, deadline).await?;
         self.guest.wait_agent(&vm).await?;
         self.inventory.clear_pending(&req.machine_id);

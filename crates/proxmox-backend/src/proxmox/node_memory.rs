@@ -116,11 +116,22 @@ impl NodeMemory {
             .retry_raw(Some(node), deadline, |pve| pve.nodes())
             .await
             .map_err(|e| err_at(&what, Some(node), &e))?;
-        let Some(memory) = listed
-            .iter()
-            .find(|n| n.node == node)
-            .and_then(|n| n.maxmem)
-        else {
+        let row = listed.iter().find(|n| n.node == node);
+        let Some(memory) = row.and_then(|n| n.maxmem) else {
+            if row.is_some_and(|n| n.status == "online") {
+                // pve-manager lists a node the token may not audit without
+                // its figures (`extract_node_stats`): nothing to check a
+                // Create against, and nothing that clears by waiting.
+                return Err(SubstrateError::with_kind(
+                    providerkit::ErrorKind::Refused,
+                    format!(
+                        "{what}: GET /nodes lists node {node} online but without its memory figures: \
+                         the API token lacks Sys.Audit on /nodes/{node}. Grant it (`pveum acl modify /nodes \
+                         --tokens '{}' --roles PVEAuditor`), or turn the guard off (--node-memory-limit 0)",
+                        api.token_id()
+                    ),
+                ));
+            }
             return Err(SubstrateError::with_kind(
                 providerkit::ErrorKind::Transient,
                 format!("{what}: GET /nodes reports no maxmem for node {node} (offline, or not in the cluster)"),
@@ -197,6 +208,8 @@ impl NodeMemory {
                 "the node memory guard refused the clone",
                 no_room,
             )),
+            // A node the guard may not read: never clone unchecked.
+            Err(ClaimError::Unread(e)) if e.kind() == providerkit::ErrorKind::Refused => Err(e),
             Err(ClaimError::Unread(e)) => {
                 // An offline or unreachable node: the clone waits for it
                 // anyway, and a node that comes back holds none of the VMs

@@ -113,6 +113,9 @@ pub struct PveOptions {
     /// Storage a clone's disks go to, by instance type (catalog `storage`);
     /// wins over [`PveOptions::node_storage`].
     pub type_storage: BTreeMap<String, String>,
+    /// A clone's `balloon` (MiB) by instance type (catalog `balloon_mib`);
+    /// a type without one gets its memory.
+    pub type_balloon: BTreeMap<String, u64>,
     /// Storage a clone's disks (and a template replica's) go to, by node
     /// (`--node-storage`). Unset: the template's own storage id.
     pub node_storage: BTreeMap<String, String>,
@@ -146,6 +149,7 @@ impl Default for PveOptions {
             template_replicas: true,
             clone_mode: CloneMode::Full,
             type_storage: BTreeMap::new(),
+            type_balloon: BTreeMap::new(),
             node_storage: BTreeMap::new(),
             node_memory_limit: 1.0,
         }

@@ -16,6 +16,7 @@ use tokio::time::Instant;
 use super::api::{err_at, Api};
 use super::options::CloneMode;
 use super::options::PveOptions;
+use super::sizing::Inherited;
 use super::slots::storage_key;
 use crate::substrate::{CloneRequest, SubstrateError};
 
@@ -51,6 +52,8 @@ pub(super) struct Layout {
     /// CD-ROM drives: no room of their own, but a volume on local storage
     /// makes the template local to its node, as PVE counts it.
     pub(super) cdroms: Vec<pve::Cdrom>,
+    /// What a clone copies from it that its sizing PUT must know.
+    pub(super) inherited: Inherited,
 }
 
 /// One node's storages by id; a storage missing here is one the token may
@@ -61,6 +64,13 @@ pub(super) type NodeStorages = HashMap<String, StorageStatus>;
 /// the token cannot see counts as local (see [`Layout::shared`]).
 fn is_shared(storages: &NodeStorages, id: &str) -> bool {
     storages.get(id).is_some_and(|st| st.shared)
+}
+
+/// Whether `storages` (one node's) lists `id` as not enabled there (its
+/// `nodes` list leaves the node out, or it is disabled). One the list does
+/// not hold is not known to be disabled.
+fn disabled(storages: &NodeStorages, id: &str) -> bool {
+    storages.get(id).is_some_and(|st| st.enabled == Some(false))
 }
 
 impl Layout {
@@ -178,11 +188,15 @@ impl Placement {
     }
 
     /// Whether a full clone onto `storage` of `node` must run on `node`
-    /// itself: the storage is not shared (or the token cannot see it, which
-    /// PVE would refuse with `target` as well).
+    /// itself rather than from `template_node` with `target`: the storage
+    /// is not shared (or the token cannot see it, which PVE would refuse
+    /// with `target` as well), or storage.cfg does not enable it on the
+    /// template's node (qemu-server `clone_vm` checks `storage` on the node
+    /// it runs on first: `storage 'X' is not available on node 'N'`).
     pub(super) async fn needs_local_source(
         &self,
         node: &str,
+        template_node: &str,
         storage: Option<&str>,
         deadline: Instant,
     ) -> Result<bool, SubstrateError> {
@@ -190,7 +204,14 @@ impl Placement {
             return Ok(false);
         };
         let storages = self.node_storages(node, deadline).await?;
-        Ok(!is_shared(&storages, storage))
+        if !is_shared(&storages, storage) {
+            return Ok(true);
+        }
+        if node == template_node {
+            return Ok(false);
+        }
+        let at_template = self.node_storages(template_node, deadline).await?;
+        Ok(disabled(&at_template, storage))
     }
 
     /// Every storage a full clone on `node` may be given: the instance
@@ -262,6 +283,7 @@ impl Placement {
                 digest: cfg.digest.clone().unwrap_or_default(),
                 disks,
                 cdroms: cfg.cdroms(),
+                inherited: Inherited::of(&cfg),
             }))
         })
         .await
@@ -422,21 +444,31 @@ impl Placement {
             }
         }
         for (node, seen) in &node_storages {
-            let mut want: Vec<(&str, String)> = Vec::new();
+            let mut want: Vec<(&str, String, bool)> = Vec::new();
             if let Some(s) = self.opts.node_storage.get(*node) {
-                want.push((s, "--node-storage".into()));
+                want.push((s, "--node-storage".into(), true));
             }
             for (t, s) in &self.opts.type_storage {
-                want.push((s, format!("instance type {t}'s `storage`")));
+                want.push((s, format!("instance type {t}'s `storage`"), false));
             }
-            for (s, from) in want {
+            for (s, from, per_node) in want {
                 // The node's list holds every storage of storage.cfg, those
-                // not enabled on the node too (`enabled` 0).
+                // not enabled on the node too (`enabled` 0). A node's own
+                // storage must be usable there; a type's may be meant for
+                // the nodes that have it (its `nodes` list), and a Create
+                // of that type elsewhere is refused naming it.
                 if seen.get(s).is_some_and(|st| st.enabled == Some(false)) {
-                    return Err(SubstrateError::new(format!(
+                    let msg = format!(
                         "storage {s:?} (from {from}) is disabled on node {node}: enable it for node {node} \
                         (Datacenter > Storage, its `nodes`), or name a storage enabled there"
-                    )));
+                    );
+                    if per_node {
+                        return Err(SubstrateError::new(msg));
+                    }
+                    warnings.push(format!(
+                        "{msg}; Creates of that type on node {node} are refused"
+                    ));
+                    continue;
                 }
                 if !seen.contains_key(s) {
                     let mut have: Vec<&str> = seen.keys().map(String::as_str).collect();
@@ -545,14 +577,17 @@ impl Placement {
             let dest = full
                 .then(|| self.opts.node_storage.get(node.as_str()).cloned())
                 .flatten();
+            // A destination this node cannot reach by a clone from the
+            // template's node: local here, or not enabled there.
             let local_dest = dest
                 .as_deref()
-                .filter(|d| !seen.is_some_and(|m| is_shared(m, d)));
+                .filter(|d| !seen.is_some_and(|m| is_shared(m, d)) || disabled(tstorages, d));
             if shared {
                 if let (Some(d), false) = (local_dest, self.opts.template_replicas) {
                     return Err(SubstrateError::new(format!(
-                        "--node-storage {node}={d}: storage {d} is not shared, and PVE clones from \
-                         template {t} on node {tnode} to another node only onto shared storage. Leave \
+                        "--node-storage {node}={d}: storage {d} is not shared, or not enabled on node \
+                         {tnode}, and PVE clones from template {t} on node {tnode} to another node only onto \
+                         shared storage enabled on both. Leave \
                          --template-replicas on (a copy of the template on node {node} is cloned \
                          locally), or name a shared storage"
                     )));

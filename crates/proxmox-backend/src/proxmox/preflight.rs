@@ -37,8 +37,14 @@
 //!   `localnetwork`): `SDN.Use`, refused on a VNet the token can see, warned
 //!   of elsewhere (see [`sdn`]).
 //!
-//! Not needed, so not checked: `Sys.Audit` (`GET /nodes` and the status of
-//! the token's own tasks are open to every user; `/nodes/{node}/status` is
+//! - with the node memory guard on, on each node `/nodes/{node}`:
+//!   `Sys.Audit` (without it `GET /nodes` hides the node's memory);
+//! - on each resource mapping a template uses: `Mapping.Use` (mapped PCI
+//!   and USB devices; on PVE 9 a `custom-<name>` CPU model); a device
+//!   passed through by host address is refused (only root may clone it).
+//!
+//! Not needed, so not checked: `Sys.Audit` elsewhere (the status of the
+//! token's own tasks is open to every user; `/nodes/{node}/status` is
 //! never read), `Pool.Allocate` (the clone's `pool` needs `VM.Allocate`
 //! there), `Pool.Audit` (only used, when held, to confirm the pool exists).
 
@@ -153,6 +159,23 @@ const ON_REPLICA_DISKS: &[Need] = &[Need {
     any_of: &["VM.Config.Disk"],
 }];
 
+/// On each node, with the node memory guard on: without it `GET /nodes`
+/// lists the node without `maxmem` and `mem` (pve-manager `API2/Nodes.pm`,
+/// `extract_node_stats`), and the guard has nothing to check against.
+const ON_NODE: &[Need] = &[Need {
+    job: "read the node's memory for the node memory guard (--node-memory-limit)",
+    any_of: &["Sys.Audit"],
+}];
+
+/// On each resource mapping a template uses (`/mapping/{pci,usb,cpu}/<name>`):
+/// qemu-server's `clone_vm` checks it for mapped PCI and USB devices
+/// (`check_mapping_access`) and, from qemu-server 9.1.15, for a custom CPU
+/// model (`$check_cpu_model_access`).
+const ON_MAPPING: &[Need] = &[Need {
+    job: "clone a template that uses this resource mapping",
+    any_of: &["Mapping.Use"],
+}];
+
 const ON_STORAGE: &[Need] = &[Need {
     job: "allocate the clones' and replicas' disks",
     any_of: &["Datastore.AllocateSpace"],
@@ -225,6 +248,39 @@ fn url_port(url: &str) -> String {
     port.filter(|p| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()))
         .unwrap_or("443")
         .to_string()
+}
+
+/// The resource mappings the templates' clones are checked on, as
+/// qemu-server's `clone_vm` checks them: each mapped PCI or USB device
+/// (`/mapping/pci/<name>`, `/mapping/usb/<name>`) and, on PVE 9, a custom
+/// CPU model (`/mapping/cpu/<name>`). A device passed through by host
+/// address is refused: PVE lets only `root@pam` clone it.
+fn mapping_paths(configs: &[(u32, VmConfig)], major: u32) -> Result<Vec<String>, SubstrateError> {
+    let mut out = BTreeSet::new();
+    for (t, cfg) in configs {
+        for dev in cfg.passthrough() {
+            if dev.root_only() {
+                return Err(SubstrateError::with_kind(
+                    providerkit::ErrorKind::Refused,
+                    format!(
+                        "template VMID {t} passes through a host device ({}: {}), and PVE lets only \
+                         root@pam clone such a VM (qemu-server check_mapping_access). Map the device \
+                         (Datacenter > Resource Mappings) and use it by name: `qm set {t} --{} mapping=<name>`",
+                        dev.key,
+                        dev.host.as_deref().unwrap_or("no host or mapping"),
+                        dev.key
+                    ),
+                ));
+            }
+            if let Some(name) = &dev.mapping {
+                out.insert(format!("/mapping/{}/{name}", dev.bus.mapping_kind()));
+            }
+        }
+        if let Some(model) = cfg.custom_cpu_model().filter(|_| major >= 9) {
+            out.insert(format!("/mapping/cpu/{model}"));
+        }
+    }
+    Ok(out.into_iter().collect())
 }
 
 /// The major release number from `GET /version`'s `release` (`8.3` -> 8).
@@ -411,6 +467,14 @@ impl<'a> Preflight<'a> {
             paths.push((pool_path.clone(), ON_REPLICA_DISKS));
         }
         paths.extend(templates.iter().map(|t| (format!("/vms/{t}"), ON_TEMPLATE)));
+        if self.opts.node_memory_limit > 0.0 {
+            paths.extend(live_nodes.iter().map(|n| (format!("/nodes/{n}"), ON_NODE)));
+        }
+        paths.extend(
+            mapping_paths(&configs, major)?
+                .into_iter()
+                .map(|p| (p, ON_MAPPING)),
+        );
         paths.extend(
             self.allocated_storages(nodes, storages, replicas.stages)
                 .iter()
@@ -659,7 +723,7 @@ impl<'a> Preflight<'a> {
                 for storage in self.placement.full_clone_storages(node) {
                     if self
                         .placement
-                        .needs_local_source(node, Some(&storage), deadline)
+                        .needs_local_source(node, tnode, Some(&storage), deadline)
                         .await
                         .unwrap_or(false)
                     {

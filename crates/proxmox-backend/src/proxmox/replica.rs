@@ -457,7 +457,14 @@ impl Replicas {
         let vmid = res.vmid;
         res.commit();
         let staged = self
-            .finish_staging(&here, node, source, target_storage, deadline)
+            .finish_staging(
+                &here,
+                node,
+                source,
+                target_storage,
+                &layout.inherited.tags,
+                deadline,
+            )
             .await;
         match staged {
             Ok(()) => {
@@ -582,13 +589,21 @@ impl Replicas {
         node: &str,
         source: u32,
         target_storage: Option<String>,
+        template_tags: &[String],
         deadline: Instant,
     ) -> Result<(), StepFailure> {
         let fail = |step: Step| move |e: PveError| (step, e, None);
+        // Ours beside the template's (which the copy carries): PVE checks
+        // tags removed as well as added (`assert_tag_permissions`), so
+        // replacing a registered or unlisted template tag would be refused.
+        let mut tags = template_tags.to_vec();
+        if !tags.iter().any(|t| t == REPLICA_TAG) {
+            tags.push(REPLICA_TAG.to_string());
+        }
         // A protected template's copy is protected too (PVE copies the
         // flag), and could then never be replaced: clear it with the tag.
         let mut params = ConfigParams {
-            tags: (!self.tags.restricted()).then(|| vec![REPLICA_TAG.to_string()]),
+            tags: (!self.tags.restricted()).then_some(tags),
             delete: vec!["protection".to_string()],
             ..ConfigParams::default()
         };

@@ -170,6 +170,7 @@ pub fn small_backend(
             memory_mib: 2048,
             template_vmid: 9000,
             storage: None,
+            balloon_mib: None,
         },
     )]);
     let pricing = || Pricing {

@@ -22,4 +22,5 @@ mod proxmox_sim;
 mod pve_fidelity;
 mod resumed_create;
 mod stale_lock;
+mod templates;
 mod transition_detail;

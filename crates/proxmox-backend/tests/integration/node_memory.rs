@@ -49,6 +49,7 @@ fn backend(sub: PveSubstrate) -> ProxmoxBackend {
                     memory_mib: gib * GIB_MIB,
                     template_vmid: 9000,
                     storage: None,
+                    balloon_mib: None,
                 },
             )
         })

@@ -231,7 +231,9 @@ async fn room_checks_tell_a_missing_or_disabled_storage_from_a_full_one() {
 async fn a_hidden_user_tag_access_is_unknown_not_free() {
     let sim = sim_with(SimConfig {
         tag_access: TagAccess::Existing(vec![]),
+        // As setup-token.sh grants it: PVEAuditor on /nodes, nothing on /.
         dropped_privileges: vec![("/".into(), "Sys.Audit".into())],
+        granted_privileges: vec![("/nodes".into(), "Sys.Audit".into())],
         ..fast()
     })
     .await;

@@ -117,11 +117,14 @@ async fn storage_status_of_unknown_disabled_and_inactive_storages() {
             .await
         }
     };
-    let t = api.wait_task_of(clone("fast", "300").await).await;
+    // qemu-server `clone_vm` runs `storage_check_enabled` among its early
+    // checks, before it forks the worker: the POST itself fails.
+    let r = clone("fast", "300").await;
     assert_eq!(
-        t["exitstatus"],
-        "clone failed: storage 'fast' is not available on node 'pve1'"
+        (r.status, r.message().as_str()),
+        (500, "storage 'fast' is not available on node 'pve1'")
     );
+    assert!(sim.vm(300).is_none());
     sim.set_storage_online("pve1", "nas", true);
     let r = api.get("/nodes/pve1/storage/nas/status", &[]).await;
     assert_eq!(r.data()["active"], 1, "back online");

@@ -16,3 +16,4 @@ mod qga;
 mod realism;
 mod schema;
 mod storage;
+mod templates;

@@ -17,7 +17,9 @@ use crate::upid::Upid;
 fn config_params(params: &ConfigParams) -> Result<Params, PveError> {
     let mut p = Params::new();
     p.push_opt("cores", params.cores.map(|v| v.to_string()));
+    p.push_opt("sockets", params.sockets.map(|v| v.to_string()));
     p.push_opt("memory", params.memory.map(|v| v.to_string()));
+    p.push_opt("balloon", params.balloon.map(|v| v.to_string()));
     p.push_opt("description", params.description.as_deref());
     p.push_opt("tags", params.tags.as_ref().map(|t| join_tags(t)));
     p.push_opt("digest", params.digest.as_deref());

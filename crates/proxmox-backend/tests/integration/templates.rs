@@ -1,0 +1,293 @@
+//! Templates as operators make them, through the real substrate against
+//! pve-sim (which refuses or mis-sizes them as PVE 8 and 9 do): a balloon
+//! above the type's memory, `sockets` and `vcpus` that override `cores`,
+//! registered tags, a node the token may not audit, resource mappings, and
+//! a clone storage the template's node does not have enabled. Each Create
+//! ends with a VM sized exactly as its instance type says, or is refused
+//! before anything is cloned, naming the fix.
+
+use std::time::Duration;
+
+use providerkit::ErrorKind;
+use proxmox_backend::proxmox::{machine_tag, PveOptions, PveSubstrate, MANAGED_TAG};
+use proxmox_backend::substrate::{CloneRequest, Substrate};
+use pve_sim::{PveSim, SimConfig, StorageKind, StorageSpec, TagAccess, TemplateSpec};
+
+use crate::common::{assert_no_violations, client, clones, fast_sim, opts, req, sim_with};
+
+fn fast() -> SimConfig {
+    fast_sim(Duration::from_millis(50), Duration::from_millis(50))
+}
+
+fn options() -> PveOptions {
+    PveOptions {
+        retry_window: Duration::from_secs(5),
+        ..opts(Duration::from_secs(20))
+    }
+}
+
+/// The one clone's sizing as the guest sees it: `(cores, sockets, vCPUs,
+/// memory, balloon)`.
+fn sizing(sim: &PveSim) -> (u32, u32, u32, u64, Option<u64>) {
+    let all = clones(sim);
+    assert_eq!(all.len(), 1, "one clone");
+    let vm = &all[0];
+    (
+        vm.cores,
+        vm.sockets,
+        vm.vcpus(),
+        vm.memory_mib,
+        vm.balloon_mib(),
+    )
+}
+
+/// Item 1: a template whose balloon (8 GiB) is above the type's memory
+/// (2 GiB) made every Create fail `balloon value too large`; one below it
+/// let auto-ballooning shrink the guest. The clone's balloon is now the
+/// type's memory, or the catalog's `balloon_mib`; a template with
+/// ballooning off keeps it off.
+#[tokio::test]
+async fn a_template_balloon_never_decides_the_clones_memory() {
+    for (template_balloon, type_balloon, want) in [
+        (Some(8192), None, Some(2048)),
+        (Some(512), None, Some(2048)),
+        (Some(0), None, Some(0)),
+        (Some(8192), Some(1024), Some(1024)),
+    ] {
+        let sim = sim_with(fast()).await;
+        sim.update_vm(9000, |t| {
+            t.memory_mib = 8192;
+            if let Some(b) = template_balloon {
+                t.extra.insert("balloon".into(), b.to_string());
+            }
+        });
+        let mut o = options();
+        if let Some(b) = type_balloon {
+            o.type_balloon.insert("pve.small".into(), b);
+        }
+        let sub = PveSubstrate::new(client(&sim), o);
+        let id = "p/OnDemand/pve.small/pve1/b01";
+        let vm = sub.clone_vm(&req(id, "pve1")).await.unwrap_or_else(|e| {
+            panic!("template balloon {template_balloon:?}, type {type_balloon:?}: {e}")
+        });
+        let (_, _, _, memory, balloon) = sizing(&sim);
+        assert_eq!(
+            (memory, balloon),
+            (2048, want),
+            "template balloon {template_balloon:?}, type {type_balloon:?}"
+        );
+        assert!(sim.vm(vm.vmid).is_some_and(|v| v.running));
+        sub.delete_vm(&vm, id).await.expect("delete");
+        assert!(clones(&sim).is_empty(), "nothing left behind");
+        assert_no_violations(&sim);
+        sim.shutdown().await;
+    }
+}
+
+/// Item 2: a template with `sockets: 2` doubled every clone's vCPUs (and
+/// one past the node's CPUs never started); `vcpus: 2` capped every type
+/// at 2. The clone gets `sockets=1` and loses `vcpus`.
+#[tokio::test]
+async fn template_sockets_and_vcpus_never_decide_the_clones_vcpus() {
+    let sim = sim_with(SimConfig {
+        node_cpus: 6,
+        ..fast()
+    })
+    .await;
+    sim.update_vm(9000, |t| {
+        t.sockets = 2;
+        t.extra.insert("vcpus".into(), "2".into());
+    });
+    let sub = PveSubstrate::new(client(&sim), options());
+    let id = "p/OnDemand/pve.large/pve1/c01";
+    let r = CloneRequest {
+        instance_type: "pve.large".into(),
+        vcpu: 4,
+        ..req(id, "pve1")
+    };
+    let vm = sub.clone_vm(&r).await.expect("create");
+    // 2 sockets x 4 cores = 8 would pass the node's 6 CPUs and not start.
+    assert_eq!(sizing(&sim), (4, 1, 4, 2048, Some(2048)));
+    assert!(sim.vm(vm.vmid).is_some_and(|v| v.running));
+    sub.delete_vm(&vm, id).await.expect("delete");
+    assert_no_violations(&sim);
+    sim.shutdown().await;
+}
+
+/// Item 4: a template tag in datacenter.cfg's `registered-tags` (or not in
+/// `user-tag-access`'s list) made the marking PUT a 403 (PVE checks tags
+/// removed too), and the provider then gave up its tags for good. Ours now
+/// go beside the template's.
+#[tokio::test]
+async fn template_tags_are_kept_and_ours_added() {
+    let id = "p/OnDemand/pve.small/pve1/t01";
+    for cfg in [
+        SimConfig {
+            registered_tags: vec!["golden".into()],
+            ..fast()
+        },
+        // Only our own tags are listed: the template's cannot go.
+        SimConfig {
+            tag_access: TagAccess::List(vec![MANAGED_TAG.into(), machine_tag(id)]),
+            ..fast()
+        },
+    ] {
+        let sim = sim_with(cfg).await;
+        sim.update_vm(9000, |t| t.tags = Some("golden".into()));
+        let sub = PveSubstrate::new(client(&sim), options());
+        let vm = sub.clone_vm(&req(id, "pve1")).await.expect("create");
+        let tags = sim.vm(vm.vmid).and_then(|v| v.tags).unwrap_or_default();
+        let mut want = vec!["golden".to_string(), MANAGED_TAG.into(), machine_tag(id)];
+        want.sort();
+        let mut got: Vec<String> = tags.split(';').map(str::to_string).collect();
+        got.sort();
+        assert_eq!(got, want, "the template's and ours");
+        let managed = sub.describe_managed().await.expect("inventory");
+        assert_eq!(managed.len(), 1);
+        sub.delete_vm(&vm, id).await.expect("delete");
+        assert_no_violations(&sim);
+        sim.shutdown().await;
+    }
+}
+
+/// Item 3: without `Sys.Audit` on `/nodes/<node>`, `GET /nodes` hides the
+/// node's memory, and the node memory guard let Creates through unchecked.
+/// The preflight now requires it while the guard is on, and the guard
+/// refuses a Create it cannot check, before cloning.
+#[tokio::test]
+async fn the_memory_guard_needs_sys_audit_on_the_nodes() {
+    let sim = sim_with(SimConfig {
+        dropped_privileges: vec![("/nodes/pve1".into(), "Sys.Audit".into())],
+        ..fast()
+    })
+    .await;
+    let sub = PveSubstrate::new(client(&sim), options());
+    let e = sub
+        .preflight(&["pve1".into()], &[9000])
+        .await
+        .expect_err("the guard cannot read pve1");
+    assert_eq!(e.kind(), ErrorKind::Refused);
+    let msg = e.to_string();
+    assert!(
+        msg.contains("on /nodes/pve1: Sys.Audit to read the node's memory"),
+        "{msg}"
+    );
+    let e = sub
+        .clone_vm(&req("p/OnDemand/pve.small/pve1/m01", "pve1"))
+        .await
+        .expect_err("an unchecked Create is refused");
+    assert_eq!(e.kind(), ErrorKind::Refused, "{e}");
+    assert!(
+        format!("{e:#}").contains("Sys.Audit on /nodes/pve1"),
+        "{e:#}"
+    );
+    assert!(clones(&sim).is_empty(), "nothing cloned");
+
+    // With the guard off, nothing needs the figures.
+    let off = PveSubstrate::new(
+        client(&sim),
+        PveOptions {
+            node_memory_limit: 0.0,
+            ..options()
+        },
+    );
+    off.preflight(&["pve1".into()], &[9000])
+        .await
+        .expect("the guard is off");
+    sim.shutdown().await;
+}
+
+/// Item 3: qemu-server's `clone_vm` checks `Mapping.Use` on a template's
+/// mapped devices (`check_mapping_access`) and, from 9.1.15, on its custom
+/// CPU model; a device passed through by host address only root may
+/// clone. The preflight names each before serving.
+#[tokio::test]
+async fn the_preflight_checks_the_templates_resource_mappings() {
+    let sim = sim_with(SimConfig {
+        pve9: true,
+        ..fast()
+    })
+    .await;
+    sim.update_vm(9000, |t| {
+        t.extra
+            .insert("hostpci0".into(), "mapping=gpu-a2,pcie=1".into());
+        t.extra.insert("cpu".into(), "custom-tuned".into());
+    });
+    let sub = PveSubstrate::new(client(&sim), options());
+    let msg = sub
+        .preflight(&["pve1".into()], &[9000])
+        .await
+        .expect_err("Mapping.Use missing")
+        .to_string();
+    for want in [
+        "on /mapping/cpu/tuned: Mapping.Use",
+        "on /mapping/pci/gpu-a2: Mapping.Use",
+    ] {
+        assert!(msg.contains(want), "missing {want:?} in: {msg}");
+    }
+    sim.shutdown().await;
+
+    let sim = sim_with(SimConfig {
+        pve9: true,
+        granted_privileges: vec![
+            ("/mapping/pci/gpu-a2".into(), "Mapping.Use".into()),
+            ("/mapping/cpu/tuned".into(), "Mapping.Use".into()),
+        ],
+        ..fast()
+    })
+    .await;
+    sim.update_vm(9000, |t| {
+        t.extra
+            .insert("hostpci0".into(), "mapping=gpu-a2,pcie=1".into());
+        t.extra.insert("cpu".into(), "custom-tuned".into());
+    });
+    let sub = PveSubstrate::new(client(&sim), options());
+    sub.preflight(&["pve1".into()], &[9000])
+        .await
+        .expect("granted");
+    // A device by host address: only root may clone it.
+    sim.update_vm(9000, |t| {
+        t.extra.insert("hostpci1".into(), "0000:01:00.0".into());
+    });
+    let msg = sub
+        .preflight(&["pve1".into()], &[9000])
+        .await
+        .expect_err("a raw host device")
+        .to_string();
+    assert!(
+        msg.contains("hostpci1: 0000:01:00.0") && msg.contains("mapping=<name>"),
+        "{msg}"
+    );
+    sim.shutdown().await;
+}
+
+/// Item 5: a shared storage whose `nodes` list leaves the template's node
+/// out failed every Create that named it (`storage 'X' is not available on
+/// node`): PVE checks it on the template's node first. Such a Create now
+/// clones from a copy of the template on the target node.
+#[tokio::test]
+async fn a_storage_not_enabled_on_the_template_node_is_reached_through_a_replica() {
+    let mut cfg = fast();
+    cfg.templates = vec![TemplateSpec::shared(9000, "pve1")];
+    cfg.storages
+        .push(StorageSpec::new("nfs-b", StorageKind::Nfs, true, 1 << 10));
+    cfg.storages_disabled = vec![("pve1".into(), "nfs-b".into())];
+    let sim = sim_with(cfg).await;
+    let mut o = options();
+    o.type_storage.insert("pve.small".into(), "nfs-b".into());
+    let sub = PveSubstrate::new(client(&sim), o);
+    sub.preflight(&["pve1".into(), "pve2".into()], &[9000])
+        .await
+        .expect("preflight");
+    let id = "p/OnDemand/pve.small/pve2/s01";
+    let vm = sub.clone_vm(&req(id, "pve2")).await.expect("create");
+    let made = sim.vm(vm.vmid).expect("the clone");
+    assert_eq!(
+        (made.node.as_str(), made.storage.as_str()),
+        ("pve2", "nfs-b")
+    );
+    assert!(made.running);
+    sub.delete_vm(&vm, id).await.expect("delete");
+    assert_no_violations(&sim);
+    sim.shutdown().await;
+}
