@@ -27,7 +27,7 @@ use bigfleet_proto::v1alpha1::{
 use crate::dial::{connect, connect_with_deadline, Session};
 use crate::render::{
     attach_rooms, cell, emit, json, list_table, machine_details, room_table, summarize,
-    summary_table, AckView, MachineView,
+    summary_table, timeline_table, AckView, MachineView, MachineWithTimeline, StepView,
 };
 use crate::wait::{wait_for, watch};
 
@@ -293,9 +293,32 @@ pub async fn run(args: CtlArgs) -> Result<(), CtlError> {
                 .get(&id)
                 .await
                 .map_err(|s| session.status_error(&format!("Get {}", cell(&id)), &s))?;
+            // Where its time went, from providers that keep it; an older
+            // provider (UNIMPLEMENTED) or a refused identity leaves it out.
+            let steps = match session
+                .admin
+                .timeline(bigfleet_proto::admin::TimelineRequest {
+                    machine_id: id.clone(),
+                })
+                .await
+            {
+                Ok(resp) => Some(resp.into_inner().steps),
+                Err(_) => None,
+            };
             let text = match output {
-                Output::Json => json(&MachineView::from(&m))?,
-                Output::Table => machine_details(&m),
+                Output::Json => json(&MachineWithTimeline {
+                    machine: MachineView::from(&m),
+                    timeline: steps
+                        .as_deref()
+                        .map(|s| s.iter().map(StepView::from).collect()),
+                })?,
+                Output::Table => {
+                    let mut text = machine_details(&m);
+                    if let Some(steps) = &steps {
+                        text.push_str(&timeline_table(steps));
+                    }
+                    text
+                }
             };
             emit(&text)
         }

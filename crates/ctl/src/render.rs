@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use std::io::Write;
 use std::time::Duration;
 
-use bigfleet_proto::admin::NodeRoom;
+use bigfleet_proto::admin::{NodeRoom, TimelineStep};
 use bigfleet_proto::v1alpha1::{CapacityType, Machine, MachineState};
 use serde::Serialize;
 use tonic::Code;
@@ -224,6 +224,79 @@ pub(crate) fn machine_details(m: &Machine) -> String {
     let mut out = String::new();
     for (k, val) in rows {
         out.push_str(&format!("{:<27}{val}\n", format!("{k}:")));
+    }
+    out
+}
+
+/// `ctl get --output json`: the machine, and its timeline when the
+/// provider reports one.
+#[derive(Serialize)]
+pub(crate) struct MachineWithTimeline {
+    #[serde(flatten)]
+    pub(crate) machine: MachineView,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) timeline: Option<Vec<StepView>>,
+}
+
+/// One step of a machine's timeline (the Admin service's Timeline).
+#[derive(Serialize, Debug, Clone, PartialEq)]
+pub(crate) struct StepView {
+    pub(crate) step: String,
+    pub(crate) node: String,
+    /// RFC 3339, UTC, milliseconds.
+    pub(crate) started: String,
+    pub(crate) duration_ms: u64,
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub(crate) upid: String,
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub(crate) error: String,
+}
+
+impl From<&TimelineStep> for StepView {
+    fn from(s: &TimelineStep) -> StepView {
+        StepView {
+            step: s.step.clone(),
+            node: s.node.clone(),
+            started: started_at(s.started_unix_ms),
+            duration_ms: s.duration_ms,
+            upid: s.upid.clone(),
+            error: s.error.clone(),
+        }
+    }
+}
+
+/// Unix milliseconds as RFC 3339 in UTC with milliseconds.
+fn started_at(unix_ms: i64) -> String {
+    let ms = u64::try_from(unix_ms).unwrap_or(0);
+    humantime::format_rfc3339_millis(std::time::UNIX_EPOCH + Duration::from_millis(ms)).to_string()
+}
+
+/// The timeline below `ctl get`'s details: one row per step, oldest first.
+pub(crate) fn timeline_table(steps: &[TimelineStep]) -> String {
+    let mut out = String::from("timeline:\n");
+    if steps.is_empty() {
+        out.push_str("  (no steps recorded by this provider process)\n");
+        return out;
+    }
+    out.push_str(&format!(
+        "  {:<24}  {:<15}  {:<10}  {:>9}  {}\n",
+        "STARTED", "STEP", "NODE", "TOOK", "TASK / ERROR"
+    ));
+    for s in steps {
+        let v = StepView::from(s);
+        let took = format!("{:.2}s", v.duration_ms as f64 / 1000.0);
+        let tail = match (v.upid.is_empty(), v.error.is_empty()) {
+            (_, false) => format!("error: {}", cell(&v.error)),
+            (false, true) => cell(&v.upid),
+            (true, true) => "-".to_string(),
+        };
+        out.push_str(&format!(
+            "  {:<24}  {:<15}  {:<10}  {:>9}  {tail}\n",
+            v.started,
+            cell(&v.step),
+            cell(&v.node),
+            took
+        ));
     }
     out
 }

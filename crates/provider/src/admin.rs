@@ -8,7 +8,7 @@ use std::sync::Arc;
 use bigfleet_proto::admin::admin_server::{Admin, AdminServer};
 use bigfleet_proto::admin::{
     NodeMemoryRequest, NodeMemoryResponse, NodeRoom, ReclaimRequest, ReclaimResponse,
-    ReclaimStatus, TypeFit,
+    ReclaimStatus, TimelineRequest, TimelineResponse, TimelineStep, TypeFit,
 };
 use providerkit::{Engine, ReclaimOutcome};
 use proxmox_backend::backend::ProxmoxBackend;
@@ -109,6 +109,45 @@ impl Admin for AdminService {
             })
             .collect();
         Ok(Response::new(NodeMemoryResponse { nodes }))
+    }
+
+    async fn timeline(
+        &self,
+        request: Request<TimelineRequest>,
+    ) -> Result<Response<TimelineResponse>, Status> {
+        // What Get may see: a machine's own history.
+        self.guard.admit(&request, "Timeline", Need::Read)?;
+        let req = request.into_inner();
+        let cap = self.engine.options().limits.max_machine_id_bytes;
+        if req.machine_id.is_empty() || req.machine_id.len() > cap {
+            return Err(Status::invalid_argument(format!(
+                "machine_id {} is {} bytes; it must be 1 to {cap} bytes",
+                providerkit::engine::echo_prefix(&req.machine_id),
+                req.machine_id.len()
+            )));
+        }
+        // The engine's own NOT_FOUND for an unknown id, as Get answers.
+        self.engine.get(&req.machine_id)?;
+        let steps = self
+            .backend
+            .timeline(&req.machine_id)
+            .into_iter()
+            .map(|r| TimelineStep {
+                step: r.step.name().to_string(),
+                started_unix_ms: r
+                    .started
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX)),
+                duration_ms: u64::try_from(r.duration.as_millis()).unwrap_or(u64::MAX),
+                upid: r.upid.unwrap_or_default(),
+                error: r.error.unwrap_or_default(),
+                node: r.node,
+            })
+            .collect();
+        Ok(Response::new(TimelineResponse {
+            machine_id: req.machine_id,
+            steps,
+        }))
     }
 }
 

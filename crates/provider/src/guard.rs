@@ -25,7 +25,7 @@ use crate::metrics::Metrics;
 
 /// The RPCs the guard checks, with what each needs (a mutation's
 /// `shard_id` is the request's; any one stands for the kind here).
-pub const GUARDED: [(&str, Need<'static>); 8] = [
+pub const GUARDED: [(&str, Need<'static>); 9] = [
     ("Create", Need::ActFor { shard_id: "" }),
     ("Configure", Need::ActFor { shard_id: "" }),
     ("Drain", Need::ActFor { shard_id: "" }),
@@ -34,6 +34,7 @@ pub const GUARDED: [(&str, Need<'static>); 8] = [
     ("List", Need::Read),
     ("Reclaim", Need::Admin),
     ("NodeMemory", Need::Read),
+    ("Timeline", Need::Read),
 ];
 
 /// At most one refusal line per RPC and reason in this period; the next

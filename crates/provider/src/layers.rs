@@ -228,7 +228,7 @@ pub fn metric_code_name(code: Code) -> &'static str {
 
 /// The provider's RPCs by name, so a key made of one stays in a fixed set
 /// whatever path a caller sends (any other is `other`).
-const METHODS: [&str; 8] = [
+const METHODS: [&str; 9] = [
     "Create",
     "Configure",
     "Drain",
@@ -237,6 +237,7 @@ const METHODS: [&str; 8] = [
     "List",
     "Reclaim",
     "NodeMemory",
+    "Timeline",
 ];
 
 fn known_method(method: &str) -> &'static str {

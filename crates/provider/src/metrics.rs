@@ -21,6 +21,7 @@ use prometheus_client::registry::Registry;
 use providerkit::{Engine, ErrorKind, State};
 use proxmox_backend::backend::ProxmoxBackend;
 use proxmox_backend::substrate::{ApiObserver, API_OPS};
+use proxmox_backend::timeline::{Step, StepObserver};
 
 /// The exposition formats `/metrics` serves.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -120,6 +121,21 @@ struct NodeLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct StepLabels {
+    pub step: String,
+    pub node: String,
+    pub outcome: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PveRequestLabels {
+    /// The pve client's stable operation name (`clone`, `task_status`,
+    /// `agent_ping`, ...): a fixed set, whatever the VMIDs.
+    pub endpoint: String,
+    pub outcome: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct IdentityLabels {
     pub rpc: String,
     pub reason: String,
@@ -152,6 +168,10 @@ pub struct Metrics {
     pub reconcile: Family<OutcomeLabels, Counter>,
     /// Calls refused under mTLS for their certificate's identity.
     pub identity_rejected: Family<IdentityLabels, Counter>,
+    /// Each step of a machine's transitions (see `proxmox_backend::timeline`).
+    pub step_duration: Family<StepLabels, Histogram>,
+    /// HTTP requests sent to the PVE API, by endpoint and outcome.
+    pub pve_requests: Family<PveRequestLabels, Counter>,
     /// The engine the machine gauge counts while this replica leads.
     machines: Arc<RwLock<Option<MachineSource>>>,
     /// 1 while this replica is the leader of a shared state (or serves a
@@ -192,6 +212,22 @@ impl Metrics {
         let panics = Counter::default();
         let reconcile = Family::<OutcomeLabels, Counter>::default();
         let identity_rejected = Family::<IdentityLabels, Counter>::default();
+        let step_duration =
+            Family::<StepLabels, Histogram>::new_with_constructor(latency_histogram as fn() -> _);
+        let pve_requests = Family::<PveRequestLabels, Counter>::default();
+        registry.register(
+            "bigfleet_proxmox_step_duration_seconds",
+            "Duration of each step of a machine's transitions (clone, start, agent, bootstrap, \
+             readiness, drain, stop, destroy, and waits for a clone slot or a lock), by step, \
+             node and outcome",
+            step_duration.clone(),
+        );
+        registry.register(
+            "bigfleet_proxmox_pve_requests",
+            "HTTP requests sent to the Proxmox VE API, by endpoint and outcome (retried: an \
+             attempt that failed and was sent again)",
+            pve_requests.clone(),
+        );
         registry.register(
             "bigfleet_proxmox_api_calls",
             "Proxmox substrate calls by operation and outcome",
@@ -287,6 +323,8 @@ impl Metrics {
             panics,
             reconcile,
             identity_rejected,
+            step_duration,
+            pve_requests,
             machines,
             leader,
             memory,
@@ -683,6 +721,48 @@ impl Collector for ProcessCollector {
             )?)?;
         }
         Ok(())
+    }
+}
+
+impl StepObserver for Metrics {
+    fn observe_step(&self, step: Step, node: &str, duration: Duration, ok: bool) {
+        self.step_duration
+            .get_or_create(&StepLabels {
+                step: step.name().to_string(),
+                node: node.to_string(),
+                outcome: if ok { "success" } else { "error" }.to_string(),
+            })
+            .observe(duration.as_secs_f64());
+    }
+}
+
+/// The pve client's hook: every HTTP request to the PVE API, counted by
+/// endpoint, so a lifecycle's cost shows in production as in a benchmark.
+pub struct PveRequests(pub Arc<Metrics>);
+
+impl pve::ApiObserver for PveRequests {
+    fn observe(&self, call: &pve::ApiCall<'_>) {
+        let count = |outcome: &str, n: u64| {
+            if n > 0 {
+                self.0
+                    .pve_requests
+                    .get_or_create(&PveRequestLabels {
+                        endpoint: call.op.to_string(),
+                        outcome: outcome.to_string(),
+                    })
+                    .inc_by(n);
+            }
+        };
+        // Every attempt but the last failed and was sent again.
+        count("retried", u64::from(call.attempts.saturating_sub(1)));
+        count(
+            if call.result.is_ok() {
+                "success"
+            } else {
+                "error"
+            },
+            1,
+        );
     }
 }
 

@@ -20,7 +20,7 @@ use tonic_health::ServingStatus;
 use crate::error::StartupError;
 use crate::guard::{GuardedCapacity, IdentityGuard};
 use crate::leader::{hold_lease, wait_for_lease, LeaseLost, Standby, Switched, Term};
-use crate::metrics::Metrics;
+use crate::metrics::{Metrics, PveRequests};
 use crate::plan::{BackendConfig, LeaseConfig, Plan, ProxmoxAccess, ProxmoxConfig};
 use crate::probes::{follow_store_health, set_health, Readiness, STORE_HEALTH_PERIOD};
 use crate::state::{OpenError, Purpose, StateLocation};
@@ -54,8 +54,14 @@ async fn proxmox_substrate(
     plan: &Plan,
     proxmox: &ProxmoxConfig,
     gate: Option<Arc<Term>>,
+    metrics: Arc<Metrics>,
 ) -> Result<Arc<dyn Substrate>, StartupError> {
-    let substrate = Arc::new(pve_substrate(&proxmox.access, &proxmox.options, gate)?);
+    let substrate = Arc::new(pve_substrate(
+        &proxmox.access,
+        &proxmox.options,
+        gate,
+        metrics,
+    )?);
     let catalog = &plan.catalog;
     let mut templates: Vec<u32> = catalog
         .slots
@@ -89,6 +95,7 @@ fn pve_substrate(
     access: &ProxmoxAccess,
     options: &PveOptions,
     gate: Option<Arc<Term>>,
+    metrics: Arc<Metrics>,
 ) -> Result<PveSubstrate, StartupError> {
     let mut config = pve::PveConfig::new(
         access.api_url.clone(),
@@ -98,6 +105,7 @@ fn pve_substrate(
     config.ca_pem = access.ca_pem.clone();
     config.fingerprints = access.fingerprints.clone();
     config.gate = gate.map(|term| term as Arc<dyn pve::RequestGate>);
+    config.observer = Some(Arc::new(PveRequests(metrics)));
     let client = pve::PveClient::new(config).map_err(StartupError::ProxmoxClient)?;
     if options.readiness_command.is_empty() {
         tracing::warn!(
@@ -201,7 +209,10 @@ impl TermContext {
                      the log for what the check waits on)",
                     proxmox.access.api_url
                 ));
-                (proxmox_substrate(plan, proxmox, gate).await?, None)
+                (
+                    proxmox_substrate(plan, proxmox, gate, self.metrics.clone()).await?,
+                    None,
+                )
             }
         };
         self.served.capacity.standby().starting(format!(
@@ -209,12 +220,15 @@ impl TermContext {
             store.describe()
         ));
         let substrate: Arc<dyn Substrate> = Arc::new(Metered::new(inner, self.metrics.clone()));
-        let backend = Arc::new(ProxmoxBackend::new(
-            catalog.slots.clone(),
-            catalog.types.clone(),
-            catalog.pricing.clone(),
-            substrate,
-        ));
+        let backend = Arc::new(
+            ProxmoxBackend::new(
+                catalog.slots.clone(),
+                catalog.types.clone(),
+                catalog.pricing.clone(),
+                substrate,
+            )
+            .with_step_observer(self.metrics.clone()),
+        );
         let engine = Engine::load(backend.clone(), store, plan.engine.clone())
             .await
             .map_err(StartupError::Engine)?;

@@ -13,12 +13,16 @@ use providerkit::{
 
 use crate::catalog::{self, InstanceType, Pricing, Slot};
 use crate::substrate::{CloneRequest, Substrate, SubstrateError, VmRef};
+use crate::timeline::{StepObserver, StepRecord, Timeline};
 
 pub struct ProxmoxBackend {
     slots: Vec<Slot>,
     types: BTreeMap<String, InstanceType>,
     pricing: Pricing,
     substrate: Arc<dyn Substrate>,
+    /// The steps each transition took, recorded by the substrate's parts
+    /// while the transition runs in its scope.
+    timeline: Arc<Timeline>,
 }
 
 fn be(e: SubstrateError) -> BackendError {
@@ -41,7 +45,20 @@ impl ProxmoxBackend {
             types,
             pricing,
             substrate,
+            timeline: Arc::new(Timeline::new(None)),
         }
+    }
+
+    /// Reports every step that ends to `observer` (the per-step histograms).
+    pub fn with_step_observer(mut self, observer: Arc<dyn StepObserver>) -> ProxmoxBackend {
+        self.timeline = Arc::new(Timeline::new(Some(observer)));
+        self
+    }
+
+    /// The last steps of `machine_id`'s transitions in this process,
+    /// oldest first (empty for one it has not worked on).
+    pub fn timeline(&self, machine_id: &str) -> Vec<StepRecord> {
+        self.timeline.of(machine_id)
     }
 
     /// Each node's memory room as the node memory guard last saw it.
@@ -239,7 +256,12 @@ impl Backend for ProxmoxBackend {
             memory_mib: t.memory_mib,
             resumed: ctx.resumed,
         };
-        let vm = self.substrate.clone_vm(&req).await.map_err(be)?;
+        let machine_id = req.machine_id.clone();
+        let vm = self
+            .timeline
+            .scope(&machine_id, self.substrate.clone_vm(&req))
+            .await
+            .map_err(be)?;
         Ok(SubstrateHost {
             host_ref: vm.host_ref(),
         })
@@ -247,18 +269,22 @@ impl Backend for ProxmoxBackend {
 
     async fn configure(&self, ctx: &ConfigureCtx) -> Result<(), BackendError> {
         let vm = parse_host(&ctx.host_ref)?;
-        self.substrate.ensure_running(&vm).await.map_err(be)?;
-        self.substrate
-            .configure(&vm, &ctx.bootstrap_blob)
+        self.timeline
+            .scope(&ctx.machine_id, async {
+                self.substrate.ensure_running(&vm).await?;
+                self.substrate.configure(&vm, &ctx.bootstrap_blob).await
+            })
             .await
             .map_err(be)
     }
 
     async fn drain(&self, ctx: DrainCtx) -> Result<(), BackendError> {
         let vm = parse_host(&ctx.host_ref)?;
-        self.substrate.ensure_running(&vm).await.map_err(be)?;
-        self.substrate
-            .drain(&vm, ctx.grace_period)
+        self.timeline
+            .scope(&ctx.machine_id, async {
+                self.substrate.ensure_running(&vm).await?;
+                self.substrate.drain(&vm, ctx.grace_period).await
+            })
             .await
             .map_err(be)
     }
@@ -269,8 +295,11 @@ impl Backend for ProxmoxBackend {
 
     async fn delete(&self, ctx: DeleteCtx) -> Result<(), BackendError> {
         let vm = parse_host(&ctx.host_ref)?;
-        self.substrate
-            .delete_vm(&vm, &ctx.machine_id)
+        self.timeline
+            .scope(
+                &ctx.machine_id,
+                self.substrate.delete_vm(&vm, &ctx.machine_id),
+            )
             .await
             .map_err(be)?;
         self.sweep_twins(&ctx.machine_id).await;
@@ -315,7 +344,10 @@ impl Backend for ProxmoxBackend {
 
     async fn node_ready(&self, ctx: &ConfigureCtx) -> Result<bool, BackendError> {
         let vm = parse_host(&ctx.host_ref)?;
-        self.substrate.node_ready(&vm).await.map_err(be)
+        self.timeline
+            .scope(&ctx.machine_id, self.substrate.node_ready(&vm))
+            .await
+            .map_err(be)
     }
 
     fn readiness_detail(&self, host_ref: &str) -> Option<String> {

@@ -8,7 +8,8 @@
 //!   choice, inventory, guest agent, clones);
 //! - [`fake`]: the in-memory substrate for certification;
 //! - [`memory`]: the node memory guard both substrates check before a clone;
-//! - [`backend`]: maps slots and transitions onto a substrate.
+//! - [`backend`]: maps slots and transitions onto a substrate;
+//! - [`timeline`]: where each transition's time went, step by step.
 //!
 //! It knows nothing of gRPC serving, flags or processes: the binary
 //! (`bigfleet-proxmox`) wires it.
@@ -20,6 +21,7 @@ pub mod memory;
 pub mod proxmox;
 pub mod redact;
 pub mod substrate;
+pub mod timeline;
 
 /// Configuration the backend was handed that it cannot use: a file it
 /// cannot read or parse, or a value that is not allowed. Each message names

@@ -31,6 +31,8 @@ const METRICS: &[(&str, &str)] = &[
     ("bigfleet_proxmox_node_memory_committed_bytes", "gauge"),
     ("bigfleet_proxmox_node_memory_limit_bytes", "gauge"),
     ("bigfleet_proxmox_node_up", "gauge"),
+    ("bigfleet_proxmox_step_duration_seconds", "histogram"),
+    ("bigfleet_proxmox_pve_requests_total", "counter"),
 ];
 
 fn doc(name: &str) -> String {

@@ -29,4 +29,5 @@ mod resume;
 mod secrets;
 mod startup;
 mod state_copy;
+mod timeline;
 mod tls;

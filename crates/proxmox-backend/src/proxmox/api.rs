@@ -25,6 +25,7 @@ use tokio::time::Instant;
 use super::marker::{looks_managed, owned_by, MANAGED_TAG};
 use super::options::PveOptions;
 use crate::substrate::{SubstrateError, VmRef};
+use crate::timeline::{self, Step};
 
 /// How a PVE failure is classified for callers and metrics.
 pub(super) fn kind_of(e: &PveError) -> ErrorKind {
@@ -277,13 +278,25 @@ impl Api {
 
     /// [`Api::wait_task`], returning the ended task's status (its exit
     /// status tells `OK` from `WARNINGS: N`).
+    ///
+    /// A machine's clone, start, stop and destroy tasks are steps of its
+    /// [timeline](crate::timeline), from the task's start to its end.
     async fn wait_task_status(&self, upid: &Upid, what: &str) -> Result<TaskStatus, PveError> {
+        let mut step = task_step(what).map(|s| timeline::step(s, &upid.node));
+        if let Some(step) = step.as_mut() {
+            step.task(upid);
+        }
         tokio::time::sleep(self.first_poll()).await;
         let deadline = Instant::now() + self.opts.task_timeout;
-        self.client
+        let out = self
+            .client
             .wait_task(upid, deadline, self.opts.poll_interval)
             .await
-            .inspect_err(|e| tracing::debug!(task = what, error = %e, "PVE task failed"))
+            .inspect_err(|e| tracing::debug!(task = what, error = %e, "PVE task failed"));
+        match step {
+            Some(step) => step.end(out),
+            None => out,
+        }
     }
 
     /// Polls task `upid` until it ends or `deadline` passes.
@@ -721,5 +734,17 @@ impl Api {
             }
             Err(e) => Err(err_at(format!("checking VM {vm}"), Some(&vm.node), &e)),
         }
+    }
+}
+
+/// The timeline step a task waited for by that name is (see
+/// [`Api::wait_task`]); replica staging is no machine's step.
+fn task_step(what: &str) -> Option<Step> {
+    match what {
+        "clone" => Some(Step::Clone),
+        "start" => Some(Step::Start),
+        "stop" => Some(Step::Stop),
+        "destroy" => Some(Step::Destroy),
+        _ => None,
     }
 }

@@ -20,6 +20,7 @@ use super::sizing::{Inherited, CLEARED_KEYS};
 use super::slots::CloneSlots;
 use super::vmid::{LateClone, Vmids};
 use crate::substrate::{CloneRequest, SubstrateError, VmRef};
+use crate::timeline::{self, Step};
 
 /// Makes and marks the VM of one machine; it owns no state of its own, only
 /// the parts a clone goes through.
@@ -84,7 +85,8 @@ impl Cloner {
             .placement
             .storage_key(req.template_vmid, template_node, deadline)
             .await?;
-        let _permit = self.slots.permit(&req.node, &storage).await?;
+        let slot = timeline::step(Step::CloneSlot, &req.node);
+        let _permit = slot.end(self.slots.permit(&req.node, &storage).await)?;
         let description = marker_description(&req.machine_id, &req.operation_id);
         let (full, target_storage) = self.placement.clone_options(req);
         let mut last: Option<String> = None;
@@ -413,9 +415,11 @@ impl Cloner {
                     if e.is_lock_timeout() {
                         self.api.pause(attempt, deadline).await;
                     } else {
-                        self.api
-                            .wait_status(vm, "unlocked", |s| s.lock.is_none())
-                            .await?;
+                        timeline::step(Step::LockWait, &vm.node).end(
+                            self.api
+                                .wait_status(vm, "unlocked", |s| s.lock.is_none())
+                                .await,
+                        )?;
                     }
                     attempt += 1;
                 }

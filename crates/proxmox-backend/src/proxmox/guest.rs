@@ -22,6 +22,7 @@ use providerkit::ErrorKind;
 
 use crate::redact::{Redactor, REDACTED};
 use crate::substrate::{SubstrateError, VmRef};
+use crate::timeline::{self, Step, StepGuard};
 
 /// Raw bytes per file-write chunk: 36 KiB base64-encodes to 48 KiB, which
 /// stays under the 60 KiB `content` limit and (form-encoded) under the 64 KiB
@@ -133,6 +134,9 @@ pub(super) fn exec_err(context: impl std::fmt::Display, e: &ExecError) -> Substr
 /// The readiness probes of one Configure.
 struct Probes {
     attempts: u32,
+    /// The readiness step of the machine's timeline, from the first probe
+    /// to Ready (dropped unfinished, it is recorded as abandoned).
+    step: Option<StepGuard>,
     /// The last failed probe, already redacted.
     last: Option<String>,
     /// Built from this Configure's blob: probe output can repeat it too
@@ -248,6 +252,11 @@ impl Guest {
 
     /// Pings the agent until it answers, polling through boot-time failures.
     pub(super) async fn wait_agent(&self, vm: &VmRef) -> Result<(), SubstrateError> {
+        let step = timeline::step(Step::Agent, &vm.node);
+        step.end(self.ping_until_up(vm).await)
+    }
+
+    async fn ping_until_up(&self, vm: &VmRef) -> Result<(), SubstrateError> {
         let opts = &self.opts;
         let deadline = Instant::now() + opts.agent_timeout;
         loop {
@@ -336,6 +345,7 @@ impl Guest {
                 vm.vmid,
                 Probes {
                     attempts: 0,
+                    step: None,
                     last: None,
                     redactor: Arc::clone(&redactor),
                 },
@@ -358,18 +368,22 @@ impl Guest {
         blob: &[u8],
         redactor: &Redactor,
     ) -> Result<(), SubstrateError> {
-        self.write_blob(vm, path, blob, redactor).await?;
+        timeline::step(Step::BootstrapWrite, &vm.node)
+            .end(self.write_blob(vm, path, blob, redactor).await)?;
         tracing::info!(vm = %vm, bytes = blob.len(), "bootstrap blob written");
+        let step = timeline::step(Step::BootstrapExec, &vm.node);
         let mut argv = self.opts.bootstrap_exec.clone();
         argv.push(path.to_string());
         let what = format!("bootstrap hook `{}`", argv.join(" "));
-        let st = self
-            .run(vm, &argv, self.opts.exec_timeout)
-            .await
-            .map_err(|e| exec_err(format!("running the {what} in VM {vm}"), &e))?;
+        let st = match self.run(vm, &argv, self.opts.exec_timeout).await {
+            Ok(st) => st,
+            Err(e) => return step.end(Err(exec_err(format!("running the {what} in VM {vm}"), &e))),
+        };
         tracing::info!(vm = %vm, exit_code = st.exitcode, signal = st.signal, "bootstrap exited");
-        exec_outcome_with(&what, &st, redactor)
-            .map_err(|e| SubstrateError::new(format!("VM {vm}: {e}")))
+        step.end(
+            exec_outcome_with(&what, &st, redactor)
+                .map_err(|e| SubstrateError::new(format!("VM {vm}: {e}"))),
+        )
     }
 
     /// Delivers the blob to `path`: one file-write when small; else the
@@ -455,9 +469,13 @@ impl Guest {
         let mut probes = self.probes.lock();
         let p = probes.entry(vm.vmid).or_insert_with(|| Probes {
             attempts: 0,
+            step: None,
             last: None,
             redactor: Arc::new(Redactor::new(&[])),
         });
+        if p.step.is_none() {
+            p.step = Some(timeline::step(Step::Readiness, &vm.node));
+        }
         p.attempts += 1;
         let attempt = p.attempts;
         match outcome {
@@ -465,7 +483,9 @@ impl Guest {
                 tracing::info!(vm = %vm, attempt, exit_code = st.exitcode, signal = st.signal, "readiness probe");
                 match exec_outcome_with("the readiness command", &st, &p.redactor) {
                     Ok(()) => {
-                        probes.remove(&vm.vmid);
+                        if let Some(step) = probes.remove(&vm.vmid).and_then(|p| p.step) {
+                            let _: Result<(), String> = step.end(Ok(()));
+                        }
                         Ok(true)
                     }
                     Err(e) => {
@@ -488,6 +508,9 @@ impl Guest {
     pub(super) fn readiness_detail(&self, vm: &VmRef) -> Option<String> {
         let probes = self.probes.lock().remove(&vm.vmid)?;
         let last = probes.last?;
+        if let Some(step) = probes.step {
+            let _: Result<(), &str> = step.end(Err(last.as_str()));
+        }
         Some(format!(
             "last readiness probe (attempt {}): {last}",
             probes.attempts
@@ -505,12 +528,19 @@ impl Guest {
         let cmd = drain_command(&opts.drain_command, grace, opts.drain_timeout);
         tracing::info!(vm = %vm, node_name = %name, command = %cmd, "draining");
         let argv = with_node_name(&name, &cmd);
-        let st = self
+        let step = timeline::step(Step::Drain, &vm.node);
+        let st = match self
             .run(vm, &argv, opts.drain_timeout + Duration::from_secs(30))
             .await
-            .map_err(|e| exec_err(format!("draining VM {vm}"), &e))?;
+        {
+            Ok(st) => st,
+            Err(e) => return step.end(Err(exec_err(format!("draining VM {vm}"), &e))),
+        };
         tracing::info!(vm = %vm, exit_code = st.exitcode, signal = st.signal, "drain command exited");
-        exec_outcome("drain command", &st).map_err(|e| SubstrateError::new(format!("VM {vm}: {e}")))
+        step.end(
+            exec_outcome("drain command", &st)
+                .map_err(|e| SubstrateError::new(format!("VM {vm}: {e}"))),
+        )
     }
 }
 

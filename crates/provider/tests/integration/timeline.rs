@@ -1,0 +1,217 @@
+//! Every second of a lifecycle accounted for, through the built binary on
+//! pve-sim: after Create, Configure, Drain and Delete, the Admin service's
+//! Timeline lists each step in order with its node, its duration and the
+//! PVE task that ran it; `ctl get` shows it as a table and as JSON; the
+//! per-step histogram has a series for each; and the PVE request counter
+//! adds up to exactly the requests pve-sim answered.
+
+use std::time::Duration;
+
+use bigfleet_proto::admin::admin_client::AdminClient;
+use bigfleet_proto::admin::TimelineRequest;
+use bigfleet_proto::v1alpha1::{
+    ConfigureRequest, CreateRequest, DeleteRequest, DrainRequest, MachineState,
+};
+use pve_sim::{PveSim, SimConfig};
+use tonic::Code;
+
+use crate::common::{self, http_get, sim_backend_args, sim_ca_file, wait_state};
+
+const DEADLINE: Duration = Duration::from_secs(30);
+const BIN: &str = env!("CARGO_BIN_EXE_bigfleet-proxmox");
+
+/// Requests pve-sim has answered, every endpoint.
+fn answered(sim: &PveSim) -> u64 {
+    sim.faults().counts().values().sum()
+}
+
+/// The sum of the samples of `family` in a text exposition whose labels
+/// contain every one of `labels`.
+fn sum_of(body: &str, family: &str, labels: &[&str]) -> f64 {
+    body.lines()
+        .filter(|l| l.starts_with(family) && !l.starts_with('#'))
+        .filter(|l| labels.iter().all(|want| l.contains(want)))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lifecycle_is_accounted_for_step_by_step() {
+    let sim = PveSim::start(SimConfig {
+        clone_duration: Duration::from_millis(300),
+        agent_boot_delay: Duration::from_millis(100),
+        rrd_lag: Duration::ZERO,
+        ..SimConfig::default()
+    })
+    .await
+    .expect("simulator");
+    let (_dir, ca) = sim_ca_file(&sim);
+    let args = sim_backend_args(
+        &sim,
+        &ca,
+        "pve1",
+        &[
+            "--seed-count",
+            "1",
+            "--proxmox-poll-interval",
+            "50ms",
+            "--readiness-command",
+            "true",
+            "--drain-command",
+            "true",
+            // No background pass (it would read PVE between the counts below).
+            "--reconcile-interval",
+            "0s",
+        ],
+    );
+    let p = common::start_blocking(args).await;
+    let mut c = p.client().await;
+    let id = common::speculative_id(&mut c).await;
+    c.create(CreateRequest {
+        machine_id: id.clone(),
+        ..Default::default()
+    })
+    .await
+    .expect("Create");
+    wait_state(&mut c, &id, MachineState::Idle, DEADLINE).await;
+    c.configure(ConfigureRequest {
+        machine_id: id.clone(),
+        cluster_id: "c1".into(),
+        bootstrap_blob: b"#!/bin/sh\ntrue\n".to_vec(),
+        ..Default::default()
+    })
+    .await
+    .expect("Configure");
+    wait_state(&mut c, &id, MachineState::Configured, DEADLINE).await;
+    c.drain(DrainRequest {
+        machine_id: id.clone(),
+        ..Default::default()
+    })
+    .await
+    .expect("Drain");
+    wait_state(&mut c, &id, MachineState::Idle, DEADLINE).await;
+    c.delete(DeleteRequest {
+        machine_id: id.clone(),
+        ..Default::default()
+    })
+    .await
+    .expect("Delete");
+    wait_state(&mut c, &id, MachineState::Speculative, DEADLINE).await;
+
+    let mut admin = AdminClient::new(common::plain_channel(p.grpc).await);
+    let steps = admin
+        .timeline(TimelineRequest {
+            machine_id: id.clone(),
+        })
+        .await
+        .expect("Timeline")
+        .into_inner()
+        .steps;
+    let names: Vec<&str> = steps.iter().map(|s| s.step.as_str()).collect();
+    assert_eq!(
+        names,
+        [
+            "clone_slot",
+            "clone",
+            "start",
+            "agent",
+            // Configure and Drain check the guest agent answers first.
+            "agent",
+            "bootstrap_write",
+            "bootstrap_exec",
+            "readiness",
+            "agent",
+            "drain",
+            "stop",
+            "destroy"
+        ],
+        "{steps:#?}"
+    );
+    for s in &steps {
+        assert_eq!(s.node, "pve1", "{s:?}");
+        assert!(s.error.is_empty(), "{s:?}");
+        assert!(s.started_unix_ms > 0, "{s:?}");
+        let task = matches!(s.step.as_str(), "clone" | "start" | "stop" | "destroy");
+        assert_eq!(
+            !s.upid.is_empty(),
+            task,
+            "a task's UPID, only for a task: {s:?}"
+        );
+    }
+    let clone = &steps[1];
+    assert!(clone.upid.starts_with("UPID:pve1:"), "{clone:?}");
+    assert!(
+        clone.duration_ms >= 300,
+        "the clone took the simulator's 300 ms at least: {clone:?}"
+    );
+    // In order: each started no earlier than the one before.
+    assert!(steps
+        .windows(2)
+        .all(|w| w[0].started_unix_ms <= w[1].started_unix_ms));
+    let unknown = admin
+        .timeline(TimelineRequest {
+            machine_id: "proxmox/OnDemand/pve.small/pve1/999".into(),
+        })
+        .await
+        .expect_err("an unknown machine");
+    assert_eq!(unknown.code(), Code::NotFound);
+
+    // `ctl get`: a table below the details, and JSON.
+    let target = p.grpc.to_string();
+    let out = std::process::Command::new(BIN)
+        .args(["ctl", "get", &id, "--target", &target])
+        .output()
+        .expect("ctl get");
+    let table = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{table}");
+    assert!(table.contains("timeline:"), "{table}");
+    assert!(
+        table
+            .lines()
+            .any(|l| l.contains(" clone ") && l.contains("UPID:pve1:")),
+        "{table}"
+    );
+    let out = std::process::Command::new(BIN)
+        .args(["ctl", "get", &id, "--target", &target, "--output", "json"])
+        .output()
+        .expect("ctl get --output json");
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    assert_eq!(v["id"], id.as_str());
+    assert_eq!(v["timeline"].as_array().map(Vec::len), Some(steps.len()));
+    assert_eq!(v["timeline"][1]["step"], "clone");
+    assert!(v["timeline"][1]["started"]
+        .as_str()
+        .is_some_and(|t| t.ends_with('Z')));
+
+    // The metrics: a histogram series per step, and every request to PVE
+    // counted once (what pve-sim answered, no more, no less).
+    let before = answered(&sim);
+    let (status, body) = http_get(p.metrics, "/metrics").expect("scrape");
+    let after = answered(&sim);
+    assert_eq!(status, 200);
+    for step in names {
+        let count = sum_of(
+            &body,
+            "bigfleet_proxmox_step_duration_seconds_count",
+            &[&format!("step=\"{step}\""), "node=\"pve1\""],
+        );
+        assert!(count >= 1.0, "no {step} observation:\n{body}");
+    }
+    let counted = sum_of(&body, "bigfleet_proxmox_pve_requests_total", &[]) as u64;
+    assert!(
+        (before..=after).contains(&counted),
+        "counted {counted}, pve-sim answered {before}..{after}"
+    );
+    assert!(
+        sum_of(
+            &body,
+            "bigfleet_proxmox_pve_requests_total",
+            &["endpoint=\"clone\"", "outcome=\"success\""]
+        ) >= 1.0,
+        "{body}"
+    );
+    drop(c);
+    drop(admin);
+    drop(p);
+    sim.shutdown().await;
+}

@@ -1,0 +1,347 @@
+//! Where a transition's time went: each step the substrate takes for a
+//! machine (a clone, a wait for a clone slot or a lock, a start, the guest
+//! agent, the bootstrap, readiness, a drain, a stop, a destroy), when it
+//! started, how long it took, the PVE task that ran it and how it ended.
+//!
+//! The [`Timeline`] belongs to the backend, which runs each transition of a
+//! machine inside [`Timeline::scope`]; the substrate's parts mark their
+//! steps with [`step`], which finds the machine being worked on through a
+//! task-local, as a tracing span would, so no part threads a machine id it
+//! has no other use for. A step taken outside any scope (a test driving
+//! the substrate directly, the reconcile pass) is not recorded.
+//!
+//! Bounded and in memory only: the last [`STEPS_PER_MACHINE`] steps of at
+//! most [`MACHINES`] machines, the least recently worked on forgotten
+//! first. A restart forgets it all: it explains a slow transition of this
+//! process, nothing an operator must keep.
+
+use std::collections::{HashMap, VecDeque};
+use std::fmt;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use parking_lot::Mutex;
+
+/// Steps kept per machine: a Create, a Configure, a Drain and a Delete
+/// with their waits fit.
+pub const STEPS_PER_MACHINE: usize = 24;
+
+/// Machines kept; beyond it the one worked on least recently goes.
+pub const MACHINES: usize = 4096;
+
+/// One kind of step, a label value of `bigfleet_proxmox_step_duration_seconds`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Step {
+    /// Waiting for a clone slot (`--max-parallel-clones` per node and storage).
+    CloneSlot,
+    /// The clone task, from its POST to its end.
+    Clone,
+    /// Waiting for a VM's config lock to go (a clone finishing, a backup).
+    LockWait,
+    /// The start task.
+    Start,
+    /// From the start until the guest agent answers.
+    Agent,
+    /// Writing the bootstrap blob through the agent.
+    BootstrapWrite,
+    /// Running `--bootstrap-exec` to its exit.
+    BootstrapExec,
+    /// `--readiness-command` until the node is Ready.
+    Readiness,
+    /// `--drain-command` to its exit.
+    Drain,
+    /// The stop task before a destroy.
+    Stop,
+    /// The destroy task.
+    Destroy,
+}
+
+impl Step {
+    pub const ALL: [Step; 11] = [
+        Step::CloneSlot,
+        Step::Clone,
+        Step::LockWait,
+        Step::Start,
+        Step::Agent,
+        Step::BootstrapWrite,
+        Step::BootstrapExec,
+        Step::Readiness,
+        Step::Drain,
+        Step::Stop,
+        Step::Destroy,
+    ];
+
+    /// The name in metrics, the Admin service and `ctl get`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Step::CloneSlot => "clone_slot",
+            Step::Clone => "clone",
+            Step::LockWait => "lock_wait",
+            Step::Start => "start",
+            Step::Agent => "agent",
+            Step::BootstrapWrite => "bootstrap_write",
+            Step::BootstrapExec => "bootstrap_exec",
+            Step::Readiness => "readiness",
+            Step::Drain => "drain",
+            Step::Stop => "stop",
+            Step::Destroy => "destroy",
+        }
+    }
+}
+
+impl fmt::Display for Step {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// One step taken for a machine.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StepRecord {
+    pub step: Step,
+    pub node: String,
+    pub started: SystemTime,
+    pub duration: Duration,
+    /// The PVE task that ran it, when one did.
+    pub upid: Option<String>,
+    /// How it failed; `None` when it succeeded.
+    pub error: Option<String>,
+}
+
+/// Told of every step that ends, for the per-step histograms.
+pub trait StepObserver: Send + Sync {
+    fn observe_step(&self, step: Step, node: &str, duration: Duration, ok: bool);
+}
+
+/// The steps of the machines this process worked on lately.
+#[derive(Default)]
+pub struct Timeline {
+    machines: Mutex<Machines>,
+    observer: Option<Arc<dyn StepObserver>>,
+}
+
+#[derive(Default)]
+struct Machines {
+    steps: HashMap<String, (u64, VecDeque<StepRecord>)>,
+    /// Bumped on every record: the machine with the smallest goes first.
+    clock: u64,
+}
+
+impl Timeline {
+    pub fn new(observer: Option<Arc<dyn StepObserver>>) -> Timeline {
+        Timeline {
+            machines: Mutex::default(),
+            observer,
+        }
+    }
+
+    /// Runs `fut` (one transition of `machine_id`) with its steps recorded
+    /// here.
+    pub async fn scope<F: Future>(self: &Arc<Self>, machine_id: &str, fut: F) -> F::Output {
+        let current = Current {
+            machine_id: machine_id.to_string(),
+            timeline: Arc::clone(self),
+        };
+        CURRENT.scope(current, fut).await
+    }
+
+    /// The recorded steps of `machine_id`, oldest first.
+    pub fn of(&self, machine_id: &str) -> Vec<StepRecord> {
+        self.machines
+            .lock()
+            .steps
+            .get(machine_id)
+            .map(|(_, steps)| steps.iter().cloned().collect())
+            .unwrap_or_default()
+    }
+
+    fn record(&self, machine_id: &str, record: StepRecord) {
+        if let Some(obs) = &self.observer {
+            obs.observe_step(
+                record.step,
+                &record.node,
+                record.duration,
+                record.error.is_none(),
+            );
+        }
+        let mut m = self.machines.lock();
+        m.clock += 1;
+        let now = m.clock;
+        if !m.steps.contains_key(machine_id) && m.steps.len() >= MACHINES {
+            let oldest = m
+                .steps
+                .iter()
+                .min_by_key(|(_, (at, _))| *at)
+                .map(|(id, _)| id.clone());
+            if let Some(id) = oldest {
+                m.steps.remove(&id);
+            }
+        }
+        let entry = m
+            .steps
+            .entry(machine_id.to_string())
+            .or_insert_with(|| (now, VecDeque::new()));
+        entry.0 = now;
+        if entry.1.len() >= STEPS_PER_MACHINE {
+            entry.1.pop_front();
+        }
+        entry.1.push_back(record);
+    }
+}
+
+#[derive(Clone)]
+struct Current {
+    machine_id: String,
+    timeline: Arc<Timeline>,
+}
+
+tokio::task_local! {
+    static CURRENT: Current;
+}
+
+/// Starts `step` on `node` for the machine being worked on (see the module
+/// doc). End it with [`StepGuard::end`]; a guard dropped without it (the
+/// future cancelled, an early return) records the step as abandoned.
+pub fn step(step: Step, node: &str) -> StepGuard {
+    StepGuard {
+        current: CURRENT.try_with(Clone::clone).ok(),
+        step,
+        node: node.to_string(),
+        started: SystemTime::now(),
+        clock: tokio::time::Instant::now(),
+        upid: None,
+        done: false,
+    }
+}
+
+/// A step under way.
+pub struct StepGuard {
+    current: Option<Current>,
+    step: Step,
+    node: String,
+    started: SystemTime,
+    clock: tokio::time::Instant,
+    upid: Option<String>,
+    done: bool,
+}
+
+impl StepGuard {
+    /// The PVE task running this step.
+    pub fn task(&mut self, upid: impl fmt::Display) {
+        self.upid = Some(upid.to_string());
+    }
+
+    /// Ends the step with the outcome of what it did, and hands it back.
+    pub fn end<T, E: fmt::Display>(mut self, outcome: Result<T, E>) -> Result<T, E> {
+        let error = outcome.as_ref().err().map(ToString::to_string);
+        self.finish(error);
+        outcome
+    }
+
+    fn finish(&mut self, error: Option<String>) {
+        self.done = true;
+        let Some(current) = self.current.take() else {
+            return;
+        };
+        current.timeline.record(
+            &current.machine_id,
+            StepRecord {
+                step: self.step,
+                node: std::mem::take(&mut self.node),
+                started: self.started,
+                duration: self.clock.elapsed(),
+                upid: self.upid.take(),
+                error,
+            },
+        );
+    }
+}
+
+impl Drop for StepGuard {
+    fn drop(&mut self) {
+        if !self.done {
+            self.finish(Some(
+                "abandoned (the transition ended before this step did)".into(),
+            ));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Default)]
+    struct Seen(Mutex<Vec<(Step, String, bool)>>);
+
+    impl StepObserver for Seen {
+        fn observe_step(&self, step: Step, node: &str, _: Duration, ok: bool) {
+            self.0.lock().push((step, node.to_string(), ok));
+        }
+    }
+
+    #[tokio::test]
+    async fn steps_are_recorded_for_the_machine_in_scope_and_observed() {
+        let seen = Arc::new(Seen::default());
+        let timeline = Arc::new(Timeline::new(Some(seen.clone() as Arc<dyn StepObserver>)));
+        timeline
+            .scope("m-1", async {
+                let mut clone = step(Step::Clone, "pve1");
+                clone.task("UPID:pve1:1");
+                let _: Result<(), String> = clone.end(Ok(()));
+                let _: Result<(), String> =
+                    step(Step::Start, "pve1").end(Err("start failed".to_string()));
+                drop(step(Step::Agent, "pve1"));
+            })
+            .await;
+        // Outside any scope: nothing recorded.
+        let _: Result<(), String> = step(Step::Destroy, "pve1").end(Ok(()));
+        let got = timeline.of("m-1");
+        let summary: Vec<(Step, Option<&str>, Option<&str>)> = got
+            .iter()
+            .map(|r| (r.step, r.upid.as_deref(), r.error.as_deref()))
+            .collect();
+        assert_eq!(
+            summary,
+            [
+                (Step::Clone, Some("UPID:pve1:1"), None),
+                (Step::Start, None, Some("start failed")),
+                (
+                    Step::Agent,
+                    None,
+                    Some("abandoned (the transition ended before this step did)")
+                ),
+            ]
+        );
+        assert_eq!(seen.0.lock().len(), 3);
+        assert!(timeline.of("m-2").is_empty());
+    }
+
+    #[tokio::test]
+    async fn memory_is_bounded_per_machine_and_in_machines() {
+        let timeline = Arc::new(Timeline::new(None));
+        for i in 0..(STEPS_PER_MACHINE + 5) {
+            timeline
+                .scope("m-1", async move {
+                    let mut s = step(Step::Clone, "pve1");
+                    s.task(i);
+                    let _: Result<(), String> = s.end(Ok(()));
+                })
+                .await;
+        }
+        let steps = timeline.of("m-1");
+        assert_eq!(steps.len(), STEPS_PER_MACHINE);
+        assert_eq!(steps[0].upid.as_deref(), Some("5"), "the oldest went");
+        for i in 0..MACHINES + 1 {
+            timeline
+                .scope(&format!("n-{i}"), async {
+                    let _: Result<(), String> = step(Step::Start, "pve1").end(Ok(()));
+                })
+                .await;
+        }
+        assert!(timeline.of("m-1").is_empty(), "least recently worked on");
+        assert_eq!(timeline.of(&format!("n-{MACHINES}")).len(), 1);
+        assert_eq!(timeline.machines.lock().steps.len(), MACHINES);
+    }
+}
