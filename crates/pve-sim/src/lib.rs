@@ -32,6 +32,7 @@ mod migrate;
 pub mod params;
 mod privileges;
 pub mod qga;
+mod resize;
 mod routes;
 pub mod schema;
 pub mod server;
@@ -96,6 +97,7 @@ pub mod endpoints {
     pub const STORAGE_STATUS: &str = "GET /nodes/{node}/storage/{storage}/status";
     pub const PERMISSIONS: &str = "GET /access/permissions";
     pub const SDN_VNETS: &str = "GET /cluster/sdn/vnets";
+    pub const RESIZE: &str = "PUT /nodes/{node}/qemu/{vmid}/resize";
 }
 
 /// Description marker the provider writes (`proxmox-provider.md`).

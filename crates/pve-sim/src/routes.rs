@@ -304,6 +304,13 @@ const TABLE: &[Route] = &[
     // pve-network `API2/Network/SDN/Vnets.pm` (index); not in the official
     // schema file's subset, so validated against `api.json` alone.
     get("/cluster/sdn/vnets", Unchecked, Now(|s, _| s.sdn_vnets())),
+    // qemu-server `API2/Qemu.pm` `resize_vm`: `Datastore.AllocateSpace`
+    // on the disk's storage is checked by its worker, not here.
+    put(
+        "/nodes/{node}/qemu/{vmid}/resize",
+        OnVm("VM.Config.Disk"),
+        Now(|s, c| s.resize(c.node, c.vmid, c.p)),
+    ),
 ];
 
 /// The route `method path` (a path below `/api2/json`) matches, with its
@@ -445,6 +452,7 @@ mod tests {
             endpoints::STORAGE_STATUS,
             endpoints::PERMISSIONS,
             endpoints::SDN_VNETS,
+            endpoints::RESIZE,
         ] {
             let route = name.split_once(' ');
             assert!(route.is_some_and(|r| ROUTES.contains(&r)), "{name}");
@@ -534,6 +542,10 @@ mod tests {
         (
             "POST /nodes/{node}/qemu/{vmid}/template",
             &[("/vms/9000", &["VM.Allocate"])],
+        ),
+        (
+            "PUT /nodes/{node}/qemu/{vmid}/resize",
+            &[("/vms/9000", &["VM.Config.Disk"])],
         ),
         (
             "GET /nodes/{node}/storage/{storage}/status",

@@ -14,5 +14,6 @@ mod node_offline;
 mod proxmoxer;
 mod qga;
 mod realism;
+mod resize;
 mod schema;
 mod storage;
