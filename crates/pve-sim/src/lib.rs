@@ -28,6 +28,7 @@ mod guest_api;
 pub mod guest_root;
 mod inventory;
 mod lifecycle;
+mod mapping;
 mod migrate;
 pub mod params;
 mod privileges;
@@ -53,7 +54,7 @@ use tokio::task::JoinHandle;
 
 pub use agent::{GuestExec, GuestHandler, GuestOutput};
 pub use config::{
-    find_qemu_ga, parse_size, GuestAgentMode, HttpServerVersion, NodeMemory, SimConfig,
+    find_qemu_ga, parse_size, GuestAgentMode, HttpServerVersion, NodeMemory, PciMapping, SimConfig,
     StorageKind, StorageSpec, TagAccess, TagStyle, TemplateSpec, GUEST_AGENT_ENV,
 };
 pub use faults::Faults;
@@ -98,6 +99,7 @@ pub mod endpoints {
     pub const PERMISSIONS: &str = "GET /access/permissions";
     pub const SDN_VNETS: &str = "GET /cluster/sdn/vnets";
     pub const RESIZE: &str = "PUT /nodes/{node}/qemu/{vmid}/resize";
+    pub const PCI_MAPPINGS: &str = "GET /cluster/mapping/pci";
 }
 
 /// Description marker the provider writes (`proxmox-provider.md`).

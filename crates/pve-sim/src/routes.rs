@@ -149,7 +149,12 @@ const TABLE: &[Route] = &[
     post(
         "/nodes/{node}/qemu/{vmid}/clone",
         Rule(privileges::clone),
-        Now(|s, c| s.clone_vm(c.node, c.vmid, c.p)),
+        Now(|s, c| {
+            // qemu-server `check_mapping_access` dies (500) on a host
+            // device passed through by address, whatever the token holds.
+            s.refuse_root_only_devices_of(c.vmid)?;
+            s.clone_vm(c.node, c.vmid, c.p)
+        }),
     ),
     get(
         "/nodes/{node}/qemu/{vmid}/config",
@@ -159,12 +164,21 @@ const TABLE: &[Route] = &[
     put(
         "/nodes/{node}/qemu/{vmid}/config",
         Rule(privileges::config),
-        Awaits(|s, c| Box::pin(s.update_config_sync(c.node, c.vmid, c.p))),
+        Awaits(|s, c| {
+            Box::pin(async move {
+                // qemu-server `check_hostpci_perm` / `check_usb_perm`.
+                crate::mapping::refuse_root_only_params(c.p)?;
+                s.update_config_sync(c.node, c.vmid, c.p).await
+            })
+        }),
     ),
     post(
         "/nodes/{node}/qemu/{vmid}/config",
         Rule(privileges::config),
-        Now(|s, c| s.update_config_async(c.node, c.vmid, c.p)),
+        Now(|s, c| {
+            crate::mapping::refuse_root_only_params(c.p)?;
+            s.update_config_async(c.node, c.vmid, c.p)
+        }),
     ),
     post(
         "/nodes/{node}/qemu/{vmid}/status/start",
@@ -311,6 +325,13 @@ const TABLE: &[Route] = &[
         OnVm("VM.Config.Disk"),
         Now(|s, c| s.resize(c.node, c.vmid, c.p)),
     ),
+    // pve-manager `API2/Cluster/Mapping/PCI.pm` (index): open to every
+    // user, it filters by `Mapping.*` on each mapping itself.
+    get(
+        "/cluster/mapping/pci",
+        Unchecked,
+        Now(|s, c| s.pci_mapping_index(c.p)),
+    ),
 ];
 
 /// The route `method path` (a path below `/api2/json`) matches, with its
@@ -453,6 +474,7 @@ mod tests {
             endpoints::PERMISSIONS,
             endpoints::SDN_VNETS,
             endpoints::RESIZE,
+            endpoints::PCI_MAPPINGS,
         ] {
             let route = name.split_once(' ');
             assert!(route.is_some_and(|r| ROUTES.contains(&r)), "{name}");

@@ -9,6 +9,7 @@ mod api;
 mod configurations;
 mod failure_modes;
 mod fidelity;
+mod mappings;
 mod memory;
 mod node_offline;
 mod proxmoxer;
