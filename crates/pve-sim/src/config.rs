@@ -374,6 +374,10 @@ pub struct StorageSpec {
     pub total_gib: u64,
     /// Content types, e.g. `images,rootdir`.
     pub content: String,
+    /// Per-node capacity of a local storage where it differs from
+    /// `total_gib` (each node's disk is its own pool); empty for shared
+    /// storages, which are one pool.
+    pub node_gib: std::collections::BTreeMap<String, u64>,
 }
 
 impl StorageSpec {
@@ -385,7 +389,19 @@ impl StorageSpec {
             shared,
             total_gib,
             content: "images,rootdir".into(),
+            node_gib: Default::default(),
         }
+    }
+
+    /// Capacity on `node`, in GiB.
+    pub fn total_gib_on(&self, node: &str) -> u64 {
+        self.node_gib.get(node).copied().unwrap_or(self.total_gib)
+    }
+
+    /// `node`'s pool of this local storage holds `gib`.
+    pub fn with_node_size(mut self, node: &str, gib: u64) -> Self {
+        self.node_gib.insert(node.to_string(), gib);
+        self
     }
 
     pub fn with_content(mut self, content: &str) -> Self {

@@ -22,6 +22,7 @@
 //! ```
 
 pub mod agent;
+pub mod cli;
 pub mod config;
 pub mod faults;
 mod guest_api;

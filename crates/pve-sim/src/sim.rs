@@ -243,6 +243,11 @@ impl Shared {
         self.cfg.shared_storages.iter().any(|s| s == storage)
             || self
                 .cfg
+                .storages
+                .iter()
+                .any(|s| s.shared && s.name == storage)
+            || self
+                .cfg
                 .templates
                 .iter()
                 .any(|t| t.shared && t.storage == storage)

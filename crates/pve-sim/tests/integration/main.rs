@@ -6,6 +6,7 @@
 mod common;
 
 mod api;
+mod cli;
 mod configurations;
 mod failure_modes;
 mod fidelity;
