@@ -54,7 +54,7 @@ pub struct Args {
     /// K/M/G/T (= KiB/MiB/GiB/TiB).
     #[arg(long, default_value = "16T", value_parser = |s: &str| s.parse::<NodeMemory>())]
     pub node_memory: NodeMemory,
-    /// Templates as VMID[@NODE][:shared], comma-separated (node defaults to the first).
+    /// Templates as `VMID[@NODE][:shared]`, comma-separated (node defaults to the first).
     #[arg(long, default_value = "9000", value_delimiter = ',',
           action = ArgAction::Set)]
     pub templates: Vec<String>,
@@ -62,8 +62,8 @@ pub struct Args {
     #[arg(long, default_value = "bigfleet", value_delimiter = ',',
           action = ArgAction::Set)]
     pub pools: Vec<String>,
-    /// A storage of storage.cfg, repeatable: NAME=TYPE[,shared][,size=SIZE]
-    /// [,content=A;B][,nodes=N1;N2]. TYPE is dir, lvm, lvmthin, zfspool,
+    /// A storage of storage.cfg, repeatable:
+    /// `NAME=TYPE[,shared][,size=SIZE][,content=A;B][,nodes=N1;N2]`. TYPE is dir, lvm, lvmthin, zfspool,
     /// rbd or nfs; size defaults to 1T (per node when local); `nodes`
     /// leaves the storage disabled on the other nodes. Any --storage
     /// replaces the default set (local, local-lvm, ceph-pool).
@@ -100,7 +100,7 @@ pub struct Args {
     /// answers 501 and every bridge is in `localnetwork`.
     #[arg(long, default_value_t = true, action = ArgAction::Set)]
     pub sdn_installed: bool,
-    /// A PCI resource mapping, repeatable: NAME=NODE:COUNT[,NODE:COUNT]
+    /// A PCI resource mapping, repeatable: `NAME=NODE:COUNT[,NODE:COUNT]`
     /// (COUNT devices on each node named).
     #[arg(long, value_name = "NAME=NODE:COUNT", action = ArgAction::Append,
           value_parser = |s: &str| s.parse::<PciMapping>())]
@@ -230,7 +230,7 @@ pub struct Args {
     #[arg(long, default_value_t = false, num_args = 0..=1,
           default_missing_value = "true", action = ArgAction::Set)]
     pub keep_failed_clone: bool,
-    /// Datacenter user-tag-access: free, none, existing[:TAGS] or list:TAGS.
+    /// Datacenter user-tag-access: free, none, `existing[:TAGS]` or list:TAGS.
     #[arg(long, default_value = "free", value_parser = |s: &str| s.parse::<TagAccess>())]
     pub tag_access: TagAccess,
     /// pveproxy closes keep-alive connections idle this long (0s = never).
@@ -275,9 +275,10 @@ fn parse_gib(s: &str) -> Result<u64, String> {
     Ok(bytes >> 30)
 }
 
-/// `NAME=TYPE[,shared][,size=SIZE][,content=A;B][,nodes=N1;N2]`; the
-/// `nodes` list is kept in the content of a marker the caller turns into
-/// [`SimConfig::storages_disabled`].
+/// `NAME=TYPE[,shared][,size=SIZE][,content=A;B][,nodes=N1;N2]`; a
+/// `nodes` list is kept in `node_gib` under [`NODES_MARK`] keys, which
+/// [`Args::into_options`] turns into [`SimConfig::storages_disabled`] (the
+/// spec has no field for it).
 fn parse_storage(s: &str) -> Result<StorageSpec, String> {
     let usage = "write NAME=TYPE[,shared][,size=SIZE][,content=A;B][,nodes=N1;N2], \
                  e.g. nfs1=nfs,shared,size=2T";
@@ -314,7 +315,7 @@ fn parse_storage(s: &str) -> Result<StorageSpec, String> {
 }
 
 /// Prefix of the `node_gib` keys [`parse_storage`] records a `nodes=`
-/// list in until [`Args::into_config`] turns it into disabled storages
+/// list in until [`Args::into_options`] turns it into disabled storages
 /// (a node name cannot contain it).
 const NODES_MARK: &str = "nodes=";
 
