@@ -374,6 +374,10 @@ pub struct StorageSpec {
     pub total_gib: u64,
     /// Content types, e.g. `images,rootdir`.
     pub content: String,
+    /// Per-node capacity of a local storage where it differs from
+    /// `total_gib` (each node's disk is its own pool); empty for shared
+    /// storages, which are one pool.
+    pub node_gib: std::collections::BTreeMap<String, u64>,
 }
 
 impl StorageSpec {
@@ -385,7 +389,19 @@ impl StorageSpec {
             shared,
             total_gib,
             content: "images,rootdir".into(),
+            node_gib: Default::default(),
         }
+    }
+
+    /// Capacity on `node`, in GiB.
+    pub fn total_gib_on(&self, node: &str) -> u64 {
+        self.node_gib.get(node).copied().unwrap_or(self.total_gib)
+    }
+
+    /// `node`'s pool of this local storage holds `gib`.
+    pub fn with_node_size(mut self, node: &str, gib: u64) -> Self {
+        self.node_gib.insert(node.to_string(), gib);
+        self
     }
 
     pub fn with_content(mut self, content: &str) -> Self {
@@ -560,6 +576,12 @@ pub struct SimConfig {
     /// (`sockets` x `cores`) a VM may have there to start (qemu-server
     /// `config_to_command`: `MAX N vcpus allowed per VM on this node`).
     pub node_cpus: u32,
+    /// Cluster PCI resource mappings (`/etc/pve/mapping/pci.cfg`): each
+    /// names how many devices it maps on which node. `GET
+    /// /cluster/mapping/pci` lists them; a VM with `hostpciN:
+    /// mapping=<name>` holds one of the node's devices while it runs, and
+    /// a start that finds none free fails as qemu-server's does.
+    pub pci_mappings: Vec<PciMapping>,
 }
 
 impl SimConfig {
@@ -645,6 +667,7 @@ impl Default for SimConfig {
             sdn_installed: true,
             registered_tags: Vec::new(),
             node_cpus: 64,
+            pci_mappings: Vec::new(),
         }
     }
 }
@@ -754,4 +777,83 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
     }
     n.checked_mul(1u64 << shift)
         .ok_or_else(|| format!("size {t:?} does not fit in 64 bits of bytes"))
+}
+
+/// A cluster PCI resource mapping (pve-guest-common `PVE/Mapping/PCI.pm`,
+/// `mapping/pci.cfg`): a logical name for interchangeable devices, with
+/// `devices` of them on each node named (one `map` entry each, a path the
+/// simulator makes up).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PciMapping {
+    /// The mapping's id (`pve-configid`: a letter, then letters, digits,
+    /// `-` or `_`).
+    pub name: String,
+    pub description: Option<String>,
+    /// Devices per node.
+    pub devices: std::collections::BTreeMap<String, u32>,
+}
+
+impl PciMapping {
+    /// `name` with `count` devices on each of `nodes`.
+    pub fn new(name: &str, nodes: &[(&str, u32)]) -> Self {
+        Self {
+            name: name.to_string(),
+            description: None,
+            devices: nodes.iter().map(|(n, c)| (n.to_string(), *c)).collect(),
+        }
+    }
+
+    /// Devices it maps on `node`.
+    pub fn devices_on(&self, node: &str) -> u32 {
+        self.devices.get(node).copied().unwrap_or(0)
+    }
+}
+
+/// Whether `id` is a `pve-configid` (pve-common `JSONSchema.pm`
+/// `pve_verify_configid`: `^[a-z][a-z0-9_-]+$`, case-insensitive).
+pub fn is_config_id(id: &str) -> bool {
+    let mut chars = id.chars();
+    chars.next().is_some_and(|c| c.is_ascii_alphabetic())
+        && id.len() >= 2
+        && chars.all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+}
+
+/// `NAME=NODE:COUNT[,NODE:COUNT...]`, e.g. `gpu=pve1:2,pve2:1`.
+impl FromStr for PciMapping {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        let (name, nodes) = s.trim().split_once('=').ok_or_else(|| {
+            format!("PCI mapping {s:?}: write NAME=NODE:COUNT[,NODE:COUNT...], e.g. gpu=pve1:2")
+        })?;
+        let name = name.trim();
+        if !is_config_id(name) {
+            return Err(format!(
+                "PCI mapping {s:?}: name {name:?} is not a valid mapping id \
+                 (a letter, then letters, digits, '-' or '_')"
+            ));
+        }
+        let mut devices = std::collections::BTreeMap::new();
+        for part in nodes.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+            let (node, count) = part.split_once(':').ok_or_else(|| {
+                format!("PCI mapping {s:?}: {part:?} should be NODE:COUNT, e.g. pve1:2")
+            })?;
+            let count: u32 = count.trim().parse().map_err(|_| {
+                format!("PCI mapping {s:?}: device count {count:?} is not a whole number")
+            })?;
+            if devices.insert(node.trim().to_string(), count).is_some() {
+                return Err(format!("PCI mapping {s:?}: node {node:?} is named twice"));
+            }
+        }
+        if devices.is_empty() {
+            return Err(format!(
+                "PCI mapping {s:?}: name at least one NODE:COUNT after '='"
+            ));
+        }
+        Ok(Self {
+            name: name.to_string(),
+            description: None,
+            devices,
+        })
+    }
 }

@@ -22,16 +22,19 @@
 //! ```
 
 pub mod agent;
+pub mod cli;
 pub mod config;
 pub mod faults;
 mod guest_api;
 pub mod guest_root;
 mod inventory;
 mod lifecycle;
+mod mapping;
 mod migrate;
 pub mod params;
 mod privileges;
 pub mod qga;
+mod resize;
 mod routes;
 pub mod schema;
 pub mod server;
@@ -52,7 +55,7 @@ use tokio::task::JoinHandle;
 
 pub use agent::{GuestExec, GuestHandler, GuestOutput};
 pub use config::{
-    find_qemu_ga, parse_size, GuestAgentMode, HttpServerVersion, NodeMemory, SimConfig,
+    find_qemu_ga, parse_size, GuestAgentMode, HttpServerVersion, NodeMemory, PciMapping, SimConfig,
     StorageKind, StorageSpec, TagAccess, TagStyle, TemplateSpec, GUEST_AGENT_ENV,
 };
 pub use faults::Faults;
@@ -96,6 +99,8 @@ pub mod endpoints {
     pub const STORAGE_STATUS: &str = "GET /nodes/{node}/storage/{storage}/status";
     pub const PERMISSIONS: &str = "GET /access/permissions";
     pub const SDN_VNETS: &str = "GET /cluster/sdn/vnets";
+    pub const RESIZE: &str = "PUT /nodes/{node}/qemu/{vmid}/resize";
+    pub const PCI_MAPPINGS: &str = "GET /cluster/mapping/pci";
 }
 
 /// Description marker the provider writes (`proxmox-provider.md`).

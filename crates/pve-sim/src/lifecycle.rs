@@ -370,6 +370,11 @@ impl Shared {
                     Ok(())
                 })
                 .await?;
+                // Mapped PCI devices are reserved before QEMU runs (see
+                // `Shared::reserve_pci`); held until the worker ends.
+                let _pci = me
+                    .reserve_pci(vmid, &n)
+                    .inspect_err(|_| me.release_flock(vmid, |_| {}))?;
                 tokio::time::sleep(me.cfg.start_duration).await;
                 me.release_flock(vmid, |c| {
                     if let Some(vm) = c.vms.get_mut(&vmid) {

@@ -125,6 +125,31 @@ pub(crate) fn clone(s: &Shared, p: &Params) -> Required {
     if physical_cdrom {
         out.push(("/".to_string(), vec!["Sys.Console"]));
     }
+    // Then qemu-server `check_mapping_access` on the source's config:
+    // `Mapping.Use` on each mapped PCI or USB device's mapping; and, from
+    // qemu-server 9.1.15 (PVE 9), `$check_cpu_model_access`: `Mapping.Use`
+    // on `/mapping/cpu/<x>` for a `cpu: custom-<x>`.
+    let config = s
+        .cluster
+        .lock()
+        .vms
+        .get(&(vmid as u32))
+        .map(|vm| vm.config_json());
+    if let Some(keys) = config.as_ref().and_then(|c| c.as_object()) {
+        let mut devices = keys
+            .iter()
+            .filter_map(|(k, v)| v.as_str().map(|v| (k.as_str(), v)));
+        for path in crate::mapping::mapping_paths(&mut devices) {
+            out.push((path, vec!["Mapping.Use"]));
+        }
+        let custom = keys
+            .get("cpu")
+            .and_then(|c| c.as_str())
+            .and_then(crate::mapping::custom_cpu_model);
+        if let (true, Some(model)) = (s.cfg.pve9, custom) {
+            out.push((format!("/mapping/cpu/{model}"), vec!["Mapping.Use"]));
+        }
+    }
     out
 }
 
@@ -149,6 +174,18 @@ pub(crate) fn config(_: &Shared, p: &Params) -> Required {
             .is_some_and(|d| d.split([',', ';', ' ']).any(|k| k == key));
         if p.get(key).is_some() || deleted {
             out.push((vm.clone(), vec![privilege]));
+        }
+    }
+    // qemu-server `check_hostpci_perm` / `check_usb_perm`: a mapped
+    // device needs `Mapping.Use` on its mapping and `VM.Config.HWType`.
+    for (key, values) in &p.0 {
+        let Some(value) = values.first() else {
+            continue;
+        };
+        let mut one = std::iter::once((key.as_str(), value.as_str()));
+        for path in crate::mapping::mapping_paths(&mut one) {
+            out.push((path, vec!["Mapping.Use"]));
+            out.push((vm.clone(), vec!["VM.Config.HWType"]));
         }
     }
     out

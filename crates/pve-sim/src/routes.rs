@@ -149,7 +149,12 @@ const TABLE: &[Route] = &[
     post(
         "/nodes/{node}/qemu/{vmid}/clone",
         Rule(privileges::clone),
-        Now(|s, c| s.clone_vm(c.node, c.vmid, c.p)),
+        Now(|s, c| {
+            // qemu-server `check_mapping_access` dies (500) on a host
+            // device passed through by address, whatever the token holds.
+            s.refuse_root_only_devices_of(c.vmid)?;
+            s.clone_vm(c.node, c.vmid, c.p)
+        }),
     ),
     get(
         "/nodes/{node}/qemu/{vmid}/config",
@@ -159,12 +164,21 @@ const TABLE: &[Route] = &[
     put(
         "/nodes/{node}/qemu/{vmid}/config",
         Rule(privileges::config),
-        Awaits(|s, c| Box::pin(s.update_config_sync(c.node, c.vmid, c.p))),
+        Awaits(|s, c| {
+            Box::pin(async move {
+                // qemu-server `check_hostpci_perm` / `check_usb_perm`.
+                crate::mapping::refuse_root_only_params(c.p)?;
+                s.update_config_sync(c.node, c.vmid, c.p).await
+            })
+        }),
     ),
     post(
         "/nodes/{node}/qemu/{vmid}/config",
         Rule(privileges::config),
-        Now(|s, c| s.update_config_async(c.node, c.vmid, c.p)),
+        Now(|s, c| {
+            crate::mapping::refuse_root_only_params(c.p)?;
+            s.update_config_async(c.node, c.vmid, c.p)
+        }),
     ),
     post(
         "/nodes/{node}/qemu/{vmid}/status/start",
@@ -304,6 +318,20 @@ const TABLE: &[Route] = &[
     // pve-network `API2/Network/SDN/Vnets.pm` (index); not in the official
     // schema file's subset, so validated against `api.json` alone.
     get("/cluster/sdn/vnets", Unchecked, Now(|s, _| s.sdn_vnets())),
+    // qemu-server `API2/Qemu.pm` `resize_vm`: `Datastore.AllocateSpace`
+    // on the disk's storage is checked by its worker, not here.
+    put(
+        "/nodes/{node}/qemu/{vmid}/resize",
+        OnVm("VM.Config.Disk"),
+        Now(|s, c| s.resize(c.node, c.vmid, c.p)),
+    ),
+    // pve-manager `API2/Cluster/Mapping/PCI.pm` (index): open to every
+    // user, it filters by `Mapping.*` on each mapping itself.
+    get(
+        "/cluster/mapping/pci",
+        Unchecked,
+        Now(|s, c| s.pci_mapping_index(c.p)),
+    ),
 ];
 
 /// The route `method path` (a path below `/api2/json`) matches, with its
@@ -445,6 +473,8 @@ mod tests {
             endpoints::STORAGE_STATUS,
             endpoints::PERMISSIONS,
             endpoints::SDN_VNETS,
+            endpoints::RESIZE,
+            endpoints::PCI_MAPPINGS,
         ] {
             let route = name.split_once(' ');
             assert!(route.is_some_and(|r| ROUTES.contains(&r)), "{name}");
@@ -534,6 +564,10 @@ mod tests {
         (
             "POST /nodes/{node}/qemu/{vmid}/template",
             &[("/vms/9000", &["VM.Allocate"])],
+        ),
+        (
+            "PUT /nodes/{node}/qemu/{vmid}/resize",
+            &[("/vms/9000", &["VM.Config.Disk"])],
         ),
         (
             "GET /nodes/{node}/storage/{storage}/status",

@@ -59,6 +59,10 @@ pub struct Shared {
     /// Volumes a destroy could not free: still on their storage, taking
     /// their space, owned by no VM.
     pub leftover_volumes: Mutex<Vec<LeftoverVolume>>,
+    /// VMs whose start is under way, by node: their mapped PCI devices
+    /// are reserved (qemu-server `reserve_pci_usage` with a timeout) until
+    /// the VM runs, when running itself holds them.
+    pub(crate) pci_starting: Mutex<BTreeMap<u32, String>>,
 }
 
 /// A volume a destroy left behind (`Could not remove disk`).
@@ -110,6 +114,7 @@ impl Shared {
             storages_hung: Mutex::default(),
             storages_busy: Mutex::default(),
             leftover_volumes: Mutex::default(),
+            pci_starting: Mutex::default(),
             qga_bin,
             cfg,
             cluster: Mutex::new(cluster),
@@ -236,6 +241,11 @@ impl Shared {
 
     pub(crate) fn is_shared(&self, storage: &str) -> bool {
         self.cfg.shared_storages.iter().any(|s| s == storage)
+            || self
+                .cfg
+                .storages
+                .iter()
+                .any(|s| s.shared && s.name == storage)
             || self
                 .cfg
                 .templates

@@ -84,7 +84,12 @@ impl Shared {
                     s.kind,
                     s.content.clone(),
                     s.shared,
-                    s.total_gib << 30,
+                    // A local storage is a pool per node, each its own size.
+                    if s.shared {
+                        s.total_gib << 30
+                    } else {
+                        s.total_gib_on(node) << 30
+                    },
                 )
             })
             .collect();

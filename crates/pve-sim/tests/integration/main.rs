@@ -6,14 +6,17 @@
 mod common;
 
 mod api;
+mod cli;
 mod configurations;
 mod failure_modes;
 mod fidelity;
+mod mappings;
 mod memory;
 mod node_offline;
 mod proxmoxer;
 mod qga;
 mod realism;
+mod resize;
 mod schema;
 mod storage;
 mod templates;
