@@ -108,7 +108,7 @@ privs=(
     Pool.Audit       # read the pool's members
     VM.Clone         # clone from a per-node template replica (it lives in the pool)
     VM.Migrate       # move a staged replica offline to its node
-    VM.Config.Disk   # a replica migration's targetstorage (--node-storage)
+    VM.Config.Disk   # a replica migration's targetstorage (--node-storage); growing a boot disk (disk_gib)
 )
 # Guest-agent calls (agent/ping, agent/file-write, agent/exec, exec-status) carry
 # the bootstrap and the drain. Up to 8 they need VM.Monitor; 9 replaced it with

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use providerkit::{AuxAddr, EngineOptions, Limits, Timeouts};
 use proxmox_backend::catalog::{self, InstanceType, Pricing, Slot};
-use proxmox_backend::proxmox::PveOptions;
+use proxmox_backend::proxmox::{PveOptions, TypeDisk};
 
 use crate::config::{self, Args, BackendChoice};
 use crate::error::ConfigError;
@@ -414,6 +414,19 @@ fn pve_options(args: &Args, catalog: &Catalog) -> Result<PveOptions, ConfigError
             .types
             .iter()
             .filter_map(|(name, t)| t.balloon_mib.map(|b| (name.clone(), b)))
+            .collect(),
+        type_disk: catalog
+            .types
+            .iter()
+            .filter_map(|(name, t)| {
+                t.disk_gib.map(|gib| {
+                    let disk = TypeDisk {
+                        template_vmid: t.template_vmid,
+                        gib,
+                    };
+                    (name.clone(), disk)
+                })
+            })
             .collect(),
         // Retries of transient failures end before the engine's shortest
         // transition deadline, so last_error names the cause (the node, the

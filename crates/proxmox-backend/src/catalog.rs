@@ -27,6 +27,11 @@ pub struct InstanceType {
     /// stays 0 where the template has ballooning off.
     #[serde(default)]
     pub balloon_mib: Option<u64>,
+    /// The boot disk's size (GiB): a clone's boot disk is grown to it
+    /// before the VM starts. At least the template's boot disk (PVE cannot
+    /// shrink one); unset: the template's size.
+    #[serde(default)]
+    pub disk_gib: Option<u64>,
 }
 
 /// One offering: `count` slots of one type on one node.
@@ -68,6 +73,7 @@ pub fn builtin_instance_types(template_vmid: u32) -> BTreeMap<String, InstanceTy
                 template_vmid,
                 storage: None,
                 balloon_mib: None,
+                disk_gib: None,
             },
         )
     })
@@ -113,6 +119,12 @@ pub fn load_instance_types(
         }
         if t.template_vmid == 0 {
             t.template_vmid = template_vmid;
+        }
+        if t.disk_gib == Some(0) || t.disk_gib.is_some_and(|g| g > MAX_DISK_GIB) {
+            return Err(ConfigError::Invalid(format!(
+                "instance type {name}: disk_gib must be 1 to {MAX_DISK_GIB} (GiB); leave it out to keep \
+                 the template's boot disk size"
+            )));
         }
         if let Some(b) = t.balloon_mib.filter(|b| *b > t.memory_mib) {
             return Err(ConfigError::Invalid(format!(
@@ -227,11 +239,21 @@ pub fn render_memory(memory_mib: u64) -> String {
     }
 }
 
+/// The largest `disk_gib` accepted: PVE's own limit is the storage's; this
+/// catches a unit mistake (MiB written as GiB) before it fills one.
+pub const MAX_DISK_GIB: u64 = 64 << 10;
+
 pub fn allocatable(t: &InstanceType) -> HashMap<String, String> {
-    HashMap::from([
+    let mut out = HashMap::from([
         ("cpu".to_string(), t.vcpu.to_string()),
         ("memory".to_string(), render_memory(t.memory_mib)),
-    ])
+    ]);
+    if let Some(gib) = t.disk_gib {
+        // The boot disk's size; what the guest's root file system can grow
+        // to (the template contract: it grows it at boot).
+        out.insert("ephemeral-storage".to_string(), format!("{gib}Gi"));
+    }
+    out
 }
 
 fn capacity_type_ok(text: &str) -> bool {
@@ -471,5 +493,29 @@ mod tests {
             load_instance_types(&path, 9001).unwrap()["pve.x"].template_vmid,
             9001
         );
+        for (text, want) in [
+            (
+                r#"{"pve.x":{"vcpu":2,"memory_mib":1024,"balloon_mib":2048}}"#,
+                "balloon_mib 2048 is above memory_mib 1024",
+            ),
+            (
+                r#"{"pve.x":{"vcpu":2,"memory_mib":1024,"disk_gib":0}}"#,
+                "disk_gib must be 1 to 65536",
+            ),
+        ] {
+            std::fs::write(&path, text).unwrap();
+            let e = load_instance_types(&path, 9000).unwrap_err().to_string();
+            assert!(e.contains(want), "{e}");
+        }
+        std::fs::write(
+            &path,
+            r#"{"pve.x":{"vcpu":2,"memory_mib":1024,"disk_gib":64,"balloon_mib":512}}"#,
+        )
+        .unwrap();
+        let t = &load_instance_types(&path, 9000).unwrap()["pve.x"];
+        assert_eq!((t.disk_gib, t.balloon_mib), (Some(64), Some(512)));
+        assert_eq!(allocatable(t)["ephemeral-storage"], "64Gi");
+        assert!(!allocatable(&builtin_instance_types(9000)["pve.small"])
+            .contains_key("ephemeral-storage"));
     }
 }

@@ -39,6 +39,8 @@ pub enum Step {
     Clone,
     /// Waiting for a VM's config lock to go (a clone finishing, a backup).
     LockWait,
+    /// Growing the boot disk to the type's `disk_gib` (its task).
+    Resize,
     /// The start task.
     Start,
     /// From the start until the guest agent answers.
@@ -58,10 +60,11 @@ pub enum Step {
 }
 
 impl Step {
-    pub const ALL: [Step; 11] = [
+    pub const ALL: [Step; 12] = [
         Step::CloneSlot,
         Step::Clone,
         Step::LockWait,
+        Step::Resize,
         Step::Start,
         Step::Agent,
         Step::BootstrapWrite,
@@ -78,6 +81,7 @@ impl Step {
             Step::CloneSlot => "clone_slot",
             Step::Clone => "clone",
             Step::LockWait => "lock_wait",
+            Step::Resize => "resize",
             Step::Start => "start",
             Step::Agent => "agent",
             Step::BootstrapWrite => "bootstrap_write",

@@ -233,6 +233,16 @@ pub struct Args {
     /// Datacenter user-tag-access: free, none, `existing[:TAGS]` or list:TAGS.
     #[arg(long, default_value = "free", value_parser = |s: &str| s.parse::<TagAccess>())]
     pub tag_access: TagAccess,
+    /// datacenter.cfg `registered-tags`, repeatable or comma-separated:
+    /// tags only a token with Sys.Modify on / may add to or remove from a
+    /// VM, whatever --tag-access says.
+    #[arg(long, value_name = "TAG", action = ArgAction::Append, value_delimiter = ',')]
+    pub registered_tag: Vec<String>,
+    /// Each node's CPU threads: its `maxcpu`, and the most vCPUs (sockets x
+    /// cores) a VM may have there to start (`MAX N vcpus allowed per VM on
+    /// this node`).
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..))]
+    pub node_cpus: u32,
     /// pveproxy closes keep-alive connections idle this long (0s = never).
     #[arg(long, default_value = "5s", value_parser = humantime_ms)]
     pub keepalive_idle: Duration,
@@ -769,6 +779,8 @@ impl Args {
             clone_timeline: a.clone_timeline,
             keep_failed_clone: a.keep_failed_clone,
             tag_access: a.tag_access,
+            registered_tags: a.registered_tag,
+            node_cpus: a.node_cpus,
             keepalive_idle: (!a.keepalive_idle.is_zero()).then_some(a.keepalive_idle),
             close_after_error: a.close_after_error,
             vmid_range: a.next_id,

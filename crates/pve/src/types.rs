@@ -414,6 +414,30 @@ impl VmConfig {
             .collect()
     }
 
+    /// The disk the VM boots from, `(key, storage, bytes)`: the first disk
+    /// of `boot: order=...` (PVE 6.2 and later), else the legacy
+    /// `bootdisk`, else the first of `scsi0`, `virtio0`, `sata0`, `ide0`
+    /// the VM has. `None` for a VM without a disk on a storage.
+    pub fn boot_disk(&self) -> Option<(String, String, u64)> {
+        let disks = self.disks();
+        let find = |key: &str| disks.iter().find(|(k, _, _)| k == key).cloned();
+        let text = |key: &str| self.other.get(key).and_then(Value::as_str);
+        if let Some(order) = text("boot").and_then(|b| {
+            b.split(',')
+                .find_map(|part| part.trim().strip_prefix("order="))
+        }) {
+            if let Some(d) = order.split(';').find_map(|key| find(key.trim())) {
+                return Some(d);
+            }
+        }
+        if let Some(d) = text("bootdisk").and_then(|k| find(k.trim())) {
+            return Some(d);
+        }
+        ["scsi0", "virtio0", "sata0", "ide0"]
+            .into_iter()
+            .find_map(find)
+    }
+
     /// The property strings of the VM's NICs (`netN`).
     pub(crate) fn nics(&self) -> impl Iterator<Item = &str> {
         self.other
@@ -1036,6 +1060,35 @@ mod tests {
         }))
         .unwrap();
         assert_eq!(c.bridges(), vec!["vmbr0", "vnet7"]);
+    }
+
+    #[test]
+    fn the_boot_disk_follows_the_boot_order_then_bootdisk_then_the_first_bus() {
+        let cfg = |v: serde_json::Value| -> VmConfig { serde_json::from_value(v).unwrap() };
+        let disks = json!({
+            "scsi0": "local-lvm:vm-1-disk-0,size=8G",
+            "virtio1": "ceph:vm-1-disk-1,size=32G",
+            "ide2": "local:iso/x.iso,media=cdrom",
+        });
+        let with = |extra: serde_json::Value| {
+            let mut v = disks.clone();
+            v.as_object_mut()
+                .unwrap()
+                .extend(extra.as_object().unwrap().clone());
+            cfg(v)
+        };
+        let key = |c: &VmConfig| c.boot_disk().map(|(k, _, bytes)| (k, bytes >> 30));
+        // The CD-ROM first in the order is not a disk on a storage.
+        assert_eq!(
+            key(&with(json!({"boot": "order=ide2;virtio1;scsi0;net0"}))),
+            Some(("virtio1".into(), 32))
+        );
+        assert_eq!(
+            key(&with(json!({"bootdisk": "virtio1"}))),
+            Some(("virtio1".into(), 32))
+        );
+        assert_eq!(key(&with(json!({}))), Some(("scsi0".into(), 8)));
+        assert_eq!(key(&cfg(json!({"ide2": "none,media=cdrom"}))), None);
     }
 
     #[test]

@@ -742,6 +742,7 @@ impl Api {
 fn task_step(what: &str) -> Option<Step> {
     match what {
         "clone" => Some(Step::Clone),
+        "resize" => Some(Step::Resize),
         "start" => Some(Step::Start),
         "stop" => Some(Step::Stop),
         "destroy" => Some(Step::Destroy),

@@ -457,6 +457,60 @@ impl Cloner {
     }
 }
 
+impl Cloner {
+    /// Grows the VM's boot disk to its instance type's `disk_gib`, before
+    /// the VM starts (the guest grows its file system at boot). Reads the
+    /// VM's own config first, so a resumed Create whose resize landed
+    /// before a restart sends nothing; the size sent is absolute, so a
+    /// resize repeated after a lost answer is harmless. Types without a
+    /// size cost nothing.
+    pub(super) async fn grow_boot_disk(
+        &self,
+        vm: &VmRef,
+        req: &CloneRequest,
+        deadline: Instant,
+    ) -> Result<(), SubstrateError> {
+        let Some(want) = self.opts.type_disk.get(&req.instance_type) else {
+            return Ok(());
+        };
+        let cfg = self
+            .api
+            .retry_pve(
+                format!("reading the disks of VM {vm}"),
+                Some(&vm.node),
+                deadline,
+                |pve| pve.get_config(&vm.node, vm.vmid),
+            )
+            .await?;
+        let Some((disk, _storage, bytes)) = cfg.boot_disk() else {
+            return Err(SubstrateError::new(format!(
+                "instance type {} sets disk_gib {}, but VM {vm} has no boot disk on a storage to grow",
+                req.instance_type, want.gib
+            )));
+        };
+        if bytes >= want.bytes() {
+            return Ok(());
+        }
+        tracing::info!(vm = %vm, disk = %disk, from_gib = bytes >> 30, to_gib = want.gib, "growing the boot disk");
+        let upid = self
+            .api
+            .retry_pve(
+                format!("growing disk {disk} of VM {vm} to {} GiB", want.gib),
+                Some(&vm.node),
+                deadline,
+                |pve| pve.resize_disk(&vm.node, vm.vmid, &disk, want.bytes()),
+            )
+            .await?;
+        self.api.wait_task(&upid, "resize").await.map_err(|e| {
+            err_at(
+                format!("growing disk {disk} of VM {vm} to {} GiB", want.gib),
+                Some(&vm.node),
+                &e,
+            )
+        })
+    }
+}
+
 /// How a clone POST whose answer was lost turned out.
 enum Ambiguous {
     /// Applied: the VM carries our marker.

@@ -113,7 +113,7 @@ pub use marker::{
     MANAGED_TAG,
 };
 pub use options::{
-    parse_node_storage, parse_vmid_range, CloneMode, PveOptions, DEFAULT_DRAIN_COMMAND,
+    parse_node_storage, parse_vmid_range, CloneMode, PveOptions, TypeDisk, DEFAULT_DRAIN_COMMAND,
     DEFAULT_HOSTNAME_COMMAND, NODE_NAME_ENV,
 };
 pub use replica::{parse_replica_marker, replica_description, REPLICA_TAG};
@@ -457,12 +457,20 @@ impl PveSubstrate {
         if full {
             // A replica's disks are on the node's storage (or the template's ids).
             let node_storage = self.opts.node_storage.get(&req.node).cloned();
-            let needs = layout.needs(|s| {
-                storage
-                    .clone()
-                    .or_else(|| replica.then(|| node_storage.clone()).flatten())
-                    .unwrap_or_else(|| s.to_string())
-            });
+            let grown = self
+                .opts
+                .type_disk
+                .get(&req.instance_type)
+                .map(TypeDisk::bytes);
+            let needs = layout.needs(
+                |s| {
+                    storage
+                        .clone()
+                        .or_else(|| replica.then(|| node_storage.clone()).flatten())
+                        .unwrap_or_else(|| s.to_string())
+                },
+                grown,
+            );
             let what = format!("the full clone of template {}", req.template_vmid);
             // The clone worker allocates on the node it runs on: the source's
             // (a clone to another node is on shared storage, the same pool
@@ -620,6 +628,8 @@ impl Substrate for PveSubstrate {
                     .mark(&vm, req, &Inherited::of(&cfg), deadline)
                     .await?;
             }
+            // A restart may have come between the clone and its resize.
+            self.cloner.grow_boot_disk(&vm, req, deadline).await?;
             let st = self.api.managed_status(&vm, deadline).await?;
             self.ensure_running_status(&vm, &st, deadline).await?;
             self.inventory.clear_pending(&req.machine_id);
@@ -648,6 +658,7 @@ impl Substrate for PveSubstrate {
         self.cloner
             .mark(&vm, req, &template.inherited, deadline)
             .await?;
+        self.cloner.grow_boot_disk(&vm, req, deadline).await?;
         self.api.start(&vm, deadline).await?;
         self.guest.wait_agent(&vm).await?;
         self.inventory.clear_pending(&req.machine_id);

@@ -116,6 +116,9 @@ pub struct PveOptions {
     /// A clone's `balloon` (MiB) by instance type (catalog `balloon_mib`);
     /// a type without one gets its memory.
     pub type_balloon: BTreeMap<String, u64>,
+    /// A clone's boot disk size by instance type (catalog `disk_gib`),
+    /// with the type's template, for the start-up check against it.
+    pub type_disk: BTreeMap<String, TypeDisk>,
     /// Storage a clone's disks (and a template replica's) go to, by node
     /// (`--node-storage`). Unset: the template's own storage id.
     pub node_storage: BTreeMap<String, String>,
@@ -124,6 +127,20 @@ pub struct PveOptions {
     /// memory of what runs or is about to run there, the Creates in flight
     /// and its own would pass it. 0 turns the guard off.
     pub node_memory_limit: f64,
+}
+
+/// An instance type's boot disk size.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TypeDisk {
+    /// The template the type clones.
+    pub template_vmid: u32,
+    pub gib: u64,
+}
+
+impl TypeDisk {
+    pub fn bytes(&self) -> u64 {
+        self.gib << 30
+    }
 }
 
 impl Default for PveOptions {
@@ -150,6 +167,7 @@ impl Default for PveOptions {
             clone_mode: CloneMode::Full,
             type_storage: BTreeMap::new(),
             type_balloon: BTreeMap::new(),
+            type_disk: BTreeMap::new(),
             node_storage: BTreeMap::new(),
             node_memory_limit: 1.0,
         }

@@ -54,6 +54,8 @@ pub(super) struct Layout {
     pub(super) cdroms: Vec<pve::Cdrom>,
     /// What a clone copies from it that its sizing PUT must know.
     pub(super) inherited: Inherited,
+    /// The boot disk, `(key, storage, bytes)`: what a type's `disk_gib` grows.
+    pub(super) boot: Option<(String, String, u64)>,
 }
 
 /// One node's storages by id; a storage missing here is one the token may
@@ -96,11 +98,19 @@ impl Layout {
             .find(|c| !c.is_cloudinit() && c.storage().is_some_and(|s| !is_shared(storages, s)))
     }
 
-    /// Bytes the disks need, by the storage they land on.
-    pub(super) fn needs(&self, dest: impl Fn(&str) -> String) -> BTreeMap<String, u64> {
+    /// Bytes the disks need, by the storage they land on, with the boot
+    /// disk grown to `boot_bytes` when that is more.
+    pub(super) fn needs(
+        &self,
+        dest: impl Fn(&str) -> String,
+        boot_bytes: Option<u64>,
+    ) -> BTreeMap<String, u64> {
         let mut out = BTreeMap::new();
         for (s, bytes) in &self.disks {
             *out.entry(dest(s)).or_default() += bytes;
+        }
+        if let (Some(want), Some((_, s, bytes))) = (boot_bytes, &self.boot) {
+            *out.entry(dest(s)).or_default() += want.saturating_sub(*bytes);
         }
         out
     }
@@ -284,6 +294,7 @@ impl Placement {
                 disks,
                 cdroms: cfg.cdroms(),
                 inherited: Inherited::of(&cfg),
+                boot: cfg.boot_disk(),
             }))
         })
         .await

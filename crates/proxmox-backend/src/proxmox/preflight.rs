@@ -159,6 +159,13 @@ const ON_REPLICA_DISKS: &[Need] = &[Need {
     any_of: &["VM.Config.Disk"],
 }];
 
+/// On the pool, when an instance type sizes the boot disk (`disk_gib`):
+/// `PUT .../resize` needs `VM.Config.Disk` on the VM.
+const ON_RESIZE: &[Need] = &[Need {
+    job: "grow the clones' boot disk to the instance type's disk_gib",
+    any_of: &["VM.Config.Disk"],
+}];
+
 /// On each node, with the node memory guard on: without it `GET /nodes`
 /// lists the node without `maxmem` and `mem` (pve-manager `API2/Nodes.pm`,
 /// `extract_node_stats`), and the guard has nothing to check against.
@@ -248,6 +255,39 @@ fn url_port(url: &str) -> String {
     port.filter(|p| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()))
         .unwrap_or("443")
         .to_string()
+}
+
+/// Each instance type's `disk_gib` against its template's boot disk: PVE
+/// grows a disk, never shrinks one, so a type smaller than its template
+/// would fail every Create. A template whose config was not read (its node
+/// down, or no privilege, reported elsewhere) is checked by its first Create.
+fn check_disk_sizes(
+    types: &std::collections::BTreeMap<String, super::options::TypeDisk>,
+    configs: &[(u32, VmConfig)],
+) -> Result<(), SubstrateError> {
+    for (name, disk) in types {
+        let Some((_, cfg)) = configs.iter().find(|(t, _)| *t == disk.template_vmid) else {
+            continue;
+        };
+        let Some((key, _, bytes)) = cfg.boot_disk() else {
+            return Err(SubstrateError::new(format!(
+                "instance type {name} sets disk_gib {}, but template {} has no boot disk on a storage \
+                 (boot order, bootdisk, or scsi0/virtio0/sata0/ide0) to grow: leave disk_gib out",
+                disk.gib, disk.template_vmid
+            )));
+        };
+        if bytes > disk.bytes() {
+            return Err(SubstrateError::new(format!(
+                "instance type {name}: disk_gib {} GiB is smaller than template {}'s boot disk \
+                 ({key}, {}), and PVE cannot shrink a disk: set disk_gib to at least {} or leave it out",
+                disk.gib,
+                disk.template_vmid,
+                super::placement::gib(bytes),
+                bytes.div_ceil(1 << 30)
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// The resource mappings the templates' clones are checked on, as
@@ -467,6 +507,10 @@ impl<'a> Preflight<'a> {
             paths.push((pool_path.clone(), ON_REPLICA_DISKS));
         }
         paths.extend(templates.iter().map(|t| (format!("/vms/{t}"), ON_TEMPLATE)));
+        if !self.opts.type_disk.is_empty() {
+            paths.push((pool_path.clone(), ON_RESIZE));
+        }
+        check_disk_sizes(&self.opts.type_disk, &configs)?;
         if self.opts.node_memory_limit > 0.0 {
             paths.extend(live_nodes.iter().map(|n| (format!("/nodes/{n}"), ON_NODE)));
         }

@@ -171,6 +171,7 @@ pub fn small_backend(
             template_vmid: 9000,
             storage: None,
             balloon_mib: None,
+            disk_gib: None,
         },
     )]);
     let pricing = || Pricing {

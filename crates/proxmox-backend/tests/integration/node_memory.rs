@@ -50,6 +50,7 @@ fn backend(sub: PveSubstrate) -> ProxmoxBackend {
                     template_vmid: 9000,
                     storage: None,
                     balloon_mib: None,
+                    disk_gib: None,
                 },
             )
         })

@@ -9,9 +9,10 @@
 use std::time::Duration;
 
 use providerkit::ErrorKind;
+use proxmox_backend::proxmox::TypeDisk;
 use proxmox_backend::proxmox::{machine_tag, PveOptions, PveSubstrate, MANAGED_TAG};
 use proxmox_backend::substrate::{CloneRequest, Substrate};
-use pve_sim::{PveSim, SimConfig, StorageKind, StorageSpec, TagAccess, TemplateSpec};
+use pve_sim::{endpoints, PveSim, SimConfig, StorageKind, StorageSpec, TagAccess, TemplateSpec};
 
 use crate::common::{assert_no_violations, client, clones, fast_sim, opts, req, sim_with};
 
@@ -289,5 +290,101 @@ async fn a_storage_not_enabled_on_the_template_node_is_reached_through_a_replica
     assert!(made.running);
     sub.delete_vm(&vm, id).await.expect("delete");
     assert_no_violations(&sim);
+    sim.shutdown().await;
+}
+
+/// Options with `pve.small` sized at `gib` GiB from template 9000.
+fn sized(gib: u64) -> PveOptions {
+    let mut o = options();
+    o.type_disk.insert(
+        "pve.small".into(),
+        TypeDisk {
+            template_vmid: 9000,
+            gib,
+        },
+    );
+    o
+}
+
+/// #44 item 1: a type's `disk_gib` grows the clone's boot disk (32 GiB in
+/// the template) before the VM starts; a retried Create finds it grown and
+/// sends no second resize; a type smaller than its template is refused at
+/// start-up naming both sizes.
+#[tokio::test]
+async fn a_types_disk_size_grows_the_boot_disk_once() {
+    let sim = sim_with(fast()).await;
+    let sub = PveSubstrate::new(client(&sim), sized(64));
+    sub.preflight(&["pve1".into()], &[9000])
+        .await
+        .expect("64 GiB from a 32 GiB template");
+    let id = "p/OnDemand/pve.small/pve1/d01";
+    let vm = sub.clone_vm(&req(id, "pve1")).await.expect("create");
+    let made = sim.vm(vm.vmid).expect("the clone");
+    assert_eq!(made.disk_gib, 64);
+    assert!(made.running);
+    assert_eq!(sim.call_count(endpoints::RESIZE), 1);
+    // A retried Create (as after a restart) adopts it: nothing to grow.
+    let again = sub
+        .clone_vm(&CloneRequest {
+            resumed: true,
+            ..req(id, "pve1")
+        })
+        .await
+        .expect("adopt");
+    assert_eq!(again, vm);
+    assert_eq!(sim.call_count(endpoints::RESIZE), 1, "no second resize");
+    sub.delete_vm(&vm, id).await.expect("delete");
+    assert_no_violations(&sim);
+
+    let small = PveSubstrate::new(client(&sim), sized(16));
+    let msg = small
+        .preflight(&["pve1".into()], &[9000])
+        .await
+        .expect_err("smaller than the template")
+        .to_string();
+    assert!(
+        msg.contains("disk_gib 16 GiB is smaller than template 9000's boot disk (scsi0, 32.0 GiB)"),
+        "{msg}"
+    );
+    sim.shutdown().await;
+}
+
+/// #44: the storage room check counts a clone's grown boot disk: 232 GiB
+/// free hold three 64 GiB clones of a 32 GiB template, and the fourth is
+/// refused before anything is cloned (by the template's 32 GiB alone, the
+/// 40 GiB left would pass the check and the resize fail after the clone).
+#[tokio::test]
+async fn the_room_check_counts_the_grown_disk() {
+    let mut cfg = fast();
+    cfg.storages.retain(|s| s.name != "local-lvm");
+    cfg.storages.push(StorageSpec::new(
+        "local-lvm",
+        StorageKind::LvmThin,
+        false,
+        232 + 32,
+    ));
+    let sim = sim_with(cfg).await;
+    let sub = PveSubstrate::new(client(&sim), sized(64));
+    let mut made = Vec::new();
+    for n in 0..3 {
+        let id = format!("p/OnDemand/pve.small/pve1/r0{n}");
+        let vm = sub.clone_vm(&req(&id, "pve1")).await.expect("fits");
+        made.push((id, vm));
+    }
+    let before = sim.call_count(endpoints::CLONE);
+    let e = sub
+        .clone_vm(&req("p/OnDemand/pve.small/pve1/r03", "pve1"))
+        .await
+        .expect_err("no room for a fourth");
+    let msg = format!("{e:#}");
+    assert!(
+        msg.contains("not enough room on storage local-lvm of node pve1"),
+        "{msg}"
+    );
+    assert!(msg.contains("needs 64.0 GiB and 40.0 GiB is free"), "{msg}");
+    assert_eq!(sim.call_count(endpoints::CLONE), before, "nothing cloned");
+    for (id, vm) in made {
+        sub.delete_vm(&vm, &id).await.expect("delete");
+    }
     sim.shutdown().await;
 }

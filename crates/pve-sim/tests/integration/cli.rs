@@ -129,6 +129,8 @@ async fn the_binary_takes_a_config_file_and_flags() {
             "9",
             "--storage-size",
             "local-lvm@pve1=150G",
+            "--node-cpus",
+            "8",
         ],
         dir.path(),
     );
@@ -153,6 +155,8 @@ async fn the_binary_takes_a_config_file_and_flags() {
     );
     let vnets = sim.get("/cluster/sdn/vnets").await;
     assert_eq!(row(&vnets, "vnet", "vnet1")["zone"], "zone1");
+    let nodes = sim.get("/nodes").await;
+    assert_eq!(row(&nodes, "node", "pve1")["maxcpu"], 8, "--node-cpus");
     let version = sim.get("/version").await;
     assert_eq!(version["release"], "9.0", "the flag won over the file's 8");
 }

@@ -34,6 +34,15 @@ fn config_params(params: &ConfigParams) -> Result<Params, PveError> {
     Ok(p)
 }
 
+/// A size as `resize` reads it: whole GiB as `NG`, else bytes.
+fn size_param(bytes: u64) -> String {
+    if bytes % (1 << 30) == 0 {
+        format!("{}G", bytes >> 30)
+    } else {
+        bytes.to_string()
+    }
+}
+
 impl PveClient {
     /// `POST /nodes/{node}/qemu/{template}/clone` (to the template's own node).
     /// Returns the `qmclone` task.
@@ -91,6 +100,23 @@ impl PveClient {
             &p,
         )
         .await
+    }
+
+    /// `PUT /nodes/{node}/qemu/{vmid}/resize`: grows `disk` to `bytes`
+    /// (an absolute size, so a repeat is harmless; PVE refuses to shrink).
+    /// qemu-server 8.0 and later run it as a `resize` task.
+    pub async fn resize_disk(
+        &self,
+        node: &str,
+        vmid: u32,
+        disk: &str,
+        bytes: u64,
+    ) -> Result<Upid, PveError> {
+        let mut p = Params::new();
+        p.push("disk", disk.to_string());
+        p.push("size", size_param(bytes));
+        self.call_upid("resize", Method::PUT, &vm_path(node, vmid, "/resize"), &p)
+            .await
     }
 
     /// `GET /nodes/{node}/qemu/{vmid}/config`.
