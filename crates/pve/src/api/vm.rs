@@ -36,7 +36,7 @@ fn config_params(params: &ConfigParams) -> Result<Params, PveError> {
 
 /// A size as `resize` reads it: whole GiB as `NG`, else bytes.
 fn size_param(bytes: u64) -> String {
-    if bytes % (1 << 30) == 0 {
+    if bytes.is_multiple_of(1 << 30) {
         format!("{}G", bytes >> 30)
     } else {
         bytes.to_string()
@@ -113,7 +113,7 @@ impl PveClient {
         bytes: u64,
     ) -> Result<Upid, PveError> {
         let mut p = Params::new();
-        p.push("disk", disk.to_string());
+        p.push("disk", disk);
         p.push("size", size_param(bytes));
         self.call_upid("resize", Method::PUT, &vm_path(node, vmid, "/resize"), &p)
             .await
