@@ -24,6 +24,7 @@ use tokio::time::Instant;
 
 use super::marker::{looks_managed, owned_by, MANAGED_TAG};
 use super::options::PveOptions;
+use super::task_watch::TaskWatch;
 use crate::substrate::{SubstrateError, VmRef};
 use crate::timeline::{self, Step};
 
@@ -133,6 +134,8 @@ pub(super) enum Probe {
 pub(super) struct Api {
     client: PveClient,
     opts: Arc<PveOptions>,
+    /// Task waits, one poll per node per tick.
+    tasks: TaskWatch,
     /// Volumes destroy tasks said they could not free, since this Api was
     /// made (see [`Api::report_unremoved_disks`]).
     unremoved_disks: AtomicU64,
@@ -146,6 +149,7 @@ const DESTROY_LOG_LINES: u64 = 500;
 impl Api {
     pub(super) fn new(client: PveClient, opts: Arc<PveOptions>) -> Api {
         Api {
+            tasks: TaskWatch::new(client.clone(), opts.poll_interval),
             client,
             opts,
             unremoved_disks: AtomicU64::new(0),
@@ -286,11 +290,10 @@ impl Api {
         if let Some(step) = step.as_mut() {
             step.task(upid);
         }
-        tokio::time::sleep(self.first_poll()).await;
         let deadline = Instant::now() + self.opts.task_timeout;
         let out = self
-            .client
-            .wait_task(upid, deadline, self.opts.poll_interval)
+            .tasks
+            .wait(upid, deadline)
             .await
             .inspect_err(|e| tracing::debug!(task = what, error = %e, "PVE task failed"));
         match step {
@@ -305,10 +308,7 @@ impl Api {
         upid: &Upid,
         deadline: Instant,
     ) -> Result<(), PveError> {
-        self.client
-            .wait_task(upid, deadline, self.opts.poll_interval)
-            .await
-            .map(|_| ())
+        self.tasks.wait(upid, deadline).await.map(|_| ())
     }
 
     /// Polls `status/current` until `done` holds.

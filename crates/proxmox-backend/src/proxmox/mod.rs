@@ -58,6 +58,11 @@
 //! pass learnt, a Create for it fails naming it, and a Delete or Drain of
 //! a machine on it polls `/nodes` until it is back.
 //!
+//! Task polls are per node, not per task (`task_watch`): while several of
+//! a node's tasks are waited on, one `GET /nodes/{node}/tasks` per tick
+//! covers them all, and each task's status is read once, when it ends; a
+//! task alone on its node has its status read each tick, as above.
+//!
 //! Transient failures (595/596/597, 502-504, refused or reset connections,
 //! timeouts, an offline node, a template locked by a backup) are retried with
 //! backoff within [`PveOptions::retry_window`]. Nothing is destroyed unless
@@ -106,6 +111,7 @@ mod replica;
 mod restart;
 mod sizing;
 mod slots;
+mod task_watch;
 mod vmid;
 
 pub use marker::{

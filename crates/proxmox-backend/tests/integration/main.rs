@@ -22,5 +22,6 @@ mod proxmox_sim;
 mod pve_fidelity;
 mod resumed_create;
 mod stale_lock;
+mod task_cost;
 mod templates;
 mod transition_detail;

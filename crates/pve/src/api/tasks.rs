@@ -54,6 +54,23 @@ impl PveClient {
         .await
     }
 
+    /// `GET /nodes/{node}/tasks?source=active`: every task of `node` the
+    /// token may see (its own at least) that is running, or has ended and
+    /// is not archived yet (with its exit status in `status`). One request
+    /// tells a whole burst's tasks apart.
+    pub async fn node_active_tasks(&self, node: &str) -> Result<Vec<TaskSummary>, PveError> {
+        let mut p = Params::new();
+        p.push("source", "active");
+        p.push("limit", "500");
+        self.call(
+            "node_tasks_active",
+            Method::GET,
+            &format!("/nodes/{}/tasks", encode_segment(node)),
+            &p,
+        )
+        .await
+    }
+
     /// `GET /nodes/{upid.node}/tasks/{upid}/log?start=S&limit=L`.
     pub async fn task_log(
         &self,

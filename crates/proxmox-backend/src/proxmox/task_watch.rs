@@ -1,0 +1,244 @@
+//! Waiting for PVE tasks at the cost of one request per node per tick,
+//! not one per task: a burst of clones, starts or destroys on a node is
+//! watched through the node's active task list (`GET /nodes/{node}/tasks
+//! ?source=active`), and a task's own status is read once, when it has
+//! left that list (or shows there with its exit status, which needs no
+//! read at all).
+//!
+//! A node with a single task waited on has its status read directly: the
+//! list only pays off from two tasks on.
+//!
+//! A node's watch runs while someone waits on one of its tasks and stops
+//! when the last waiter is answered or gives up; a node whose list cannot
+//! be read this tick has its tasks' statuses read one by one instead (the
+//! per-task wait it replaces), so a failure costs what it did before.
+//! Deadlines are the waiters' own: a task still running at a waiter's
+//! deadline answers [`PveError::TaskDeadline`], as the per-task wait did.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use pve::error::Cause;
+use pve::{exit_ok, PveClient, PveError, TaskState, TaskStatus, TaskSummary, Upid};
+use tokio::sync::oneshot;
+use tokio::time::Instant;
+
+/// The first poll of a node's watch comes this soon (or at the poll
+/// interval, when that is shorter).
+const FIRST_LOOK: Duration = Duration::from_millis(100);
+
+/// How a wait ends: the task's final status, or why it could not be known.
+type Outcome = Result<TaskStatus, PveError>;
+
+/// The watches of every node with tasks waited on.
+pub(super) struct TaskWatch {
+    client: PveClient,
+    poll: Duration,
+    nodes: Mutex<HashMap<String, Arc<NodeWatch>>>,
+}
+
+/// The tasks waited on in one node, each with its waiters.
+#[derive(Default)]
+struct NodeWatch {
+    waiting: Mutex<HashMap<String, Waiting>>,
+}
+
+struct Waiting {
+    upid: Upid,
+    waiters: Vec<oneshot::Sender<Outcome>>,
+    /// The last failed read of its status (the node unreachable): what a
+    /// waiter whose deadline passes is told.
+    last_error: Option<Cause>,
+}
+
+impl TaskWatch {
+    pub(super) fn new(client: PveClient, poll: Duration) -> TaskWatch {
+        TaskWatch {
+            client,
+            poll: poll.max(Duration::from_millis(10)),
+            nodes: Mutex::default(),
+        }
+    }
+
+    /// Waits for `upid` to end or `deadline` to pass. `OK` and `WARNINGS:
+    /// N` succeed; any other exit status is [`PveError::TaskFailed`].
+    pub(super) async fn wait(&self, upid: &Upid, deadline: Instant) -> Outcome {
+        let (tx, rx) = oneshot::channel();
+        let start = {
+            let mut nodes = self.nodes.lock();
+            let node = nodes.entry(upid.node.clone()).or_default();
+            let mut waiting = node.waiting.lock();
+            let first = waiting.is_empty();
+            waiting
+                .entry(upid.to_string())
+                .or_insert_with(|| Waiting {
+                    upid: upid.clone(),
+                    waiters: Vec::new(),
+                    last_error: None,
+                })
+                .waiters
+                .push(tx);
+            first.then(|| Arc::clone(node))
+        };
+        if let Some(node) = start {
+            let watch = Watcher {
+                client: self.client.clone(),
+                poll: self.poll,
+                node,
+            };
+            tokio::spawn(watch.run());
+        }
+        match tokio::time::timeout_at(deadline, rx).await {
+            Ok(Ok(outcome)) => outcome,
+            // The watch ended without answering (the runtime shutting down).
+            Ok(Err(_)) => Err(PveError::TaskDeadline {
+                upid: upid.to_string(),
+                last_error: None,
+            }),
+            Err(_) => Err(PveError::TaskDeadline {
+                upid: upid.to_string(),
+                last_error: self.give_up(upid),
+            }),
+        }
+    }
+
+    /// Forgets a waiter whose deadline passed (the task stops being polled
+    /// once nobody waits on it); the last poll error, if the last poll failed.
+    fn give_up(&self, upid: &Upid) -> Option<Cause> {
+        let nodes = self.nodes.lock();
+        let node = nodes.get(&upid.node)?;
+        let mut waiting = node.waiting.lock();
+        let key = upid.to_string();
+        let w = waiting.get_mut(&key)?;
+        w.waiters.retain(|tx| !tx.is_closed());
+        let last = w.last_error.clone();
+        if w.waiters.is_empty() {
+            waiting.remove(&key);
+        }
+        last
+    }
+}
+
+/// One node's poll loop.
+struct Watcher {
+    client: PveClient,
+    poll: Duration,
+    node: Arc<NodeWatch>,
+}
+
+impl Watcher {
+    async fn run(self) {
+        // A short first look: many tasks (a start, a stop) end within it.
+        let mut pause = self.poll.min(FIRST_LOOK);
+        loop {
+            tokio::time::sleep(pause).await;
+            pause = self.poll;
+            let tasks: Vec<Upid> = {
+                let mut waiting = self.node.waiting.lock();
+                waiting.retain(|_, w| {
+                    w.waiters.retain(|tx| !tx.is_closed());
+                    !w.waiters.is_empty()
+                });
+                if waiting.is_empty() {
+                    // Registration holds the map of nodes first, then this
+                    // lock: a waiter arriving now sees it empty and starts
+                    // a fresh watch.
+                    return;
+                }
+                waiting.values().map(|w| w.upid.clone()).collect()
+            };
+            let Some(node) = tasks.first().map(|u| u.node.clone()) else {
+                return;
+            };
+            // The list pays off from two tasks on: one task alone costs a
+            // status read, as before.
+            let listed = if tasks.len() > 1 {
+                self.client.node_active_tasks(&node).await.ok()
+            } else {
+                None
+            };
+            for upid in tasks {
+                match self.check(&upid, listed.as_deref()).await {
+                    Polled::Ended(outcome) => self.answer(&upid, outcome),
+                    Polled::Running => self.note(&upid, None),
+                    Polled::Unreadable(e) => self.note(&upid, Some(e)),
+                }
+            }
+        }
+    }
+
+    /// Whether `upid` has ended (or its status cannot be read for a reason
+    /// that will not heal), from the node's list when it was read.
+    async fn check(&self, upid: &Upid, listed: Option<&[TaskSummary]>) -> Polled {
+        let key = upid.to_string();
+        if let Some(rows) = listed {
+            match rows.iter().find(|r| r.upid == key) {
+                Some(row) if row.is_running() => return Polled::Running,
+                // Finished and not yet archived: the row has its exit status.
+                Some(row) => {
+                    let status = TaskStatus {
+                        status: TaskState::Stopped,
+                        exitstatus: row.status.clone(),
+                        upid: Some(key),
+                        task_type: row.task_type.clone(),
+                        node: Some(upid.node.clone()),
+                    };
+                    return Polled::Ended(finished(upid, status));
+                }
+                // Gone from the list: ended; its status says how.
+                None => {}
+            }
+        }
+        match self.client.task_status(upid).await {
+            Ok(st) if st.status == TaskState::Stopped => Polled::Ended(finished(upid, st)),
+            Ok(_) => Polled::Running,
+            // Polled through until the waiter's deadline, as before.
+            Err(e) if e.is_node_unreachable() || e.is_transport() || e.is_timeout() => {
+                Polled::Unreadable(Cause::new(e))
+            }
+            Err(e) => Polled::Ended(Err(e)),
+        }
+    }
+
+    /// Keeps the outcome of the last poll of a task still waited on.
+    fn note(&self, upid: &Upid, error: Option<Cause>) {
+        if let Some(w) = self.node.waiting.lock().get_mut(&upid.to_string()) {
+            w.last_error = error;
+        }
+    }
+
+    fn answer(&self, upid: &Upid, outcome: Outcome) {
+        let Some(w) = self.node.waiting.lock().remove(&upid.to_string()) else {
+            return;
+        };
+        for tx in w.waiters {
+            let _ = tx.send(outcome.clone());
+        }
+    }
+}
+
+/// What one poll found of a task.
+enum Polled {
+    Running,
+    Ended(Outcome),
+    /// Its status could not be read (the node unreachable); polled again.
+    Unreadable(Cause),
+}
+
+/// A stopped task's outcome: its status, or [`PveError::TaskFailed`].
+fn finished(upid: &Upid, st: TaskStatus) -> Outcome {
+    let es = st.exitstatus.clone().unwrap_or_default();
+    if exit_ok(&es) {
+        return Ok(st);
+    }
+    Err(PveError::TaskFailed {
+        upid: upid.to_string(),
+        exitstatus: if es.is_empty() {
+            "stopped without an exit status".into()
+        } else {
+            es
+        },
+    })
+}
