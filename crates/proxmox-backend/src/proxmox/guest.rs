@@ -156,6 +156,10 @@ pub(super) struct Guest {
     /// Each VM's name, by VMID: the node name its commands are given. Learnt
     /// from the status EnsureRunning reads before every Configure and Drain.
     names: Mutex<HashMap<u32, String>>,
+    /// How long a guest agent took to answer after a start, by node
+    /// (smoothed): the first ping after the next start there waits most of
+    /// it, instead of pinging every poll interval through the boot.
+    boot_times: Mutex<HashMap<String, Duration>>,
 }
 
 impl Guest {
@@ -165,6 +169,7 @@ impl Guest {
             opts,
             probes: Mutex::new(HashMap::new()),
             names: Mutex::new(HashMap::new()),
+            boot_times: Mutex::new(HashMap::new()),
         }
     }
 
@@ -254,6 +259,31 @@ impl Guest {
     pub(super) async fn wait_agent(&self, vm: &VmRef) -> Result<(), SubstrateError> {
         let step = timeline::step(Step::Agent, &vm.node);
         step.end(self.ping_until_up(vm).await)
+    }
+
+    /// [`Guest::wait_agent`] right after this provider started the VM: the
+    /// first ping waits three quarters of what agents on this node took to
+    /// answer after a start lately (at most half the agent timeout), so a
+    /// boot costs a ping or two rather than one per poll interval; the time
+    /// this one took is learnt for the next.
+    pub(super) async fn wait_agent_after_start(&self, vm: &VmRef) -> Result<(), SubstrateError> {
+        let step = timeline::step(Step::Agent, &vm.node);
+        let started = Instant::now();
+        let learnt = self.boot_times.lock().get(&vm.node).copied();
+        if let Some(boot) = learnt {
+            tokio::time::sleep((boot * 3 / 4).min(self.opts.agent_timeout / 2)).await;
+        }
+        let out = self.ping_until_up(vm).await;
+        if out.is_ok() {
+            let took = started.elapsed();
+            let mut times = self.boot_times.lock();
+            let smoothed = match times.get(&vm.node) {
+                Some(before) => (*before + took) / 2,
+                None => took,
+            };
+            times.insert(vm.node.clone(), smoothed);
+        }
+        step.end(out)
     }
 
     async fn ping_until_up(&self, vm: &VmRef) -> Result<(), SubstrateError> {

@@ -295,6 +295,7 @@ impl PveSubstrate {
     ) -> Result<(), SubstrateError> {
         if !st.is_running() {
             self.api.start(vm, deadline).await?;
+            return self.guest.wait_agent_after_start(vm).await;
         }
         self.guest.wait_agent(vm).await
     }
@@ -666,7 +667,7 @@ impl Substrate for PveSubstrate {
             .await?;
         self.cloner.grow_boot_disk(&vm, req, deadline).await?;
         self.api.start(&vm, deadline).await?;
-        self.guest.wait_agent(&vm).await?;
+        self.guest.wait_agent_after_start(&vm).await?;
         self.inventory.clear_pending(&req.machine_id);
         tracing::info!(machine_id = %req.machine_id, vm = %vm, "VM created and its guest agent answers");
         // Held until here: the VM now runs and every later read sees it.

@@ -74,3 +74,95 @@ async fn a_burst_of_tasks_on_a_node_costs_one_list_per_tick() {
     );
     assert_no_violations(&sim);
 }
+
+/// Agent pings after a start follow what boots took: the first Create on a
+/// node pings through the whole boot (1 s at a 50 ms poll: about 20 pings);
+/// the next one waits most of the learnt boot first and pings a few times.
+#[tokio::test]
+async fn agent_pings_after_a_start_follow_what_boots_took() {
+    let sim = sim_with(fast_sim(
+        Duration::from_millis(50),
+        Duration::from_millis(1000),
+    ))
+    .await;
+    let sub = PveSubstrate::new(
+        client(&sim),
+        PveOptions {
+            poll_interval: Duration::from_millis(50),
+            ..opts(Duration::from_secs(20))
+        },
+    );
+    let mut pings = Vec::new();
+    for i in 0..2 {
+        sim.reset_counts();
+        let id = format!("p/OnDemand/pve.small/pve1/a{i:02}");
+        sub.clone_vm(&req(&id, "pve1")).await.expect("create");
+        pings.push(sim.call_count(endpoints::AGENT_PING));
+    }
+    println!("agent pings: first boot {}, second {}", pings[0], pings[1]);
+    assert!(
+        pings[0] >= 10,
+        "the first boot is pinged through: {pings:?}"
+    );
+    assert!(
+        pings[1] * 3 <= pings[0],
+        "the second waits most of the learnt boot: {pings:?}"
+    );
+    sim.shutdown().await;
+}
+
+/// The API cost of a 16-way burst of whole lifecycles (Create, Configure,
+/// Drain, Delete) on issue #41's set-up: a shared template, 2 s clones, a
+/// 3 s agent boot, two nodes, the default 1 s poll. Prints the requests
+/// per lifecycle by endpoint. A measurement, not a check:
+/// `cargo test -p proxmox-backend --test integration burst_cost -- --ignored --nocapture`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "a measurement (about 30 s); run by hand"]
+async fn burst_cost() {
+    const BURST: usize = 16;
+    let mut cfg = fast_sim(Duration::from_secs(2), Duration::from_secs(3));
+    cfg.templates = vec![pve_sim::TemplateSpec::shared(9000, "pve1")];
+    cfg.max_parallel_local_clones = None;
+    let sim = Arc::new(sim_with(cfg).await);
+    let sub = Arc::new(PveSubstrate::new(
+        client(&sim),
+        PveOptions {
+            poll_interval: Duration::from_secs(1),
+            readiness_command: String::new(),
+            drain_command: "true".into(),
+            ..opts(Duration::from_secs(120))
+        },
+    ));
+    sim.reset_counts();
+    let started = std::time::Instant::now();
+    let runs: Vec<_> = (0..BURST)
+        .map(|i| {
+            let sub = Arc::clone(&sub);
+            tokio::spawn(async move {
+                let node = if i % 2 == 0 { "pve1" } else { "pve2" };
+                let id = format!("p/OnDemand/pve.small/{node}/{i:03}");
+                let vm = sub.clone_vm(&req(&id, node)).await?;
+                sub.ensure_running(&vm).await?;
+                sub.configure(&vm, b"true\n").await?;
+                sub.ensure_running(&vm).await?;
+                sub.drain(&vm, Duration::from_secs(10)).await?;
+                sub.delete_vm(&vm, &id).await
+            })
+        })
+        .collect();
+    for r in runs {
+        r.await.expect("task").expect("lifecycle");
+    }
+    let counts = sim.faults().counts();
+    let total: u64 = counts.values().sum();
+    println!(
+        "{BURST}-way burst of lifecycles on 2 nodes: {:.1} s, {total} requests, {:.1} per lifecycle",
+        started.elapsed().as_secs_f64(),
+        total as f64 / BURST as f64
+    );
+    let mut by: Vec<_> = counts.into_iter().collect();
+    by.sort_by_key(|(_, n)| std::cmp::Reverse(*n));
+    for (endpoint, n) in by {
+        println!("  {:>6.2}  {endpoint}", n as f64 / BURST as f64);
+    }
+}
