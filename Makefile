@@ -15,7 +15,7 @@ BFC := $(DEBUG_DIR)/bfconformance
 SEED_FLAG := $(if $(SEED),--seed $(SEED),)
 
 .PHONY: build build-proxmox run-fake test test-proxmox lint fmt certify-proxmox failover \
-        report-proxmox report-ci report-durable-postgres certify-pve-sim scale-100k mutation-check bench bench-scaling bench-half-sent bench-memory bench-postgres bench-replicas bench-configure crash-1000 crash-real fuzz \
+        report-proxmox report-ci report-durable-postgres certify-pve-sim scale-100k mutation-check bench bench-scaling bench-half-sent bench-memory bench-postgres bench-replicas bench-configure bench-api-cost crash-1000 crash-real fuzz \
         image-rootfs chart-render
 
 build:
@@ -136,6 +136,7 @@ bench:
 	$(MAKE) bench-replicas
 	$(MAKE) bench-configure
 	$(MAKE) bench-postgres
+	$(MAKE) bench-api-cost
 
 # The scaling guard (issue #43), in `make bench` and in `make test` (CI):
 # the Create rate in memory and in SQLite, and Get p99, with 1k machines and
@@ -177,6 +178,13 @@ bench-postgres:
 # while they run against Get p99 at rest (BENCHMARKS.md).
 bench-configure:
 	$(CARGO) test --release -p bigfleet-proxmox --test integration -- --ignored --nocapture configure_load::bench_configure \
+	  | tee -a bench/latest.txt
+
+# PVE API requests per whole lifecycle in a 16-way burst on two nodes
+# (issue #41's set-up: shared template, 2 s clones, 3 s agent boot, 1 s poll),
+# by endpoint (BENCHMARKS.md).
+bench-api-cost:
+	$(CARGO) test -p proxmox-backend --test integration task_cost::burst_cost -- --ignored --nocapture \
 	  | tee -a bench/latest.txt
 
 # Create latency and PVE API calls per Create by template placement, and
