@@ -10,7 +10,10 @@
 //! - no machine's host points at a VM that does not exist;
 //! - no machine is left in a transitional state;
 //! - nothing acknowledged is lost: an acked transition is completed or FAILED
-//!   with a last_error, a state read back is never reverted.
+//!   with a last_error, a state read back is never reverted;
+//! - every IDLE or CONFIGURED machine of the sized type (`pve.small`, its
+//!   boot disk grown to 48 GiB) has a VM of that size: a kill between the
+//!   clone and its resize is made good by the resumed Create.
 //!
 //! At the end every FAILED machine is reclaimed: 0 FAILED machines and 0 VMs
 //! marked for the reclaimed ones must remain.
@@ -86,6 +89,7 @@ struct Figures {
     missing: usize,
     stuck: usize,
     lost: usize,
+    wrong_disk_size: usize,
     /// Machines newly FAILED after a restart, by the reason's kind.
     failed_by_reason: BTreeMap<&'static str, usize>,
     /// Transitions the restarted processes found in flight, by outcome
@@ -313,13 +317,24 @@ fn consistent(known: &Known, m: &pb::Machine) -> bool {
     }
 }
 
-fn provider_args(sim: &PveSim, ca: &Path, state: &str, slots: usize) -> Vec<String> {
+/// The catalog of the campaign: `pve.small` sizes its boot disk (the
+/// template's 32 GiB grown to [`SIZED_DISK_GIB`]), so kills land during
+/// resizes too; `pve.medium` keeps the template's disk.
+const INSTANCE_TYPES: &str = r#"{
+  "pve.small":  {"vcpu": 2, "memory_mib": 4096, "disk_gib": 48},
+  "pve.medium": {"vcpu": 4, "memory_mib": 8192}
+}"#;
+const SIZED_DISK_GIB: u64 = 48;
+
+fn provider_args(sim: &PveSim, ca: &Path, state: &str, types: &str, slots: usize) -> Vec<String> {
     let slots = slots.to_string();
     sim_backend_args(
         sim,
         ca,
         "pve1,pve2",
         &[
+            "--instance-types",
+            types,
             "--seed-count",
             &slots,
             "--proxmox-poll-interval",
@@ -350,6 +365,9 @@ struct Violations {
     missing: Vec<String>,
     stuck: Vec<String>,
     lost: Vec<String>,
+    /// A sized type's machine past Create whose VM's boot disk is not its
+    /// type's size (a kill between the clone and its resize, not resumed).
+    wrong_disk_size: Vec<String>,
 }
 
 impl Violations {
@@ -398,6 +416,20 @@ fn check(sim: &PveSim, machines: &[pb::Machine], known: &BTreeMap<String, Known>
         }
         if matches!(s, S::Creating | S::Configuring | S::Draining | S::Deleting) {
             v.stuck.push(format!("{} is {s:?}", m.id));
+        }
+        let sized = m.instance_type == "pve.small";
+        if sized && matches!(s, S::Idle | S::Configured) {
+            let vm = m
+                .host
+                .as_ref()
+                .and_then(|h| h.r#ref.rsplit('/').next()?.parse::<u32>().ok())
+                .and_then(|vmid| sim.vm(vmid));
+            if let Some(vm) = vm.filter(|vm| vm.disk_gib != SIZED_DISK_GIB) {
+                v.wrong_disk_size.push(format!(
+                    "{} ({s:?}): VM {} has a {} GiB boot disk, not {SIZED_DISK_GIB}",
+                    m.id, vm.vmid, vm.disk_gib
+                ));
+            }
         }
         if let Some(k) = known.get(&m.id) {
             if !consistent(k, m) {
@@ -456,7 +488,15 @@ async fn kill_nine_campaign_on_the_real_backend() {
     .expect("simulator");
     let (dir, ca) = sim_ca_file(&sim);
     let state_path = dir.path().join("state.db");
-    let args = provider_args(&sim, &ca, path_str(&state_path), SLOTS);
+    let types_path = dir.path().join("instance-types.json");
+    std::fs::write(&types_path, INSTANCE_TYPES).expect("instance types");
+    let args = provider_args(
+        &sim,
+        &ca,
+        path_str(&state_path),
+        path_str(&types_path),
+        SLOTS,
+    );
 
     let started = Instant::now();
     let mut figures = Figures::default();
@@ -512,6 +552,7 @@ async fn kill_nine_campaign_on_the_real_backend() {
         figures.missing += v.missing.len();
         figures.stuck += v.stuck.len();
         figures.lost += v.lost.len();
+        figures.wrong_disk_size += v.wrong_disk_size.len();
         assert!(
             v.is_empty(),
             "round {round} (seed {seed}): invariants broken after restart: {v:#?}\nprovider \
@@ -585,7 +626,7 @@ async fn kill_nine_campaign_on_the_real_backend() {
 
     println!(
         "crash-real: kills={} rounds={} acked={} completed={} failed_machine_rounds={} reclaimed={} \
-         orphans={} duplicates={} missing={} stuck={} lost={} failed_after_reclaim={} \
+         orphans={} duplicates={} missing={} stuck={} lost={} wrong_disk_size={} failed_after_reclaim={} \
          marked_vms_of_reclaimed={} duration={:.1}s seed={seed}",
         figures.kills,
         kills,
@@ -598,6 +639,7 @@ async fn kill_nine_campaign_on_the_real_backend() {
         figures.missing,
         figures.stuck,
         figures.lost,
+        figures.wrong_disk_size,
         still_failed,
         left.len(),
         started.elapsed().as_secs_f64(),
