@@ -43,6 +43,9 @@ pub(super) struct TaskWatch {
 #[derive(Default)]
 struct NodeWatch {
     waiting: Mutex<HashMap<String, Waiting>>,
+    /// A poll loop runs for this node. Set and cleared under `waiting`'s
+    /// lock, so there is never a second loop, nor a waiter without one.
+    running: std::sync::atomic::AtomicBool,
 }
 
 struct Waiting {
@@ -70,7 +73,7 @@ impl TaskWatch {
             let mut nodes = self.nodes.lock();
             let node = nodes.entry(upid.node.clone()).or_default();
             let mut waiting = node.waiting.lock();
-            let first = waiting.is_empty();
+            let first = !node.running.swap(true, std::sync::atomic::Ordering::SeqCst);
             waiting
                 .entry(upid.to_string())
                 .or_insert_with(|| Waiting {
@@ -142,9 +145,11 @@ impl Watcher {
                     !w.waiters.is_empty()
                 });
                 if waiting.is_empty() {
-                    // Registration holds the map of nodes first, then this
-                    // lock: a waiter arriving now sees it empty and starts
-                    // a fresh watch.
+                    // Cleared under the lock a waiter registers under: one
+                    // arriving after this starts a fresh loop.
+                    self.node
+                        .running
+                        .store(false, std::sync::atomic::Ordering::SeqCst);
                     return;
                 }
                 waiting.values().map(|w| w.upid.clone()).collect()
