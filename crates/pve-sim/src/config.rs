@@ -410,6 +410,10 @@ impl StorageSpec {
     }
 }
 
+/// How long a linked clone takes on a storage with a bandwidth (see
+/// [`SimConfig::storage_bandwidth`]): it copies no data, only metadata.
+pub const LINKED_CLONE_TIME: Duration = Duration::from_millis(100);
+
 /// Everything the simulator can be told at startup. Durations default to small
 /// values so tests run fast; real PVE values are noted per field.
 #[derive(Clone, Debug)]
@@ -572,6 +576,13 @@ pub struct SimConfig {
     /// `Sys.Modify` on `/` may add to or remove from a VM, whatever
     /// `user-tag-access` says (pve-guest-common `get_allowed_tags`).
     pub registered_tags: Vec<String>,
+    /// Write bandwidth (bytes per second) of storages, by name: a full
+    /// clone onto one copies its disk at this rate, shared evenly among the
+    /// full clones writing there at once (a shared storage's among every
+    /// node's, a local one's among its node's), instead of taking
+    /// [`SimConfig::clone_duration`]; a linked clone there takes
+    /// [`LINKED_CLONE_TIME`]. Storages not named keep the fixed duration.
+    pub storage_bandwidth: Vec<(String, u64)>,
     /// Each node's CPU threads: its `maxcpu`, and the most vCPUs
     /// (`sockets` x `cores`) a VM may have there to start (qemu-server
     /// `config_to_command`: `MAX N vcpus allowed per VM on this node`).
@@ -666,6 +677,7 @@ impl Default for SimConfig {
             sdn_vnets: Vec::new(),
             sdn_installed: true,
             registered_tags: Vec::new(),
+            storage_bandwidth: Vec::new(),
             node_cpus: 64,
             pci_mappings: Vec::new(),
         }

@@ -12,6 +12,7 @@ use std::time::Instant;
 
 use serde_json::json;
 
+use crate::config::LINKED_CLONE_TIME;
 use crate::params::Params;
 use crate::sim::{LeftoverVolume, Shared};
 use crate::state::{locked, ApiError, ApiResult, Cluster, Vm};
@@ -284,12 +285,18 @@ impl Shared {
             *n += 1;
             limit.is_some_and(|l| *n > l)
         };
-        let wait = if over {
-            self.cfg.storage_lock_wait
-        } else {
-            self.cfg.clone_duration
-        };
-        tokio::time::sleep(wait).await;
+        let bandwidth = self
+            .cfg
+            .storage_bandwidth
+            .iter()
+            .find(|(name, _)| *name == storage)
+            .map(|(_, bw)| *bw);
+        match (over, bandwidth) {
+            (true, _) => tokio::time::sleep(self.cfg.storage_lock_wait).await,
+            (false, Some(_)) if need == 0 => tokio::time::sleep(LINKED_CLONE_TIME).await,
+            (false, Some(bw)) => self.copy_at(bw, need, &key, shared).await,
+            (false, None) => tokio::time::sleep(self.cfg.clone_duration).await,
+        }
         let mut c = self.cluster.lock();
         if let Some(n) = c.active_clones.get_mut(&key) {
             *n = n.saturating_sub(1);
@@ -324,6 +331,31 @@ impl Shared {
             format!("{kind} clone of VM {vmid} to {newid} finished"),
         );
         Ok("OK".into())
+    }
+
+    /// Copies `bytes` onto the storage of `key` at `bandwidth` bytes per
+    /// second shared evenly among the full clones writing there now (every
+    /// node's, for a shared storage), re-counted every tick: the model of
+    /// a storage whose throughput, not a lock, bounds parallel clones.
+    async fn copy_at(&self, bandwidth: u64, bytes: u64, key: &(String, String), shared: bool) {
+        const TICK: std::time::Duration = std::time::Duration::from_millis(20);
+        let mut left = bytes as f64;
+        let mut last = Instant::now();
+        while left > 0.0 {
+            tokio::time::sleep(TICK).await;
+            let writers = {
+                let c = self.cluster.lock();
+                c.active_clones
+                    .iter()
+                    .filter(|((n, st), _)| *st == key.1 && (shared || *n == key.0))
+                    .map(|(_, n)| *n)
+                    .sum::<usize>()
+                    .max(1)
+            };
+            let now = Instant::now();
+            left -= bandwidth as f64 / writers as f64 * (now - last).as_secs_f64();
+            last = now;
+        }
     }
 
     pub fn start(self: &Arc<Self>, node: &str, vmid: u32, p: &Params) -> ApiResult {
