@@ -25,6 +25,7 @@ pub mod agent;
 pub mod cli;
 pub mod config;
 pub mod faults;
+mod flag_values;
 mod guest_api;
 pub mod guest_root;
 mod inventory;

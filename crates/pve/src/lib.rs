@@ -17,6 +17,7 @@
 
 mod api;
 pub mod client;
+pub mod devices;
 pub mod error;
 pub mod form;
 pub mod sdn;
@@ -27,13 +28,14 @@ pub mod upid;
 
 pub use api::{MAX_EXEC_INPUT, MAX_FILE_WRITE_CONTENT};
 pub use client::{ApiCall, ApiObserver, PveClient, PveConfig, RequestGate, RetryPolicy};
+pub use devices::{DeviceBus, Passthrough};
 pub use error::{AccessFailure, PveError};
 pub use sdn::{SdnPath, SdnVnet, VnetZones};
 pub use tags::{is_valid_tag, join_tags, normalize_tags, sanitize_tag};
 pub use tls::{cert_fingerprint, format_fingerprint, parse_fingerprint, parse_fingerprints};
 pub use types::{
-    exit_ok, Cdrom, CloneParams, ClusterOptions, ClusterVm, ClusterVms, ConfigParams, DeviceBus,
-    ExecStatus, FileEncoding, MigrateParams, NodeInfo, Passthrough, Permissions, PoolMember,
-    StorageStatus, TagAccess, TaskLogLine, TaskState, TaskStatus, TaskSummary, VmConfig, VmStatus,
+    exit_ok, Cdrom, CloneParams, ClusterOptions, ClusterVm, ClusterVms, ConfigParams, ExecStatus,
+    FileEncoding, MigrateParams, NodeInfo, Permissions, PoolMember, StorageStatus, TagAccess,
+    TaskLogLine, TaskState, TaskStatus, TaskSummary, VmConfig, VmStatus,
 };
 pub use upid::Upid;

@@ -16,6 +16,7 @@ mod doc_flags;
 mod doc_logs;
 mod dockerfile;
 mod docs_examples;
+mod file_size;
 mod helm_chart;
 mod host_setup;
 mod image_rootfs;
