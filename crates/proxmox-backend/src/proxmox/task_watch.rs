@@ -22,12 +22,16 @@ use std::time::Duration;
 use parking_lot::Mutex;
 use pve::error::Cause;
 use pve::{exit_ok, PveClient, PveError, TaskState, TaskStatus, TaskSummary, Upid};
-use tokio::sync::oneshot;
+use tokio::sync::{oneshot, Notify};
 use tokio::time::Instant;
 
-/// The first poll of a node's watch comes this soon (or at the poll
-/// interval, when that is shorter).
+/// A task is first looked at this soon after it is waited on (or at the
+/// poll interval, when that is shorter).
 const FIRST_LOOK: Duration = Duration::from_millis(100);
+
+/// Tasks falling due within this of the one that wakes the loop are looked
+/// at with it: a little early for them, and one list for all.
+const COALESCE: Duration = Duration::from_millis(150);
 
 /// How a wait ends: the task's final status, or why it could not be known.
 type Outcome = Result<TaskStatus, PveError>;
@@ -40,16 +44,30 @@ pub(super) struct TaskWatch {
 }
 
 /// The tasks waited on in one node, each with its waiters.
-#[derive(Default)]
 struct NodeWatch {
     waiting: Mutex<HashMap<String, Waiting>>,
     /// A poll loop runs for this node. Set and cleared under `waiting`'s
     /// lock, so there is never a second loop, nor a waiter without one.
     running: std::sync::atomic::AtomicBool,
+    /// Told of every new task, so the loop looks at it [`FIRST_LOOK`] after
+    /// it was registered rather than at the loop's next wake.
+    arrived: Notify,
+}
+
+impl Default for NodeWatch {
+    fn default() -> NodeWatch {
+        NodeWatch {
+            waiting: Mutex::default(),
+            running: std::sync::atomic::AtomicBool::new(false),
+            arrived: Notify::new(),
+        }
+    }
 }
 
 struct Waiting {
     upid: Upid,
+    /// When it is next looked at.
+    due: Instant,
     waiters: Vec<oneshot::Sender<Outcome>>,
     /// The last failed read of its status (the node unreachable): what a
     /// waiter whose deadline passes is told.
@@ -78,11 +96,14 @@ impl TaskWatch {
                 .entry(upid.to_string())
                 .or_insert_with(|| Waiting {
                     upid: upid.clone(),
+                    due: Instant::now() + self.poll.min(FIRST_LOOK),
                     waiters: Vec::new(),
                     last_error: None,
                 })
                 .waiters
                 .push(tx);
+            drop(waiting);
+            node.arrived.notify_one();
             first.then(|| Arc::clone(node))
         };
         if let Some(node) = start {
@@ -133,12 +154,14 @@ struct Watcher {
 
 impl Watcher {
     async fn run(self) {
-        // A short first look: many tasks (a start, a stop) end within it.
-        let mut pause = self.poll.min(FIRST_LOOK);
         loop {
-            tokio::time::sleep(pause).await;
-            pause = self.poll;
-            let tasks: Vec<Upid> = {
+            // Each task is looked at [`FIRST_LOOK`] after it was registered
+            // (a start or a stop often ends within it), then every poll
+            // period in its own phase, so no task waits longer to be seen
+            // than it did polled alone; tasks falling due within
+            // [`COALESCE`] of each other (a burst's, started together) are
+            // looked at together, through one list.
+            let next = {
                 let mut waiting = self.node.waiting.lock();
                 waiting.retain(|_, w| {
                     w.waiters.retain(|tx| !tx.is_closed());
@@ -152,10 +175,25 @@ impl Watcher {
                         .store(false, std::sync::atomic::Ordering::SeqCst);
                     return;
                 }
-                waiting.values().map(|w| w.upid.clone()).collect()
+                waiting.values().map(|w| w.due).min()
             };
+            let Some(next) = next else { return };
+            tokio::select! {
+                () = tokio::time::sleep_until(next) => {}
+                // A new task may fall due sooner: look again.
+                () = self.node.arrived.notified() => continue,
+            }
+            let now = Instant::now();
+            let horizon = now + COALESCE;
+            let mut tasks: Vec<Upid> = Vec::new();
+            for w in self.node.waiting.lock().values_mut() {
+                if w.due <= horizon {
+                    tasks.push(w.upid.clone());
+                    w.due = (w.due + self.poll).max(now + self.poll / 2);
+                }
+            }
             let Some(node) = tasks.first().map(|u| u.node.clone()) else {
-                return;
+                continue;
             };
             // The list pays off from two tasks on: one task alone costs a
             // status read, as before.
@@ -164,13 +202,18 @@ impl Watcher {
             } else {
                 None
             };
-            for upid in tasks {
-                match self.check(&upid, listed.as_deref()).await {
-                    Polled::Ended(outcome) => self.answer(&upid, outcome),
-                    Polled::Running => self.note(&upid, None),
-                    Polled::Unreadable(e) => self.note(&upid, Some(e)),
+            // The status reads the list leaves (tasks gone from it) run side
+            // by side, as the per-task polls did: no task waits on another's.
+            let listed = listed.as_deref();
+            let me = &self;
+            let checks = tasks.iter().map(|upid| async move {
+                match me.check(upid, listed).await {
+                    Polled::Ended(outcome) => me.answer(upid, outcome),
+                    Polled::Running => me.note(upid, None),
+                    Polled::Unreadable(e) => me.note(upid, Some(e)),
                 }
-            }
+            });
+            futures::future::join_all(checks).await;
         }
     }
 

@@ -141,18 +141,36 @@ async fn burst_cost() {
             tokio::spawn(async move {
                 let node = if i % 2 == 0 { "pve1" } else { "pve2" };
                 let id = format!("p/OnDemand/pve.small/{node}/{i:03}");
+                let mut took = [Duration::ZERO; 4];
+                let t = std::time::Instant::now();
                 let vm = sub.clone_vm(&req(&id, node)).await?;
+                took[0] = t.elapsed();
+                let t = std::time::Instant::now();
                 sub.ensure_running(&vm).await?;
                 sub.configure(&vm, b"true\n").await?;
+                took[1] = t.elapsed();
+                let t = std::time::Instant::now();
                 sub.ensure_running(&vm).await?;
                 sub.drain(&vm, Duration::from_secs(10)).await?;
-                sub.delete_vm(&vm, &id).await
+                took[2] = t.elapsed();
+                let t = std::time::Instant::now();
+                sub.delete_vm(&vm, &id).await?;
+                took[3] = t.elapsed();
+                Ok::<_, proxmox_backend::substrate::SubstrateError>(took)
             })
         })
         .collect();
+    let mut sums = [0.0f64; 4];
     for r in runs {
-        r.await.expect("task").expect("lifecycle");
+        let took = r.await.expect("task").expect("lifecycle");
+        for (sum, t) in sums.iter_mut().zip(took) {
+            *sum += t.as_secs_f64() / BURST as f64;
+        }
     }
+    println!(
+        "mean seconds: Create {:.2}, Configure {:.2}, Drain {:.2}, Delete {:.2}",
+        sums[0], sums[1], sums[2], sums[3]
+    );
     let counts = sim.faults().counts();
     let total: u64 = counts.values().sum();
     println!(
