@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use std::str::FromStr;
 use std::time::Duration;
 
-pub use crate::storage::{StorageKind, StorageSpec};
+pub use crate::storage_cfg::{StorageKind, StorageSpec};
 
 /// Env var consulted when the mode is [`GuestAgentMode::Auto`], so a whole test
 /// suite can be pinned to one agent (`builtin`, `qemu-ga`, `auto` or a path).

@@ -42,6 +42,7 @@ pub mod server;
 pub mod sim;
 pub mod state;
 mod storage;
+mod storage_cfg;
 pub mod tasks;
 pub mod tls;
 mod vm_config;
