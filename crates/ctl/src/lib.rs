@@ -26,8 +26,8 @@ use bigfleet_proto::v1alpha1::{
 
 use crate::dial::{connect, connect_with_deadline, Session};
 use crate::render::{
-    attach_rooms, cell, emit, json, list_table, machine_details, room_table, summarize,
-    summary_table, timeline_table, AckView, MachineView, MachineWithTimeline, StepView,
+    attach_rooms, cell, emit, json, list_table, machine_details, room_table, storage_table,
+    summarize, summary_table, timeline_table, AckView, MachineView, MachineWithTimeline, StepView,
 };
 use crate::wait::{wait_for, watch};
 
@@ -265,26 +265,36 @@ pub async fn run(args: CtlArgs) -> Result<(), CtlError> {
             let mut rows = summarize(&list.machines);
             // Room per zone, from providers that report it; an older
             // provider (UNIMPLEMENTED) or a refused identity leaves it out.
-            let rooms = match session
+            let (rooms, storages) = match session
                 .admin
                 .node_memory(bigfleet_proto::admin::NodeMemoryRequest {})
                 .await
             {
-                Ok(resp) => Some(resp.into_inner().nodes),
-                Err(_) => None,
+                Ok(resp) => {
+                    let resp = resp.into_inner();
+                    (Some(resp.nodes), resp.storages)
+                }
+                Err(_) => (None, Vec::new()),
             };
             if let Some(rooms) = &rooms {
                 attach_rooms(&mut rows, rooms);
             }
             let text = match output {
                 Output::Json => json(&rows)?,
-                Output::Table => match &rooms {
+                Output::Table => {
                     // Above the counts, which keep ending on their `(all)` line.
-                    Some(rooms) if !rooms.is_empty() => {
-                        format!("{}\n{}", room_table(rooms), summary_table(&rows))
+                    let mut text = String::new();
+                    if let Some(rooms) = rooms.as_ref().filter(|r| !r.is_empty()) {
+                        text.push_str(&room_table(rooms));
+                        text.push('\n');
                     }
-                    _ => summary_table(&rows),
-                },
+                    if !storages.is_empty() {
+                        text.push_str(&storage_table(&storages));
+                        text.push('\n');
+                    }
+                    text.push_str(&summary_table(&rows));
+                    text
+                }
             };
             emit(&text)
         }
@@ -787,6 +797,41 @@ mod tests {
             table.contains("16.0 GiB")
                 && table.contains("4.0 GiB")
                 && table.contains("pve.small=1"),
+            "{table}"
+        );
+    }
+
+    #[test]
+    fn the_storage_table_names_each_storage_and_what_is_left() {
+        let gib = 1u64 << 30;
+        let table = storage_table(&[
+            bigfleet_proto::admin::StorageRoom {
+                storage: "local-lvm".into(),
+                node: "pve2".into(),
+                avail_bytes: 100 * gib,
+                allowed_bytes: 200 * gib,
+                in_flight_bytes: 64 * gib,
+                overcommit: 2.0,
+            },
+            bigfleet_proto::admin::StorageRoom {
+                storage: "ceph".into(),
+                node: String::new(),
+                avail_bytes: 10 * gib,
+                allowed_bytes: 10 * gib,
+                in_flight_bytes: 0,
+                overcommit: 1.0,
+            },
+        ]);
+        let lines: Vec<&str> = table.lines().collect();
+        assert!(lines[0].starts_with("STORAGE"), "{table}");
+        assert!(
+            lines[1].starts_with("ceph") && lines[1].contains("(shared)"),
+            "{table}"
+        );
+        assert!(
+            lines[2].contains("pve2")
+                && lines[2].contains("64.0 GiB")
+                && lines[2].contains("136.0 GiB"),
             "{table}"
         );
     }

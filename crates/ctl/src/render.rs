@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use std::io::Write;
 use std::time::Duration;
 
-use bigfleet_proto::admin::{NodeRoom, TimelineStep};
+use bigfleet_proto::admin::{NodeRoom, StorageRoom, TimelineStep};
 use bigfleet_proto::v1alpha1::{CapacityType, Machine, MachineState};
 use serde::Serialize;
 use tonic::Code;
@@ -447,6 +447,33 @@ pub(crate) fn room_table(rooms: &[NodeRoom]) -> String {
                 gib(r.limit_bytes),
                 gib(r.limit_bytes.saturating_sub(r.committed_bytes)),
                 fits.join(","),
+            ]
+        })
+        .collect();
+    render_table(&header, &body)
+}
+
+/// The storage guard's table under the room table: each storage full
+/// clones land on, its free space, the overcommit factor, what clones in
+/// flight hold and what is left for new ones.
+pub(crate) fn storage_table(storages: &[StorageRoom]) -> String {
+    let header = ["STORAGE", "NODE", "FREE", "OVERCOMMIT", "IN FLIGHT", "LEFT"];
+    let mut sorted: Vec<&StorageRoom> = storages.iter().collect();
+    sorted.sort_by(|a, b| (&a.storage, &a.node).cmp(&(&b.storage, &b.node)));
+    let body: Vec<Vec<String>> = sorted
+        .into_iter()
+        .map(|s| {
+            vec![
+                cell(&s.storage),
+                if s.node.is_empty() {
+                    "(shared)".to_string()
+                } else {
+                    cell(&s.node)
+                },
+                gib(s.avail_bytes),
+                format!("{}", s.overcommit),
+                gib(s.in_flight_bytes),
+                gib(s.allowed_bytes.saturating_sub(s.in_flight_bytes)),
             ]
         })
         .collect();

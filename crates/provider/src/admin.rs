@@ -8,7 +8,7 @@ use std::sync::Arc;
 use bigfleet_proto::admin::admin_server::{Admin, AdminServer};
 use bigfleet_proto::admin::{
     NodeMemoryRequest, NodeMemoryResponse, NodeRoom, ReclaimRequest, ReclaimResponse,
-    ReclaimStatus, TimelineRequest, TimelineResponse, TimelineStep, TypeFit,
+    ReclaimStatus, StorageRoom, TimelineRequest, TimelineResponse, TimelineStep, TypeFit,
 };
 use providerkit::{Engine, ReclaimOutcome};
 use proxmox_backend::backend::ProxmoxBackend;
@@ -108,7 +108,20 @@ impl Admin for AdminService {
                 node: room.node,
             })
             .collect();
-        Ok(Response::new(NodeMemoryResponse { nodes }))
+        let storages = self
+            .backend
+            .storage_spaces()
+            .into_iter()
+            .map(|space| StorageRoom {
+                allowed_bytes: space.allowed_bytes(),
+                avail_bytes: space.avail_bytes,
+                in_flight_bytes: space.in_flight_bytes,
+                overcommit: space.overcommit,
+                node: space.node.unwrap_or_default(),
+                storage: space.storage,
+            })
+            .collect();
+        Ok(Response::new(NodeMemoryResponse { nodes, storages }))
     }
 
     async fn timeline(

@@ -172,6 +172,13 @@ pub struct Args {
     #[arg(long, default_value = "", value_parser = parse_node_storage_arg)]
     pub node_storage: NodeStorage,
 
+    /// The storage guard, per storage: STORAGE=FACTOR,... A full clone is
+    /// refused before anything is cloned when its disks and the provider's
+    /// clones in flight there would pass FACTOR x the storage's free space;
+    /// unset, 1 (a thin pool that overcommits on purpose says more).
+    #[arg(long, default_value = "", value_parser = parse_storage_overcommit_arg)]
+    pub storage_overcommit: StorageOvercommit,
+
     /// Background reconcile period (0 = off).
     #[arg(long, default_value = "2m", value_parser = parse_duration)]
     pub reconcile_interval: Duration,
@@ -321,6 +328,16 @@ pub struct VmidRange(pub u32, pub u32);
 /// `--node-storage NODE=STORAGE,...`.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct NodeStorage(pub std::collections::BTreeMap<String, String>);
+
+/// `--storage-overcommit STORAGE=FACTOR,...`.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct StorageOvercommit(pub std::collections::BTreeMap<String, f64>);
+
+fn parse_storage_overcommit_arg(
+    text: &str,
+) -> Result<StorageOvercommit, proxmox_backend::ConfigError> {
+    proxmox_backend::proxmox::parse_storage_overcommit(text).map(StorageOvercommit)
+}
 
 fn parse_node_storage_arg(text: &str) -> Result<NodeStorage, proxmox_backend::ConfigError> {
     proxmox_backend::proxmox::parse_node_storage(text).map(NodeStorage)

@@ -274,6 +274,9 @@ impl Metrics {
         registry.register_collector(Box::new(MemoryCollector {
             source: Arc::clone(&memory),
         }));
+        registry.register_collector(Box::new(StorageCollector {
+            source: Arc::clone(&memory),
+        }));
         let nodes = Arc::new(RwLock::new(None));
         registry.register_collector(Box::new(NodesCollector {
             source: Arc::clone(&nodes),
@@ -584,6 +587,71 @@ impl Collector for MemoryCollector {
                 let bytes = i64::try_from(value(room))
                     .unwrap_or(i64::MAX)
                     .saturating_mul(MIB);
+                ConstGauge::new(bytes).encode(family.encode_family(&labels)?)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct StorageLabels {
+    storage: String,
+    /// Empty for a shared storage.
+    node: String,
+}
+
+/// Which byte figure of a storage a gauge reports.
+type SpaceValue = fn(&proxmox_backend::capacity::StorageSpace) -> u64;
+
+/// `bigfleet_proxmox_storage_{avail,allowed,in_flight}_bytes{storage,node}`,
+/// from the storage guard at scrape time (as last read: at start-up and by
+/// each full clone's Create).
+struct StorageCollector {
+    source: Arc<RwLock<Option<Arc<ProxmoxBackend>>>>,
+}
+
+impl std::fmt::Debug for StorageCollector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("StorageCollector")
+    }
+}
+
+impl Collector for StorageCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let Some(backend) = self.source.read().clone() else {
+            return Ok(());
+        };
+        let spaces = backend.storage_spaces();
+        let families: [(&str, &str, SpaceValue); 3] = [
+            (
+                "bigfleet_proxmox_storage_avail_bytes",
+                "Free space of a storage full clones land on, as the storage guard counts it \
+                 (PVE's avail at its last read, with the disks of the provider's clones in \
+                 flight counted once, by the in-flight gauge); node is empty for a shared storage",
+                |s| s.avail_bytes,
+            ),
+            (
+                "bigfleet_proxmox_storage_allowed_bytes",
+                "What the storage guard lets full clones take there: free space x \
+                 --storage-overcommit (1 unless set)",
+                |s| s.allowed_bytes(),
+            ),
+            (
+                "bigfleet_proxmox_storage_in_flight_bytes",
+                "Disk bytes of the provider's full clones admitted there whose clone task \
+                 has not ended yet",
+                |s| s.in_flight_bytes,
+            ),
+        ];
+        for (name, help, value) in families {
+            let mut family = encoder.encode_descriptor(name, help, None, MetricType::Gauge)?;
+            for space in &spaces {
+                let labels = StorageLabels {
+                    storage: space.storage.clone(),
+                    node: space.node.clone().unwrap_or_default(),
+                };
+                let bytes = i64::try_from(value(space)).unwrap_or(i64::MAX);
                 ConstGauge::new(bytes).encode(family.encode_family(&labels)?)?;
             }
         }

@@ -405,6 +405,7 @@ fn pve_options(args: &Args, catalog: &Catalog) -> Result<PveOptions, ConfigError
         clone_mode: args.clone_mode,
         node_storage: args.node_storage.0.clone(),
         node_memory_limit: args.node_memory_limit,
+        storage_overcommit: args.storage_overcommit.0.clone(),
         type_storage: catalog
             .types
             .iter()

@@ -166,6 +166,21 @@ async fn log_node_memory(backend: &ProxmoxBackend, zones: &[String], limit: f64)
     }
 }
 
+/// One INFO line per storage full clones land on (those the configuration
+/// names): what is free there and what the storage guard lets clones take.
+async fn log_storage_space(backend: &ProxmoxBackend, zones: &[String]) {
+    for space in backend.observe_storage(zones).await {
+        tracing::info!(
+            storage = %space.storage,
+            node = space.node.as_deref().unwrap_or("(shared)"),
+            avail = %proxmox_backend::capacity::gib(space.avail_bytes),
+            overcommit = space.overcommit,
+            left = %proxmox_backend::capacity::gib(space.left_bytes()),
+            "storage room"
+        );
+    }
+}
+
 /// One term of serving: the engine and the tasks that work for it, which
 /// stop when the term is dropped.
 pub(crate) struct Leading {
@@ -257,6 +272,7 @@ impl TermContext {
             );
         }
         log_node_memory(&backend, &catalog.zones, plan.backend.node_memory_limit()).await;
+        log_storage_space(&backend, &catalog.zones).await;
         Ok(Started { engine, backend })
     }
 

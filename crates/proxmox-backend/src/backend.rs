@@ -77,6 +77,17 @@ impl ProxmoxBackend {
         self.substrate.destroy_leftovers()
     }
 
+    /// Each storage full clones land on, as the storage guard last checked it.
+    pub fn storage_spaces(&self) -> Vec<crate::capacity::StorageSpace> {
+        self.substrate.storage_spaces()
+    }
+
+    /// Reads the storages full clones on `nodes` land on now (see
+    /// [`Self::storage_spaces`]).
+    pub async fn observe_storage(&self, nodes: &[String]) -> Vec<crate::capacity::StorageSpace> {
+        self.substrate.observe_storage(nodes).await
+    }
+
     /// Reads each of `nodes`' memory room now (see [`Self::memory_rooms`]).
     pub async fn observe_memory(&self, nodes: &[String]) -> Vec<crate::memory::MemoryRoom> {
         self.substrate.observe_memory(nodes).await
@@ -206,7 +217,8 @@ impl Backend for ProxmoxBackend {
         Ok(specs)
     }
 
-    /// The node memory guard's check: a Create its node has no memory for
+    /// The node memory guard's and the storage guard's checks: a Create its
+    /// node has no memory for, or whose full clone's storage has no room,
     /// is refused before anything starts (the machine stays SPECULATIVE).
     async fn admit_create(&self, ctx: &AdmitCtx) -> Result<Admission, BackendError> {
         // An unknown type fails in `create` with its own message.
@@ -224,16 +236,17 @@ impl Backend for ProxmoxBackend {
             resumed: false,
         };
         match self.substrate.admit(&req).await {
-            Ok(Some(held)) => Ok(Admission::holding(held)),
-            Ok(None) => Ok(Admission::unguarded()),
-            Err(no_room) => {
-                tracing::info!(machine_id = %ctx.machine_id, node = %ctx.zone, error = %no_room, "create refused: no memory on the node");
-                // Room may come back (a VM stops, a Create fails): the shard
-                // may try this slot again later, and another node now.
+            Ok(held) if held.is_empty() => Ok(Admission::unguarded()),
+            Ok(held) => Ok(Admission::holding(held)),
+            Err(refusal) => {
+                tracing::info!(machine_id = %ctx.machine_id, node = %ctx.zone, error = %refusal, "create refused: no room on the node");
+                // Room may come back (a VM stops, a Create fails, space is
+                // freed): the shard may try this slot again later, and
+                // another node now.
                 Err(BackendError::caused_by(
                     ErrorKind::Transient,
-                    no_room.to_string(),
-                    Arc::new(no_room),
+                    refusal.to_string(),
+                    Arc::new(refusal),
                 ))
             }
         }

@@ -15,6 +15,7 @@ use async_trait::async_trait;
 use parking_lot::Mutex;
 use providerkit::ErrorKind;
 
+use crate::capacity::{Admitted, Refusal};
 use crate::memory::{
     ClaimRequest, CountedVm, MemoryClaim, MemoryGuard, MemoryRoom, NoRoom, NodeView,
 };
@@ -282,11 +283,12 @@ impl FakeCluster {
 
 #[async_trait]
 impl Substrate for FakeCluster {
-    async fn admit(&self, req: &CloneRequest) -> Result<Option<MemoryClaim>, NoRoom> {
-        if !self.guard.enabled() || !self.nodes.contains(&req.node) {
-            return Ok(None);
+    async fn admit(&self, req: &CloneRequest) -> Result<Admitted, Refusal> {
+        let mut held = Admitted::default();
+        if self.guard.enabled() && self.nodes.contains(&req.node) {
+            held.hold(self.claim(req, false)?);
         }
-        self.claim(req, false).map(Some)
+        Ok(held)
     }
 
     fn memory_rooms(&self) -> Vec<MemoryRoom> {
@@ -441,10 +443,14 @@ mod tests {
         let foreign = fake.run_foreign("pve-a", 4096);
         let mut held = Vec::new();
         for n in 0..3 {
-            held.push(fake.admit(&req(n)).await.expect("fits").expect("claimed"));
+            let claim = fake.admit(&req(n)).await.expect("fits");
+            assert!(!claim.is_empty(), "claimed");
+            held.push(claim);
             fake.clone_vm(&req(n)).await.expect("cloned");
         }
-        let refused = fake.admit(&req(3)).await.expect_err("full");
+        let Refusal::Memory(refused) = fake.admit(&req(3)).await.expect_err("full") else {
+            panic!("refused for memory")
+        };
         assert_eq!((refused.committed_mib, refused.left_mib), (16 * 1024, 0));
         // Landed: the claims go, the running VMs count instead, once.
         drop(held);
@@ -453,7 +459,7 @@ mod tests {
         let e = fake.clone_vm(&req(3)).await.expect_err("refused");
         assert!(e.to_string().contains("no memory"), "{e}");
         assert!(fake.stop_out_of_band(foreign));
-        assert!(fake.admit(&req(3)).await.expect("room").is_some());
+        assert!(!fake.admit(&req(3)).await.expect("room").is_empty());
         let room = &fake.memory_rooms()[0];
         assert_eq!(room.committed_mib, 16 * 1024);
     }
@@ -494,7 +500,7 @@ mod tests {
             r.memory_mib = 256 * (1 + (x >> 20) % 8);
             match (x >> 32) % 8 {
                 0 | 1 => {
-                    if let Ok(Some(claim)) = fake.admit(&r).await {
+                    if let Ok(claim) = fake.admit(&r).await {
                         held.push(claim);
                     }
                 }

@@ -8,6 +8,7 @@
 //!   choice, inventory, guest agent, clones);
 //! - [`fake`]: the in-memory substrate for certification;
 //! - [`memory`]: the node memory guard both substrates check before a clone;
+//! - [`capacity`]: what an admitted Create holds, and why one is refused;
 //! - [`backend`]: maps slots and transitions onto a substrate;
 //! - [`timeline`]: where each transition's time went, step by step.
 //!
@@ -15,6 +16,7 @@
 //! (`bigfleet-proxmox`) wires it.
 
 pub mod backend;
+pub mod capacity;
 pub mod catalog;
 pub mod fake;
 pub mod memory;

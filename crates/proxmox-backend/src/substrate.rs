@@ -7,7 +7,8 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 use providerkit::{BackendError, Cause, ErrorKind};
 
-use crate::memory::{MemoryClaim, MemoryRoom, NoRoom};
+use crate::capacity::{Admitted, Refusal, StorageSpace};
+use crate::memory::MemoryRoom;
 
 /// A VM on one node: `HostRef.ref` is `<node>/<vmid>`.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -146,11 +147,21 @@ impl From<SubstrateError> for BackendError {
 #[async_trait]
 pub trait Substrate: Send + Sync + 'static {
     /// Before a Create is accepted: checks that its node has memory for it
-    /// (see [`crate::memory`]) and claims it until the reservation drops.
-    /// `Ok(None)`: nothing to guard, or the room could not be read now (the
-    /// clone checks again); `Err`: no room, refuse the Create.
-    async fn admit(&self, _req: &CloneRequest) -> Result<Option<MemoryClaim>, NoRoom> {
-        Ok(None)
+    /// (see [`crate::memory`]) and its storages room for a full clone's
+    /// disks, and claims both until what it returns drops. Nothing held:
+    /// nothing to guard, or the room could not be read now (the clone checks
+    /// again); `Err`: no room, refuse the Create.
+    async fn admit(&self, _req: &CloneRequest) -> Result<Admitted, Refusal> {
+        Ok(Admitted::default())
+    }
+    /// Each storage full clones land on, as the storage guard last checked it.
+    fn storage_spaces(&self) -> Vec<StorageSpace> {
+        Vec::new()
+    }
+    /// Reads the storages full clones on `nodes` land on now (those the
+    /// configuration names), and returns every storage as then known.
+    async fn observe_storage(&self, _nodes: &[String]) -> Vec<StorageSpace> {
+        Vec::new()
     }
     /// Each node's memory room as last seen, by node name.
     fn memory_rooms(&self) -> Vec<MemoryRoom> {
@@ -242,8 +253,14 @@ impl Metered {
 
 #[async_trait]
 impl Substrate for Metered {
-    async fn admit(&self, req: &CloneRequest) -> Result<Option<MemoryClaim>, NoRoom> {
+    async fn admit(&self, req: &CloneRequest) -> Result<Admitted, Refusal> {
         self.inner.admit(req).await
+    }
+    fn storage_spaces(&self) -> Vec<StorageSpace> {
+        self.inner.storage_spaces()
+    }
+    async fn observe_storage(&self, nodes: &[String]) -> Vec<StorageSpace> {
+        self.inner.observe_storage(nodes).await
     }
     fn memory_rooms(&self) -> Vec<MemoryRoom> {
         self.inner.memory_rooms()

@@ -141,10 +141,11 @@ const CATALOG: &str =
 fn fake_backend_release_with_clone_and_storage_values_boots() {
     let sets: &[(&str, &[&str])] = &[
         (
-            "proxmox: {templateReplicas: false, nodeStorage: {pve-b: fast-zfs, pve-a: local-lvm}}",
+            "proxmox: {templateReplicas: false, nodeStorage: {pve-b: fast-zfs, pve-a: local-lvm}, storageOvercommit: {local-lvm: 2.5}}",
             &[
                 "--template-replicas=false",
                 "--node-storage=pve-a=local-lvm,pve-b=fast-zfs",
+                "--storage-overcommit=local-lvm=2.5",
             ],
         ),
         ("proxmox: {cloneMode: linked}", &["--clone-mode=linked"]),

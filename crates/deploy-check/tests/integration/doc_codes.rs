@@ -152,6 +152,13 @@ const NO_ROOM: Proof = Source {
     text: "KitError::Exhausted(_) => Code::ResourceExhausted",
 };
 
+/// The storage guard's refusal is an admission refusal (mapped by
+/// [`NO_ROOM`]), proven end to end by the provider's own test.
+const NO_STORAGE_ROOM: Proof = Source {
+    file: "crates/provider/tests/integration/storage_guard.rs",
+    text: "assert_eq!(status.code(), tonic::Code::ResourceExhausted",
+};
+
 const CLAIMS: &[Claim] = &[
     Claim {
         page: "DESIGN.md",
@@ -189,6 +196,24 @@ const CLAIMS: &[Claim] = &[
         says: "The shard's Create fails at once with `RESOURCE_EXHAUSTED`",
         codes: &["RESOURCE_EXHAUSTED"],
         proofs: &[NO_ROOM],
+    },
+    Claim {
+        page: "configuration.md",
+        says: "the Create RPC answers `RESOURCE_EXHAUSTED` and the machine stays `SPECULATIVE`",
+        codes: &["RESOURCE_EXHAUSTED"],
+        proofs: &[NO_ROOM, NO_STORAGE_ROOM],
+    },
+    Claim {
+        page: "troubleshooting.md",
+        says: "Create answers `RESOURCE_EXHAUSTED`: `storage <s> of node <n> has no room",
+        codes: &["RESOURCE_EXHAUSTED"],
+        proofs: &[NO_ROOM, NO_STORAGE_ROOM],
+    },
+    Claim {
+        page: "DESIGN.md",
+        says: "`Backend::admit_create`, RESOURCE_EXHAUSTED when refused",
+        codes: &["RESOURCE_EXHAUSTED"],
+        proofs: &[NO_ROOM, NO_STORAGE_ROOM],
     },
     Claim {
         page: "configuration.md",

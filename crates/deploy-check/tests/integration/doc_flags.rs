@@ -78,6 +78,7 @@ const SPEC_FLAGS: &[&str] = &[
     "--clone-mode",
     "--node-storage",
     "--node-memory-limit",
+    "--storage-overcommit",
     "--fake-node-memory",
 ];
 

@@ -625,9 +625,14 @@ fn clone_args(r: &Rendered) -> Vec<String> {
     r.args()
         .into_iter()
         .filter(|a| {
-            ["--template-replicas", "--clone-mode", "--node-storage"]
-                .iter()
-                .any(|f| a == f || a.starts_with(&format!("{f}=")))
+            [
+                "--template-replicas",
+                "--clone-mode",
+                "--node-storage",
+                "--storage-overcommit",
+            ]
+            .iter()
+            .any(|f| a == f || a.starts_with(&format!("{f}=")))
         })
         .collect()
 }
@@ -659,7 +664,7 @@ fn clone_values_render_no_flag_at_the_provider_defaults() {
     for extra in [
         "{}",
         // The defaults spelt out.
-        "proxmox: {templateReplicas: true, cloneMode: full, nodeStorage: {}}",
+        "proxmox: {templateReplicas: true, cloneMode: full, nodeStorage: {}, storageOvercommit: {}}",
     ] {
         let r = render(&with_minimal(extra));
         common(&r);
@@ -668,7 +673,12 @@ fn clone_values_render_no_flag_at_the_provider_defaults() {
     // A null override drops the chart's default (helm's merge); the
     // provider's own default then holds, so still no flag.
     let mut v = values(MINIMAL_CA);
-    for key in ["templateReplicas", "cloneMode", "nodeStorage"] {
+    for key in [
+        "templateReplicas",
+        "cloneMode",
+        "nodeStorage",
+        "storageOvercommit",
+    ] {
         v["proxmox"][key] = serde_yaml::Value::Null;
     }
     let nulls = serde_yaml::to_string(&v).unwrap();
@@ -707,6 +717,11 @@ fn clone_values_render_exactly_their_flags() {
         (
             "proxmox: {templateReplicas: false, cloneMode: linked}",
             &["--template-replicas=false", "--clone-mode=linked"],
+        ),
+        // In storage-id order, each factor as written.
+        (
+            "proxmox: {storageOvercommit: {local-lvm: 2.5, ceph: 1}}",
+            &["--storage-overcommit=ceph=1,local-lvm=2.5"],
         ),
     ];
     for (extra, want) in cases {

@@ -29,5 +29,6 @@ mod resume;
 mod secrets;
 mod startup;
 mod state_copy;
+mod storage_guard;
 mod timeline;
 mod tls;

@@ -7,12 +7,13 @@
 //!
 //! ```text
 //!                       PveSubstrate (this file: the Substrate impl)
-//!      preflight   replica   clone ----------------.     guest
-//!          |          |        |        \           \      |
-//!          |          |        |       late          \     |
-//!          |          |        |      /    \          |    |
-//!      placement    slots   inventory      vmid       |    |
-//!          \__________|________|____________|_________|____/
+//!                 plan --------.------------.
+//!      preflight   replica    clone ------------------.     guest
+//!          |          |  \      |        \             \      |
+//!          |          |  storage_guard   late           \     |
+//!          |          |        |  \     /    \           |    |
+//!      placement    slots   inventory      vmid         |    |
+//!          \__________|________|____________|___________|____/
 //!                     api  (the one door to PVE: client, retries, VM primitives)
 //! ```
 //!
@@ -24,17 +25,21 @@
 //!   in progress.
 //! - `slots`: clone slots per (node, storage).
 //! - `placement`: clone mode, target storage, template layouts, node
-//!   storages, storage room reservations, the start-up placement check.
+//!   storages, what a full clone's disks need, the start-up placement check.
+//! - `storage_guard`: claims of full clones on their storages, checked
+//!   against each storage's free space (admission, clone step, staging).
 //! - `late`: clones given up as not applied that land late.
 //! - `clone`: cloning and marking one machine's VM.
 //! - `replica`: per-node template replicas.
+//! - `plan`: where a Create clones from (template or replica) and the
+//!   storage claim it makes first, at admission and at the clone step.
 //! - `node_memory`: the node memory guard's reads (a node's memory and VMs).
 //! - `guest`: the guest agent: blob delivery, bootstrap, readiness, drain.
 //! - `preflight`: the start-up check.
 //! - `marker`, `options`: the marker policy and the options (no state).
 //!
-//! This file composes them: the lifecycle steps, the Create's plan (template
-//! or replica, storage room), and the per-machine Create lock.
+//! This file composes them: the lifecycle steps, the admission (memory,
+//! then storage), and the per-machine Create lock.
 //!
 //! Cost model (API calls per operation, independent of cluster size):
 //! Create = 2 reads for the node memory guard at admission (`/nodes` and
@@ -43,7 +48,7 @@
 //! `/nodes/{node}/qemu` per live node listing VMs too new to be sampled) +
 //! 1 `nextid` + clone + task polls + 1 config PUT +
 //! start + task polls + agent pings, + 1 storage status read per full clone
-//! (the storage room check). The first Create per template also reads the
+//! (the storage guard, at admission; the clone step reuses its claim). The first Create per template also reads the
 //! template's config once (disk storages and sizes), the first cross-node
 //! one the template node's storage list (shared or local); a Create served
 //! by a per-node replica reads the template's config each time (its digest
@@ -76,11 +81,12 @@ use std::time::Duration;
 use async_trait::async_trait;
 use parking_lot::Mutex;
 use providerkit::ErrorKind;
-use pve::{ClusterVm, PveClient, PveError, VmStatus};
+use pve::{ClusterVm, PveClient, VmStatus};
 use tokio::sync::Mutex as AsyncMutex;
 use tokio::time::Instant;
 
-use crate::memory::{MemoryClaim, MemoryRoom, NoRoom};
+use crate::capacity::{Admitted, Refusal, StorageSpace};
+use crate::memory::MemoryRoom;
 use crate::substrate::{CloneRequest, ManagedVm, Substrate, SubstrateError, VmRef};
 use api::{err_at, Api, Probe};
 use clone::{Cloner, ClonerParts};
@@ -89,12 +95,14 @@ use inventory::Inventory;
 use late::LateClones;
 use marker::TagPolicy;
 use node_memory::NodeMemory;
-use placement::{Placement, StorageRoom};
+use placement::Placement;
+use plan::Planner;
 use preflight::Preflight;
 use replica::Replicas;
 use restart::InterruptedClones;
 use sizing::Inherited;
 use slots::CloneSlots;
+use storage_guard::StorageGuard;
 use vmid::Vmids;
 
 mod api;
@@ -106,11 +114,13 @@ mod marker;
 mod node_memory;
 mod options;
 mod placement;
+mod plan;
 mod preflight;
 mod replica;
 mod restart;
 mod sizing;
 mod slots;
+mod storage_guard;
 mod task_watch;
 mod vmid;
 
@@ -119,8 +129,8 @@ pub use marker::{
     MANAGED_TAG,
 };
 pub use options::{
-    parse_node_storage, parse_vmid_range, CloneMode, PveOptions, TypeDisk, DEFAULT_DRAIN_COMMAND,
-    DEFAULT_HOSTNAME_COMMAND, NODE_NAME_ENV,
+    parse_node_storage, parse_storage_overcommit, parse_vmid_range, CloneMode, PveOptions,
+    TypeDisk, DEFAULT_DRAIN_COMMAND, DEFAULT_HOSTNAME_COMMAND, NODE_NAME_ENV,
 };
 pub use replica::{parse_replica_marker, replica_description, REPLICA_TAG};
 
@@ -134,20 +144,13 @@ pub struct PveSubstrate {
     placement: Arc<Placement>,
     tags: Arc<TagPolicy>,
     late: Arc<LateClones>,
-    cloner: Cloner,
-    replicas: Replicas,
+    cloner: Arc<Cloner>,
+    planner: Planner,
     guest: Guest,
     restart: InterruptedClones,
     memory: NodeMemory,
     /// One Create per machine id at a time.
     creating: Mutex<HashMap<String, Arc<AsyncMutex<()>>>>,
-}
-
-/// Where one Create clones from. Holds the storage room it reserved until dropped.
-struct ClonePlan<'a> {
-    source_vmid: u32,
-    source_node: String,
-    _room: Vec<StorageRoom<'a>>,
 }
 
 impl PveSubstrate {
@@ -158,13 +161,18 @@ impl PveSubstrate {
         let inventory = Arc::new(Inventory::new(Arc::clone(&api)));
         let slots = Arc::new(CloneSlots::new(opts.max_parallel_clones));
         let placement = Arc::new(Placement::new(Arc::clone(&api), Arc::clone(&opts)));
+        let storage = Arc::new(StorageGuard::new(
+            Arc::clone(&api),
+            Arc::clone(&opts),
+            Arc::clone(&inventory),
+        ));
         let tags = Arc::new(TagPolicy::default());
         let late = Arc::new(LateClones::new(
             Arc::clone(&api),
             Arc::clone(&vmids),
             Arc::clone(&inventory),
         ));
-        let cloner = Cloner::new(ClonerParts {
+        let cloner = Arc::new(Cloner::new(ClonerParts {
             api: Arc::clone(&api),
             opts: Arc::clone(&opts),
             vmids: Arc::clone(&vmids),
@@ -173,15 +181,24 @@ impl PveSubstrate {
             placement: Arc::clone(&placement),
             late: Arc::clone(&late),
             tags: Arc::clone(&tags),
-        });
+        }));
         let replicas = Replicas::new(
             Arc::clone(&api),
             Arc::clone(&opts),
             Arc::clone(&vmids),
             slots,
             Arc::clone(&placement),
+            Arc::clone(&storage),
             Arc::clone(&tags),
         );
+        let planner = Planner {
+            opts: Arc::clone(&opts),
+            inventory: Arc::clone(&inventory),
+            placement: Arc::clone(&placement),
+            storage,
+            replicas,
+            cloner: Arc::clone(&cloner),
+        };
         let guest = Guest::new(Arc::clone(&api), Arc::clone(&opts));
         let restart = InterruptedClones::new(Arc::clone(&api));
         let memory = NodeMemory::new(
@@ -198,7 +215,7 @@ impl PveSubstrate {
             tags,
             late,
             cloner,
-            replicas,
+            planner,
             guest,
             restart,
             memory,
@@ -419,129 +436,27 @@ impl PveSubstrate {
         }
         Ok((None, list))
     }
-
-    /// Decides the clone's source (the template, or its replica on the
-    /// target node) and, for a full clone, checks and reserves the room its
-    /// disks need.
-    async fn plan_clone(
-        &self,
-        req: &CloneRequest,
-        template_node: &str,
-        list: &[ClusterVm],
-        deadline: Instant,
-    ) -> Result<ClonePlan<'_>, SubstrateError> {
-        let layout = self
-            .placement
-            .layout(req.template_vmid, template_node, None, deadline)
-            .await?;
-        let (full, storage) = self.placement.clone_options(req);
-        // A clone to another node needs the template's disks on shared
-        // storage, and a `storage` given with `target` must be shared too
-        // (qemu-server clone_vm: "can't clone to non-shared storage"): a
-        // node's own storage is reached through a copy of the template on
-        // the node, cloned locally.
-        let replica = self.opts.template_replicas
-            && req.node != template_node
-            && (!layout.shared(
-                &*self
-                    .placement
-                    .node_storages(template_node, deadline)
-                    .await?,
-            ) || self
-                .placement
-                .needs_local_source(&req.node, template_node, storage.as_deref(), deadline)
-                .await?);
-        let (source_vmid, source_node, layout) = if replica {
-            let (vmid, layout) = self
-                .replicas
-                .for_create(req, template_node, list, deadline)
-                .await?;
-            (vmid, req.node.clone(), layout)
-        } else {
-            (req.template_vmid, template_node.to_string(), layout)
-        };
-        let mut room = Vec::new();
-        if full {
-            // A replica's disks are on the node's storage (or the template's ids).
-            let node_storage = self.opts.node_storage.get(&req.node).cloned();
-            let grown = self
-                .opts
-                .type_disk
-                .get(&req.instance_type)
-                .map(TypeDisk::bytes);
-            let needs = layout.needs(
-                |s| {
-                    storage
-                        .clone()
-                        .or_else(|| replica.then(|| node_storage.clone()).flatten())
-                        .unwrap_or_else(|| s.to_string())
-                },
-                grown,
-            );
-            let what = format!("the full clone of template {}", req.template_vmid);
-            // The clone worker allocates on the node it runs on: the source's
-            // (a clone to another node is on shared storage, the same pool
-            // from every node).
-            for (st, bytes) in needs {
-                if let Some(g) = self
-                    .placement
-                    .reserve_room(&source_node, &st, bytes, &what, deadline)
-                    .await?
-                {
-                    room.push(g);
-                }
-            }
-        }
-        Ok(ClonePlan {
-            source_vmid,
-            source_node,
-            _room: room,
-        })
-    }
-
-    /// Plans the clone and clones: from the template, or from its replica on
-    /// the target node. A replica that vanished since it was last seen
-    /// (destroyed out of band) is forgotten and staged again, once.
-    async fn clone_planned(
-        &self,
-        req: &CloneRequest,
-        template_node: &str,
-        list: &[ClusterVm],
-        name: &str,
-        deadline: Instant,
-    ) -> Result<VmRef, SubstrateError> {
-        let mut again = true;
-        loop {
-            let plan = self.plan_clone(req, template_node, list, deadline).await?;
-            let source = CloneRequest {
-                template_vmid: plan.source_vmid,
-                ..req.clone()
-            };
-            let out = self
-                .cloner
-                .clone_new(&source, &plan.source_node, name, deadline)
-                .await;
-            match out {
-                Err(e)
-                    if again
-                        && plan.source_vmid != req.template_vmid
-                        && PveError::find_in(&e)
-                            .is_some_and(|p| p.is_vm_config_missing(plan.source_vmid)) =>
-                {
-                    tracing::warn!(replica = plan.source_vmid, node = %req.node, "the template replica is gone; staging it again");
-                    self.replicas.forget(plan.source_vmid);
-                    again = false;
-                }
-                out => return out,
-            }
-        }
-    }
 }
 
 #[async_trait]
 impl Substrate for PveSubstrate {
-    async fn admit(&self, req: &CloneRequest) -> Result<Option<MemoryClaim>, NoRoom> {
-        self.memory.admit(req).await
+    async fn admit(&self, req: &CloneRequest) -> Result<Admitted, Refusal> {
+        let mut held = Admitted::default();
+        if let Some(memory) = self.memory.admit(req).await? {
+            held.hold(memory);
+        }
+        if let Some(space) = self.planner.admit_space(req).await? {
+            held.hold(space);
+        }
+        Ok(held)
+    }
+
+    fn storage_spaces(&self) -> Vec<StorageSpace> {
+        self.planner.spaces()
+    }
+
+    async fn observe_storage(&self, nodes: &[String]) -> Vec<StorageSpace> {
+        self.planner.observe(nodes).await
     }
 
     fn memory_rooms(&self) -> Vec<MemoryRoom> {
@@ -653,6 +568,7 @@ impl Substrate for PveSubstrate {
         }
         // From the template itself, or its replica on the target node.
         let vm = self
+            .planner
             .clone_planned(req, &template_node, &list, &name, deadline)
             .await?;
         tracing::info!(machine_id = %req.machine_id, vm = %vm, "clone done");

@@ -36,7 +36,7 @@ use crate::substrate::{CloneRequest, SubstrateError};
 /// Create RPC (or the start) waits for it, so a node slow to answer is
 /// admitted unchecked (its clone checks again) rather than held up for the
 /// whole retry window.
-const QUICK_READ: Duration = Duration::from_secs(10);
+pub(super) const QUICK_READ: Duration = Duration::from_secs(10);
 
 /// PVE's default `memory` (MiB), what a VM without the option has.
 const PVE_DEFAULT_MEMORY_MIB: u64 = 512;

@@ -127,6 +127,11 @@ pub struct PveOptions {
     /// memory of what runs or is about to run there, the Creates in flight
     /// and its own would pass it. 0 turns the guard off.
     pub node_memory_limit: f64,
+    /// The storage guard's factor per storage id (`--storage-overcommit`):
+    /// a full clone is admitted while what the provider's clones in flight
+    /// there need stays within `avail x factor`. 1 when not set; more for
+    /// a thin pool that overcommits on purpose.
+    pub storage_overcommit: BTreeMap<String, f64>,
 }
 
 /// An instance type's boot disk size.
@@ -170,6 +175,7 @@ impl Default for PveOptions {
             type_disk: BTreeMap::new(),
             node_storage: BTreeMap::new(),
             node_memory_limit: 1.0,
+            storage_overcommit: BTreeMap::new(),
         }
     }
 }
@@ -229,6 +235,44 @@ impl PveOptions {
     }
 }
 
+/// Whether `id` is a PVE storage id: a letter, then letters, digits, '-',
+/// '_', '.'.
+fn storage_id(id: &str) -> bool {
+    id.starts_with(|c: char| c.is_ascii_alphabetic())
+        && id
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
+}
+
+/// Parses `--storage-overcommit STORAGE=FACTOR,...` (a factor above 0,
+/// e.g. `local-lvm=2.5`), naming the problem on bad input.
+pub fn parse_storage_overcommit(s: &str) -> Result<BTreeMap<String, f64>, ConfigError> {
+    let mut out = BTreeMap::new();
+    for pair in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        let bad = |why: &str| {
+            ConfigError::Invalid(format!(
+                "--storage-overcommit {pair:?} is invalid: {why} (expected STORAGE=FACTOR,..., \
+                 a factor above 0, e.g. local-lvm=2.5 lets full clones there take 2.5 x its free space)"
+            ))
+        };
+        let (storage, factor) = pair.split_once('=').ok_or_else(|| bad("no '='"))?;
+        let (storage, factor) = (storage.trim(), factor.trim());
+        if !storage_id(storage) {
+            return Err(bad(&format!("{storage:?} is not a PVE storage id")));
+        }
+        let factor: f64 = factor
+            .parse()
+            .map_err(|_| bad(&format!("{factor:?} is not a number")))?;
+        if !factor.is_finite() || factor <= 0.0 {
+            return Err(bad(&format!("{factor} is not above 0")));
+        }
+        if out.insert(storage.to_string(), factor).is_some() {
+            return Err(bad(&format!("storage {storage} is named twice")));
+        }
+    }
+    Ok(out)
+}
+
 /// Parses `--node-storage node=storage,node=storage`.
 pub fn parse_node_storage(s: &str) -> Result<BTreeMap<String, String>, ConfigError> {
     let mut out = BTreeMap::new();
@@ -241,12 +285,7 @@ pub fn parse_node_storage(s: &str) -> Result<BTreeMap<String, String>, ConfigErr
         if node.is_empty() || storage.is_empty() {
             return Err(bad("empty node or storage"));
         }
-        // PVE storage ids: a letter, then letters, digits, '-', '_', '.'.
-        let valid = storage.starts_with(|c: char| c.is_ascii_alphabetic())
-            && storage
-                .chars()
-                .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c));
-        if !valid {
+        if !storage_id(storage) {
             return Err(bad(&format!("{storage:?} is not a PVE storage id")));
         }
         if out.insert(node.to_string(), storage.to_string()).is_some() {
@@ -328,6 +367,24 @@ mod tests {
         for bad in ["pve1", "pve1=", "=x", "pve1=9bad", "a=x,a=y"] {
             let e = parse_node_storage(bad).unwrap_err().to_string();
             assert!(e.contains("--node-storage"), "{bad}: {e}");
+        }
+        let o = parse_storage_overcommit("local-lvm=2.5, ceph=1").unwrap();
+        assert_eq!(o.get("local-lvm"), Some(&2.5));
+        assert!(parse_storage_overcommit("").unwrap().is_empty());
+        for (bad, why) in [
+            ("local-lvm", "no '='"),
+            ("local-lvm=0", "not above 0"),
+            ("local-lvm=-1", "not above 0"),
+            ("local-lvm=inf", "not above 0"),
+            ("local-lvm=x", "not a number"),
+            ("9x=2", "not a PVE storage id"),
+            ("a=2,a=3", "named twice"),
+        ] {
+            let e = parse_storage_overcommit(bad).unwrap_err().to_string();
+            assert!(
+                e.contains("--storage-overcommit") && e.contains(why),
+                "{bad}: {e}"
+            );
         }
         let linked = PveOptions {
             clone_mode: CloneMode::Linked,

@@ -1,10 +1,9 @@
 //! Where a clone comes from and where its disks go: the clone mode, the
 //! target storage (instance type, then node), whether the template's disks
-//! can reach the target node or a per-node replica is needed, the room check
-//! before cloning, and the start-up check of all of it.
+//! can reach the target node or a per-node replica is needed, what a full
+//! clone's disks need per storage, and the start-up check of all of it.
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use parking_lot::Mutex;
@@ -31,12 +30,6 @@ pub(super) struct Placement {
     /// Node -> its storages by id (type, shared flag), read once per node
     /// when a decision needs them.
     storages: Mutex<HashMap<String, Arc<OnceCell<Arc<NodeStorages>>>>>,
-    /// Bytes of full clones in flight per (node, storage): allocated by
-    /// PVE only once each clone worker runs, so not yet in `used`.
-    reserved: Mutex<HashMap<(String, String), u64>>,
-    /// The token may not read storage status (no `Datastore.Audit` or
-    /// `Datastore.AllocateSpace` there): room checks are skipped.
-    status_refused: AtomicBool,
     /// Template vmid -> clone-slot storage key of its disks, read once per
     /// template (failed reads are not cached).
     storage_keys: Mutex<HashMap<u32, Arc<OnceCell<String>>>>,
@@ -116,27 +109,6 @@ impl Layout {
     }
 }
 
-/// Bytes reserved on one (node, storage) for a clone in flight.
-pub(super) struct StorageRoom<'a> {
-    state: &'a Placement,
-    key: (String, String),
-    bytes: u64,
-}
-
-impl Drop for StorageRoom<'_> {
-    fn drop(&mut self) {
-        let mut r = self.state.reserved.lock();
-        if let Some(v) = r.get_mut(&self.key) {
-            *v = v.saturating_sub(self.bytes);
-        }
-    }
-}
-
-/// `12.5 GiB`.
-pub(super) fn gib(bytes: u64) -> String {
-    format!("{:.1} GiB", bytes as f64 / f64::from(1u32 << 30))
-}
-
 impl Placement {
     pub(super) fn new(api: Arc<Api>, opts: Arc<PveOptions>) -> Placement {
         Placement {
@@ -144,8 +116,6 @@ impl Placement {
             opts,
             layouts: Mutex::default(),
             storages: Mutex::default(),
-            reserved: Mutex::default(),
-            status_refused: AtomicBool::new(false),
             storage_keys: Mutex::default(),
         }
     }
@@ -330,95 +300,6 @@ impl Placement {
         })
         .await
         .cloned()
-    }
-
-    /// Checks that `bytes` fit on `storage` of `node` beside the clones in
-    /// flight, and reserves them. `None` when the token may not read the
-    /// storage's status (checked by PVE at allocation then).
-    pub(super) async fn reserve_room(
-        &self,
-        node: &str,
-        storage: &str,
-        bytes: u64,
-        what: &str,
-        deadline: Instant,
-    ) -> Result<Option<StorageRoom<'_>>, SubstrateError> {
-        if bytes == 0 || self.status_refused.load(Ordering::Relaxed) {
-            return Ok(None);
-        }
-        let st = match self.api.retry_raw(Some(node), deadline, |pve| pve.storage_status(node, storage)).await {
-            Ok(st) => st,
-            Err(e) if e.is_forbidden() => {
-                if !self.status_refused.swap(true, Ordering::Relaxed) {
-                    tracing::warn!(node, storage, error = %e,
-                        "the API token may not read storage status; room is not checked before cloning \
-                         (grant Datastore.AllocateSpace or Datastore.Audit on /storage/<id>)");
-                }
-                return Ok(None);
-            }
-            Err(e) if e.is_storage_missing() => {
-                return Err(SubstrateError::caused_by(
-                    ErrorKind::Permanent,
-                    format!(
-                        "storage {storage} does not exist on node {node} (or the API token may not use it): \
-                         fix --node-storage or the instance type's `storage`"
-                    ),
-                    e,
-                ))
-            }
-            Err(e) => {
-                return Err(err_at(
-                    format!("reading the free space of storage {storage} on node {node}"),
-                    Some(node),
-                    &e,
-                ))
-            }
-        };
-        // pve-storage reports a storage it could not use on this node with
-        // `enabled` or `active` 0 and every size 0: that is no answer about
-        // room, and cloning there fails whatever the size.
-        if st.enabled == Some(false) {
-            return Err(SubstrateError::new(format!(
-                "storage {storage} is disabled on node {node} (storage.cfg leaves the node out of its `nodes`, \
-                or disables it): enable it for node {node} (Datacenter > Storage), or point the instance \
-                type (catalog `storage`) or the node (--node-storage) at a storage enabled there"
-            )));
-        }
-        if st.active == Some(false) {
-            return Err(SubstrateError::with_kind(
-                ErrorKind::Transient,
-                format!(
-                    "storage {storage} is not active on node {node} (PVE could not activate it: its server \
-                    or device is out of reach; `pvesm status` on {node} says why); a Create succeeds again once it is back"
-                ),
-            ));
-        }
-        let Some(avail) = st.avail else {
-            return Ok(None);
-        };
-        let key = (node.to_string(), storage.to_string());
-        let mut reserved = self.reserved.lock();
-        let held = reserved.get(&key).copied().unwrap_or(0);
-        if bytes.saturating_add(held) > avail {
-            let in_flight = if held > 0 {
-                format!(" ({} of it held by clones in progress)", gib(held))
-            } else {
-                String::new()
-            };
-            return Err(SubstrateError::new(format!(
-                "not enough room on storage {storage} of node {node}: {what} needs {} and {} is free{in_flight}. \
-                 Free space there, or point the instance type (catalog `storage`) or the node \
-                 (--node-storage) at a storage with room",
-                gib(bytes),
-                gib(avail.saturating_sub(held)),
-            )));
-        }
-        *reserved.entry(key.clone()).or_default() += bytes;
-        Ok(Some(StorageRoom {
-            state: self,
-            key,
-            bytes,
-        }))
     }
 
     /// Start-up check of clone mode, storages and replicas against the

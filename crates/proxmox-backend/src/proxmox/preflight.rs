@@ -282,7 +282,7 @@ fn check_disk_sizes(
                  ({key}, {}), and PVE cannot shrink a disk: set disk_gib to at least {} or leave it out",
                 disk.gib,
                 disk.template_vmid,
-                super::placement::gib(bytes),
+                crate::capacity::gib(bytes),
                 bytes.div_ceil(1 << 30)
             )));
         }

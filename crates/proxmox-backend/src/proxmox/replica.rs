@@ -10,7 +10,7 @@
 //! they look, are never touched. Stagings of one (template, node) are
 //! single-flight: concurrent Creates share one, and its outcome.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
@@ -24,6 +24,7 @@ use super::marker::TagPolicy;
 use super::options::PveOptions;
 use super::placement::{Layout, Placement};
 use super::slots::CloneSlots;
+use super::storage_guard::{SpaceRequest, StorageGuard};
 use super::vmid::{VmidHold, Vmids};
 use crate::substrate::{CloneRequest, SubstrateError, VmRef};
 
@@ -109,6 +110,7 @@ pub(super) struct Replicas {
     vmids: Arc<Vmids>,
     slots: Arc<CloneSlots>,
     placement: Arc<Placement>,
+    storage: Arc<StorageGuard>,
     tags: Arc<TagPolicy>,
     flights: Mutex<HashMap<(u32, String), Arc<Flight>>>,
     /// Replicas (ours, by marker) by VMID; VMIDs read and found not ours
@@ -162,6 +164,7 @@ impl Replicas {
         vmids: Arc<Vmids>,
         slots: Arc<CloneSlots>,
         placement: Arc<Placement>,
+        storage: Arc<StorageGuard>,
         tags: Arc<TagPolicy>,
     ) -> Replicas {
         Replicas {
@@ -170,6 +173,7 @@ impl Replicas {
             vmids,
             slots,
             placement,
+            storage,
             tags,
             flights: Mutex::default(),
             known: Mutex::default(),
@@ -420,24 +424,38 @@ impl Replicas {
         } else {
             self.opts.node_storage.get(node).cloned()
         };
-        let what = format!("a copy of template {source}");
-        let mut room = Vec::new();
+        // The clone lands on the template's storage first, then (local
+        // disks) on the node's storage, or the same id, there.
+        let mut at_template: BTreeMap<String, u64> = BTreeMap::new();
+        let mut at_node: BTreeMap<String, u64> = BTreeMap::new();
         for (s, bytes) in &layout.disks {
-            // The clone lands on the template's storage first, then (local
-            // disks) on the node's storage, or the same id, there.
-            let to = target_storage.clone().unwrap_or_else(|| s.clone());
-            let mut places = vec![(template_node, s.as_str())];
+            *at_template.entry(s.clone()).or_default() += bytes;
             if !shared {
-                places.push((node, to.as_str()));
+                let to = target_storage.clone().unwrap_or_else(|| s.clone());
+                *at_node.entry(to).or_default() += bytes;
             }
-            for (n, st) in places {
-                let g = self
-                    .placement
-                    .reserve_room(n, st, *bytes, &what, deadline)
-                    .await
-                    .map_err(|e| e.context(context(Step::Room, 0)))?;
-                room.extend(g);
+        }
+        let mut room = Vec::new();
+        for (n, needs) in [(template_node, &at_template), (node, &at_node)] {
+            if needs.is_empty() {
+                continue;
             }
+            // Each side is a claim of its own: one holder per side.
+            let holder = format!("replica of template {source} for node {node}, on node {n}");
+            let claim = self
+                .storage
+                .claim(
+                    &SpaceRequest {
+                        holder: &holder,
+                        node: n,
+                        needs,
+                        what: format!("a copy of template {source} for node {node}"),
+                    },
+                    deadline,
+                )
+                .await
+                .map_err(|e| e.into_substrate().context(context(Step::Room, 0)))?;
+            room.extend(claim);
         }
         tracing::info!(
             template = source,

@@ -22,6 +22,7 @@ mod proxmox_sim;
 mod pve_fidelity;
 mod resumed_create;
 mod stale_lock;
+mod storage_guard;
 mod task_cost;
 mod templates;
 mod transition_detail;

@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use providerkit::{Admission, AdmitCtx, Backend, BackendError, CreateCtx, ErrorKind};
 use proxmox_backend::backend::ProxmoxBackend;
+use proxmox_backend::capacity::Refusal;
 use proxmox_backend::catalog::{expand_slots, InstanceType, Offering, Pricing};
 use proxmox_backend::memory::NoRoom;
 use proxmox_backend::proxmox::{PveOptions, PveSubstrate};
@@ -138,9 +139,10 @@ fn foreign_vm(sim: &PveSim, vmid: u32, running: bool) {
 }
 
 fn refusal(e: &BackendError) -> &NoRoom {
-    std::error::Error::source(e)
-        .and_then(|s| s.downcast_ref::<NoRoom>())
-        .unwrap_or_else(|| panic!("refused for room: {e:?}"))
+    match std::error::Error::source(e).and_then(|s| s.downcast_ref::<Refusal>()) {
+        Some(Refusal::Memory(no_room)) => no_room,
+        _ => panic!("refused for memory: {e:?}"),
+    }
 }
 
 #[tokio::test]

@@ -278,9 +278,11 @@ async fn a_storage_without_room_fails_fast_naming_both_sizes() {
     let e = sub.clone_vm(&req("pve1", 0)).await.expect_err("no room");
     assert_eq!(
         e.to_string(),
-        "not enough room on storage small of node pve1: the full clone of template 9000 needs \
-         32.0 GiB and 10.0 GiB is free. Free space there, or point the instance type (catalog \
-         `storage`) or the node (--node-storage) at a storage with room"
+        "the storage guard refused the clone: storage small of node pve1 has no room for the \
+         full clone of template 9000 for machine p/OnDemand/pve.small/pve1/000 (instance type \
+         pve.small): it needs 32.0 GiB and 10.0 GiB is free. Create the machine on another \
+         node, free space on the storage, or point the instance type (catalog `storage`) or the \
+         node (--node-storage) at a storage with room"
     );
     assert_eq!(sim.call_count(endpoints::CLONE), 0, "failed before cloning");
 

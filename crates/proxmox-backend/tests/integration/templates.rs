@@ -378,10 +378,15 @@ async fn the_room_check_counts_the_grown_disk() {
         .expect_err("no room for a fourth");
     let msg = format!("{e:#}");
     assert!(
-        msg.contains("not enough room on storage local-lvm of node pve1"),
+        msg.contains(
+            "storage local-lvm of node pve1 has no room for the full clone of template 9000"
+        ),
         "{msg}"
     );
-    assert!(msg.contains("needs 64.0 GiB and 40.0 GiB is free"), "{msg}");
+    assert!(
+        msg.contains("it needs 64.0 GiB and 40.0 GiB is free"),
+        "{msg}"
+    );
     assert_eq!(sim.call_count(endpoints::CLONE), before, "nothing cloned");
     for (id, vm) in made {
         sub.delete_vm(&vm, &id).await.expect("delete");

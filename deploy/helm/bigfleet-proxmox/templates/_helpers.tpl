@@ -109,6 +109,17 @@ every upgrade).
 {{- end -}}
 
 {{/*
+proxmox.storageOvercommit as --storage-overcommit's STORAGE=FACTOR,... value,
+in storage-id order (a stable pod template across upgrades).
+*/}}
+{{- define "bigfleet-proxmox.storageOvercommit" -}}
+{{- $factors := .Values.proxmox.storageOvercommit -}}
+{{- range $i, $storage := keys $factors | sortAlpha -}}
+{{- if $i }},{{ end }}{{ $storage }}={{ index $factors $storage }}
+{{- end -}}
+{{- end -}}
+
+{{/*
 Checksum of a Secret the chart mounts but does not create: its name, the key
 and, when helm can read the Secret (install and upgrade; not `helm template`),
 the key's data. Called with (dict "namespace" .. "name" .. "key" ..).
