@@ -18,6 +18,10 @@
 #                         empty = skip)
 #   --sdn-zone NAME       BIGFLEET_PVE_SDN_ZONE   default: per bridge, the SDN
 #                         VNet's own zone, else localnetwork (pvesh)
+#   --pci-mapping LIST    BIGFLEET_PVE_PCI_MAPPINGS default none (comma list of
+#                         the PCI resource mappings instance types' `pci`
+#                         names: VM.Config.HWType joins the role, and
+#                         PVEMappingUser is granted on each; PVE 8 or newer)
 #   --pve-major N         BIGFLEET_PVE_MAJOR      default: read from pveversion
 #   --secret-file PATH    BIGFLEET_SECRET_FILE    also write the secret here (mode 0600)
 #   --rotate-token                                delete and re-create an existing token
@@ -34,6 +38,7 @@ TEMPLATES=${BIGFLEET_TEMPLATE_VMIDS:-9000}
 STORAGES=${BIGFLEET_PVE_STORAGES:-local-lvm}
 BRIDGES=${BIGFLEET_PVE_BRIDGES-vmbr0}
 SDN_ZONE=${BIGFLEET_PVE_SDN_ZONE:-}
+PCI_MAPPINGS=${BIGFLEET_PVE_PCI_MAPPINGS:-}
 PVE_MAJOR=${BIGFLEET_PVE_MAJOR:-}
 SECRET_FILE=${BIGFLEET_SECRET_FILE:-}
 ROTATE=0
@@ -61,6 +66,7 @@ while [[ $# -gt 0 ]]; do
         --storage) need_value "$@"; STORAGES=$2; shift 2 ;;
         --bridge) [[ $# -ge 2 ]] || die "--bridge needs a value"; BRIDGES=$2; shift 2 ;;
         --sdn-zone) need_value "$@"; SDN_ZONE=$2; shift 2 ;;
+        --pci-mapping) need_value "$@"; PCI_MAPPINGS=$2; shift 2 ;;
         --pve-major) need_value "$@"; PVE_MAJOR=$2; shift 2 ;;
         --secret-file) need_value "$@"; SECRET_FILE=$2; shift 2 ;;
         --rotate-token) ROTATE=1; shift ;;
@@ -84,6 +90,13 @@ bridge_ids=()
 if [[ -n $BRIDGES ]]; then
     IFS=, read -r -a bridge_ids <<<"$BRIDGES"
 fi
+pci_ids=()
+if [[ -n $PCI_MAPPINGS ]]; then
+    IFS=, read -r -a pci_ids <<<"$PCI_MAPPINGS"
+fi
+for m in "${pci_ids[@]}"; do
+    [[ $m =~ ^[A-Za-z][A-Za-z0-9_-]*$ ]] || die "--pci-mapping: '$m' is not a resource mapping id"
+done
 
 command -v pveum >/dev/null 2>&1 || die "pveum not found: run this on a Proxmox VE node"
 
@@ -122,8 +135,14 @@ if [[ $PVE_MAJOR -ge 9 ]]; then
 else
     privs+=(VM.Monitor) # every agent/* call
 fi
-# Not granted: VM.Config.Network/HWType/Cloudinit (clones keep the
-# template's hardware), Sys.Console (a template with the host's CD-ROM drive
+# Instance types with mapped PCI devices (GPUs): the clone's hostpciN entries
+# (qemu-server check_hostpci_perm). Resource mappings exist from PVE 8.
+if [[ ${#pci_ids[@]} -gt 0 ]]; then
+    [[ $PVE_MAJOR -ge 8 ]] || die "--pci-mapping needs Proxmox VE 8 or newer (cluster resource mappings)"
+    privs+=(VM.Config.HWType) # set a clone's hostpciN: mapping=<name> (an instance type's pci)
+fi
+# Not granted: VM.Config.Network/Cloudinit, nor HWType without --pci-mapping
+# (clones keep the template's hardware), Sys.Console (a template with the host's CD-ROM drive
 # is refused at start-up instead), Datastore.Audit (the storage status and lists read for
 # room checks and replicas need only Datastore.AllocateSpace), Sys.*,
 # Pool.Allocate, Permissions.Modify.
@@ -201,6 +220,11 @@ done
 # GET /nodes status and the nodes' certificate fingerprints.
 step "ACL /nodes -> PVEAuditor"
 pveum_idempotent acl modify /nodes --users "$USER_ID" --roles PVEAuditor --propagate 1
+for m in "${pci_ids[@]}"; do
+    # Mapping.Use (and Mapping.Audit, to list it) on the mapping only.
+    step "ACL /mapping/pci/$m -> PVEMappingUser"
+    pveum_idempotent acl modify "/mapping/pci/$m" --users "$USER_ID" --roles PVEMappingUser --propagate 0
+done
 # The zone PVE checks a NIC on bridge $1 in (pve-guest-common
 # check_vnet_access): an SDN VNet's own zone, else localnetwork. Reading a
 # VNet that does not exist (a plain bridge) fails, as does the whole /cluster/sdn

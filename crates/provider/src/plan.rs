@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use providerkit::{AuxAddr, EngineOptions, Limits, Timeouts};
 use proxmox_backend::catalog::{self, InstanceType, Pricing, Slot};
-use proxmox_backend::proxmox::{PveOptions, TypeDisk};
+use proxmox_backend::proxmox::{PveOptions, TypeDevices, TypeDisk};
 
 use crate::config::{self, Args, BackendChoice};
 use crate::error::ConfigError;
@@ -427,6 +427,28 @@ fn pve_options(args: &Args, catalog: &Catalog) -> Result<PveOptions, ConfigError
                     };
                     (name.clone(), disk)
                 })
+            })
+            .collect(),
+        type_devices: catalog
+            .types
+            .iter()
+            .filter_map(|(name, t)| {
+                let pci = t.pci.as_ref()?;
+                let mut nodes: Vec<String> = catalog
+                    .slots
+                    .iter()
+                    .filter(|s| s.facts.instance_type == *name)
+                    .map(|s| s.facts.zone.clone())
+                    .collect();
+                nodes.sort();
+                nodes.dedup();
+                let devices = TypeDevices {
+                    mapping: pci.mapping.clone(),
+                    count: pci.count,
+                    pcie: pci.pcie,
+                    nodes,
+                };
+                Some((name.clone(), devices))
             })
             .collect(),
         // Retries of transient failures end before the engine's shortest

@@ -1,6 +1,6 @@
 //! What a Create's admission holds and why one is refused: the node memory
-//! guard's claim ([`crate::memory`]) and the storage guard's (a full clone's
-//! disks on their storage). Plain data, shared by the substrates, the
+//! guard's claim ([`crate::memory`]), the storage guard's (a full clone's
+//! disks on their storage) and the device guard's (mapped PCI devices). Plain data, shared by the substrates, the
 //! backend and the binary's metrics and Admin service.
 
 use crate::memory::NoRoom;
@@ -39,6 +39,40 @@ pub enum Refusal {
     /// A storage its full clone lands on has no room for its disks.
     #[error(transparent)]
     Storage(#[from] NoSpace),
+    /// Its node has not enough free devices of its type's PCI mapping.
+    #[error(transparent)]
+    Devices(#[from] NoDevices),
+}
+
+/// A Create whose node has too few free devices of its mapping.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "node {node} has no free device of PCI mapping {mapping} for machine {machine_id}: instance \
+     type {instance_type} needs {needed} and {} of the {total} mapped on the node are free \
+     ({held_by_vms} held by running VMs, {in_flight} by Creates in flight); create the machine on \
+     another node, or stop a VM that holds one",
+    self.free()
+)]
+pub struct NoDevices {
+    pub node: String,
+    pub mapping: String,
+    pub machine_id: String,
+    pub instance_type: String,
+    pub needed: u32,
+    /// Devices the mapping has on the node.
+    pub total: u32,
+    /// Held by VMs running there (anyone's).
+    pub held_by_vms: u32,
+    /// Claimed by the provider's Creates in flight there.
+    pub in_flight: u32,
+}
+
+impl NoDevices {
+    pub fn free(&self) -> u32 {
+        self.total
+            .saturating_sub(self.held_by_vms)
+            .saturating_sub(self.in_flight)
+    }
 }
 
 /// One storage as the storage guard last checked it.

@@ -32,6 +32,77 @@ pub struct InstanceType {
     /// shrink one); unset: the template's size.
     #[serde(default)]
     pub disk_gib: Option<u64>,
+    /// Mapped PCI devices (GPUs) each clone gets, from a cluster resource
+    /// mapping; unset: none beyond what the template has.
+    #[serde(default)]
+    pub pci: Option<TypePci>,
+}
+
+/// An instance type's mapped PCI devices: `count` entries `hostpciN:
+/// mapping=<mapping>` on each clone, reported as `count` of `resource`.
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TypePci {
+    /// The cluster resource mapping (Datacenter > Resource Mappings > PCI).
+    pub mapping: String,
+    /// Devices per clone.
+    #[serde(default = "one")]
+    pub count: u32,
+    /// The extended resource name `allocatable` and `resources` carry,
+    /// e.g. `nvidia.com/gpu`.
+    pub resource: String,
+    /// Passed as PCI Express (`pcie=1`; needs a q35 machine type on the
+    /// template).
+    #[serde(default)]
+    pub pcie: bool,
+}
+
+fn one() -> u32 {
+    1
+}
+
+/// The most `hostpciN` entries a VM has (qemu-server's `hostpci0` to
+/// `hostpci15`).
+pub const MAX_PCI_DEVICES: u32 = 16;
+
+impl TypePci {
+    /// Why this is not a usable device request, naming the fix.
+    fn invalid(&self) -> Option<String> {
+        let id = &self.mapping;
+        let id_ok = id.starts_with(|c: char| c.is_ascii_alphabetic())
+            && id
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || "-_".contains(c));
+        if !id_ok {
+            return Some(format!(
+                "pci.mapping {id:?} is not a resource mapping id (a letter, then letters, digits, \
+                 '-' or '_'; the name under Datacenter > Resource Mappings > PCI Devices)"
+            ));
+        }
+        if self.count == 0 || self.count > MAX_PCI_DEVICES {
+            return Some(format!(
+                "pci.count {} must be 1 to {MAX_PCI_DEVICES} (a VM has at most {MAX_PCI_DEVICES} \
+                 hostpci entries)",
+                self.count
+            ));
+        }
+        let r = &self.resource;
+        let (domain, name) = r.split_once('/').unwrap_or(("", r));
+        let part_ok = |p: &str| {
+            !p.is_empty()
+                && p.len() <= 63
+                && p.chars()
+                    .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
+                && p.starts_with(|c: char| c.is_ascii_alphanumeric())
+        };
+        if !domain.contains('.') || !part_ok(domain) || !part_ok(name) {
+            return Some(format!(
+                "pci.resource {r:?} is not an extended resource name (DOMAIN/NAME, e.g. \
+                 nvidia.com/gpu, as Kubernetes device plugins name them)"
+            ));
+        }
+        None
+    }
 }
 
 /// One offering: `count` slots of one type on one node.
@@ -74,6 +145,7 @@ pub fn builtin_instance_types(template_vmid: u32) -> BTreeMap<String, InstanceTy
                 storage: None,
                 balloon_mib: None,
                 disk_gib: None,
+                pci: None,
             },
         )
     })
@@ -125,6 +197,9 @@ pub fn load_instance_types(
                 "instance type {name}: disk_gib must be 1 to {MAX_DISK_GIB} (GiB); leave it out to keep \
                  the template's boot disk size"
             )));
+        }
+        if let Some(why) = t.pci.as_ref().and_then(TypePci::invalid) {
+            return Err(ConfigError::Invalid(format!("instance type {name}: {why}")));
         }
         if let Some(b) = t.balloon_mib.filter(|b| *b > t.memory_mib) {
             return Err(ConfigError::Invalid(format!(
@@ -252,6 +327,9 @@ pub fn allocatable(t: &InstanceType) -> HashMap<String, String> {
         // The boot disk's size; what the guest's root file system can grow
         // to (the template contract: it grows it at boot).
         out.insert("ephemeral-storage".to_string(), format!("{gib}Gi"));
+    }
+    if let Some(pci) = &t.pci {
+        out.insert(pci.resource.clone(), pci.count.to_string());
     }
     out
 }
@@ -502,6 +580,26 @@ mod tests {
                 r#"{"pve.x":{"vcpu":2,"memory_mib":1024,"disk_gib":0}}"#,
                 "disk_gib must be 1 to 65536",
             ),
+            (
+                r#"{"pve.x":{"vcpu":2,"memory_mib":1024,"pci":{"mapping":"9gpu","resource":"nvidia.com/gpu"}}}"#,
+                "pci.mapping \"9gpu\" is not a resource mapping id",
+            ),
+            (
+                r#"{"pve.x":{"vcpu":2,"memory_mib":1024,"pci":{"mapping":"a10","count":17,"resource":"nvidia.com/gpu"}}}"#,
+                "pci.count 17 must be 1 to 16",
+            ),
+            (
+                r#"{"pve.x":{"vcpu":2,"memory_mib":1024,"pci":{"mapping":"a10","count":0,"resource":"nvidia.com/gpu"}}}"#,
+                "pci.count 0 must be 1 to 16",
+            ),
+            (
+                r#"{"pve.x":{"vcpu":2,"memory_mib":1024,"pci":{"mapping":"a10","resource":"gpu"}}}"#,
+                "pci.resource \"gpu\" is not an extended resource name",
+            ),
+            (
+                r#"{"pve.x":{"vcpu":2,"memory_mib":1024,"pci":{"mapping":"a10"}}}"#,
+                "missing field `resource`",
+            ),
         ] {
             std::fs::write(&path, text).unwrap();
             let e = load_instance_types(&path, 9000).unwrap_err().to_string();
@@ -517,5 +615,14 @@ mod tests {
         assert_eq!(allocatable(t)["ephemeral-storage"], "64Gi");
         assert!(!allocatable(&builtin_instance_types(9000)["pve.small"])
             .contains_key("ephemeral-storage"));
+        std::fs::write(
+            &path,
+            r#"{"gpu.a10":{"vcpu":8,"memory_mib":32768,"pci":{"mapping":"a10","count":2,"resource":"nvidia.com/gpu"}}}"#,
+        )
+        .unwrap();
+        let t = &load_instance_types(&path, 9000).unwrap()["gpu.a10"];
+        let pci = t.pci.as_ref().expect("pci");
+        assert_eq!((pci.count, pci.pcie), (2, false));
+        assert_eq!(allocatable(t)["nvidia.com/gpu"], "2");
     }
 }

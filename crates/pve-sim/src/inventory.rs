@@ -298,7 +298,7 @@ impl Shared {
                     .strip_prefix(acl)
                     .is_some_and(|rest| rest.starts_with('/'))
         };
-        let base = default_privileges(self.cfg.pve9);
+        let base = crate::privileges::default_privileges(self.cfg.pve9);
         let mut names: Vec<String> = base.iter().map(|p| p.to_string()).collect();
         names.extend(self.cfg.granted_privileges.iter().map(|(_, p)| p.clone()));
         names.sort();
@@ -503,6 +503,18 @@ impl Shared {
         ))
     }
 
+    /// The QEMU process id of a running VM, as qemu-server's `vmstatus`
+    /// reports it: a new one each time the VM starts (made up from when).
+    fn qemu_pid(&self, vm: &Vm) -> Option<u32> {
+        if !vm.running {
+            return None;
+        }
+        let since = vm
+            .started_at
+            .map_or(0, |t| t.saturating_duration_since(self.started).as_micros());
+        Some(1000 + (since % 4_000_000_000) as u32 % 4_000_000 + vm.vmid % 1000)
+    }
+
     fn node_uptime(&self) -> u64 {
         86_400 + self.started.elapsed().as_secs()
     }
@@ -521,6 +533,9 @@ impl Shared {
                             o.remove(k);
                         }
                         o.insert("cpus".into(), json!(vm.vcpus()));
+                        if let Some(pid) = self.qemu_pid(vm) {
+                            o.insert("pid".into(), json!(pid));
+                        }
                         if !vm.template {
                             o.remove("template");
                         }
@@ -676,8 +691,10 @@ impl Shared {
         if let Some(t) = &vm.tags {
             v["tags"] = json!(t);
         }
+        if let Some(pid) = self.qemu_pid(vm) {
+            v["pid"] = json!(pid);
+        }
         if vm.running {
-            v["pid"] = json!(100_000 + vm.vmid);
             v["mem"] = json!(vm.memory_mib * 1024 * 1024 / 4);
             v["cpu"] = json!(0.01);
         }
@@ -748,70 +765,6 @@ pub fn comment_block(d: &str) -> String {
     lines[..keep].iter().map(|l| format!("{l}\n")).collect()
 }
 
-/// Privileges of PVE 8's Administrator role that matter to a VM lifecycle
-/// client, less `Sys.Modify`: a provider token does not hold it, so a
-/// restricted `user-tag-access` applies to it (grant it with
-/// [`crate::SimConfig::granted_privileges`]).
-const PRIVILEGES: &[&str] = &[
-    "Datastore.Allocate",
-    "Datastore.AllocateSpace",
-    "Datastore.AllocateTemplate",
-    "Datastore.Audit",
-    "Pool.Allocate",
-    "Pool.Audit",
-    "SDN.Allocate",
-    "SDN.Audit",
-    "SDN.Use",
-    "Sys.Audit",
-    "Sys.Console",
-    "Sys.PowerMgmt",
-    "Sys.Syslog",
-    "VM.Allocate",
-    "VM.Audit",
-    "VM.Backup",
-    "VM.Clone",
-    "VM.Config.CDROM",
-    "VM.Config.CPU",
-    "VM.Config.Cloudinit",
-    "VM.Config.Disk",
-    "VM.Config.HWType",
-    "VM.Config.Memory",
-    "VM.Config.Network",
-    "VM.Config.Options",
-    "VM.Console",
-    "VM.Migrate",
-    "VM.Monitor",
-    "VM.PowerMgmt",
-    "VM.Snapshot",
-    "VM.Snapshot.Rollback",
-];
-
-/// What PVE 9 renamed in [`PRIVILEGES`]: `VM.Monitor` is gone, the guest
-/// agent has its own privileges.
-const PVE9_DROPPED: &[&str] = &["VM.Monitor"];
-const PVE9_ADDED: &[&str] = &[
-    "VM.GuestAgent.Audit",
-    "VM.GuestAgent.FileRead",
-    "VM.GuestAgent.FileSystemMgmt",
-    "VM.GuestAgent.FileWrite",
-    "VM.GuestAgent.Unrestricted",
-];
-
-/// The default privileges on `/`: [`PRIVILEGES`], as PVE 9 names them when
-/// `pve9`; sorted.
-fn default_privileges(pve9: bool) -> Vec<&'static str> {
-    let mut names: Vec<&'static str> = PRIVILEGES
-        .iter()
-        .copied()
-        .filter(|p| !pve9 || !PVE9_DROPPED.contains(p))
-        .collect();
-    if pve9 {
-        names.extend_from_slice(PVE9_ADDED);
-    }
-    names.sort_unstable();
-    names
-}
-
 pub(crate) const PVE_VERSION: &str = "8.3.2";
 pub(crate) const PVE_REPOID: &str = "3e76eec21c4a14a7";
 const ROOTFS_BYTES: u64 = 100 << 30;
@@ -828,23 +781,4 @@ fn pool_members(c: &Cluster, pool: &str) -> Value {
             })
             .collect(),
     )
-}
-
-#[cfg(test)]
-mod tests {
-    use super::{default_privileges, PRIVILEGES, PVE9_ADDED};
-
-    #[test]
-    fn pve9_renames_only_the_guest_agent_privileges() {
-        let (pve8, pve9) = (default_privileges(false), default_privileges(true));
-        assert_eq!(pve8, PRIVILEGES, "PVE 8's list as written, in order");
-        assert_eq!((pve8.len(), pve9.len()), (31, 35));
-        assert!(pve8.contains(&"VM.Monitor") && !pve9.contains(&"VM.Monitor"));
-        let common: Vec<_> = pve8.iter().filter(|p| **p != "VM.Monitor").collect();
-        assert!(common.iter().all(|p| pve9.contains(p)), "{pve9:?}");
-        assert!(PVE9_ADDED
-            .iter()
-            .all(|p| pve9.contains(p) && !pve8.contains(p)));
-        assert!(pve9.is_sorted(), "{pve9:?}");
-    }
 }

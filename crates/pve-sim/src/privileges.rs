@@ -277,3 +277,86 @@ fn trunk_vlans(trunks: &str) -> Vec<String> {
     }
     out
 }
+
+/// Privileges of PVE 8's Administrator role that matter to a VM lifecycle
+/// client, less `Sys.Modify`: a provider token does not hold it, so a
+/// restricted `user-tag-access` applies to it (grant it with
+/// [`crate::SimConfig::granted_privileges`]).
+const PRIVILEGES: &[&str] = &[
+    "Datastore.Allocate",
+    "Datastore.AllocateSpace",
+    "Datastore.AllocateTemplate",
+    "Datastore.Audit",
+    "Pool.Allocate",
+    "Pool.Audit",
+    "SDN.Allocate",
+    "SDN.Audit",
+    "SDN.Use",
+    "Sys.Audit",
+    "Sys.Console",
+    "Sys.PowerMgmt",
+    "Sys.Syslog",
+    "VM.Allocate",
+    "VM.Audit",
+    "VM.Backup",
+    "VM.Clone",
+    "VM.Config.CDROM",
+    "VM.Config.CPU",
+    "VM.Config.Cloudinit",
+    "VM.Config.Disk",
+    "VM.Config.HWType",
+    "VM.Config.Memory",
+    "VM.Config.Network",
+    "VM.Config.Options",
+    "VM.Console",
+    "VM.Migrate",
+    "VM.Monitor",
+    "VM.PowerMgmt",
+    "VM.Snapshot",
+    "VM.Snapshot.Rollback",
+];
+
+/// What PVE 9 renamed in [`PRIVILEGES`]: `VM.Monitor` is gone, the guest
+/// agent has its own privileges.
+const PVE9_DROPPED: &[&str] = &["VM.Monitor"];
+const PVE9_ADDED: &[&str] = &[
+    "VM.GuestAgent.Audit",
+    "VM.GuestAgent.FileRead",
+    "VM.GuestAgent.FileSystemMgmt",
+    "VM.GuestAgent.FileWrite",
+    "VM.GuestAgent.Unrestricted",
+];
+
+/// The default privileges on `/`: [`PRIVILEGES`], as PVE 9 names them when
+/// `pve9`; sorted.
+pub(crate) fn default_privileges(pve9: bool) -> Vec<&'static str> {
+    let mut names: Vec<&'static str> = PRIVILEGES
+        .iter()
+        .copied()
+        .filter(|p| !pve9 || !PVE9_DROPPED.contains(p))
+        .collect();
+    if pve9 {
+        names.extend_from_slice(PVE9_ADDED);
+    }
+    names.sort_unstable();
+    names
+}
+
+#[cfg(test)]
+mod default_tests {
+    use super::{default_privileges, PRIVILEGES, PVE9_ADDED};
+
+    #[test]
+    fn pve9_renames_only_the_guest_agent_privileges() {
+        let (pve8, pve9) = (default_privileges(false), default_privileges(true));
+        assert_eq!(pve8, PRIVILEGES, "PVE 8's list as written, in order");
+        assert_eq!((pve8.len(), pve9.len()), (31, 35));
+        assert!(pve8.contains(&"VM.Monitor") && !pve9.contains(&"VM.Monitor"));
+        let common: Vec<_> = pve8.iter().filter(|p| **p != "VM.Monitor").collect();
+        assert!(common.iter().all(|p| pve9.contains(p)), "{pve9:?}");
+        assert!(PVE9_ADDED
+            .iter()
+            .all(|p| pve9.contains(p) && !pve8.contains(p)));
+        assert!(pve9.is_sorted(), "{pve9:?}");
+    }
+}

@@ -2,7 +2,33 @@
 //! far as cloning it is concerned: which resource mappings a clone is
 //! checked on, and which devices only root may clone.
 
+use serde::Deserialize;
+
 use crate::types::VmConfig;
+
+/// One PCI resource mapping as `GET /cluster/mapping/pci` lists it: its id
+/// and a `map` entry per device (`node=pve1,path=0000:01:00.0,id=10de:2236,...`).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+pub struct PciMapping {
+    pub id: String,
+    #[serde(default)]
+    pub map: Vec<String>,
+}
+
+impl PciMapping {
+    /// How many devices the mapping has on `node` (its `map` entries whose
+    /// `node=` is that node).
+    pub fn devices_on(&self, node: &str) -> u32 {
+        self.map
+            .iter()
+            .filter(|entry| {
+                entry
+                    .split(',')
+                    .any(|part| part.trim().split_once('=') == Some(("node", node)))
+            })
+            .count() as u32
+    }
+}
 
 /// Whether `key` is `prefix` followed by a number (`hostpci0`, `usb3`).
 fn is_numbered(key: &str, prefix: &str) -> bool {
@@ -55,6 +81,23 @@ impl Passthrough {
 }
 
 impl VmConfig {
+    /// The `hostpciN` indices the config uses.
+    pub fn hostpci_indices(&self) -> Vec<u32> {
+        self.other
+            .keys()
+            .filter(|k| is_numbered(k, "hostpci"))
+            .filter_map(|k| k["hostpci".len()..].parse().ok())
+            .collect()
+    }
+
+    /// How many `hostpciN` entries pass through a device of mapping `name`.
+    pub fn mapped_pci_devices(&self, name: &str) -> u32 {
+        self.passthrough()
+            .iter()
+            .filter(|d| d.bus == DeviceBus::Pci && d.mapping.as_deref() == Some(name))
+            .count() as u32
+    }
+
     /// The custom CPU model a `cpu: custom-<name>` names (a cluster
     /// resource mapping under `/mapping/cpu/<name>` from qemu-server
     /// 9.1.15), `None` for a built-in model.
@@ -103,5 +146,41 @@ impl VmConfig {
             });
         }
         out
+    }
+}
+
+#[cfg(test)]
+mod mapping_tests {
+    use super::*;
+
+    #[test]
+    fn a_mapping_counts_its_devices_per_node_and_a_config_its_entries() {
+        let m: PciMapping = serde_json::from_value(serde_json::json!({
+            "id": "a10", "type": "pci",
+            "map": ["node=pve1,path=0000:01:00.0,id=10de:2236",
+                    "node=pve1,path=0000:02:00.0,id=10de:2236",
+                    "node=pve10,path=0000:01:00.0,id=10de:2236"],
+        }))
+        .expect("mapping");
+        assert_eq!(
+            (
+                m.devices_on("pve1"),
+                m.devices_on("pve10"),
+                m.devices_on("pve2")
+            ),
+            (2, 1, 0)
+        );
+        let cfg: VmConfig = serde_json::from_value(serde_json::json!({
+            "hostpci0": "mapping=a10,pcie=1", "hostpci3": "mapping=other",
+            "hostpci5": "0000:03:00.0", "usb0": "mapping=a10",
+        }))
+        .expect("config");
+        let mut idx = cfg.hostpci_indices();
+        idx.sort();
+        assert_eq!(idx, [0, 3, 5]);
+        assert_eq!(
+            (cfg.mapped_pci_devices("a10"), cfg.mapped_pci_devices("x")),
+            (1, 0)
+        );
     }
 }

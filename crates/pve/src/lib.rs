@@ -28,7 +28,7 @@ pub mod upid;
 
 pub use api::{MAX_EXEC_INPUT, MAX_FILE_WRITE_CONTENT};
 pub use client::{ApiCall, ApiObserver, PveClient, PveConfig, RequestGate, RetryPolicy};
-pub use devices::{DeviceBus, Passthrough};
+pub use devices::{DeviceBus, Passthrough, PciMapping};
 pub use error::{AccessFailure, PveError};
 pub use sdn::{SdnPath, SdnVnet, VnetZones};
 pub use tags::{is_valid_tag, join_tags, normalize_tags, sanitize_tag};

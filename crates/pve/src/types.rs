@@ -251,6 +251,8 @@ pub struct ConfigParams {
     /// Keys to remove (`delete=protection`). PVE warns about, and skips, a
     /// key that is not set, so removing one that may be absent is safe.
     pub delete: Vec<String>,
+    /// `hostpciN` entries to set, by `N` (`mapping=gpu,pcie=1`).
+    pub hostpci: std::collections::BTreeMap<u32, String>,
 }
 
 /// `GET /nodes/{node}/qemu/{vmid}/config`.
@@ -641,6 +643,10 @@ pub struct ClusterVm {
     pub maxmem: Option<u64>,
     #[serde(default, deserialize_with = "lenient::opt_f64")]
     pub maxcpu: Option<f64>,
+    /// The QEMU process of a running VM (`GET /nodes/{node}/qemu` has it;
+    /// `/cluster/resources` does not): a new one each time it starts.
+    #[serde(default, deserialize_with = "lenient::opt_u32")]
+    pub pid: Option<u32>,
 }
 
 /// The cluster's VMs as one read sees them, with the nodes that were down

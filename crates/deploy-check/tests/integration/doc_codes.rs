@@ -159,6 +159,12 @@ const NO_STORAGE_ROOM: Proof = Source {
     text: "assert_eq!(status.code(), tonic::Code::ResourceExhausted",
 };
 
+/// The device guard's refusal, proven end to end by the provider's own test.
+const NO_DEVICE: Proof = Source {
+    file: "crates/provider/tests/integration/gpu.rs",
+    text: "assert_eq!(status.code(), tonic::Code::ResourceExhausted",
+};
+
 const CLAIMS: &[Claim] = &[
     Claim {
         page: "DESIGN.md",
@@ -208,6 +214,18 @@ const CLAIMS: &[Claim] = &[
         says: "Create answers `RESOURCE_EXHAUSTED`: `storage <s> of node <n> has no room",
         codes: &["RESOURCE_EXHAUSTED"],
         proofs: &[NO_ROOM, NO_STORAGE_ROOM],
+    },
+    Claim {
+        page: "configuration.md",
+        says: "and refuses the Create with `RESOURCE_EXHAUSTED`, before anything is cloned, when fewer than `count` are free",
+        codes: &["RESOURCE_EXHAUSTED"],
+        proofs: &[NO_ROOM, NO_DEVICE],
+    },
+    Claim {
+        page: "troubleshooting.md",
+        says: "Create answers `RESOURCE_EXHAUSTED`: `node <n> has no free device of PCI mapping",
+        codes: &["RESOURCE_EXHAUSTED"],
+        proofs: &[NO_ROOM, NO_DEVICE],
     },
     Claim {
         page: "DESIGN.md",

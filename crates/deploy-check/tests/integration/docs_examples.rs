@@ -217,8 +217,29 @@ fn configuration_file_examples_follow_the_schema() {
         let t = t.as_object().unwrap();
         for k in t.keys() {
             assert!(
-                ["vcpu", "memory_mib", "template_vmid", "storage"].contains(&k.as_str()),
+                [
+                    "vcpu",
+                    "memory_mib",
+                    "template_vmid",
+                    "storage",
+                    "balloon_mib",
+                    "disk_gib",
+                    "pci"
+                ]
+                .contains(&k.as_str()),
                 "{name}: unknown field {k}"
+            );
+        }
+        if let Some(pci) = t.get("pci") {
+            let pci = pci.as_object().expect("pci is an object");
+            assert!(pci["mapping"].is_string(), "{name}: pci.mapping");
+            assert!(
+                pci["count"].as_u64().is_some_and(|c| (1..=16).contains(&c)),
+                "{name}: pci.count"
+            );
+            assert!(
+                pci["resource"].as_str().is_some_and(|r| r.contains('/')),
+                "{name}: pci.resource is DOMAIN/NAME"
             );
         }
         assert!(t["vcpu"].as_i64().unwrap() > 0, "{name}");

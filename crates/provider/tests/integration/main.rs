@@ -16,6 +16,7 @@ mod configure_load;
 mod ctl;
 mod destroy_leftovers;
 mod failover;
+mod gpu;
 mod identity;
 mod limits;
 mod list_share;

@@ -131,6 +131,12 @@ pub(super) enum Probe {
 }
 
 /// The client, with the retry and wait policy.
+/// How long a read for an admission or the start-up line may take: the
+/// Create RPC (or the start) waits for it, so a node slow to answer is
+/// admitted unchecked (its clone checks again) rather than held up for the
+/// whole retry window. Every guard's admission reads within it.
+pub(super) const QUICK_READ: Duration = Duration::from_secs(10);
+
 pub(super) struct Api {
     client: PveClient,
     opts: Arc<PveOptions>,

@@ -366,8 +366,8 @@ impl Cloner {
 
     /// Sizes and tags the VM, waiting out the clone's config lock: exactly
     /// the instance type's vCPUs and memory whatever the template's
-    /// `sockets`, `vcpus` and `balloon` (see [`super::sizing`]), our tags
-    /// beside the template's. Where the cluster's `user-tag-access` refuses
+    /// `sockets`, `vcpus` and `balloon` (see [`super::sizing`]), its mapped
+    /// PCI devices, our tags beside the template's. Where the cluster's `user-tag-access` refuses
     /// the per-machine tag (403), marks by sizing and description only,
     /// from then on, with one warning.
     pub(super) async fn mark(
@@ -379,6 +379,17 @@ impl Cloner {
     ) -> Result<(), SubstrateError> {
         let ours = vec![MANAGED_TAG.to_string(), machine_tag(&req.machine_id)];
         let type_balloon = self.opts.type_balloon.get(&req.instance_type).copied();
+        // The type's mapped devices, beside those the VM has.
+        let hostpci = match self.opts.type_devices.get(&req.instance_type) {
+            Some(dev) => inherited.pci_entries(dev).map_err(|why| {
+                SubstrateError::new(format!(
+                    "instance type {}: {why}: free hostpci entries on the template, or lower the \
+                     type's pci.count",
+                    req.instance_type
+                ))
+            })?,
+            None => Default::default(),
+        };
         let mut params = ConfigParams {
             cores: Some(req.vcpu),
             sockets: Some(1),
@@ -391,6 +402,7 @@ impl Cloner {
             // a protected VM cannot be destroyed: the machine's VM is ours
             // to delete, so the flag goes in the same PUT as the marker.
             delete: CLEARED_KEYS.iter().map(|k| k.to_string()).collect(),
+            hostpci,
         };
         let mut attempt = 0;
         loop {
@@ -400,6 +412,26 @@ impl Cloner {
                 .await
             {
                 Ok(()) => break,
+                // Not the tags: the devices' privileges (qemu-server
+                // `check_hostpci_perm`), which the start-up check names too.
+                Err(e)
+                    if e.is_forbidden()
+                        && !params.hostpci.is_empty()
+                        && ["Mapping.Use", "VM.Config.HWType"]
+                            .iter()
+                            .any(|p| e.to_string().contains(p)) =>
+                {
+                    return Err(SubstrateError::caused_by(
+                        providerkit::ErrorKind::Refused,
+                        format!(
+                            "attaching instance type {}'s mapped PCI devices to VM {vm}: the API token \
+                             needs Mapping.Use on /mapping/pci/<mapping> and VM.Config.HWType on the \
+                             pool (deploy/host-setup/setup-token.sh --pci-mapping <mapping>)",
+                            req.instance_type
+                        ),
+                        e,
+                    ));
+                }
                 Err(e) if e.is_forbidden() && params.tags.is_some() => {
                     if self.tags.restrict() {
                         tracing::warn!(vm = %vm, error = %e,

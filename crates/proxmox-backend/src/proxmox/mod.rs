@@ -34,12 +34,14 @@
 //! - `plan`: where a Create clones from (template or replica) and the
 //!   storage claim it makes first, at admission and at the clone step.
 //! - `node_memory`: the node memory guard's reads (a node's memory and VMs).
+//! - `device_guard`: mapped PCI devices (GPUs) per node: free devices of
+//!   an instance type's mapping, claimed by Creates in flight.
 //! - `guest`: the guest agent: blob delivery, bootstrap, readiness, drain.
 //! - `preflight`: the start-up check.
 //! - `marker`, `options`: the marker policy and the options (no state).
 //!
 //! This file composes them: the lifecycle steps, the admission (memory,
-//! then storage), and the per-machine Create lock.
+//! devices, then storage), and the per-machine Create lock.
 //!
 //! Cost model (API calls per operation, independent of cluster size):
 //! Create = 2 reads for the node memory guard at admission (`/nodes` and
@@ -90,6 +92,7 @@ use crate::memory::MemoryRoom;
 use crate::substrate::{CloneRequest, ManagedVm, Substrate, SubstrateError, VmRef};
 use api::{err_at, Api, Probe};
 use clone::{Cloner, ClonerParts};
+use device_guard::DeviceGuard;
 use guest::Guest;
 use inventory::Inventory;
 use late::LateClones;
@@ -107,6 +110,7 @@ use vmid::Vmids;
 
 mod api;
 mod clone;
+mod device_guard;
 mod guest;
 mod inventory;
 mod late;
@@ -130,7 +134,7 @@ pub use marker::{
 };
 pub use options::{
     parse_node_storage, parse_storage_overcommit, parse_vmid_range, CloneMode, PveOptions,
-    TypeDisk, DEFAULT_DRAIN_COMMAND, DEFAULT_HOSTNAME_COMMAND, NODE_NAME_ENV,
+    TypeDevices, TypeDisk, DEFAULT_DRAIN_COMMAND, DEFAULT_HOSTNAME_COMMAND, NODE_NAME_ENV,
 };
 pub use replica::{parse_replica_marker, replica_description, REPLICA_TAG};
 
@@ -149,6 +153,7 @@ pub struct PveSubstrate {
     guest: Guest,
     restart: InterruptedClones,
     memory: NodeMemory,
+    devices: DeviceGuard,
     /// One Create per machine id at a time.
     creating: Mutex<HashMap<String, Arc<AsyncMutex<()>>>>,
 }
@@ -201,6 +206,7 @@ impl PveSubstrate {
         };
         let guest = Guest::new(Arc::clone(&api), Arc::clone(&opts));
         let restart = InterruptedClones::new(Arc::clone(&api));
+        let devices = DeviceGuard::new(Arc::clone(&api), Arc::clone(&opts), Arc::clone(&inventory));
         let memory = NodeMemory::new(
             Arc::clone(&api),
             opts.node_memory_limit,
@@ -219,6 +225,7 @@ impl PveSubstrate {
             guest,
             restart,
             memory,
+            devices,
             creating: Mutex::new(HashMap::new()),
         }
     }
@@ -445,6 +452,9 @@ impl Substrate for PveSubstrate {
         if let Some(memory) = self.memory.admit(req).await? {
             held.hold(memory);
         }
+        if let Some(devices) = self.devices.admit(req).await? {
+            held.hold(devices);
+        }
         if let Some(space) = self.planner.admit_space(req).await? {
             held.hold(space);
         }
@@ -566,6 +576,8 @@ impl Substrate for PveSubstrate {
         if memory.is_none() {
             memory = self.memory.claim_for_clone(req, deadline).await?;
         }
+        // Held until the VM runs, as the memory claim is.
+        let devices = self.devices.claim_for_clone(req, deadline).await?;
         // From the template itself, or its replica on the target node.
         let vm = self
             .planner
@@ -588,6 +600,7 @@ impl Substrate for PveSubstrate {
         tracing::info!(machine_id = %req.machine_id, vm = %vm, "VM created and its guest agent answers");
         // Held until here: the VM now runs and every later read sees it.
         drop(memory);
+        drop(devices);
         Ok(vm)
     }
 

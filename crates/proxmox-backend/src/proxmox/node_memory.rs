@@ -19,24 +19,17 @@
 
 use std::collections::HashSet;
 use std::sync::Arc;
-use std::time::Duration;
 
 use pve::ClusterVm;
 use tokio::time::Instant;
 
-use super::api::{err_at, Api};
+use super::api::{err_at, Api, QUICK_READ};
 use super::inventory::Inventory;
 use super::marker::vm_name;
 use crate::memory::{
     bytes_to_mib, ClaimRequest, CountedVm, MemoryClaim, MemoryGuard, MemoryRoom, NoRoom, NodeView,
 };
 use crate::substrate::{CloneRequest, SubstrateError};
-
-/// How long a read for an admission or the start-up line may take: the
-/// Create RPC (or the start) waits for it, so a node slow to answer is
-/// admitted unchecked (its clone checks again) rather than held up for the
-/// whole retry window.
-pub(super) const QUICK_READ: Duration = Duration::from_secs(10);
 
 /// PVE's default `memory` (MiB), what a VM without the option has.
 const PVE_DEFAULT_MEMORY_MIB: u64 = 512;

@@ -132,6 +132,33 @@ pub struct PveOptions {
     /// there need stays within `avail x factor`. 1 when not set; more for
     /// a thin pool that overcommits on purpose.
     pub storage_overcommit: BTreeMap<String, f64>,
+    /// Mapped PCI devices per instance type (its catalog `pci`), with the
+    /// nodes it is offered on.
+    pub type_devices: BTreeMap<String, TypeDevices>,
+}
+
+/// An instance type's mapped PCI devices (GPUs).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TypeDevices {
+    /// The cluster resource mapping (`/cluster/mapping/pci`).
+    pub mapping: String,
+    /// Devices per clone.
+    pub count: u32,
+    /// Passed as PCI Express (`pcie=1`).
+    pub pcie: bool,
+    /// The nodes the type is offered on (each must map `count` devices).
+    pub nodes: Vec<String>,
+}
+
+impl TypeDevices {
+    /// A `hostpciN` value for one device.
+    pub fn entry(&self) -> String {
+        if self.pcie {
+            format!("mapping={},pcie=1", self.mapping)
+        } else {
+            format!("mapping={}", self.mapping)
+        }
+    }
 }
 
 /// An instance type's boot disk size.
@@ -176,6 +203,7 @@ impl Default for PveOptions {
             node_storage: BTreeMap::new(),
             node_memory_limit: 1.0,
             storage_overcommit: BTreeMap::new(),
+            type_devices: BTreeMap::new(),
         }
     }
 }

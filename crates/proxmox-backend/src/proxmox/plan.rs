@@ -10,9 +10,9 @@ use std::sync::Arc;
 use pve::{ClusterVm, PveError};
 use tokio::time::Instant;
 
+use super::api::QUICK_READ;
 use super::clone::Cloner;
 use super::inventory::Inventory;
-use super::node_memory::QUICK_READ;
 use super::options::{PveOptions, TypeDisk};
 use super::placement::{Layout, Placement};
 use super::replica::Replicas;

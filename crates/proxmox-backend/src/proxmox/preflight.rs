@@ -49,6 +49,7 @@
 //! there), `Pool.Audit` (only used, when held, to confirm the pool exists).
 
 mod sdn;
+mod types;
 
 use std::collections::BTreeSet;
 
@@ -255,39 +256,6 @@ fn url_port(url: &str) -> String {
     port.filter(|p| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()))
         .unwrap_or("443")
         .to_string()
-}
-
-/// Each instance type's `disk_gib` against its template's boot disk: PVE
-/// grows a disk, never shrinks one, so a type smaller than its template
-/// would fail every Create. A template whose config was not read (its node
-/// down, or no privilege, reported elsewhere) is checked by its first Create.
-fn check_disk_sizes(
-    types: &std::collections::BTreeMap<String, super::options::TypeDisk>,
-    configs: &[(u32, VmConfig)],
-) -> Result<(), SubstrateError> {
-    for (name, disk) in types {
-        let Some((_, cfg)) = configs.iter().find(|(t, _)| *t == disk.template_vmid) else {
-            continue;
-        };
-        let Some((key, _, bytes)) = cfg.boot_disk() else {
-            return Err(SubstrateError::new(format!(
-                "instance type {name} sets disk_gib {}, but template {} has no boot disk on a storage \
-                 (boot order, bootdisk, or scsi0/virtio0/sata0/ide0) to grow: leave disk_gib out",
-                disk.gib, disk.template_vmid
-            )));
-        };
-        if bytes > disk.bytes() {
-            return Err(SubstrateError::new(format!(
-                "instance type {name}: disk_gib {} GiB is smaller than template {}'s boot disk \
-                 ({key}, {}), and PVE cannot shrink a disk: set disk_gib to at least {} or leave it out",
-                disk.gib,
-                disk.template_vmid,
-                crate::capacity::gib(bytes),
-                bytes.div_ceil(1 << 30)
-            )));
-        }
-    }
-    Ok(())
 }
 
 /// The resource mappings the templates' clones are checked on, as
@@ -510,7 +478,8 @@ impl<'a> Preflight<'a> {
         if !self.opts.type_disk.is_empty() {
             paths.push((pool_path.clone(), ON_RESIZE));
         }
-        check_disk_sizes(&self.opts.type_disk, &configs)?;
+        types::check_disk_sizes(&self.opts.type_disk, &configs)?;
+        paths.extend(types::device_paths(self.opts, &pool_path));
         if self.opts.node_memory_limit > 0.0 {
             paths.extend(live_nodes.iter().map(|n| (format!("/nodes/{n}"), ON_NODE)));
         }
@@ -583,6 +552,7 @@ impl<'a> Preflight<'a> {
             ));
         }
 
+        warnings.extend(types::check_devices(self.api, self.opts, &live_nodes).await?);
         tracing::info!(url = %url, "preflight: checking storages and clone placement");
         warnings.extend(
             self.placement

@@ -17,8 +17,19 @@
 //!   (pve-guest-common `assert_tag_permissions`), so replacing a template's
 //!   registered or unlisted tags is a 403 where adding ours is not. The
 //!   clone keeps its template's tags beside ours.
+//! - mapped PCI devices (an instance type's `pci`): the clone gets as many
+//!   `hostpciN: mapping=<name>` entries as the type asks for, counting
+//!   those of the same mapping it already has (from its template, or from
+//!   an earlier marking of the same VM), in indices it does not use yet.
+
+use std::collections::BTreeMap;
 
 use pve::VmConfig;
+
+use super::options::TypeDevices;
+
+/// The most `hostpciN` entries a VM has (`hostpci0` to `hostpci15`).
+const HOSTPCI_SLOTS: u32 = 16;
 
 /// The settings a clone copied from its source that the sizing PUT must
 /// take into account.
@@ -28,15 +39,49 @@ pub(super) struct Inherited {
     pub(super) balloon_mib: Option<u64>,
     /// The source's tags, normalised as PVE returns them.
     pub(super) tags: Vec<String>,
+    /// The `hostpciN` indices the source uses.
+    pub(super) hostpci: Vec<u32>,
+    /// Its mapped PCI devices, by mapping.
+    pub(super) mapped: BTreeMap<String, u32>,
 }
 
 impl Inherited {
     /// What `cfg` (a template's, or a clone's own) hands on.
     pub(super) fn of(cfg: &VmConfig) -> Inherited {
+        let mut mapped = BTreeMap::new();
+        for dev in cfg.passthrough() {
+            if let (pve::DeviceBus::Pci, Some(m)) = (dev.bus, dev.mapping) {
+                *mapped.entry(m).or_default() += 1;
+            }
+        }
         Inherited {
             balloon_mib: cfg.balloon,
             tags: cfg.tags.clone(),
+            hostpci: cfg.hostpci_indices(),
+            mapped,
         }
+    }
+
+    /// The `hostpciN` entries to add so the VM has `dev.count` devices of
+    /// its mapping, in the lowest free indices; `Err` names why they do not
+    /// fit in PVE's 16.
+    pub(super) fn pci_entries(&self, dev: &TypeDevices) -> Result<BTreeMap<u32, String>, String> {
+        let have = self.mapped.get(&dev.mapping).copied().unwrap_or(0);
+        let want = dev.count.saturating_sub(have);
+        let free: Vec<u32> = (0..HOSTPCI_SLOTS)
+            .filter(|n| !self.hostpci.contains(n))
+            .take(want as usize)
+            .collect();
+        if (free.len() as u32) < want {
+            return Err(format!(
+                "{want} more hostpci entries of mapping {} do not fit beside the {} the template \
+                 uses (PVE allows hostpci0 to hostpci{})",
+                dev.mapping,
+                self.hostpci.len(),
+                HOSTPCI_SLOTS - 1
+            ));
+        }
+        Ok(free.into_iter().map(|n| (n, dev.entry())).collect())
     }
 
     /// The clone's `balloon` for a type of `memory_mib` whose catalog entry
@@ -77,7 +122,45 @@ mod tests {
         Inherited {
             balloon_mib: balloon,
             tags: tags.iter().map(|t| t.to_string()).collect(),
+            ..Inherited::default()
         }
+    }
+
+    fn gpus(count: u32, pcie: bool) -> TypeDevices {
+        TypeDevices {
+            mapping: "a10".into(),
+            count,
+            pcie,
+            nodes: vec!["pve1".into()],
+        }
+    }
+
+    #[test]
+    fn mapped_devices_fill_the_free_indices_and_count_what_the_vm_has() {
+        let cfg: VmConfig = serde_json::from_value(serde_json::json!({
+            "hostpci0": "mapping=nic", "hostpci2": "mapping=a10",
+        }))
+        .expect("config");
+        let got = Inherited::of(&cfg);
+        // One a10 already: two more, in 1 and 3.
+        let entries = got.pci_entries(&gpus(3, true)).expect("fits");
+        assert_eq!(
+            entries.into_iter().collect::<Vec<_>>(),
+            [
+                (1, "mapping=a10,pcie=1".to_string()),
+                (3, "mapping=a10,pcie=1".to_string())
+            ]
+        );
+        // Marking again (the VM has them all) adds none.
+        assert!(got.pci_entries(&gpus(1, false)).expect("fits").is_empty());
+        let full = Inherited {
+            hostpci: (0..15).collect(),
+            ..Inherited::default()
+        };
+        let e = full
+            .pci_entries(&gpus(2, false))
+            .expect_err("one slot left");
+        assert!(e.contains("2 more hostpci entries of mapping a10"), "{e}");
     }
 
     #[test]

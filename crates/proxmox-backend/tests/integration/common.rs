@@ -172,6 +172,7 @@ pub fn small_backend(
             storage: None,
             balloon_mib: None,
             disk_gib: None,
+            pci: None,
         },
     )]);
     let pricing = || Pricing {

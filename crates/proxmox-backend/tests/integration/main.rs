@@ -10,6 +10,7 @@ mod common;
 mod api_door;
 mod bad_day;
 mod configurations;
+mod devices;
 mod guest_hostname;
 mod node_memory;
 mod offline_node;

@@ -52,6 +52,7 @@ fn backend(sub: PveSubstrate) -> ProxmoxBackend {
                     storage: None,
                     balloon_mib: None,
                     disk_gib: None,
+                    pci: None,
                 },
             )
         })

@@ -170,4 +170,17 @@ impl PveClient {
         self.call("nodes", Method::GET, "/nodes", &Params::new())
             .await
     }
+
+    /// `GET /cluster/mapping/pci`: the PCI resource mappings the token may
+    /// see (any of `Mapping.Audit`, `Mapping.Use`, `Mapping.Modify` on
+    /// `/mapping/pci/<id>`; the others are left out, not refused).
+    pub async fn pci_mappings(&self) -> Result<Vec<crate::PciMapping>, PveError> {
+        self.call(
+            "pci_mappings",
+            Method::GET,
+            "/cluster/mapping/pci",
+            &Params::new(),
+        )
+        .await
+    }
 }

@@ -26,6 +26,9 @@ fn config_params(params: &ConfigParams) -> Result<Params, PveError> {
     if !params.delete.is_empty() {
         p.push("delete", params.delete.join(","));
     }
+    for (n, value) in &params.hostpci {
+        p.push(&format!("hostpci{n}"), value);
+    }
     if p.is_empty() {
         return Err(PveError::InvalidArgument(
             "config update has no fields set".into(),
