@@ -127,6 +127,7 @@ scale-100k:
 # baseline, and the Create cost by template placement (real substrate on
 # pve-sim: shared template, warm replica, first staging, 16-way burst).
 bench:
+	@mkdir -p bench
 	$(MAKE) bench-scaling SCALING_OUT=bench/latest.txt
 	$(MAKE) bench-half-sent
 	$(RELEASE_DIR)/loadgen --provider-bin $(RELEASE_DIR)/bigfleet-proxmox --out bench/latest.txt
@@ -155,6 +156,7 @@ bench-scaling:
 # then 4 x 64 half-sent 4 MB Creates; fails when the provider's RSS grows
 # past 100 MiB or Get p99 passes 4x its value at rest (BENCHMARKS.md).
 bench-half-sent:
+	@mkdir -p bench
 	$(CARGO) build --release -p bigfleet-proxmox -p loadgen
 	$(RELEASE_DIR)/loadgen --provider-bin $(RELEASE_DIR)/bigfleet-proxmox --only half-sent --quick \
 	  | tee -a bench/latest.txt
@@ -167,6 +169,7 @@ bench-half-sent:
 # `takeover_goal_ms=` lines. A throwaway PostgreSQL on loopback
 # (scripts/pg-throwaway.sh; needs its server binaries), a database per run.
 bench-postgres:
+	@mkdir -p bench
 	$(CARGO) build --release -p bigfleet-proxmox -p loadgen
 	env -u BIGFLEET_TEST_POSTGRES_URL scripts/pg-throwaway.sh run -- bash -c \
 	  'test -n "$$BIGFLEET_TEST_POSTGRES_URL" || { echo "bench-postgres needs PostgreSQL (apt-get install postgresql)" >&2; exit 1; }; \
@@ -177,6 +180,7 @@ bench-postgres:
 # parallel: the slowest Configure, the provider's CPU seconds, and Get p99
 # while they run against Get p99 at rest (BENCHMARKS.md).
 bench-configure:
+	@mkdir -p bench
 	$(CARGO) test --release -p bigfleet-proxmox --test integration -- --ignored --nocapture configure_load::bench_configure \
 	  | tee -a bench/latest.txt
 
@@ -184,12 +188,14 @@ bench-configure:
 # (issue #41's set-up: shared template, 2 s clones, 3 s agent boot, 1 s poll),
 # by endpoint (BENCHMARKS.md).
 bench-api-cost:
+	@mkdir -p bench
 	$(CARGO) test -p proxmox-backend --test integration task_cost::burst_cost -- --ignored --nocapture \
 	  | tee -a bench/latest.txt
 
 # Create latency and PVE API calls per Create by template placement, and
 # the 16-way burst from one local template (BENCHMARKS.md).
 bench-replicas:
+	@mkdir -p bench
 	$(CARGO) test -p proxmox-backend --test bench_replicas -- --ignored --nocapture \
 	  | tee -a bench/latest.txt
 

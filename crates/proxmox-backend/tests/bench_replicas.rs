@@ -138,6 +138,15 @@ async fn create_cost_by_template_placement() {
         calls(&sim),
         calls(&sim) as f64 / 16.0
     );
+    // Where the calls went, most first, so a change in the count can be
+    // traced to an endpoint.
+    let mut by_endpoint: Vec<(String, u64)> = sim.faults().counts().into_iter().collect();
+    by_endpoint.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+    let by_endpoint: Vec<String> = by_endpoint
+        .iter()
+        .map(|(e, n)| format!("{n} {e}"))
+        .collect();
+    println!("burst by endpoint: {}", by_endpoint.join(", "));
     assert!(failed.is_empty(), "{failed:?}");
     sim.shutdown().await;
 }
