@@ -28,6 +28,7 @@ mod proxmox_qga;
 mod readiness;
 mod resume;
 mod secrets;
+mod sized_disk;
 mod startup;
 mod state_copy;
 mod storage_guard;

@@ -160,7 +160,16 @@ pub(super) struct Guest {
     /// (smoothed): the first ping after the next start there waits most of
     /// it, instead of pinging every poll interval through the boot.
     boot_times: Mutex<HashMap<String, Duration>>,
+    /// Templates whose guest was asked whether it grows its root file
+    /// system at boot (once per template per process).
+    grow_checked: Mutex<std::collections::HashSet<u32>>,
 }
+
+/// Whether the guest has what grows its root file system to a larger boot
+/// disk at boot: cloud-utils' `growpart` (which cloud-init's growpart
+/// module runs) or `systemd-repart`. Exit 0: it has one.
+const GROWS_ROOT: &str =
+    "command -v growpart >/dev/null 2>&1 || command -v systemd-repart >/dev/null 2>&1";
 
 impl Guest {
     pub(super) fn new(api: Arc<Api>, opts: Arc<PveOptions>) -> Guest {
@@ -170,6 +179,39 @@ impl Guest {
             probes: Mutex::new(HashMap::new()),
             names: Mutex::new(HashMap::new()),
             boot_times: Mutex::new(HashMap::new()),
+            grow_checked: Mutex::default(),
+        }
+    }
+
+    /// Once per template, on the first Create of a type that grows the boot
+    /// disk: asks the guest whether it can grow its root file system at
+    /// boot (the template contract) and warns when it has neither
+    /// `growpart` nor `systemd-repart`, as then the disk is larger and the
+    /// file system is not. An answer it cannot get is no finding; nothing
+    /// here fails the Create.
+    pub(super) async fn check_grows_root(&self, vm: &VmRef, template: u32, instance_type: &str) {
+        if !self.grow_checked.lock().insert(template) {
+            return;
+        }
+        let argv = ["sh".to_string(), "-c".to_string(), GROWS_ROOT.to_string()];
+        let timeout = self.opts.exec_timeout.min(Duration::from_secs(30));
+        match self.run(vm, &argv, timeout).await {
+            Ok(st) if st.exitcode == Some(0) => {
+                tracing::debug!(template, vm = %vm, "the template's guest can grow its root file system at boot");
+            }
+            Ok(st) => tracing::warn!(
+                template,
+                vm = %vm,
+                instance_type,
+                exit_code = ?st.exitcode,
+                "template {template}'s guest has neither growpart nor systemd-repart: instance type \
+                 {instance_type}'s larger boot disk leaves its root file system at the template's size. \
+                 Install cloud-guest-utils with cloud-init's growpart module, or enable systemd-repart, \
+                 in the template (docs/configuration.md, the template contract)"
+            ),
+            Err(e) => {
+                tracing::debug!(template, vm = %vm, error = %e, "could not ask the guest whether it grows its root file system");
+            }
         }
     }
 

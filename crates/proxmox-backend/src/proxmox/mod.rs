@@ -596,6 +596,11 @@ impl Substrate for PveSubstrate {
         self.cloner.grow_boot_disk(&vm, req, deadline).await?;
         self.api.start(&vm, deadline).await?;
         self.guest.wait_agent_after_start(&vm).await?;
+        if self.opts.type_disk.contains_key(&req.instance_type) {
+            self.guest
+                .check_grows_root(&vm, req.template_vmid, &req.instance_type)
+                .await;
+        }
         self.inventory.clear_pending(&req.machine_id);
         tracing::info!(machine_id = %req.machine_id, vm = %vm, "VM created and its guest agent answers");
         // Held until here: the VM now runs and every later read sees it.

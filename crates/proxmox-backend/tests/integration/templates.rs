@@ -349,6 +349,36 @@ async fn a_types_disk_size_grows_the_boot_disk_once() {
     sim.shutdown().await;
 }
 
+/// #44 item 1, the template contract: the first Create of a sized type per
+/// template asks its guest, once, whether it can grow its root file system
+/// at boot (`growpart` or `systemd-repart`); a type that keeps the
+/// template's size asks nothing.
+#[tokio::test]
+async fn the_first_sized_create_asks_the_guest_once_whether_it_grows_its_root() {
+    let sim = sim_with(fast()).await;
+    let asked = crate::common::record_commands(&sim, "growpart");
+    let sub = PveSubstrate::new(client(&sim), sized(64));
+    let mut made = Vec::new();
+    for n in 0..2 {
+        let id = format!("p/OnDemand/pve.small/pve1/g0{n}");
+        made.push((sub.clone_vm(&req(&id, "pve1")).await.expect("create"), id));
+    }
+    let lines = asked.lock().clone();
+    assert_eq!(lines.len(), 1, "once per template: {lines:?}");
+    assert!(lines[0].contains("systemd-repart"), "{lines:?}");
+    let plain = PveSubstrate::new(client(&sim), options());
+    let id = "p/OnDemand/pve.small/pve1/g09";
+    made.push((
+        plain.clone_vm(&req(id, "pve1")).await.expect("create"),
+        id.to_string(),
+    ));
+    assert_eq!(asked.lock().len(), 1, "an unsized type asks nothing");
+    for (vm, id) in made {
+        sub.delete_vm(&vm, &id).await.expect("delete");
+    }
+    sim.shutdown().await;
+}
+
 /// #44: the storage room check counts a clone's grown boot disk: 232 GiB
 /// free hold three 64 GiB clones of a 32 GiB template, and the fourth is
 /// refused before anything is cloned (by the template's 32 GiB alone, the
