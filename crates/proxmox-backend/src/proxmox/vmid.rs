@@ -16,6 +16,10 @@ use crate::substrate::SubstrateError;
 struct VmidState {
     /// Chosen by this process, clone not finished yet.
     reserved: HashSet<u32>,
+    /// Cloned by this process (committed): taken in PVE, so a walk over
+    /// the range skips them without asking; expiry time. A burst's choices
+    /// otherwise asked `nextid?vmid=N` of each clone made before them.
+    made: HashMap<u32, std::time::Instant>,
     /// Freed or abandoned recently; expiry time.
     cooldown: HashMap<u32, std::time::Instant>,
     /// Where the next probe starts (ids grow monotonically within the range).
@@ -42,9 +46,11 @@ impl VmidState {
         let now = std::time::Instant::now();
         self.cooldown.retain(|_, until| *until > now);
         self.late.retain(|_, l| l.until > now);
+        self.made.retain(|_, until| *until > now);
         self.reserved.contains(&id)
             || self.cooldown.contains_key(&id)
             || self.late.contains_key(&id)
+            || self.made.contains_key(&id)
     }
 
     /// The late clones still watched, pruning expired ones.
@@ -77,7 +83,12 @@ pub(super) struct VmidHold<'a> {
 impl VmidHold<'_> {
     pub(super) fn commit(mut self) {
         self.committed = true;
-        self.owner.state.lock().reserved.remove(&self.vmid);
+        let mut st = self.owner.state.lock();
+        st.reserved.remove(&self.vmid);
+        st.made.insert(
+            self.vmid,
+            std::time::Instant::now() + self.owner.opts.vmid_cooldown,
+        );
     }
 }
 
@@ -107,9 +118,9 @@ impl Vmids {
     /// A VMID that was just freed or abandoned: not chosen again for the
     /// cool-down (PVE may still be cleaning it up).
     pub(super) fn cool_down(&self, vmid: u32) {
-        self.state
-            .lock()
-            .cooldown
+        let mut st = self.state.lock();
+        st.made.remove(&vmid);
+        st.cooldown
             .insert(vmid, std::time::Instant::now() + self.opts.vmid_cooldown);
     }
 
@@ -235,5 +246,11 @@ mod tests {
         assert!(st.blocked(103), "a late clone's id is not reused");
         assert!(!st.blocked(104));
         assert_eq!(st.late_clones().len(), 1, "expired late clones are pruned");
+        st.made
+            .insert(105, std::time::Instant::now() + Duration::from_secs(60));
+        st.made
+            .insert(106, std::time::Instant::now() - Duration::from_secs(1));
+        assert!(st.blocked(105), "a clone this process made is known taken");
+        assert!(!st.blocked(106), "until it expires");
     }
 }
