@@ -81,7 +81,11 @@ async fn a_burst_of_tasks_on_a_node_costs_one_list_per_tick() {
 /// (in a burst of lifecycles that was about two more reads per Create).
 #[tokio::test]
 async fn choosing_a_vmid_past_a_cooling_one_asks_nothing_of_the_clones_made() {
-    let sim = sim_with(fast_sim(Duration::from_millis(50), Duration::from_millis(50))).await;
+    let sim = sim_with(fast_sim(
+        Duration::from_millis(50),
+        Duration::from_millis(50),
+    ))
+    .await;
     let sub = PveSubstrate::new(client(&sim), opts(Duration::from_secs(20)));
     let mut made = Vec::new();
     for i in 0..5 {
