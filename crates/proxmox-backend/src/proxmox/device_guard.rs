@@ -36,6 +36,9 @@ use super::options::{PveOptions, TypeDevices};
 use crate::capacity::NoDevices;
 use crate::substrate::{CloneRequest, SubstrateError};
 
+/// The most running VMs whose devices are remembered.
+const USAGE_ENTRIES: usize = 10_000;
+
 /// Per (node, mapping): machine -> (claim id, devices).
 type Claims = BTreeMap<(String, String), HashMap<String, (u64, u32)>>;
 
@@ -202,8 +205,13 @@ impl DeviceGuard {
         }
         if let Some(p) = pid {
             let mut usage = self.usage.lock();
-            // What no running process holds any more goes with it.
+            // What no running process holds any more goes with it; VMs
+            // destroyed long ago stay until the map is this large, then
+            // everything is read afresh (once per running VM).
             usage.retain(|(v, _), _| *v != vmid);
+            if usage.len() >= USAGE_ENTRIES {
+                usage.clear();
+            }
             usage.insert((vmid, p), used.clone());
         }
         Ok(used)

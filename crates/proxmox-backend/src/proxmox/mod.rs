@@ -50,7 +50,10 @@
 //! `/nodes/{node}/qemu` per live node listing VMs too new to be sampled) +
 //! 1 `nextid` + clone + task polls + 1 config PUT +
 //! start + task polls + agent pings, + 1 storage status read per full clone
-//! (the storage guard, at admission; the clone step reuses its claim). The first Create per template also reads the
+//! (the storage guard, at admission; the clone step reuses its claim), + for
+//! a type with mapped PCI devices `/cluster/mapping/pci` and
+//! `/nodes/{node}/qemu` at admission and one config read per VM started on
+//! the node since the last such read (the device guard). The first Create per template also reads the
 //! template's config once (disk storages and sizes), the first cross-node
 //! one the template node's storage list (shared or local); a Create served
 //! by a per-node replica reads the template's config each time (its digest
