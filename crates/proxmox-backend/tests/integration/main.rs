@@ -9,6 +9,7 @@ mod common;
 
 mod api_door;
 mod bad_day;
+mod bench_real;
 mod configurations;
 mod devices;
 mod guest_hostname;

@@ -19,6 +19,7 @@ use hyper_util::rt::TokioExecutor;
 use crate::error::PveError;
 
 mod body;
+mod coalesce;
 mod config;
 mod decode;
 mod request;
@@ -39,6 +40,8 @@ struct Inner {
     retry: RetryPolicy,
     observer: Option<Arc<dyn ApiObserver>>,
     gate: Option<Arc<dyn RequestGate>>,
+    /// Shared reads in flight (see `coalesce`).
+    in_flight: coalesce::InFlight,
 }
 
 /// Async PVE API client. Cheap to clone (shared connection pool).
@@ -122,6 +125,7 @@ impl PveClient {
                 retry: cfg.retry,
                 observer: cfg.observer,
                 gate: cfg.gate,
+                in_flight: coalesce::InFlight::default(),
             }),
         })
     }

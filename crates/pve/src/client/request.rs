@@ -6,12 +6,14 @@
 use std::error::Error;
 use std::time::Instant;
 
+use bytes::Bytes;
 use http::header::{ACCEPT, AUTHORIZATION, CONTENT_TYPE};
 use http::{Method, Request};
 use http_body_util::{BodyExt, Full, Limited};
 use serde::de::DeserializeOwned;
 
 use super::body::WipedBody;
+use super::coalesce::{self, Role};
 use super::config::ApiCall;
 use super::decode::{api_error, decode_data};
 use super::retry::retryable;
@@ -24,7 +26,9 @@ use crate::upid::Upid;
 const MAX_RESPONSE_BYTES: usize = 64 * 1024 * 1024;
 
 impl PveClient {
-    /// Runs one API call with the retry policy and reports it to the observer.
+    /// Runs one API call with the retry policy and decodes its `data`.
+    /// A read of [`coalesce::SHARED_OPS`] asked while the same read is in
+    /// flight waits for that one's answer instead of sending its own.
     pub(crate) async fn call<T: DeserializeOwned>(
         &self,
         op: &'static str,
@@ -32,11 +36,40 @@ impl PveClient {
         path: &str,
         params: &Params,
     ) -> Result<T, PveError> {
+        if method == Method::GET && coalesce::SHARED_OPS.contains(&op) {
+            let key = format!("{path}?{}", params.encode());
+            match self.inner.in_flight.join(key) {
+                Role::Follower(flight) => {
+                    if let Some(body) = coalesce::wait(flight).await {
+                        return decode_data(op, &body);
+                    }
+                    // The request it waited for failed: its own, below.
+                }
+                Role::Leader(lead) => {
+                    let result = self.call_raw(op, method, path, params).await;
+                    lead.finish(result.as_ref().ok().cloned());
+                    return result.and_then(|body| decode_data(op, &body));
+                }
+            }
+        }
+        let body = self.call_raw(op, method, path, params).await?;
+        decode_data(op, &body)
+    }
+
+    /// Runs one API call with the retry policy and reports it to the
+    /// observer: the body of its success.
+    async fn call_raw(
+        &self,
+        op: &'static str,
+        method: Method,
+        path: &str,
+        params: &Params,
+    ) -> Result<Bytes, PveError> {
         let start = Instant::now();
         let mut attempts = 0u32;
         let result = loop {
             attempts += 1;
-            match self.attempt::<T>(op, &method, path, params).await {
+            match self.attempt(op, &method, path, params).await {
                 Ok(v) => break Ok(v),
                 Err(e) if attempts < self.inner.retry.max_attempts && retryable(&method, &e) => {
                     let wait = self.inner.retry.backoff(attempts);
@@ -96,13 +129,14 @@ impl PveClient {
         })
     }
 
-    async fn attempt<T: DeserializeOwned>(
+    /// One attempt: the body of a success, or the API's error.
+    async fn attempt(
         &self,
         op: &'static str,
         method: &Method,
         path: &str,
         params: &Params,
-    ) -> Result<T, PveError> {
+    ) -> Result<Bytes, PveError> {
         if let Some(gate) = &self.inner.gate {
             gate.admit().map_err(|e| PveError::NotAdmitted {
                 op,
@@ -157,7 +191,7 @@ impl PveClient {
             .map_err(|_| PveError::Timeout { op, timeout })??;
 
         if parts.status.is_success() {
-            decode_data(op, &bytes)
+            Ok(bytes)
         } else {
             Err(api_error(parts.status, &parts.extensions, &bytes))
         }

@@ -887,3 +887,55 @@ async fn a_shut_gate_sends_nothing_and_says_why() {
     );
     assert_eq!(srv.recorded().len(), 1, "nothing reached the server");
 }
+
+/// Concurrent identical reads of the node list share one request; a read
+/// that is not shared (`nextid`) goes out once per caller; a failed shared
+/// read is not handed to the callers that waited for it: each asks again
+/// and gets its own answer.
+#[tokio::test]
+async fn concurrent_identical_reads_share_one_request() {
+    let (srv, c, _) = setup(|r, i| {
+        let mut reply = if r.path.ends_with("/nodes") && i == 4 {
+            fail(403, "Permission check failed (/nodes, Sys.Audit)")
+        } else if r.path.ends_with("/nodes") {
+            ok(json!([{"node": "pve1", "status": "online"}]))
+        } else {
+            ok(json!("100"))
+        };
+        reply.delay = Duration::from_millis(200);
+        reply
+    })
+    .await;
+    let c = std::sync::Arc::new(c);
+    let spawn_reads = |n: usize| -> Vec<_> {
+        (0..n)
+            .map(|_| {
+                let c = std::sync::Arc::clone(&c);
+                tokio::spawn(async move { c.nodes().await.map(|n| n.len()) })
+            })
+            .collect()
+    };
+    for r in spawn_reads(8) {
+        assert_eq!(r.await.unwrap().expect("nodes"), 1);
+    }
+    assert_eq!(srv.recorded().len(), 1, "one request for eight readers");
+    let ids: Vec<_> = (0..3)
+        .map(|_| {
+            let c = std::sync::Arc::clone(&c);
+            tokio::spawn(async move { c.next_id(None).await })
+        })
+        .collect();
+    for r in ids {
+        assert_eq!(r.await.unwrap().expect("nextid"), 100);
+    }
+    assert_eq!(srv.recorded().len(), 4, "nextid is never shared");
+    // The fifth request is refused (403): its leader gets the refusal, and
+    // the two that waited on it each ask again and get the node list.
+    let mut results = Vec::new();
+    for r in spawn_reads(3) {
+        results.push(r.await.unwrap());
+    }
+    let refused = results.iter().filter(|r| r.is_err()).count();
+    assert_eq!(refused, 1, "{results:?}");
+    assert_eq!(srv.recorded().len(), 7, "the followers' own requests");
+}
