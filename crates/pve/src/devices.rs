@@ -2,6 +2,8 @@
 //! far as cloning it is concerned: which resource mappings a clone is
 //! checked on, and which devices only root may clone.
 
+use std::collections::BTreeMap;
+
 use serde::Deserialize;
 
 use crate::types::VmConfig;
@@ -90,12 +92,16 @@ impl VmConfig {
             .collect()
     }
 
-    /// How many `hostpciN` entries pass through a device of mapping `name`.
-    pub fn mapped_pci_devices(&self, name: &str) -> u32 {
-        self.passthrough()
-            .iter()
-            .filter(|d| d.bus == DeviceBus::Pci && d.mapping.as_deref() == Some(name))
-            .count() as u32
+    /// How many `hostpciN` entries pass through a device of each PCI
+    /// mapping the config names, by mapping.
+    pub fn mapped_pci(&self) -> BTreeMap<String, u32> {
+        let mut out = BTreeMap::new();
+        for dev in self.passthrough() {
+            if let (DeviceBus::Pci, Some(m)) = (dev.bus, dev.mapping) {
+                *out.entry(m).or_default() += 1;
+            }
+        }
+        out
     }
 
     /// The custom CPU model a `cpu: custom-<name>` names (a cluster
@@ -178,9 +184,9 @@ mod mapping_tests {
         let mut idx = cfg.hostpci_indices();
         idx.sort();
         assert_eq!(idx, [0, 3, 5]);
-        assert_eq!(
-            (cfg.mapped_pci_devices("a10"), cfg.mapped_pci_devices("x")),
-            (1, 0)
-        );
+        let mapped = cfg.mapped_pci();
+        assert_eq!((mapped.get("a10"), mapped.get("x")), (Some(&1), None));
+        // hostpci3's `other` counts; usb0's a10 and hostpci5's address do not.
+        assert_eq!(mapped.len(), 2, "{mapped:?}");
     }
 }

@@ -197,12 +197,7 @@ impl DeviceGuard {
                 ))
             }
         };
-        let mut used: BTreeMap<String, u32> = BTreeMap::new();
-        for dev in cfg.passthrough() {
-            if let (pve::DeviceBus::Pci, Some(m)) = (dev.bus, dev.mapping) {
-                *used.entry(m).or_default() += 1;
-            }
-        }
+        let used = cfg.mapped_pci();
         if let Some(p) = pid {
             let mut usage = self.usage.lock();
             // What no running process holds any more goes with it; VMs

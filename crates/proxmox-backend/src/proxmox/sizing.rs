@@ -48,17 +48,11 @@ pub(super) struct Inherited {
 impl Inherited {
     /// What `cfg` (a template's, or a clone's own) hands on.
     pub(super) fn of(cfg: &VmConfig) -> Inherited {
-        let mut mapped = BTreeMap::new();
-        for dev in cfg.passthrough() {
-            if let (pve::DeviceBus::Pci, Some(m)) = (dev.bus, dev.mapping) {
-                *mapped.entry(m).or_default() += 1;
-            }
-        }
         Inherited {
             balloon_mib: cfg.balloon,
             tags: cfg.tags.clone(),
             hostpci: cfg.hostpci_indices(),
-            mapped,
+            mapped: cfg.mapped_pci(),
         }
     }
 

@@ -133,6 +133,22 @@ impl std::fmt::Debug for StorageClaim {
     }
 }
 
+impl Ledger {
+    /// Ends claim `id` of `holder`: what it held, by storage.
+    fn end(&mut self, holder: &str, id: u64) -> Vec<(SpaceKey, u64)> {
+        let mut ended = Vec::new();
+        for (key, per) in self.claims.iter_mut() {
+            if per.get(holder).is_some_and(|(held, _)| *held == id) {
+                if let Some((_, bytes)) = per.remove(holder) {
+                    ended.push((key.clone(), bytes));
+                }
+            }
+        }
+        self.claims.retain(|_, per| !per.is_empty());
+        ended
+    }
+}
+
 impl StorageClaim {
     /// The clone task ended well: PVE holds the disks now, so the free
     /// space known clean is lowered by what the claim held (an estimate
@@ -140,38 +156,17 @@ impl StorageClaim {
     /// less), and the claim ends.
     pub(super) fn landed(self) {
         let mut ledger = self.ledger.lock();
-        let mut freed = Vec::new();
-        for (key, per) in ledger.claims.iter_mut() {
-            if per
-                .get(&self.machine_id)
-                .is_some_and(|(id, _)| *id == self.id)
-            {
-                if let Some((_, bytes)) = per.remove(&self.machine_id) {
-                    freed.push((key.clone(), bytes));
-                }
-            }
-        }
-        for (key, bytes) in freed {
+        for (key, bytes) in ledger.end(&self.machine_id, self.id) {
             if let Some(seen) = ledger.seen.get_mut(&key) {
                 seen.clean = seen.clean.saturating_sub(bytes);
             }
         }
-        ledger.claims.retain(|_, per| !per.is_empty());
     }
 }
 
 impl Drop for StorageClaim {
     fn drop(&mut self) {
-        let mut ledger = self.ledger.lock();
-        for per in ledger.claims.values_mut() {
-            if per
-                .get(&self.machine_id)
-                .is_some_and(|(id, _)| *id == self.id)
-            {
-                per.remove(&self.machine_id);
-            }
-        }
-        ledger.claims.retain(|_, per| !per.is_empty());
+        self.ledger.lock().end(&self.machine_id, self.id);
     }
 }
 
