@@ -446,6 +446,48 @@ pub fn http_get(addr: SocketAddr, path: &str) -> std::io::Result<(u16, String)> 
 }
 
 /// The id of a SPECULATIVE slot (the first one List returns).
+/// Sends a Create for each of `ids` at once, as a burst of callers would,
+/// and returns the ids accepted and the ids refused. Every refusal must be
+/// RESOURCE_EXHAUSTED (a guard's, before anything started) with a message
+/// naming its machine and holding each of `says`.
+pub async fn create_burst(
+    client: &CapacityProviderClient<Channel>,
+    ids: &[String],
+    says: &[&str],
+) -> (Vec<String>, Vec<String>) {
+    let burst: Vec<_> = ids
+        .iter()
+        .map(|id| {
+            let mut c = client.clone();
+            let id = id.clone();
+            tokio::spawn(async move {
+                let r = c
+                    .create(bigfleet_proto::v1alpha1::CreateRequest {
+                        machine_id: id.clone(),
+                        ..Default::default()
+                    })
+                    .await;
+                (id, r)
+            })
+        })
+        .collect();
+    let mut accepted = Vec::new();
+    let mut refused = Vec::new();
+    for task in burst {
+        let (id, r) = task.await.expect("Create task");
+        match r {
+            Ok(_) => accepted.push(id),
+            Err(status) => {
+                assert_eq!(status.code(), tonic::Code::ResourceExhausted, "{status:?}");
+                let m = status.message();
+                assert!(says.iter().all(|s| m.contains(s)) && m.contains(&id), "{m}");
+                refused.push(id);
+            }
+        }
+    }
+    (accepted, refused)
+}
+
 pub async fn speculative_id(c: &mut CapacityProviderClient<Channel>) -> String {
     speculative_where(c, "", |_| true).await
 }

@@ -10,7 +10,7 @@
 
 use std::time::Duration;
 
-use bigfleet_proto::v1alpha1::{CreateRequest, ListFilter, MachineState};
+use bigfleet_proto::v1alpha1::{ListFilter, MachineState};
 use pve_sim::{endpoints, PciMapping, PveSim, SimConfig};
 
 use crate::common::{self, path_str, sim_backend_args, sim_ca_file, wait_state};
@@ -80,40 +80,12 @@ async fn two_mapped_devices_take_two_gpu_machines_and_refuse_the_rest() {
             );
         }
     }
-    let burst: Vec<_> = machines
-        .iter()
-        .map(|m| {
-            let mut c = client.clone();
-            let id = m.id.clone();
-            tokio::spawn(async move {
-                let r = c
-                    .create(CreateRequest {
-                        machine_id: id.clone(),
-                        ..Default::default()
-                    })
-                    .await;
-                (id, r)
-            })
-        })
-        .collect();
-    let mut accepted = Vec::new();
-    let mut refused = Vec::new();
-    for task in burst {
-        let (id, r) = task.await.unwrap();
-        match r {
-            Ok(_) => accepted.push(id),
-            Err(status) => {
-                assert_eq!(status.code(), tonic::Code::ResourceExhausted, "{status:?}");
-                let m = status.message();
-                assert!(
-                    m.contains("node pve1 has no free device of PCI mapping a10")
-                        && m.contains(&id),
-                    "{m}"
-                );
-                refused.push(id);
-            }
-        }
-    }
+    let (accepted, refused) = common::create_burst(
+        &client,
+        &machines.iter().map(|m| m.id.clone()).collect::<Vec<_>>(),
+        &["node pve1 has no free device of PCI mapping a10"],
+    )
+    .await;
     assert_eq!((accepted.len(), refused.len()), (2, 2), "{refused:?}");
     for id in &accepted {
         wait_state(&mut client, id, MachineState::Idle, Duration::from_secs(60)).await;

@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use bigfleet_proto::admin::admin_client::AdminClient;
 use bigfleet_proto::admin::NodeMemoryRequest;
-use bigfleet_proto::v1alpha1::{CreateRequest, ListFilter, MachineState};
+use bigfleet_proto::v1alpha1::{ListFilter, MachineState};
 use provider_testkit::wait::Wait;
 use pve_sim::{NodeMemory, PveSim, SimConfig};
 
@@ -121,42 +121,12 @@ async fn burst_at_one_node(foreign: bool) {
                 .await;
         })
     };
-    let burst: Vec<_> = ids
-        .iter()
-        .map(|id| {
-            let mut c = client.clone();
-            let id = id.clone();
-            tokio::spawn(async move {
-                let r = c
-                    .create(CreateRequest {
-                        machine_id: id.clone(),
-                        ..Default::default()
-                    })
-                    .await;
-                (id, r)
-            })
-        })
-        .collect();
-    let mut accepted = Vec::new();
-    let mut refused = Vec::new();
-    for task in burst {
-        let (id, r) = task.await.unwrap();
-        match r {
-            Ok(_) => accepted.push(id),
-            Err(status) => {
-                assert_eq!(status.code(), tonic::Code::ResourceExhausted, "{status:?}");
-                let m = status.message();
-                assert!(
-                    m.contains("node pve1")
-                        && m.contains("needs 4096 MiB")
-                        && m.contains("MiB is left")
-                        && m.contains(&id),
-                    "{m}"
-                );
-                refused.push(id);
-            }
-        }
-    }
+    let (accepted, refused) = common::create_burst(
+        &client,
+        &ids,
+        &["node pve1", "needs 4096 MiB", "MiB is left"],
+    )
+    .await;
     let most = if foreign { 3 } else { 4 };
     assert_eq!(accepted.len(), most, "accepted {accepted:?}");
     assert_eq!(refused.len(), 16 - most);

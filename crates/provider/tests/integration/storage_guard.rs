@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use bigfleet_proto::admin::admin_client::AdminClient;
 use bigfleet_proto::admin::NodeMemoryRequest;
-use bigfleet_proto::v1alpha1::{CreateRequest, ListFilter, MachineState};
+use bigfleet_proto::v1alpha1::{ListFilter, MachineState};
 use pve_sim::{endpoints, PveSim, SimConfig, StorageKind, StorageSpec};
 
 use crate::common::{self, http_get, path_str, sim_backend_args, sim_ca_file, wait_state};
@@ -82,41 +82,15 @@ async fn a_storage_that_holds_three_clones_takes_three_creates_and_refuses_the_f
         .map(|m| m.id)
         .collect();
     assert_eq!(ids.len(), 4);
-    let burst: Vec<_> = ids
-        .iter()
-        .map(|id| {
-            let mut c = client.clone();
-            let id = id.clone();
-            tokio::spawn(async move {
-                let r = c
-                    .create(CreateRequest {
-                        machine_id: id.clone(),
-                        ..Default::default()
-                    })
-                    .await;
-                (id, r)
-            })
-        })
-        .collect();
-    let mut accepted = Vec::new();
-    let mut refused = Vec::new();
-    for task in burst {
-        let (id, r) = task.await.unwrap();
-        match r {
-            Ok(_) => accepted.push(id),
-            Err(status) => {
-                assert_eq!(status.code(), tonic::Code::ResourceExhausted, "{status:?}");
-                let m = status.message();
-                assert!(
-                    m.contains("storage local-lvm of node pve1 has no room")
-                        && m.contains("it needs 32.0 GiB")
-                        && m.contains(&id),
-                    "{m}"
-                );
-                refused.push(id);
-            }
-        }
-    }
+    let (accepted, refused) = common::create_burst(
+        &client,
+        &ids,
+        &[
+            "storage local-lvm of node pve1 has no room",
+            "it needs 32.0 GiB",
+        ],
+    )
+    .await;
     assert_eq!((accepted.len(), refused.len()), (3, 1), "{refused:?}");
     for id in &accepted {
         wait_state(&mut client, id, MachineState::Idle, Duration::from_secs(60)).await;
