@@ -152,17 +152,24 @@ const NO_ROOM: Proof = Source {
     text: "KitError::Exhausted(_) => Code::ResourceExhausted",
 };
 
-/// The storage guard's refusal is an admission refusal (mapped by
-/// [`NO_ROOM`]), proven end to end by the provider's own test.
-const NO_STORAGE_ROOM: Proof = Source {
-    file: "crates/provider/tests/integration/storage_guard.rs",
+/// The guards' refusals are admission refusals (mapped by [`NO_ROOM`]);
+/// the provider's end-to-end bursts check each is RESOURCE_EXHAUSTED
+/// (`create_burst`), one test per guard.
+const BURST_EXHAUSTED: Proof = Source {
+    file: "crates/provider/tests/integration/common.rs",
     text: "assert_eq!(status.code(), tonic::Code::ResourceExhausted",
 };
 
-/// The device guard's refusal, proven end to end by the provider's own test.
+/// The storage guard's burst, through `create_burst`.
+const NO_STORAGE_ROOM: Proof = Source {
+    file: "crates/provider/tests/integration/storage_guard.rs",
+    text: "\"storage local-lvm of node pve1 has no room\",",
+};
+
+/// The device guard's burst, through `create_burst`.
 const NO_DEVICE: Proof = Source {
     file: "crates/provider/tests/integration/gpu.rs",
-    text: "assert_eq!(status.code(), tonic::Code::ResourceExhausted",
+    text: "&[\"node pve1 has no free device of PCI mapping a10\"],",
 };
 
 const CLAIMS: &[Claim] = &[
@@ -207,31 +214,31 @@ const CLAIMS: &[Claim] = &[
         page: "configuration.md",
         says: "the Create RPC answers `RESOURCE_EXHAUSTED` and the machine stays `SPECULATIVE`",
         codes: &["RESOURCE_EXHAUSTED"],
-        proofs: &[NO_ROOM, NO_STORAGE_ROOM],
+        proofs: &[NO_ROOM, BURST_EXHAUSTED, NO_STORAGE_ROOM],
     },
     Claim {
         page: "troubleshooting.md",
         says: "Create answers `RESOURCE_EXHAUSTED`: `storage <s> of node <n> has no room",
         codes: &["RESOURCE_EXHAUSTED"],
-        proofs: &[NO_ROOM, NO_STORAGE_ROOM],
+        proofs: &[NO_ROOM, BURST_EXHAUSTED, NO_STORAGE_ROOM],
     },
     Claim {
         page: "configuration.md",
         says: "and refuses the Create with `RESOURCE_EXHAUSTED`, before anything is cloned, when fewer than `count` are free",
         codes: &["RESOURCE_EXHAUSTED"],
-        proofs: &[NO_ROOM, NO_DEVICE],
+        proofs: &[NO_ROOM, BURST_EXHAUSTED, NO_DEVICE],
     },
     Claim {
         page: "troubleshooting.md",
         says: "Create answers `RESOURCE_EXHAUSTED`: `node <n> has no free device of PCI mapping",
         codes: &["RESOURCE_EXHAUSTED"],
-        proofs: &[NO_ROOM, NO_DEVICE],
+        proofs: &[NO_ROOM, BURST_EXHAUSTED, NO_DEVICE],
     },
     Claim {
         page: "DESIGN.md",
         says: "`Backend::admit_create`, RESOURCE_EXHAUSTED when refused",
         codes: &["RESOURCE_EXHAUSTED"],
-        proofs: &[NO_ROOM, NO_STORAGE_ROOM],
+        proofs: &[NO_ROOM, BURST_EXHAUSTED, NO_STORAGE_ROOM],
     },
     Claim {
         page: "configuration.md",
