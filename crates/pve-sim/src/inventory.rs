@@ -588,7 +588,8 @@ impl Shared {
     /// `GET /nodes/{node}/tasks` (pve-manager `PVE::API2::Tasks::node_tasks`):
     /// newest first; `source` `archive` (the default: finished tasks),
     /// `active` (running) or `all`; filtered by `typefilter`, `userfilter`
-    /// (a substring), `vmid` (the task's id) and `errors`; paged by `start`
+    /// (a substring), `vmid` (the task's id), `errors` and the start time
+    /// (`since` and `until`, Unix seconds, both inclusive); paged by `start`
     /// and `limit`. Without `Sys.Audit` on `/nodes/{node}` a caller sees
     /// only the tasks it started itself.
     pub fn node_tasks(&self, node: &str, p: &crate::params::Params) -> ApiResult {
@@ -599,6 +600,8 @@ impl Shared {
         let userfilter = p.get("userfilter").map(str::to_lowercase);
         let vmid = p.get("vmid");
         let errors = p.bool("errors").unwrap_or(false);
+        let since = p.u64("since");
+        let until = p.u64("until");
         let start = p.u64("start").unwrap_or(0) as usize;
         let limit = p.u64("limit").unwrap_or(50) as usize;
         let c = self.cluster.lock();
@@ -619,6 +622,8 @@ impl Shared {
                     .is_none_or(|u| t.user.to_lowercase().contains(u))
             })
             .filter(|t| vmid.is_none_or(|v| t.id == v))
+            .filter(|t| since.is_none_or(|s| t.starttime >= s))
+            .filter(|t| until.is_none_or(|u| t.starttime <= u))
             .filter(|t| !errors || t.exitstatus.as_deref().is_some_and(|s| s != "OK"))
             .collect();
         tasks.sort_by_key(|t| std::cmp::Reverse((t.starttime, t.pid)));

@@ -436,12 +436,20 @@ impl Shared {
             kind,
             &vmid.to_string(),
             move |me, _| async move {
-                me.hold_flock(vmid, &n, |vm| match &vm.lock {
-                    Some(l) if !skiplock => Err(locked(vmid, l)),
-                    _ => Ok(()),
+                // qemu-server's `_do_vm_stop` returns at once, lock or no
+                // lock, when no QEMU runs: a stopped VM's stop is `OK`.
+                let mut was_running = false;
+                me.hold_flock(vmid, &n, |vm| {
+                    was_running = vm.running;
+                    match &vm.lock {
+                        Some(l) if !skiplock && vm.running => Err(locked(vmid, l)),
+                        _ => Ok(()),
+                    }
                 })
                 .await?;
-                tokio::time::sleep(me.cfg.stop_duration).await;
+                if was_running {
+                    tokio::time::sleep(me.cfg.stop_duration).await;
+                }
                 me.release_flock(vmid, |c| {
                     if let Some(vm) = c.vms.get_mut(&vmid) {
                         vm.running = false;

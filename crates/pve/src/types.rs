@@ -537,6 +537,9 @@ pub struct TaskSummary {
     pub user: Option<String>,
     #[serde(default, deserialize_with = "lenient::opt_string")]
     pub status: Option<String>,
+    /// When it ended (Unix seconds); only on a task that has ended.
+    #[serde(default, deserialize_with = "lenient::opt_u64")]
+    pub endtime: Option<u64>,
 }
 
 impl TaskSummary {
@@ -546,6 +549,15 @@ impl TaskSummary {
     /// beside the one a dead process's clone is still copying.
     pub fn is_running(&self) -> bool {
         self.status.as_deref().is_none_or(|s| s == "RUNNING")
+    }
+
+    /// The exit status of a task the row shows ended (`OK`, `WARNINGS: N`
+    /// or the error text). `None` while it runs, and for a row that has
+    /// an end time but no status: that task's own status says how it ended.
+    pub fn exit_status(&self) -> Option<&str> {
+        self.status
+            .as_deref()
+            .filter(|s| !s.is_empty() && *s != "RUNNING")
     }
 }
 
@@ -801,6 +813,45 @@ mod tests {
         assert!(!row(serde_json::json!("OK")).is_running());
         assert!(!row(serde_json::json!("unable to create VM 130")).is_running());
         assert!(!row(serde_json::json!("WARNINGS: 1")).is_running());
+    }
+
+    /// What a task watch takes from a `source=all` row: an exit status only
+    /// from a row that has one; an archived row without one (or an empty
+    /// one) is no verdict, and the task's own status is read instead.
+    #[test]
+    fn a_task_row_gives_an_exit_status_only_when_it_has_one() {
+        let row = |extra: serde_json::Value| -> super::TaskSummary {
+            let mut v = serde_json::json!({
+                "upid": "UPID:pve1:0000A1B2:0001C3D4:6750A000:qmstart:130:root@pam:",
+                "type": "qmstart", "id": "130",
+            });
+            for (k, x) in extra.as_object().expect("fields") {
+                v[k] = x.clone();
+            }
+            serde_json::from_value(v).expect("row")
+        };
+        let ended = row(serde_json::json!({"status": "OK", "endtime": 1_733_400_000}));
+        assert_eq!(ended.exit_status(), Some("OK"));
+        assert_eq!(ended.endtime, Some(1_733_400_000));
+        let failed =
+            row(serde_json::json!({"status": "VM 130 already running", "endtime": "1733400000"}));
+        assert_eq!(failed.exit_status(), Some("VM 130 already running"));
+        assert_eq!(
+            failed.endtime,
+            Some(1_733_400_000),
+            "a string number is read too"
+        );
+        assert_eq!(
+            row(serde_json::json!({"status": "RUNNING"})).exit_status(),
+            None
+        );
+        let silent = row(serde_json::json!({"endtime": 1_733_400_000}));
+        assert_eq!(silent.exit_status(), None);
+        assert!(silent.endtime.is_some());
+        assert_eq!(
+            row(serde_json::json!({"status": "", "endtime": 1})).exit_status(),
+            None
+        );
     }
 
     #[test]

@@ -115,12 +115,11 @@ async fn a_lifecycle_is_accounted_for_step_by_step() {
             "clone",
             "start",
             "agent",
-            // Configure and Drain check the guest agent answers first.
-            "agent",
+            // Configure and Drain ping nothing first: their first guest
+            // command finds the agent (PVE pings it before each command).
             "bootstrap_write",
             "bootstrap_exec",
             "readiness",
-            "agent",
             "drain",
             "stop",
             "destroy"

@@ -405,23 +405,37 @@ impl Api {
     /// Repeats are harmless (stopping a stopped VM, destroying a gone one),
     /// so transient failures are retried until `deadline`. The caller
     /// forgets the VMID afterwards (it is gone either way on `Ok`).
+    ///
+    /// `stop_first`: whether to stop it first (a VM known stopped is not).
+    /// A VM whose power state is not known is stopped anyway: stopping a
+    /// stopped VM is an `OK` task at once (qemu-server's `_do_vm_stop`
+    /// returns before anything when no QEMU runs), cheaper than reading its
+    /// status first when it usually runs. Whether the HA manager owns it is
+    /// told by the stop's own task: `hastop` only queues the request, which
+    /// is then waited for.
     pub(super) async fn destroy(
         &self,
         vm: &VmRef,
-        st: &VmStatus,
+        stop_first: bool,
         deadline: Instant,
     ) -> Result<(), SubstrateError> {
         let node = Some(vm.node.as_str());
-        if st.is_running() {
-            tracing::info!(vm = %vm, ha = st.ha_managed(), "stopping VM");
+        if stop_first {
+            tracing::info!(vm = %vm, "stopping VM");
             let mut attempt = 0;
-            loop {
+            let ha = loop {
                 match self
                     .retry_raw(node, deadline, |pve| pve.stop(&vm.node, vm.vmid))
                     .await
                 {
                     Ok(upid) => match self.wait_task(&upid, "stop").await {
-                        Ok(()) => break,
+                        Ok(()) => break upid.task_type == "hastop",
+                        // Destroyed meanwhile (another destroy of it, one
+                        // a restarted provider left running, got there
+                        // first): the stop's worker found no config.
+                        Err(e) if e.is_not_found() || e.is_vm_config_missing(vm.vmid) => {
+                            return Ok(())
+                        }
                         // `VM 104 is locked (backup)` from the worker: the
                         // stop did nothing; a repeated stop is harmless,
                         // unless no task holds the lock (see below).
@@ -441,8 +455,8 @@ impl Api {
                     Err(e) if e.is_not_found() => return Ok(()),
                     Err(e) => return Err(err_at(format!("stopping VM {vm}"), node, &e)),
                 }
-            }
-            if st.ha_managed() {
+            };
+            if ha {
                 // hastop only queues the request.
                 self.wait_status(vm, "stopped", |s| !s.is_running()).await?;
             }

@@ -359,7 +359,7 @@ impl Cloner {
             return Ok(());
         }
         tracing::warn!(vm = %vm, "failed clone left its VM behind; destroying it");
-        self.api.destroy(vm, &st, deadline).await?;
+        self.api.destroy(vm, st.is_running(), deadline).await?;
         self.forget(vm.vmid);
         Ok(())
     }

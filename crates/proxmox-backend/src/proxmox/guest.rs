@@ -37,6 +37,9 @@ pub(super) const OUTPUT_TAIL: usize = 512;
 pub(super) enum ExecError {
     #[error(transparent)]
     Api(#[from] PveError),
+    /// The agent did not come up for a command PVE refused to send.
+    #[error(transparent)]
+    Agent(SubstrateError),
     #[error("guest pid {pid} was still running after {timeout:?}")]
     Deadline { pid: u32, timeout: Duration },
     #[error(
@@ -119,6 +122,7 @@ impl ExecError {
     pub(super) fn kind(&self) -> ErrorKind {
         match self {
             ExecError::Api(e) => kind_of(e),
+            ExecError::Agent(e) => e.kind(),
             // The command may still be running or may have finished: not
             // safely retried.
             ExecError::Deadline { .. } | ExecError::Lost { .. } => ErrorKind::Permanent,
@@ -256,27 +260,46 @@ impl Guest {
     }
 
     /// Names the guest after its VM with `--hostname-command` (skipped when
-    /// empty), then reads the hostname back: a guest still carrying its
-    /// template's name would register as another machine's node.
+    /// empty) and reads the name back, in one guest command: the shell runs
+    /// the hostname command and, only when it exits 0, prints what
+    /// `hostname` says behind [`HOSTNAME_MARK`]. A guest still carrying its
+    /// template's name would register as another machine's node. It is the
+    /// first command of a Configure, so it waits for the agent when PVE
+    /// finds it not up (see [`Guest::run_first`]).
     async fn set_hostname(&self, vm: &VmRef, name: &str) -> Result<(), SubstrateError> {
         let opts = &self.opts;
         let cmd = opts.hostname_command.trim();
-        if !cmd.is_empty() {
-            let what = format!("hostname command `{cmd}`");
-            let st = self
-                .run(vm, &with_node_name(name, cmd), opts.exec_timeout)
-                .await
-                .map_err(|e| exec_err(format!("running the {what} in VM {vm}"), &e))?;
-            tracing::info!(vm = %vm, exit_code = st.exitcode, signal = st.signal, "hostname command exited");
-            exec_outcome(&what, &st).map_err(|e| e.context(format!("VM {vm}")))?;
-        }
-        let read_back = ["/bin/sh".to_string(), "-c".into(), "hostname".into()];
+        let what = if cmd.is_empty() {
+            "`hostname`".to_string()
+        } else {
+            format!("hostname command `{cmd}`")
+        };
         let st = self
-            .run(vm, &read_back, opts.exec_timeout)
+            .run_first(vm, &hostname_argv(name, cmd), opts.exec_timeout)
             .await
-            .map_err(|e| exec_err(format!("reading the hostname of VM {vm}"), &e))?;
-        exec_outcome("`hostname`", &st).map_err(|e| e.context(format!("VM {vm}")))?;
-        let guest = st.out_data.as_deref().unwrap_or_default().trim();
+            .map_err(|e| exec_err(format!("running the {what} in VM {vm}"), &e))?;
+        tracing::info!(vm = %vm, exit_code = st.exitcode, signal = st.signal, "hostname command exited");
+        exec_outcome(&what, &st).map_err(|e| e.context(format!("VM {vm}")))?;
+        let guest = match read_back_hostname(st.out_data.as_deref().unwrap_or_default()) {
+            Some(Ok(guest)) => guest,
+            Some(Err(failed)) => {
+                return Err(SubstrateError::new(format!(
+                    "VM {vm}: `hostname` failed in the guest after the {what}: {}",
+                    tail(&failed)
+                )))
+            }
+            None => {
+                return Err(SubstrateError::new(format!(
+                    "VM {vm}: the guest's hostname could not be read back after the {what} \
+                     (its output lacks the {HOSTNAME_MARK:?} line{})",
+                    if st.out_truncated {
+                        "; the agent truncated the output"
+                    } else {
+                        ""
+                    }
+                )))
+            }
+        };
         if !guest.eq_ignore_ascii_case(name) {
             let mismatch = HostnameMismatch {
                 vm_name: name.to_string(),
@@ -300,22 +323,35 @@ impl Guest {
     /// Pings the agent until it answers, polling through boot-time failures.
     pub(super) async fn wait_agent(&self, vm: &VmRef) -> Result<(), SubstrateError> {
         let step = timeline::step(Step::Agent, &vm.node);
-        step.end(self.ping_until_up(vm).await)
+        step.end(self.ping_until_up(vm, self.opts.poll_interval).await)
     }
 
     /// [`Guest::wait_agent`] right after this provider started the VM: the
-    /// first ping waits three quarters of what agents on this node took to
-    /// answer after a start lately (at most half the agent timeout), so a
-    /// boot costs a ping or two rather than one per poll interval; the time
-    /// this one took is learnt for the next.
+    /// first ping waits nine tenths of what agents on this node took to
+    /// answer after a start lately (at most half the agent timeout), and a
+    /// ping that finds the agent not up yet is followed by the next a
+    /// quarter of that later (at most a poll interval), so a boot costs a
+    /// ping, sometimes two, rather than one per poll interval. The time
+    /// this one took is learnt for the next: a boot that answered the first
+    /// ping pulls the estimate down, one that needed more pushes it up.
     pub(super) async fn wait_agent_after_start(&self, vm: &VmRef) -> Result<(), SubstrateError> {
         let step = timeline::step(Step::Agent, &vm.node);
         let started = Instant::now();
         let learnt = self.boot_times.lock().get(&vm.node).copied();
-        if let Some(boot) = learnt {
-            tokio::time::sleep((boot * 3 / 4).min(self.opts.agent_timeout / 2)).await;
-        }
-        let out = self.ping_until_up(vm).await;
+        let every = match learnt {
+            Some(boot) => {
+                tokio::time::sleep((boot * 9 / 10).min(self.opts.agent_timeout / 2)).await;
+                (boot / 4).clamp(self.api.first_poll(), self.opts.poll_interval)
+            }
+            // Nothing learnt: the start task ends once QEMU runs, before
+            // the guest has booted far enough for its agent, so the first
+            // ping waits a poll interval.
+            None => {
+                tokio::time::sleep(self.opts.poll_interval).await;
+                self.opts.poll_interval
+            }
+        };
+        let out = self.ping_until_up(vm, every).await;
         if out.is_ok() {
             let took = started.elapsed();
             let mut times = self.boot_times.lock();
@@ -328,7 +364,8 @@ impl Guest {
         step.end(out)
     }
 
-    async fn ping_until_up(&self, vm: &VmRef) -> Result<(), SubstrateError> {
+    /// Pings every `every` until the agent answers or `--agent-timeout` passes.
+    async fn ping_until_up(&self, vm: &VmRef, every: Duration) -> Result<(), SubstrateError> {
         let opts = &self.opts;
         let deadline = Instant::now() + opts.agent_timeout;
         loop {
@@ -350,7 +387,7 @@ impl Guest {
                 }
                 Err(e) => return Err(err(format!("pinging the guest agent of VM {vm}"), &e)),
             }
-            tokio::time::sleep(opts.poll_interval).await;
+            tokio::time::sleep(every).await;
         }
     }
 
@@ -367,6 +404,46 @@ impl Guest {
             .api
             .once(|pve| pve.agent_exec(&vm.node, vm.vmid, argv, None))
             .await?;
+        self.await_exit(vm, pid, timeout).await
+    }
+
+    /// [`Guest::run`] for the first command of a Configure or a Drain, which
+    /// no agent ping comes before: qemu-server pings the agent itself before
+    /// any agent command and refuses one it could not send (`QEMU guest
+    /// agent is not running`, the VM not running). Only then, when nothing
+    /// ran, does this wait for the agent (as [`Guest::wait_agent`], up to
+    /// `--agent-timeout`) and send the command again. A ping before every
+    /// Configure and Drain cost a request each to learn what the command's
+    /// own answer says.
+    async fn run_first(
+        &self,
+        vm: &VmRef,
+        argv: &[String],
+        timeout: Duration,
+    ) -> Result<ExecStatus, ExecError> {
+        let exec = || {
+            self.api
+                .once(|pve| pve.agent_exec(&vm.node, vm.vmid, argv, None))
+        };
+        let pid = match exec().await {
+            Ok(pid) => pid,
+            Err(e) if e.is_agent_unreached() => {
+                tracing::info!(vm = %vm, error = %e, "the guest agent did not take the command; waiting for it");
+                self.wait_agent(vm).await.map_err(ExecError::Agent)?;
+                exec().await?
+            }
+            Err(e) => return Err(e.into()),
+        };
+        self.await_exit(vm, pid, timeout).await
+    }
+
+    /// Polls guest pid `pid` until it exits or `timeout` passes.
+    async fn await_exit(
+        &self,
+        vm: &VmRef,
+        pid: u32,
+        timeout: Duration,
+    ) -> Result<ExecStatus, ExecError> {
         let deadline = Instant::now() + timeout;
         let mut delay = self.api.first_poll();
         let mut dropped: Option<String> = None;
@@ -602,7 +679,7 @@ impl Guest {
         let argv = with_node_name(&name, &cmd);
         let step = timeline::step(Step::Drain, &vm.node);
         let st = match self
-            .run(vm, &argv, opts.drain_timeout + Duration::from_secs(30))
+            .run_first(vm, &argv, opts.drain_timeout + Duration::from_secs(30))
             .await
         {
             Ok(st) => st,
@@ -627,6 +704,43 @@ fn with_node_name(name: &str, cmd: &str) -> Vec<String> {
         "-c".into(),
         cmd.into(),
     ]
+}
+
+/// The line the hostname command's shell prints after it, with
+/// `hostname`'s exit status and answer: `bigfleet-hostname:<status>:<name>`.
+const HOSTNAME_MARK: &str = "bigfleet-hostname:";
+
+/// One guest command that runs `cmd` (when not empty) with the node name
+/// in [`NODE_NAME_ENV`] and, once it exits 0, prints [`HOSTNAME_MARK`],
+/// `hostname`'s exit status and its answer (or its error) on a line of its
+/// own. The command text stays one argument, as given.
+fn hostname_argv(name: &str, cmd: &str) -> Vec<String> {
+    const SCRIPT: &str = r#"if [ -n "$1" ]; then /bin/sh -c "$1" || exit $?; fi
+h=$(hostname 2>&1); s=$?
+printf '\n%s%s:%s\n' "$2" "$s" "$h""#;
+    let mut argv = with_node_name(name, SCRIPT);
+    argv.extend([
+        "bigfleet-hostname".to_string(),
+        cmd.to_string(),
+        HOSTNAME_MARK.to_string(),
+    ]);
+    argv
+}
+
+/// What the last [`HOSTNAME_MARK`] line of the output says: the guest's
+/// hostname, or `hostname`'s error when it exited non-zero. `None` when
+/// there is no such line.
+fn read_back_hostname(out: &str) -> Option<Result<String, String>> {
+    let line = out
+        .lines()
+        .rev()
+        .find_map(|l| l.strip_prefix(HOSTNAME_MARK))?;
+    let (status, answer) = line.split_once(':')?;
+    let answer = answer.trim();
+    match status {
+        "0" => Some(Ok(answer.to_string())),
+        other => Some(Err(format!("exit {other}: {answer}"))),
+    }
 }
 
 /// The `i`th part file of a chunked blob: beside the blob, numbered so the
@@ -735,6 +849,65 @@ mod tests {
         assert!(!out.status.success());
         let left = std::fs::read_dir(dir.path()).unwrap().count();
         assert_eq!(left, 0, "no piece of the blob is left behind");
+    }
+
+    /// The hostname command and its read-back as one guest command, run by
+    /// a real `/bin/sh` with a `hostname` of the test's own on `PATH`.
+    #[test]
+    fn the_hostname_command_and_its_read_back_are_one_command() {
+        let dir = tempfile::tempdir().unwrap();
+        let bin = dir.path();
+        let name_file = bin.join("name");
+        std::fs::write(&name_file, "template\n").unwrap();
+        let script = format!(
+            "#!/bin/sh\nif [ -n \"$1\" ]; then printf '%s\\n' \"$1\" > {f}; else cat {f}; fi\n",
+            f = name_file.display()
+        );
+        std::fs::write(bin.join("hostname"), script).unwrap();
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(bin.join("hostname"), std::fs::Permissions::from_mode(0o755))
+            .unwrap();
+        let path = format!("{}:/usr/bin:/bin", bin.display());
+        let run = |cmd: &str| {
+            let argv = hostname_argv("node-7", cmd);
+            std::process::Command::new(&argv[0])
+                .args(&argv[1..])
+                .env("PATH", &path)
+                .output()
+                .unwrap()
+        };
+        // The command sees the node name, and the read-back follows it.
+        let out = run("echo renaming; hostname \"$BIGFLEET_NODE_NAME\"");
+        assert!(out.status.success(), "{out:?}");
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(stdout.starts_with("renaming\n"), "{stdout}");
+        assert_eq!(read_back_hostname(&stdout), Some(Ok("node-7".into())));
+        // An empty command only reads the name.
+        std::fs::write(&name_file, "template\n").unwrap();
+        let out = run("");
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert_eq!(read_back_hostname(&stdout), Some(Ok("template".into())));
+        // A failing command ends the shell with its status: no read-back.
+        let out = run("echo nope >&2; exit 3");
+        assert_eq!(out.status.code(), Some(3));
+        assert_eq!(String::from_utf8_lossy(&out.stderr), "nope\n");
+        assert_eq!(
+            read_back_hostname(&String::from_utf8_lossy(&out.stdout)),
+            None
+        );
+        // A failing `hostname` is reported with its status and words.
+        std::fs::write(bin.join("hostname"), "#!/bin/sh\necho broken >&2\nexit 4\n").unwrap();
+        let out = run("");
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert_eq!(
+            read_back_hostname(&stdout),
+            Some(Err("exit 4: broken".into()))
+        );
+        // Only the last mark counts: the command cannot speak for the guest.
+        assert_eq!(
+            read_back_hostname("bigfleet-hostname:0:fake\nbigfleet-hostname:0:real\n"),
+            Some(Ok("real".into()))
+        );
     }
 
     #[test]

@@ -152,7 +152,7 @@ impl LateClones {
         };
         tracing::warn!(vm = %vm, machine_id = %late.machine_id,
             "a clone given up as not applied (its answer was lost) landed late next to this machine's VM; destroying the duplicate");
-        self.api.destroy(vm, &st, deadline).await?;
+        self.api.destroy(vm, st.is_running(), deadline).await?;
         self.inventory.forget(vm.vmid);
         self.vmids.cool_down(vm.vmid);
         forget();

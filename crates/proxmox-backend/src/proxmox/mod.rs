@@ -60,8 +60,11 @@
 //! tells a fresh replica from a stale one), and the one that stages it adds
 //! clone + migrate + template conversion and their task polls (`replica`);
 //! Configure/Drain =
-//! status + ping + exec + exec-status polls; Delete = status + config (the
-//! marker is the ownership proof) + stop + destroy + task polls; a
+//! status + exec + exec-status polls (no ping: PVE's own before each agent
+//! command refuses one the agent is not up for, and then it waits); Delete = config (the
+//! marker is the ownership proof) + stop (whatever the power state: a
+//! stopped VM's stop ends at once) + destroy + task polls + the destroy's
+//! log; a
 //! reconcile pass = 1 inventory read plus config reads only for marked VMs that
 //! are new or whose tags/name changed since the last pass. A node the
 //! inventory read found down is never called: its VMs keep what the last
@@ -302,18 +305,6 @@ impl PveSubstrate {
         self.vmids.cool_down(vmid);
     }
 
-    /// Stops and destroys a VM whose marker was checked by the caller.
-    async fn destroy_owned(
-        &self,
-        vm: &VmRef,
-        st: &VmStatus,
-        deadline: Instant,
-    ) -> Result<(), SubstrateError> {
-        self.api.destroy(vm, st, deadline).await?;
-        self.forget(vm.vmid);
-        Ok(())
-    }
-
     async fn ensure_running_status(
         &self,
         vm: &VmRef,
@@ -329,23 +320,24 @@ impl PveSubstrate {
 
     // ---- delete ----
 
-    /// The VM's status, following a migration (by VMID; the marker is
-    /// checked afterwards). `None`: it no longer exists, or it is invisible
-    /// to this token, which under a pool-scoped token means it is outside the
-    /// pool and so not ours (ours stay in the pool until destroyed).
+    /// The VM's config, whose description marker is the ownership proof,
+    /// following a migration (by VMID; the marker is checked afterwards).
+    /// `None`: it no longer exists, or it is invisible to this token, which
+    /// under a pool-scoped token means it is outside the pool and so not
+    /// ours (ours stay in the pool until destroyed).
     async fn find_for_delete(
         &self,
         vm: &VmRef,
         deadline: Instant,
-    ) -> Result<Option<(VmRef, VmStatus)>, SubstrateError> {
+    ) -> Result<Option<(VmRef, pve::VmConfig)>, SubstrateError> {
         let api = &self.api;
         match api
             .retry_raw(Some(&vm.node), deadline, |pve| {
-                pve.status_current(&vm.node, vm.vmid)
+                pve.get_config(&vm.node, vm.vmid)
             })
             .await
         {
-            Ok(st) => Ok(Some((vm.clone(), st))),
+            Ok(cfg) => Ok(Some((vm.clone(), cfg))),
             Err(e) if e.is_forbidden() => {
                 if api.vmid_taken(vm.vmid, deadline).await? {
                     tracing::warn!(vm = %vm, "VMID is in use but outside the token's pool: not ours; leaving it alone");
@@ -361,15 +353,15 @@ impl PveSubstrate {
                     vmid: vm.vmid,
                 };
                 tracing::info!(vmid = vm.vmid, from = %vm.node, to = %moved.node, "VM moved; deleting it on its new node");
-                let st = api
-                    .read_present("reading the status of", &moved, deadline, |pve| {
-                        pve.status_current(&moved.node, moved.vmid)
+                let cfg = api
+                    .read_present("reading the marker of", &moved, deadline, |pve| {
+                        pve.get_config(&moved.node, moved.vmid)
                     })
                     .await?;
-                Ok(st.map(|st| (moved, st)))
+                Ok(cfg.map(|cfg| (moved, cfg)))
             }
             Err(e) => Err(err_at(
-                format!("reading the status of VM {vm}"),
+                format!("reading the marker of VM {vm}"),
                 Some(&vm.node),
                 &e,
             )),
@@ -616,19 +608,8 @@ impl Substrate for PveSubstrate {
         self.guest.forget(vm.vmid);
         let deadline = self.api.deadline();
         self.wait_if_down(&vm.node, deadline).await?;
-        let Some((vm, st)) = self.find_for_delete(vm, deadline).await? else {
+        let Some((vm, cfg)) = self.find_for_delete(vm, deadline).await? else {
             tracing::info!(vm = %vm, "VM already gone");
-            self.forget(vm.vmid);
-            return Ok(());
-        };
-        let Some(cfg) = self
-            .api
-            .read_present("reading the marker of", &vm, deadline, |pve| {
-                pve.get_config(&vm.node, vm.vmid)
-            })
-            .await?
-        else {
-            tracing::info!(vm = %vm, "VM gone before its marker could be read");
             self.forget(vm.vmid);
             return Ok(());
         };
@@ -638,7 +619,12 @@ impl Substrate for PveSubstrate {
             self.forget(vm.vmid);
             return Ok(());
         }
-        self.destroy_owned(&vm, &st, deadline).await
+        // Stopped first whatever its state: a machine's VM runs until its
+        // Delete, and a stop of one that does not is a task that ends at
+        // once, where a status read first would cost every Delete.
+        self.api.destroy(&vm, true, deadline).await?;
+        self.forget(vm.vmid);
+        Ok(())
     }
 
     async fn describe_managed(&self) -> Result<Vec<ManagedVm>, SubstrateError> {
@@ -664,6 +650,12 @@ impl Substrate for PveSubstrate {
         // Configure and Drain name the node after the VM: learnt here, fresh
         // on every EnsureRunning that comes before them.
         self.guest.learn_name(vm, st.name.as_deref());
+        if st.is_running() {
+            // No ping: PVE pings the agent before the guest command that
+            // comes next and refuses it, unsent, while the agent is not up;
+            // that command then waits for the agent (`Guest::run_first`).
+            return Ok(());
+        }
         self.ensure_running_status(vm, &st, deadline).await
     }
 

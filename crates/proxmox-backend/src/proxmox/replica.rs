@@ -809,7 +809,7 @@ impl Replicas {
             return;
         };
         tracing::info!(vm = %vm, source, "removing a stale or half-staged template replica");
-        match self.api.destroy(vm, &st, deadline).await {
+        match self.api.destroy(vm, st.is_running(), deadline).await {
             Ok(()) => {
                 self.vmids.cool_down(vm.vmid);
                 self.known.lock().remove(&vm.vmid);

@@ -1,9 +1,11 @@
 //! Waiting for PVE tasks at the cost of one request per node per tick,
 //! not one per task: a burst of clones, starts or destroys on a node is
-//! watched through the node's active task list (`GET /nodes/{node}/tasks
-//! ?source=active`), and a task's own status is read once, when it has
-//! left that list (or shows there with its exit status, which needs no
-//! read at all).
+//! watched through the node's recent task list (`GET /nodes/{node}/tasks
+//! ?source=all&since=S`, `S` the start of the oldest task looked at), which
+//! shows each task running or, once it has ended, with its exit status: a
+//! task listed ended needs no read of its own. A task the list leaves out
+//! (past its row limit, or a row with an end but no status) has its own
+//! status read, as it would alone.
 //!
 //! A node with a single task waited on has its status read directly: the
 //! list only pays off from two tasks on.
@@ -198,7 +200,8 @@ impl Watcher {
             // The list pays off from two tasks on: one task alone costs a
             // status read, as before.
             let listed = if tasks.len() > 1 {
-                self.client.node_active_tasks(&node).await.ok()
+                let since = tasks.iter().map(|u| u.starttime).min().unwrap_or(0);
+                self.client.node_tasks_since(&node, since).await.ok()
             } else {
                 None
             };
@@ -222,22 +225,25 @@ impl Watcher {
     async fn check(&self, upid: &Upid, listed: Option<&[TaskSummary]>) -> Polled {
         let key = upid.to_string();
         if let Some(rows) = listed {
-            match rows.iter().find(|r| r.upid == key) {
-                Some(row) if row.is_running() => return Polled::Running,
-                // Finished and not yet archived: the row has its exit status.
-                Some(row) => {
+            if let Some(row) = rows.iter().find(|r| r.upid == key) {
+                if let Some(exit) = row.exit_status() {
+                    // Ended: the row says how, as the task's status would.
                     let status = TaskStatus {
                         status: TaskState::Stopped,
-                        exitstatus: row.status.clone(),
+                        exitstatus: Some(exit.to_string()),
                         upid: Some(key),
                         task_type: row.task_type.clone(),
                         node: Some(upid.node.clone()),
                     };
                     return Polled::Ended(finished(upid, status));
                 }
-                // Gone from the list: ended; its status says how.
-                None => {}
+                if row.endtime.is_none() {
+                    return Polled::Running;
+                }
+                // An end without a status: the task's own status says.
             }
+            // Not listed (past the list's rows) or listed ended without a
+            // status: its own status says how it stands.
         }
         match self.client.task_status(upid).await {
             Ok(st) if st.status == TaskState::Stopped => Polled::Ended(finished(upid, st)),

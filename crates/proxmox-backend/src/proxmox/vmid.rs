@@ -176,6 +176,13 @@ impl Vmids {
         };
         // Every id of the range is visited at most once, wrapping at the end;
         // ids this process holds or recently freed are skipped without a call.
+        // When PVE's first free id was one this process holds (a burst's
+        // Creates, one after another), the first id past it that this
+        // process does not hold is taken without asking: the clone's own
+        // POST refuses a taken id at once (`VM N already exists`, checked
+        // cluster-wide), and the Create then chooses again with that id
+        // cooling, so asking first would only cost every such Create a read.
+        let mut guess = first.is_some();
         for i in 0..size {
             let offset = (u64::from(start - range.0) + i) % size;
             let Ok(candidate) = u32::try_from(u64::from(range.0) + offset) else {
@@ -184,7 +191,7 @@ impl Vmids {
             if self.state.lock().blocked(candidate) {
                 continue;
             }
-            if api.vmid_taken(candidate, deadline).await? {
+            if !std::mem::take(&mut guess) && api.vmid_taken(candidate, deadline).await? {
                 continue;
             }
             let mut st = self.state.lock();

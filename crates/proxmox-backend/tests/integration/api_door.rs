@@ -106,8 +106,8 @@ async fn a_transient_failure_is_retried_whichever_part_makes_the_call() {
         .expect("configure after failed file writes");
     assert_retried(&sim, endpoints::AGENT_FILE_WRITE, before, "configure");
 
-    // Delete: the status read, the destroy.
-    for (endpoint, (vm, id)) in [endpoints::STATUS, endpoints::DESTROY]
+    // Delete: the marker's read, the destroy.
+    for (endpoint, (vm, id)) in [endpoints::CONFIG_GET, endpoints::DESTROY]
         .into_iter()
         .zip(&vms)
     {

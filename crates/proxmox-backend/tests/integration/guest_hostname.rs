@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use proxmox_backend::proxmox::{vm_name, PveOptions, PveSubstrate};
 use proxmox_backend::substrate::{Substrate, VmRef};
-use pve_sim::{SimConfig, TEMPLATE_HOSTNAME};
+use pve_sim::{endpoints, SimConfig, TEMPLATE_HOSTNAME};
 
 use crate::common::{self, client, sim_with};
 
@@ -115,5 +115,71 @@ async fn an_empty_hostname_command_still_checks_the_name() {
     sub.configure(&vm, b"true\n")
         .await
         .expect("named by the template");
+    sim.shutdown().await;
+}
+
+/// Configure and Drain send no ping first: the hostname command is their
+/// first guest command, named and read back in one exec. When the agent is
+/// not up (the VM restarted behind the provider's back), PVE refuses the
+/// command unsent; it then waits for the agent and is sent once more, and
+/// the hostname is still set. With the agent up, a Configure costs one exec
+/// for the name, none for a ping.
+#[tokio::test]
+async fn the_first_guest_command_waits_for_an_agent_that_is_not_up() {
+    let sim = sim_with(SimConfig {
+        agent_boot_delay: Duration::from_millis(600),
+        ..SimConfig::default()
+    })
+    .await;
+    let mut o = opts();
+    o.poll_interval = Duration::from_millis(50);
+    o.drain_command = "true".into();
+    let sub = PveSubstrate::new(client(&sim), o);
+    let id = "p/OnDemand/pve.small/pve1/003";
+    let vm = clone_one(&sub, id).await;
+    let name = vm_name("pve.small", id);
+
+    sim.reset_counts();
+    sub.ensure_running(&vm).await.expect("running");
+    sub.configure(&vm, b"true\n").await.expect("configure");
+    assert_eq!(
+        sim.call_count(endpoints::AGENT_PING),
+        0,
+        "no ping before a Configure"
+    );
+    // The name and its read-back, then the bootstrap hook.
+    assert_eq!(sim.call_count(endpoints::AGENT_EXEC), 2);
+    assert_eq!(sim.guest_hostname(vm.vmid).as_deref(), Some(name.as_str()));
+
+    // Restarted out of band: it runs, and its agent is not up yet.
+    assert!(sim.stop_vm_out_of_band(vm.vmid) && sim.start_vm_out_of_band(vm.vmid));
+    std::fs::write(sim.guest_root(vm.vmid).join("etc/hostname"), "template\n").unwrap();
+    sim.reset_counts();
+    sub.ensure_running(&vm).await.expect("running");
+    sub.configure(&vm, b"true\n")
+        .await
+        .expect("configure once the agent is up");
+    assert!(
+        sim.call_count(endpoints::AGENT_PING) >= 1,
+        "the refused command waited for the agent"
+    );
+    // One refused exec, sent again once; then the bootstrap hook.
+    assert_eq!(sim.call_count(endpoints::AGENT_EXEC), 3);
+    assert_eq!(sim.guest_hostname(vm.vmid).as_deref(), Some(name.as_str()));
+
+    // A Drain's command waits alike.
+    assert!(sim.stop_vm_out_of_band(vm.vmid) && sim.start_vm_out_of_band(vm.vmid));
+    sim.reset_counts();
+    sub.ensure_running(&vm).await.expect("running");
+    sub.drain(&vm, Duration::ZERO)
+        .await
+        .expect("drain once the agent is up");
+    assert!(sim.call_count(endpoints::AGENT_PING) >= 1);
+    assert_eq!(
+        sim.call_count(endpoints::AGENT_EXEC),
+        2,
+        "refused once, then run"
+    );
+    common::assert_no_violations(&sim);
     sim.shutdown().await;
 }

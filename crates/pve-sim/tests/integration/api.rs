@@ -928,3 +928,121 @@ async fn the_node_task_index_lists_running_and_finished_tasks() {
     assert!(rows[0]["endtime"].as_u64().is_some());
     shutdown_clean(sim).await;
 }
+
+/// `source=all` lists running and ended tasks together, each ended one
+/// with its exit status and end time (what the provider's task watch reads
+/// instead of each task's status), and `since`/`until` keep the tasks
+/// started in that window (pve-manager compares the UPID's start time,
+/// both ends inclusive).
+#[tokio::test]
+async fn the_node_task_index_lists_all_tasks_since_a_start_time() {
+    let (sim, api) = start_sim(SimConfig {
+        clone_duration: Duration::from_millis(600),
+        ..fast_cfg()
+    })
+    .await;
+    let clone = |id: &'static str| {
+        let api = &api;
+        async move {
+            let r = api
+                .post(
+                    "/nodes/pve1/qemu/9000/clone",
+                    &[("newid", id), ("name", "bigfleet-x"), ("full", "1")],
+                )
+                .await;
+            assert_eq!(r.status, 200, "{:?}", r.body);
+            r.data().as_str().expect("upid").to_string()
+        }
+    };
+    let first = clone("131").await;
+    api.wait_task(&first).await;
+    let second = clone("132").await;
+    // `UPID:node:pid:pstart:starttime:type:id:user:`, the start in hex.
+    let start_of = |upid: &str| {
+        let hex = upid.split(':').nth(4).expect("a UPID");
+        u64::from_str_radix(hex, 16).expect("a hex start time")
+    };
+    let all = api
+        .get(
+            "/nodes/pve1/tasks",
+            &[("source", "all"), ("since", &start_of(&first).to_string())],
+        )
+        .await;
+    assert_eq!(all.status, 200, "{:?}", all.body);
+    let rows = all.data().as_array().expect("a list").clone();
+    let row = |upid: &str| {
+        rows.iter()
+            .find(|r| r["upid"] == upid)
+            .unwrap_or_else(|| panic!("{upid} is listed: {rows:?}"))
+            .clone()
+    };
+    assert_eq!(row(&first)["status"], "OK");
+    assert!(row(&first)["endtime"].as_u64().is_some());
+    assert_eq!(row(&second)["status"], "RUNNING");
+    assert!(row(&second).get("endtime").is_none());
+    // A window that ends before the tasks started lists neither.
+    let before = start_of(&first) - 1;
+    let none = api
+        .get(
+            "/nodes/pve1/tasks",
+            &[("source", "all"), ("until", &before.to_string())],
+        )
+        .await;
+    let listed = none.data().as_array().expect("a list").clone();
+    assert!(
+        listed
+            .iter()
+            .all(|r| r["upid"] != first.as_str() && r["upid"] != second.as_str()),
+        "{listed:?}"
+    );
+    let later = api
+        .get(
+            "/nodes/pve1/tasks",
+            &[
+                ("source", "all"),
+                ("since", &(start_of(&second) + 1).to_string()),
+            ],
+        )
+        .await;
+    assert_eq!(later.data().as_array().map(Vec::len), Some(0));
+    api.wait_task(&second).await;
+    shutdown_clean(sim).await;
+}
+
+/// A stop of a stopped VM is an `OK` task at once, even under a lock
+/// (qemu-server's `_do_vm_stop` returns before its lock check when no QEMU
+/// runs); a running locked VM's stop fails on the lock.
+#[tokio::test]
+async fn stopping_a_stopped_vm_ends_ok_at_once_lock_or_not() {
+    let (sim, api) = start_sim(SimConfig {
+        stop_duration: Duration::from_secs(5),
+        ..fast_cfg()
+    })
+    .await;
+    let clone = api
+        .post(
+            "/nodes/pve1/qemu/9000/clone",
+            &[("newid", "140"), ("name", "bigfleet-140"), ("full", "1")],
+        )
+        .await;
+    api.wait_task_of(clone).await;
+    assert!(sim.set_lock(140, Some("backup")));
+    let began = std::time::Instant::now();
+    let stop = api.post("/nodes/pve1/qemu/140/status/stop", &[]).await;
+    let done = api.wait_task_of(stop).await;
+    assert_eq!(done["exitstatus"], "OK", "{done}");
+    assert!(
+        began.elapsed() < Duration::from_secs(4),
+        "no stop_duration for a VM that is not running"
+    );
+    assert!(sim.start_vm_out_of_band(140));
+    let stop = api.post("/nodes/pve1/qemu/140/status/stop", &[]).await;
+    let done = api.wait_task_of(stop).await;
+    assert!(
+        done["exitstatus"]
+            .as_str()
+            .is_some_and(|s| s.contains("locked")),
+        "{done}"
+    );
+    shutdown_clean(sim).await;
+}

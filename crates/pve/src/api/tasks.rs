@@ -54,16 +54,27 @@ impl PveClient {
         .await
     }
 
-    /// `GET /nodes/{node}/tasks?source=active`: every task of `node` the
-    /// token may see (its own at least) that is running, or has ended and
-    /// is not archived yet (with its exit status in `status`). One request
-    /// tells a whole burst's tasks apart.
-    pub async fn node_active_tasks(&self, node: &str) -> Result<Vec<TaskSummary>, PveError> {
+    /// `GET /nodes/{node}/tasks?source=all&since=S`: every task of `node`
+    /// the token may see (its own at least) started at `since` (Unix
+    /// seconds) or later: those running (`status: RUNNING`), and those
+    /// ended, with their exit status in `status` and their `endtime`,
+    /// whether pveproxy has archived them yet or not (pve-manager's
+    /// `node_tasks` reads the active list, then the archive index, whose
+    /// lines hold what the task's own status read would say). One request
+    /// tells a whole burst's tasks apart and says how each that ended
+    /// ended. PVE lists at most `limit` rows, newest first: a task past
+    /// them is not listed, and its status is to be read on its own.
+    pub async fn node_tasks_since(
+        &self,
+        node: &str,
+        since: u64,
+    ) -> Result<Vec<TaskSummary>, PveError> {
         let mut p = Params::new();
-        p.push("source", "active");
+        p.push("source", "all");
+        p.push("since", since.to_string());
         p.push("limit", "500");
         self.call(
-            "node_tasks_active",
+            "node_tasks_since",
             Method::GET,
             &format!("/nodes/{}/tasks", encode_segment(node)),
             &p,

@@ -94,6 +94,24 @@ impl PveError {
             || (m.contains("qmp command 'guest-") && m.contains("got timeout"))
     }
 
+    /// A guest-agent command that PVE refused before sending it to the
+    /// guest: qemu-server's `assert_agent_available` checks, in this order,
+    /// that the VM has an agent configured (`No QEMU guest agent
+    /// configured`), that it runs (`VM 104 is not running`) and that the
+    /// agent answers a `guest-ping` (`QEMU guest agent is not running`)
+    /// before any agent command. Sending such a command again once the
+    /// agent answers cannot run it twice. A `got timeout` is not one of
+    /// these: the command may have reached the guest.
+    pub fn is_agent_unreached(&self) -> bool {
+        if self.is_vm_not_running() {
+            return true;
+        }
+        self.server_text().is_some_and(|m| {
+            let m = m.to_ascii_lowercase();
+            m.contains("guest agent is not running") || m.contains("no qemu guest agent configured")
+        })
+    }
+
     /// The VM itself is not running (`VM 104 is not running`).
     pub fn is_vm_not_running(&self) -> bool {
         self.server_text().is_some_and(|m| {
@@ -414,6 +432,25 @@ mod tests {
             !api(500, "VM 104 already running").is_already_running(),
             "only a task says it"
         );
+    }
+
+    /// Only the refusals qemu-server makes before an agent command is sent
+    /// say it was never run; a timeout may have reached the guest.
+    #[test]
+    fn an_agent_command_refused_before_sending_is_told_apart_from_a_timeout() {
+        assert!(api(500, "QEMU guest agent is not running\n").is_agent_unreached());
+        assert!(api(500, "No QEMU guest agent configured\n").is_agent_unreached());
+        assert!(api(500, "VM 104 is not running\n").is_agent_unreached());
+        let timeout = api(
+            500,
+            "VM 104 qmp command 'guest-exec' failed - got timeout\n",
+        );
+        assert!(!timeout.is_agent_unreached());
+        assert!(
+            timeout.is_agent_not_running(),
+            "a ping's timeout still waits for boot"
+        );
+        assert!(!api(500, "Agent error: No such file or directory").is_agent_unreached());
     }
 
     #[test]
