@@ -154,6 +154,42 @@ async fn a_guessed_vmid_someone_else_holds_costs_one_refused_clone() {
     sim.shutdown().await;
 }
 
+/// Looks at a task follow what its kind took on the node: the first 1 s
+/// clone at a 50 ms poll is looked at about 20 times; the next one first
+/// shortly before its learnt length, then every eighth of it.
+#[tokio::test]
+async fn looks_at_a_task_follow_what_its_kind_took() {
+    let sim = sim_with(fast_sim(
+        Duration::from_millis(1000),
+        Duration::from_millis(50),
+    ))
+    .await;
+    let sub = PveSubstrate::new(
+        client(&sim),
+        PveOptions {
+            poll_interval: Duration::from_millis(50),
+            ..opts(Duration::from_secs(20))
+        },
+    );
+    let mut looks = Vec::new();
+    for i in 0..2 {
+        let id = format!("p/OnDemand/pve.small/pve1/t{i:02}");
+        sim.reset_counts();
+        sub.clone_vm(&req(&id, "pve1")).await.expect("create");
+        looks.push(sim.call_count(endpoints::TASK_STATUS) + sim.call_count(NODE_TASKS));
+    }
+    println!("task looks: first Create {}, second {}", looks[0], looks[1]);
+    assert!(
+        looks[0] >= 15,
+        "the first clone is polled through: {looks:?}"
+    );
+    assert!(
+        looks[1] * 3 <= looks[0],
+        "the second waits most of the learnt length: {looks:?}"
+    );
+    sim.shutdown().await;
+}
+
 /// Agent pings after a start follow what boots took: the first Create on a
 /// node pings through the whole boot (1 s at a 50 ms poll: about 20 pings);
 /// the next one waits most of the learnt boot first and pings a few times.
