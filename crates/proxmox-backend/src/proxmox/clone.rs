@@ -139,6 +139,7 @@ impl Cloner {
                 Ok(upid) => upid,
                 Err(e) if e.is_vmid_collision(res.vmid) => {
                     tracing::info!(vmid = res.vmid, "VMID taken meanwhile; trying a fresh one");
+                    self.vmids.guessed_wrong();
                     self.inventory.clear_pending(&req.machine_id);
                     last = Some(e.to_string());
                     continue;
@@ -238,6 +239,7 @@ impl Cloner {
                     // The worker found the id taken before creating anything:
                     // whatever is at that VMID is not ours; never touch it.
                     tracing::info!(vm = %vm, error = %e, "the clone worker found the VMID taken; trying a fresh one");
+                    self.vmids.guessed_wrong();
                     self.inventory.clear_pending(&req.machine_id);
                     last = Some(e.to_string());
                 }

@@ -4,7 +4,7 @@
 //! chunks, running the bootstrap hook, the readiness probes (with what the
 //! last one said) and the drain, each with exit status and output, and the
 //! blob kept out of every quoted output. Every command run on the node's
-//! behalf gets its node name in [`NODE_NAME_ENV`].
+//! behalf gets its node name in [`NODE_NAME_ENV`](super::options::NODE_NAME_ENV).
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -15,22 +15,25 @@ use pve::{ExecStatus, FileEncoding, PveError};
 use sha2::{Digest, Sha256};
 use tokio::time::Instant;
 
-use super::api::{err, kind_of, Api};
+use super::api::{err, err_at, kind_of, Api};
 use super::options::PveOptions;
-use super::options::NODE_NAME_ENV;
+
+use command::{
+    configure_argv, drain_command, exec_outcome, exec_outcome_with, join_argv, part_path,
+    read_back_hostname, split_configure, tail, with_node_name, CONFIGURE_MARK,
+};
 use providerkit::ErrorKind;
 
-use crate::redact::{Redactor, REDACTED};
+use crate::redact::Redactor;
 use crate::substrate::{SubstrateError, VmRef};
 use crate::timeline::{self, Step, StepGuard};
+
+mod command;
 
 /// Raw bytes per file-write chunk: 36 KiB base64-encodes to 48 KiB, which
 /// stays under the 60 KiB `content` limit and (form-encoded) under the 64 KiB
 /// request body limit of older PVE releases.
 pub(super) const CHUNK_RAW: usize = 36 * 1024;
-
-/// Bytes of stderr/stdout quoted in an error.
-pub(super) const OUTPUT_TAIL: usize = 512;
 
 /// Why a guest command produced no exit status.
 #[derive(Clone, Debug, thiserror::Error)]
@@ -57,65 +60,6 @@ pub(super) enum ExecError {
 pub(super) struct HostnameMismatch {
     pub(super) vm_name: String,
     pub(super) guest: String,
-}
-
-/// The last `OUTPUT_TAIL` bytes of guest output, cut on a character boundary.
-pub(super) fn tail(s: &str) -> &str {
-    let s = s.trim_end();
-    if s.len() <= OUTPUT_TAIL {
-        return s;
-    }
-    let mut start = s.len() - OUTPUT_TAIL;
-    while !s.is_char_boundary(start) {
-        start += 1;
-    }
-    &s[start..]
-}
-
-/// Ok for exit 0; otherwise an error with the exit code / signal and the tail of stderr.
-pub(super) fn exec_outcome(what: &str, st: &ExecStatus) -> Result<(), SubstrateError> {
-    exec_outcome_with(what, st, &Redactor::new(&[]))
-}
-
-/// Ok for exit 0; otherwise [`exec_outcome`]'s error with every piece of
-/// the bootstrap blob that `redactor` knows cut from the quoted output
-/// before the tail is taken (see [`crate::redact`]), and the error says so.
-pub(super) fn exec_outcome_with(
-    what: &str,
-    st: &ExecStatus,
-    redactor: &Redactor,
-) -> Result<(), SubstrateError> {
-    let mut msg = match (st.exitcode, st.signal) {
-        (Some(0), None) => return Ok(()),
-        (_, Some(sig)) => format!("{what} was killed by signal {sig}"),
-        (Some(code), None) => format!("{what} exited {code}"),
-        (None, None) => format!("{what} ended without an exit status"),
-    };
-    let mut redacted = false;
-    let mut quote = |data: &Option<String>, truncated: bool| {
-        let (clean, hit) = redactor.redact(data.as_deref().unwrap_or_default(), truncated);
-        redacted |= hit;
-        tail(&clean).to_string()
-    };
-    let err = quote(&st.err_data, st.err_truncated);
-    let out = quote(&st.out_data, st.out_truncated);
-    if !err.is_empty() {
-        msg.push_str(&format!(": stderr: {err}"));
-        if st.err_truncated {
-            msg.push_str(" (stderr was truncated by the guest agent)");
-        }
-    } else if !out.is_empty() {
-        msg.push_str(&format!(": stdout: {out}"));
-        if st.out_truncated {
-            msg.push_str(" (stdout was truncated by the guest agent)");
-        }
-    }
-    if redacted {
-        msg.push_str(&format!(
-            " (output that repeated the bootstrap blob was replaced by {REDACTED})"
-        ));
-    }
-    Err(SubstrateError::new(msg))
 }
 
 impl ExecError {
@@ -164,9 +108,48 @@ pub(super) struct Guest {
     /// (smoothed): the first ping after the next start there waits most of
     /// it, instead of pinging every poll interval through the boot.
     boot_times: Mutex<HashMap<String, Duration>>,
+    /// Boots after a start still waited on, by node and VMID: how long each
+    /// has gone unanswered. While a node has nothing learnt, a boot starting
+    /// there waits that long before its first ping (its agent is no faster).
+    booting: Mutex<HashMap<String, HashMap<u32, Duration>>>,
     /// Templates whose guest was asked whether it grows its root file
     /// system at boot (once per template per process).
     grow_checked: Mutex<std::collections::HashSet<u32>>,
+}
+
+/// A boot waited on, in [`Guest::booting`] from its first ping until the
+/// wait ends, however it ends.
+struct Booting<'a> {
+    booting: &'a Mutex<HashMap<String, HashMap<u32, Duration>>>,
+    node: String,
+    vmid: u32,
+}
+
+impl<'a> Booting<'a> {
+    fn new(booting: &'a Mutex<HashMap<String, HashMap<u32, Duration>>>, vm: &VmRef) -> Self {
+        booting
+            .lock()
+            .entry(vm.node.clone())
+            .or_default()
+            .insert(vm.vmid, Duration::ZERO);
+        Booting {
+            booting,
+            node: vm.node.clone(),
+            vmid: vm.vmid,
+        }
+    }
+}
+
+impl Drop for Booting<'_> {
+    fn drop(&mut self) {
+        let mut booting = self.booting.lock();
+        if let Some(boots) = booting.get_mut(&self.node) {
+            boots.remove(&self.vmid);
+            if boots.is_empty() {
+                booting.remove(&self.node);
+            }
+        }
+    }
 }
 
 /// Whether the guest has what grows its root file system to a larger boot
@@ -183,6 +166,7 @@ impl Guest {
             probes: Mutex::new(HashMap::new()),
             names: Mutex::new(HashMap::new()),
             boot_times: Mutex::new(HashMap::new()),
+            booting: Mutex::default(),
             grow_checked: Mutex::default(),
         }
     }
@@ -259,71 +243,10 @@ impl Guest {
         })
     }
 
-    /// Names the guest after its VM with `--hostname-command` (skipped when
-    /// empty) and reads the name back, in one guest command: the shell runs
-    /// the hostname command and, only when it exits 0, prints what
-    /// `hostname` says behind [`HOSTNAME_MARK`]. A guest still carrying its
-    /// template's name would register as another machine's node. It is the
-    /// first command of a Configure, so it waits for the agent when PVE
-    /// finds it not up (see [`Guest::run_first`]).
-    async fn set_hostname(&self, vm: &VmRef, name: &str) -> Result<(), SubstrateError> {
-        let opts = &self.opts;
-        let cmd = opts.hostname_command.trim();
-        let what = if cmd.is_empty() {
-            "`hostname`".to_string()
-        } else {
-            format!("hostname command `{cmd}`")
-        };
-        let st = self
-            .run_first(vm, &hostname_argv(name, cmd), opts.exec_timeout)
-            .await
-            .map_err(|e| exec_err(format!("running the {what} in VM {vm}"), &e))?;
-        tracing::info!(vm = %vm, exit_code = st.exitcode, signal = st.signal, "hostname command exited");
-        exec_outcome(&what, &st).map_err(|e| e.context(format!("VM {vm}")))?;
-        let guest = match read_back_hostname(st.out_data.as_deref().unwrap_or_default()) {
-            Some(Ok(guest)) => guest,
-            Some(Err(failed)) => {
-                return Err(SubstrateError::new(format!(
-                    "VM {vm}: `hostname` failed in the guest after the {what}: {}",
-                    tail(&failed)
-                )))
-            }
-            None => {
-                return Err(SubstrateError::new(format!(
-                    "VM {vm}: the guest's hostname could not be read back after the {what} \
-                     (its output lacks the {HOSTNAME_MARK:?} line{})",
-                    if st.out_truncated {
-                        "; the agent truncated the output"
-                    } else {
-                        ""
-                    }
-                )))
-            }
-        };
-        if !guest.eq_ignore_ascii_case(name) {
-            let mismatch = HostnameMismatch {
-                vm_name: name.to_string(),
-                guest: guest.to_string(),
-            };
-            let how = if cmd.is_empty() {
-                "--hostname-command is empty, so the template must name the guest itself".into()
-            } else {
-                format!("the hostname command `{cmd}` did not take")
-            };
-            return Err(SubstrateError::caused_by(
-                ErrorKind::Permanent,
-                format!("VM {vm}: {how}"),
-                mismatch,
-            ));
-        }
-        tracing::info!(vm = %vm, hostname = %name, "guest hostname set");
-        Ok(())
-    }
-
     /// Pings the agent until it answers, polling through boot-time failures.
     pub(super) async fn wait_agent(&self, vm: &VmRef) -> Result<(), SubstrateError> {
         let step = timeline::step(Step::Agent, &vm.node);
-        step.end(self.ping_until_up(vm, self.opts.poll_interval).await)
+        step.end(self.ping_until_up(vm, self.opts.poll_interval, None).await)
     }
 
     /// [`Guest::wait_agent`] right after this provider started the VM: the
@@ -345,13 +268,28 @@ impl Guest {
             }
             // Nothing learnt: the start task ends once QEMU runs, before
             // the guest has booted far enough for its agent, so the first
-            // ping waits a poll interval.
+            // ping waits a poll interval, or as long as a boot still waited
+            // on at this node has gone unanswered.
             None => {
-                tokio::time::sleep(self.opts.poll_interval).await;
+                let unanswered = self
+                    .booting
+                    .lock()
+                    .get(&vm.node)
+                    .and_then(|boots| boots.values().max().copied())
+                    .unwrap_or_default();
+                let first = self
+                    .opts
+                    .poll_interval
+                    .max(unanswered)
+                    .min(self.opts.agent_timeout / 2);
+                tokio::time::sleep(first).await;
                 self.opts.poll_interval
             }
         };
-        let out = self.ping_until_up(vm, every).await;
+        let out = {
+            let _boot = Booting::new(&self.booting, vm);
+            self.ping_until_up(vm, every, Some(started)).await
+        };
         if out.is_ok() {
             let took = started.elapsed();
             let mut times = self.boot_times.lock();
@@ -364,8 +302,15 @@ impl Guest {
         step.end(out)
     }
 
-    /// Pings every `every` until the agent answers or `--agent-timeout` passes.
-    async fn ping_until_up(&self, vm: &VmRef, every: Duration) -> Result<(), SubstrateError> {
+    /// Pings every `every` until the agent answers or `--agent-timeout`
+    /// passes. A boot `started` at that instant notes how long it has gone
+    /// unanswered at each miss (see [`Guest::booting`]).
+    async fn ping_until_up(
+        &self,
+        vm: &VmRef,
+        every: Duration,
+        started: Option<Instant>,
+    ) -> Result<(), SubstrateError> {
         let opts = &self.opts;
         let deadline = Instant::now() + opts.agent_timeout;
         loop {
@@ -378,6 +323,11 @@ impl Guest {
                 // way to it (a proxy 503, a reset connection): both heal
                 // by themselves, so the wait goes on until its deadline.
                 Err(e) if e.is_agent_transient() || e.is_transient() => {
+                    if let Some(started) = started {
+                        if let Some(boots) = self.booting.lock().get_mut(&vm.node) {
+                            boots.insert(vm.vmid, started.elapsed());
+                        }
+                    }
                     if Instant::now() >= deadline {
                         return Err(SubstrateError::new(format!(
                             "the guest agent of VM {vm} did not answer within {:?} (last error: {e}); is qemu-guest-agent installed and enabled in the template?",
@@ -485,7 +435,6 @@ impl Guest {
             return Err(SubstrateError::new("no bootstrap exec configured"));
         }
         let name = self.node_name(vm).await?;
-        self.set_hostname(vm, &name).await?;
         let redactor = Redactor::build(blob).await;
         // Only kept while the readiness gate may probe; dropped on failure,
         // on the gate's verdict, and by Drain and Delete.
@@ -501,7 +450,7 @@ impl Guest {
             );
         }
         let outcome = self
-            .bootstrap(vm, &opts.bootstrap_path, blob, &redactor)
+            .bootstrap(vm, &name, &opts.bootstrap_path, blob, &redactor)
             .await;
         if outcome.is_err() {
             self.forget_probes(vm.vmid);
@@ -509,10 +458,18 @@ impl Guest {
         outcome
     }
 
-    /// Writes the blob and runs the bootstrap hook on it.
+    /// Writes the blob, then names the guest and runs the bootstrap hook on
+    /// it in one guest command ([`configure_argv`]): the hostname command
+    /// (skipped when empty), `hostname` read back behind [`CONFIGURE_MARK`],
+    /// and only when the name is the VM's, the hook. A guest still carrying
+    /// its template's name would register as another machine's node, so
+    /// the hook never runs under the wrong name. One exec and its status
+    /// instead of two of each: a Configure costs the status read, the
+    /// file-write, the exec and its status.
     async fn bootstrap(
         &self,
         vm: &VmRef,
+        name: &str,
         path: &str,
         blob: &[u8],
         redactor: &Redactor,
@@ -521,18 +478,97 @@ impl Guest {
             .end(self.write_blob(vm, path, blob, redactor).await)?;
         tracing::info!(vm = %vm, bytes = blob.len(), "bootstrap blob written");
         let step = timeline::step(Step::BootstrapExec, &vm.node);
-        let mut argv = self.opts.bootstrap_exec.clone();
-        argv.push(path.to_string());
-        let what = format!("bootstrap hook `{}`", argv.join(" "));
+        let mut hook = self.opts.bootstrap_exec.clone();
+        hook.push(path.to_string());
+        let what = format!("bootstrap hook `{}`", hook.join(" "));
+        let cmd = self.opts.hostname_command.trim();
+        let argv = configure_argv(name, cmd, &hook);
         let st = match self.run(vm, &argv, self.opts.exec_timeout).await {
             Ok(st) => st,
             Err(e) => return step.end(Err(exec_err(format!("running the {what} in VM {vm}"), &e))),
         };
-        tracing::info!(vm = %vm, exit_code = st.exitcode, signal = st.signal, "bootstrap exited");
+        let (named, hook_st) = split_configure(&st);
+        if let Err(e) = self.check_named(vm, name, cmd, &named, redactor) {
+            return step.end(Err(e));
+        }
+        let Some(hook_st) = hook_st else {
+            // Named as the VM by the provider's reading, not by the
+            // guest's own comparison: nothing ran, and it is said.
+            return step.end(Err(SubstrateError::new(format!(
+                "VM {vm}: the guest's hostname is {name:?} but the guest did not start the {what}"
+            ))));
+        };
+        tracing::info!(vm = %vm, exit_code = hook_st.exitcode, signal = hook_st.signal, "bootstrap exited");
         step.end(
-            exec_outcome_with(&what, &st, redactor)
+            exec_outcome_with(&what, &hook_st, redactor)
                 .map_err(|e| SubstrateError::new(format!("VM {vm}: {e}"))),
         )
+    }
+
+    /// The hostname part of the Configure command: the hostname command's
+    /// outcome, then the name read back, which must be the VM's. Its output
+    /// is quoted through the blob's redactor too: the blob is in the guest
+    /// by then, and a command may repeat it.
+    fn check_named(
+        &self,
+        vm: &VmRef,
+        name: &str,
+        cmd: &str,
+        named: &ExecStatus,
+        redactor: &Redactor,
+    ) -> Result<(), SubstrateError> {
+        let what = if cmd.is_empty() {
+            "`hostname`".to_string()
+        } else {
+            format!("hostname command `{cmd}`")
+        };
+        let read_back = read_back_hostname(named.out_data.as_deref().unwrap_or_default());
+        if read_back.is_none() || !cmd.is_empty() {
+            tracing::info!(vm = %vm, exit_code = named.exitcode, signal = named.signal, "hostname command exited");
+        }
+        let guest = match read_back {
+            Some(Ok(guest)) => guest,
+            Some(Err(failed)) => {
+                let (failed, _) = redactor.redact(&failed, false);
+                return Err(SubstrateError::new(format!(
+                    "VM {vm}: `hostname` failed in the guest after the {what}: {}",
+                    tail(&failed)
+                )));
+            }
+            None => {
+                // No read-back: the hostname command failed and ended the
+                // shell (its status is the command's), or the shell died.
+                exec_outcome_with(&what, named, redactor)
+                    .map_err(|e| e.context(format!("VM {vm}")))?;
+                return Err(SubstrateError::new(format!(
+                    "VM {vm}: the guest's hostname could not be read back after the {what} \
+                     (its output lacks the {CONFIGURE_MARK:?} line{})",
+                    if named.out_truncated {
+                        "; the agent truncated the output"
+                    } else {
+                        ""
+                    }
+                )));
+            }
+        };
+        if !guest.eq_ignore_ascii_case(name) {
+            let mismatch = HostnameMismatch {
+                vm_name: name.to_string(),
+                guest,
+            };
+            let how = if cmd.is_empty() {
+                "--hostname-command is empty, so the template must name the guest itself".into()
+            } else {
+                format!("the hostname command `{cmd}` did not take")
+            };
+            return Err(SubstrateError::caused_by(
+                ErrorKind::Permanent,
+                format!("VM {vm}: {how}"),
+                mismatch,
+            ));
+        }
+        tracing::info!(vm = %vm, hostname = %name, "guest hostname set");
+        Ok(())
     }
 
     /// Delivers the blob to `path`: one file-write when small; else the
@@ -571,11 +607,34 @@ impl Guest {
             } else {
                 part_path(path, i)
             };
-            self.api
-                .retry_pve(ctx(), Some(&vm.node), deadline, |pve| {
+            let mut wrote = self
+                .api
+                .retry_raw(Some(&vm.node), deadline, |pve| {
                     pve.agent_file_write(&vm.node, vm.vmid, &file, chunk, FileEncoding::Base64)
                 })
-                .await?;
+                .await;
+            // The first guest command of a Configure, which no ping comes
+            // before: PVE refused it unsent as the agent is not up; once it
+            // answers, the write (harmless to repeat) goes again.
+            if let Err(e) = &wrote {
+                if e.is_agent_unreached() {
+                    tracing::info!(vm = %vm, error = %e, "the guest agent did not take the blob; waiting for it");
+                    self.wait_agent(vm).await?;
+                    wrote = self
+                        .api
+                        .retry_raw(Some(&vm.node), deadline, |pve| {
+                            pve.agent_file_write(
+                                &vm.node,
+                                vm.vmid,
+                                &file,
+                                chunk,
+                                FileEncoding::Base64,
+                            )
+                        })
+                        .await;
+                }
+            }
+            wrote.map_err(|e| err_at(ctx(), Some(&vm.node), &e))?;
             if i > 0 {
                 parts.push(file);
             }
@@ -690,253 +749,5 @@ impl Guest {
             exec_outcome("drain command", &st)
                 .map_err(|e| SubstrateError::new(format!("VM {vm}: {e}"))),
         )
-    }
-}
-
-/// `cmd` run by `/bin/sh` with the node name in [`NODE_NAME_ENV`]. The
-/// agent's exec takes no environment, so `env` sets it; the command text
-/// stays one argument, as given, with no quoting of the name to get wrong.
-fn with_node_name(name: &str, cmd: &str) -> Vec<String> {
-    vec![
-        "/usr/bin/env".into(),
-        format!("{NODE_NAME_ENV}={name}"),
-        "/bin/sh".into(),
-        "-c".into(),
-        cmd.into(),
-    ]
-}
-
-/// The line the hostname command's shell prints after it, with
-/// `hostname`'s exit status and answer: `bigfleet-hostname:<status>:<name>`.
-const HOSTNAME_MARK: &str = "bigfleet-hostname:";
-
-/// One guest command that runs `cmd` (when not empty) with the node name
-/// in [`NODE_NAME_ENV`] and, once it exits 0, prints [`HOSTNAME_MARK`],
-/// `hostname`'s exit status and its answer (or its error) on a line of its
-/// own. The command text stays one argument, as given.
-fn hostname_argv(name: &str, cmd: &str) -> Vec<String> {
-    const SCRIPT: &str = r#"if [ -n "$1" ]; then /bin/sh -c "$1" || exit $?; fi
-h=$(hostname 2>&1); s=$?
-printf '\n%s%s:%s\n' "$2" "$s" "$h""#;
-    let mut argv = with_node_name(name, SCRIPT);
-    argv.extend([
-        "bigfleet-hostname".to_string(),
-        cmd.to_string(),
-        HOSTNAME_MARK.to_string(),
-    ]);
-    argv
-}
-
-/// What the last [`HOSTNAME_MARK`] line of the output says: the guest's
-/// hostname, or `hostname`'s error when it exited non-zero. `None` when
-/// there is no such line.
-fn read_back_hostname(out: &str) -> Option<Result<String, String>> {
-    let line = out
-        .lines()
-        .rev()
-        .find_map(|l| l.strip_prefix(HOSTNAME_MARK))?;
-    let (status, answer) = line.split_once(':')?;
-    let answer = answer.trim();
-    match status {
-        "0" => Some(Ok(answer.to_string())),
-        other => Some(Err(format!("exit {other}: {answer}"))),
-    }
-}
-
-/// The `i`th part file of a chunked blob: beside the blob, numbered so the
-/// join's order is explicit.
-fn part_path(path: &str, i: usize) -> String {
-    format!("{path}.part{i}")
-}
-
-/// The command that appends `parts` to `path` in the order given, removes
-/// them (also on failure, with the half-joined file: they hold the blob) and
-/// prints the sha256 of the result. Every file is named as an argument, not
-/// built inside the script, so the command reads only what it is given.
-fn join_argv(path: &str, parts: &[String]) -> Vec<String> {
-    const SCRIPT: &str = r#"p="$1"; shift
-for part in "$@"; do
-  cat "$part" >> "$p" || { rm -f "$p" "$@"; exit 1; }
-done
-rm -f "$@"
-sha256sum "$p""#;
-    let mut argv: Vec<String> = vec![
-        "/bin/sh".into(),
-        "-c".into(),
-        SCRIPT.into(),
-        "bigfleet-join".into(),
-        path.into(),
-    ];
-    argv.extend(parts.iter().cloned());
-    argv
-}
-
-/// The drain command as run: `--drain-command`, then `--grace-period=N`
-/// only for a request's positive grace (0, proto3's unset, leaves each
-/// pod's own `terminationGracePeriodSeconds` in force, where kubectl's
-/// `--grace-period=0` would mean "delete now"), then `--timeout=Ns` so
-/// kubectl gives up before the provider stops waiting.
-pub(crate) fn drain_command(base: &str, grace: Duration, drain_timeout: Duration) -> String {
-    let mut cmd = base.trim().to_string();
-    if grace.as_secs() > 0 {
-        cmd.push_str(&format!(" --grace-period={}", grace.as_secs()));
-    }
-    cmd.push_str(&format!(" --timeout={}s", drain_timeout.as_secs().max(1)));
-    cmd
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn drain_appends_grace_only_when_asked() {
-        let base = "kubectl drain \"$(hostname)\" --ignore-daemonsets";
-        let t = Duration::from_secs(600);
-        assert_eq!(
-            drain_command(base, Duration::ZERO, t),
-            format!("{base} --timeout=600s"),
-            "0 = the pods' own grace"
-        );
-        assert_eq!(
-            drain_command(base, Duration::from_secs(30), t),
-            format!("{base} --grace-period=30 --timeout=600s")
-        );
-        assert_eq!(
-            drain_command(base, Duration::from_millis(400), Duration::ZERO),
-            format!("{base} --timeout=1s"),
-            "sub-second grace rounds to unset; the timeout is at least 1s"
-        );
-    }
-
-    /// The join script itself, run by a real `/bin/sh` on the files as
-    /// the chunked write leaves them.
-    #[test]
-    fn the_join_appends_the_parts_in_order_and_removes_them() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("bootstrap");
-        let path = path.to_str().unwrap();
-        let blob: Vec<u8> = (0..(CHUNK_RAW * 2 + 100))
-            .map(|i| (i % 251) as u8)
-            .collect();
-        let chunks: Vec<&[u8]> = blob.chunks(CHUNK_RAW).collect();
-        std::fs::write(path, chunks[0]).unwrap();
-        let parts: Vec<String> = (1..chunks.len()).map(|i| part_path(path, i)).collect();
-        for (part, chunk) in parts.iter().zip(&chunks[1..]) {
-            std::fs::write(part, chunk).unwrap();
-        }
-        let run = |argv: Vec<String>| {
-            std::process::Command::new(&argv[0])
-                .args(&argv[1..])
-                .output()
-                .unwrap()
-        };
-        let out = run(join_argv(path, &parts));
-        assert!(out.status.success(), "{out:?}");
-        assert_eq!(std::fs::read(path).unwrap(), blob);
-        let printed = String::from_utf8_lossy(&out.stdout);
-        assert!(
-            printed.starts_with(&hex::encode(Sha256::digest(&blob))),
-            "{printed}"
-        );
-        let left = std::fs::read_dir(dir.path()).unwrap().count();
-        assert_eq!(left, 1, "only the blob is left");
-
-        // A missing part fails the join and leaves no piece of the blob.
-        std::fs::write(path, chunks[0]).unwrap();
-        std::fs::write(&parts[1], chunks[2]).unwrap();
-        let out = run(join_argv(path, &parts));
-        assert!(!out.status.success());
-        let left = std::fs::read_dir(dir.path()).unwrap().count();
-        assert_eq!(left, 0, "no piece of the blob is left behind");
-    }
-
-    /// The hostname command and its read-back as one guest command, run by
-    /// a real `/bin/sh` with a `hostname` of the test's own on `PATH`.
-    #[test]
-    fn the_hostname_command_and_its_read_back_are_one_command() {
-        let dir = tempfile::tempdir().unwrap();
-        let bin = dir.path();
-        let name_file = bin.join("name");
-        std::fs::write(&name_file, "template\n").unwrap();
-        let script = format!(
-            "#!/bin/sh\nif [ -n \"$1\" ]; then printf '%s\\n' \"$1\" > {f}; else cat {f}; fi\n",
-            f = name_file.display()
-        );
-        std::fs::write(bin.join("hostname"), script).unwrap();
-        use std::os::unix::fs::PermissionsExt;
-        std::fs::set_permissions(bin.join("hostname"), std::fs::Permissions::from_mode(0o755))
-            .unwrap();
-        let path = format!("{}:/usr/bin:/bin", bin.display());
-        let run = |cmd: &str| {
-            let argv = hostname_argv("node-7", cmd);
-            std::process::Command::new(&argv[0])
-                .args(&argv[1..])
-                .env("PATH", &path)
-                .output()
-                .unwrap()
-        };
-        // The command sees the node name, and the read-back follows it.
-        let out = run("echo renaming; hostname \"$BIGFLEET_NODE_NAME\"");
-        assert!(out.status.success(), "{out:?}");
-        let stdout = String::from_utf8_lossy(&out.stdout);
-        assert!(stdout.starts_with("renaming\n"), "{stdout}");
-        assert_eq!(read_back_hostname(&stdout), Some(Ok("node-7".into())));
-        // An empty command only reads the name.
-        std::fs::write(&name_file, "template\n").unwrap();
-        let out = run("");
-        let stdout = String::from_utf8_lossy(&out.stdout);
-        assert_eq!(read_back_hostname(&stdout), Some(Ok("template".into())));
-        // A failing command ends the shell with its status: no read-back.
-        let out = run("echo nope >&2; exit 3");
-        assert_eq!(out.status.code(), Some(3));
-        assert_eq!(String::from_utf8_lossy(&out.stderr), "nope\n");
-        assert_eq!(
-            read_back_hostname(&String::from_utf8_lossy(&out.stdout)),
-            None
-        );
-        // A failing `hostname` is reported with its status and words.
-        std::fs::write(bin.join("hostname"), "#!/bin/sh\necho broken >&2\nexit 4\n").unwrap();
-        let out = run("");
-        let stdout = String::from_utf8_lossy(&out.stdout);
-        assert_eq!(
-            read_back_hostname(&stdout),
-            Some(Err("exit 4: broken".into()))
-        );
-        // Only the last mark counts: the command cannot speak for the guest.
-        assert_eq!(
-            read_back_hostname("bigfleet-hostname:0:fake\nbigfleet-hostname:0:real\n"),
-            Some(Ok("real".into()))
-        );
-    }
-
-    #[test]
-    fn exec_errors_quote_exit_and_stderr_tail() {
-        let st = ExecStatus {
-            exited: true,
-            exitcode: Some(3),
-            err_data: Some(format!("{}boom\n", "x".repeat(2000))),
-            err_truncated: true,
-            ..ExecStatus::default()
-        };
-        let e = exec_outcome("hook", &st).unwrap_err().to_string();
-        assert!(e.starts_with("hook exited 3: stderr: "), "{e}");
-        assert!(e.contains("boom") && e.contains("truncated"), "{e}");
-        assert!(e.len() < 700, "{}", e.len());
-        let ok = ExecStatus {
-            exited: true,
-            exitcode: Some(0),
-            ..ExecStatus::default()
-        };
-        assert!(exec_outcome("hook", &ok).is_ok());
-        let sig = ExecStatus {
-            exited: true,
-            signal: Some(9),
-            ..ExecStatus::default()
-        };
-        assert!(exec_outcome("hook", &sig)
-            .unwrap_err()
-            .to_string()
-            .contains("signal 9"));
     }
 }

@@ -59,9 +59,10 @@
 //! by a per-node replica reads the template's config each time (its digest
 //! tells a fresh replica from a stale one), and the one that stages it adds
 //! clone + migrate + template conversion and their task polls (`replica`);
-//! Configure/Drain =
-//! status + exec + exec-status polls (no ping: PVE's own before each agent
-//! command refuses one the agent is not up for, and then it waits); Delete = config (the
+//! Configure = status + the blob's file-write + one exec (name, read-back,
+//! hook) + exec-status polls; Drain = status + exec + exec-status polls (no
+//! ping for either: PVE's own before each agent command refuses one the
+//! agent is not up for, and then it waits); Delete = config (the
 //! marker is the ownership proof) + stop (whatever the power state: a
 //! stopped VM's stop ends at once) + destroy + task polls + the destroy's
 //! log; a

@@ -592,7 +592,9 @@ impl Replicas {
                 return Err(CloneFailure::Pve(res.vmid, e));
             }
             tracing::info!(vm = %vm, error = %e, "replica clone failed transiently; retrying");
-            if !e.is_vmid_collision(res.vmid) {
+            if e.is_vmid_collision(res.vmid) {
+                self.vmids.guessed_wrong();
+            } else {
                 self.api.pause(attempt, deadline).await;
                 attempt += 1;
             }

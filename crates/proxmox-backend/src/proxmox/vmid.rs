@@ -24,6 +24,11 @@ struct VmidState {
     cooldown: HashMap<u32, std::time::Instant>,
     /// Where the next probe starts (ids grow monotonically within the range).
     hint: Option<u32>,
+    /// The last choice asked PVE and no guess has collided since: while
+    /// another clone of this process is in flight (a burst), the next
+    /// choice takes the first id past the hint it does not hold, without
+    /// asking (see [`Vmids::reserve`]).
+    guessable: bool,
     /// Clones given up as not applied after a lost answer: the request may
     /// still land late, so the id stays blocked and a VM landing there is
     /// checked against a second one for the same machine.
@@ -140,8 +145,19 @@ impl Vmids {
         self.state.lock().late_clones()
     }
 
+    /// A chosen id turned out taken (the clone's POST said `VM N already
+    /// exists`): the next choice asks PVE again.
+    pub(super) fn guessed_wrong(&self) {
+        self.state.lock().guessable = false;
+    }
+
     /// Picks a VMID in the allowed range that no other clone of this process
-    /// is using and PVE reports free. One `nextid` call in the common case
+    /// is using and PVE reports free. In a burst (another clone of this
+    /// process in flight, and the last choice asked PVE), the first id past
+    /// the last one chosen that this process does not hold is taken without
+    /// asking: PVE's `nextid` would name it unless someone else took it
+    /// meanwhile, and then the clone's POST refuses it at once, and the
+    /// choice after asks again ([`Vmids::guessed_wrong`]). One `nextid` call in the common case
     /// (PVE's first free id is in range and not ours); otherwise a walk over
     /// the range from where the last choice ended, wrapping once, that only
     /// gives up when every id in the range was found taken or blocked.
@@ -151,6 +167,17 @@ impl Vmids {
         let api = &self.api;
         let range = self.opts.vmid_range;
         let size = u64::from(range.1 - range.0) + 1;
+        {
+            let mut st = self.state.lock();
+            if st.guessable && !st.reserved.is_empty() {
+                if let Some(hint) = st.hint {
+                    let past = (hint..=range.1).find(|id| !st.blocked(*id));
+                    if let Some(id) = past {
+                        return Ok(self.take(&mut st, id));
+                    }
+                }
+            }
+        }
         // PVE searches only datacenter.cfg's `next-id` range: full, it
         // says so (a 500), while --vmid-range may still have room, so the
         // walk below looks there, one `?vmid=N` at a time.
@@ -167,6 +194,7 @@ impl Vmids {
             match first {
                 Some(first) if first >= range.0 && first <= range.1 => {
                     if !st.blocked(first) {
+                        st.guessable = true;
                         return Ok(self.take(&mut st, first));
                     }
                     first

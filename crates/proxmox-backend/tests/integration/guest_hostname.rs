@@ -118,12 +118,12 @@ async fn an_empty_hostname_command_still_checks_the_name() {
     sim.shutdown().await;
 }
 
-/// Configure and Drain send no ping first: the hostname command is their
-/// first guest command, named and read back in one exec. When the agent is
-/// not up (the VM restarted behind the provider's back), PVE refuses the
-/// command unsent; it then waits for the agent and is sent once more, and
-/// the hostname is still set. With the agent up, a Configure costs one exec
-/// for the name, none for a ping.
+/// Configure and Drain send no ping first. A Configure's first guest
+/// request is the blob's file-write, then one command names the guest,
+/// reads the name back and runs the hook. When the agent is not up (the VM
+/// restarted behind the provider's back), PVE refuses the write unsent; it
+/// then waits for the agent and goes again, and the hostname is still set.
+/// With the agent up, a Configure costs one exec, none for a ping.
 #[tokio::test]
 async fn the_first_guest_command_waits_for_an_agent_that_is_not_up() {
     let sim = sim_with(SimConfig {
@@ -147,8 +147,12 @@ async fn the_first_guest_command_waits_for_an_agent_that_is_not_up() {
         0,
         "no ping before a Configure"
     );
-    // The name and its read-back, then the bootstrap hook.
-    assert_eq!(sim.call_count(endpoints::AGENT_EXEC), 2);
+    assert_eq!(sim.call_count(endpoints::AGENT_FILE_WRITE), 1);
+    assert_eq!(
+        sim.call_count(endpoints::AGENT_EXEC),
+        1,
+        "name, read-back and hook: one command"
+    );
     assert_eq!(sim.guest_hostname(vm.vmid).as_deref(), Some(name.as_str()));
 
     // Restarted out of band: it runs, and its agent is not up yet.
@@ -161,10 +165,14 @@ async fn the_first_guest_command_waits_for_an_agent_that_is_not_up() {
         .expect("configure once the agent is up");
     assert!(
         sim.call_count(endpoints::AGENT_PING) >= 1,
-        "the refused command waited for the agent"
+        "the refused write waited for the agent"
     );
-    // One refused exec, sent again once; then the bootstrap hook.
-    assert_eq!(sim.call_count(endpoints::AGENT_EXEC), 3);
+    assert_eq!(
+        sim.call_count(endpoints::AGENT_FILE_WRITE),
+        2,
+        "refused once, then written"
+    );
+    assert_eq!(sim.call_count(endpoints::AGENT_EXEC), 1);
     assert_eq!(sim.guest_hostname(vm.vmid).as_deref(), Some(name.as_str()));
 
     // A Drain's command waits alike.

@@ -267,10 +267,16 @@ async fn a_bootstrap_echoing_non_ascii_secrets_is_redacted() {
         .expect("create");
     const SECRET: &str = "jöin-tökén-Ωmega-2718281828";
     // The shell reports the bare token; PVE sends its bytes one character
-    // per byte (`Ã¶` for `ö`).
+    // per byte (`Ã¶` for `ö`). The Configure command names the guest, says
+    // so, and starts the hook, which fails.
+    let name = proxmox_backend::proxmox::vm_name("pve.small", "p/OnDemand/pve.small/pve1/014");
     sim.on_guest_command(
         "bigfleet-bootstrap",
-        GuestOutput::exit(127).with_stderr(format!("sh: 2: {SECRET}: not found\n")),
+        GuestOutput::exit(127)
+            .with_stdout(format!(
+                "\nbigfleet-configure:0:{name}\nbigfleet-configure:hook\n"
+            ))
+            .with_stderr(format!("sh: 2: {SECRET}: not found\n")),
     );
     let blob = format!("# join\n{SECRET}\n");
     let e = sub
@@ -283,6 +289,21 @@ async fn a_bootstrap_echoing_non_ascii_secrets_is_redacted() {
     assert!(!e.contains(&as_pve_sends_it), "{e}");
     assert!(!e.contains("t\u{c3}\u{b6}k"), "no piece of it either: {e}");
     assert!(e.contains("stderr: sh: 2: [redacted]: not found"), "{e}");
+    // Failing before the hook (in the hostname command): the blob is in the
+    // guest by then, so that output is redacted too.
+    sim.clear_guest_handlers();
+    sim.on_guest_command(
+        "bigfleet-bootstrap",
+        GuestOutput::exit(1).with_stderr(format!("hostnamectl: read {SECRET}\n")),
+    );
+    let e = sub
+        .configure(&vm, blob.as_bytes())
+        .await
+        .expect_err("the hostname command fails")
+        .to_string();
+    assert!(e.contains("hostname command"), "{e}");
+    assert!(!e.contains(SECRET) && !e.contains(&as_pve_sends_it), "{e}");
+    assert!(e.contains("[redacted]"), "{e}");
     sim.shutdown().await;
 }
 

@@ -190,6 +190,65 @@ async fn looks_at_a_task_follow_what_its_kind_took() {
     sim.shutdown().await;
 }
 
+/// In a burst (a clone of this process in flight) the next id is taken
+/// without asking `nextid`; when someone else took it meanwhile, the
+/// clone's POST says so, and the choice after asks PVE again.
+#[tokio::test]
+async fn a_burst_guesses_its_next_vmid_and_asks_again_after_a_wrong_guess() {
+    let sim = Arc::new(
+        sim_with(fast_sim(
+            Duration::from_millis(1500),
+            Duration::from_millis(50),
+        ))
+        .await,
+    );
+    let sub = Arc::new(PveSubstrate::new(
+        client(&sim),
+        PveOptions {
+            max_parallel_clones: 4,
+            ..opts(Duration::from_secs(20))
+        },
+    ));
+    let first = {
+        let sub = Arc::clone(&sub);
+        tokio::spawn(async move {
+            sub.clone_vm(&req("p/OnDemand/pve.small/pve1/b00", "pve1"))
+                .await
+        })
+    };
+    // The first clone is in flight once its VMID is in PVE.
+    let taken =
+        provider_testkit::wait::Wait::new("the first clone's VMID", Duration::from_secs(10))
+            .every(Duration::from_millis(10))
+            .ok(|| sim.vms().keys().copied().find(|id| *id != 9000).ok_or(()))
+            .await;
+    // Someone else takes the id after it.
+    sim.insert_vm(sim.new_vm(taken + 1, "pve1", "someone-elses"))
+        .expect("a foreign VM");
+    sim.reset_counts();
+    let second = sub
+        .clone_vm(&req("p/OnDemand/pve.small/pve1/b01", "pve1"))
+        .await
+        .expect("create");
+    assert_eq!(second.vmid, taken + 2);
+    assert_eq!(
+        sim.vm(taken + 1).map(|v| v.name),
+        Some("someone-elses".to_string())
+    );
+    assert_eq!(
+        sim.call_count(endpoints::CLONE),
+        2,
+        "the guess refused, then one made"
+    );
+    assert_eq!(
+        sim.call_count(endpoints::NEXTID),
+        1,
+        "asked again after the wrong guess"
+    );
+    first.await.expect("task").expect("first create");
+    assert_no_violations(&sim);
+}
+
 /// Agent pings after a start follow what boots took: the first Create on a
 /// node pings through the whole boot (1 s at a 50 ms poll: about 20 pings);
 /// the next one waits most of the learnt boot first and pings a few times.
