@@ -197,10 +197,12 @@ bench-api-cost:
 # pve-sim's honest clone model (a shared 2 GiB template copied at 2 GiB/s,
 # shared among the copies): time to IDLE p50/p95, makespan beside what the
 # bandwidth allows, requests per lifecycle, peak requests per second
-# cluster-wide and per node (issue #41, BENCHMARKS.md). About 2.5 minutes.
+# cluster-wide and per node (issue #41, BENCHMARKS.md); then the same on
+# local storage (a template per node on its local-lvm at 1 GiB/s). One
+# burst at a time (--test-threads 1). About 5 minutes.
 bench-real:
 	@mkdir -p bench
-	$(CARGO) test -p proxmox-backend --test integration bench_real -- --ignored --nocapture \
+	$(CARGO) test -p proxmox-backend --test integration bench_real -- --ignored --nocapture --test-threads 1 \
 	  | tee -a bench/latest.txt
 
 # Create latency and PVE API calls per Create by template placement, and

@@ -6,9 +6,13 @@
 //! agent boot and the default 1 s poll. Prints, per burst: time to IDLE
 //! (the Create) median and p95, the makespan, what the storage's bandwidth
 //! alone allows, PVE requests per lifecycle, and the peak requests per
-//! second, cluster-wide and on the busiest node. A measurement, not a
-//! check: `cargo test -p proxmox-backend --test integration bench_real --
-//! --ignored --nocapture`.
+//! second, cluster-wide and on the busiest node. `bench_real_local` runs
+//! the same bursts on local storage: a template per node on its
+//! `local-lvm` (1 GiB/s, shared among that node's copies). A measurement,
+//! not a check: `cargo test -p proxmox-backend --test integration
+//! bench_real -- --ignored --nocapture` runs both.
+//! `BIGFLEET_BENCH_CLONE_SLOTS=N` sets `--max-parallel-clones` (default 2),
+//! for a sweep.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -16,7 +20,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use proxmox_backend::proxmox::{PveOptions, PveSubstrate};
-use proxmox_backend::substrate::{Substrate, SubstrateError};
+use proxmox_backend::substrate::{CloneRequest, Substrate, SubstrateError};
 use pve_sim::PveSim;
 
 use crate::common::{client, fast_sim, opts, req, sim_with};
@@ -24,6 +28,27 @@ use crate::common::{client, fast_sim, opts, req, sim_with};
 /// The template's disk and the storage's bandwidth.
 const DISK_GIB: u64 = 2;
 const BANDWIDTH: u64 = 2 << 30;
+
+/// A node's local storage: each node's copies share its own bandwidth.
+const LOCAL_BANDWIDTH: u64 = 1 << 30;
+
+/// Where the burst's templates are.
+#[derive(Clone, Copy, PartialEq)]
+enum Layout {
+    /// One template on the shared `ceph-pool`, copied by every node.
+    Shared,
+    /// A template per node (VMID 9000 + n) on its own `local-lvm`.
+    Local,
+}
+
+/// `--max-parallel-clones`: `BIGFLEET_BENCH_CLONE_SLOTS`, else the default.
+fn clone_slots() -> usize {
+    std::env::var("BIGFLEET_BENCH_CLONE_SLOTS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .filter(|n| *n > 0)
+        .unwrap_or(PveOptions::default().max_parallel_clones)
+}
 
 /// Whose request it is: the node a `/nodes/<node>/...` path names, or the
 /// cluster for the rest.
@@ -50,14 +75,23 @@ fn quantile(mut v: Vec<f64>, q: f64) -> f64 {
     v.get(i).copied().unwrap_or(0.0)
 }
 
-async fn burst(size: usize, nodes: usize) {
+async fn burst(size: usize, nodes: usize, layout: Layout) {
     let names: Vec<String> = (1..=nodes).map(|n| format!("pve{n}")).collect();
     let mut cfg = fast_sim(Duration::from_secs(2), Duration::from_secs(3));
     cfg.nodes = names.clone();
-    let mut template = pve_sim::TemplateSpec::shared(9000, "pve1");
-    template.disk_gib = DISK_GIB;
-    cfg.templates = vec![template];
-    cfg.storage_bandwidth = vec![("ceph-pool".into(), BANDWIDTH)];
+    cfg.templates = match layout {
+        Layout::Shared => vec![pve_sim::TemplateSpec::shared(9000, "pve1")],
+        Layout::Local => (0..nodes)
+            .map(|n| pve_sim::TemplateSpec::local(9000 + n as u32, &names[n]))
+            .collect(),
+    };
+    for t in &mut cfg.templates {
+        t.disk_gib = DISK_GIB;
+    }
+    cfg.storage_bandwidth = vec![
+        ("ceph-pool".into(), BANDWIDTH),
+        ("local-lvm".into(), LOCAL_BANDWIDTH),
+    ];
     cfg.max_parallel_local_clones = None;
     cfg.max_parallel_shared_clones = None;
     let sim = Arc::new(sim_with(cfg).await);
@@ -65,6 +99,7 @@ async fn burst(size: usize, nodes: usize) {
         client(&sim),
         PveOptions {
             poll_interval: Duration::from_secs(1),
+            max_parallel_clones: clone_slots(),
             readiness_command: String::new(),
             drain_command: "true".into(),
             ..opts(Duration::from_secs(600))
@@ -89,10 +124,19 @@ async fn burst(size: usize, nodes: usize) {
         .map(|i| {
             let sub = Arc::clone(&sub);
             let node = names[i % nodes].clone();
+            let template = match layout {
+                Layout::Shared => 9000,
+                Layout::Local => 9000 + (i % nodes) as u32,
+            };
             tokio::spawn(async move {
                 let id = format!("p/OnDemand/pve.small/{node}/{i:03}");
                 let t = Instant::now();
-                let vm = sub.clone_vm(&req(&id, &node)).await?;
+                let vm = sub
+                    .clone_vm(&CloneRequest {
+                        template_vmid: template,
+                        ..req(&id, &node)
+                    })
+                    .await?;
                 let to_idle = t.elapsed();
                 sub.ensure_running(&vm).await?;
                 sub.configure(&vm, b"true\n").await?;
@@ -138,9 +182,19 @@ async fn burst(size: usize, nodes: usize) {
         );
     }
     let total = sim.requests().len() as f64;
-    let copy_bound = (size as u64 * (DISK_GIB << 30)) as f64 / BANDWIDTH as f64;
+    let bytes = |copies: usize| (copies as u64 * (DISK_GIB << 30)) as f64;
+    // Shared: every copy through the one storage; local: the busiest
+    // node's copies through its own.
+    let (copy_bound, place) = match layout {
+        Layout::Shared => (bytes(size) / BANDWIDTH as f64, "shared"),
+        Layout::Local => (
+            bytes(size.div_ceil(nodes)) / LOCAL_BANDWIDTH as f64,
+            "local",
+        ),
+    };
+    let slots = clone_slots();
     println!(
-        "bench-real {size:>2}-way on {nodes} nodes: {failed} FAILED, to IDLE p50 {:.1} s p95 {:.1} s, \
+        "bench-real {size:>2}-way on {nodes} nodes, {place} storage, {slots} clone slots per node: {failed} FAILED, to IDLE p50 {:.1} s p95 {:.1} s, \
          makespan {makespan:.1} s (the copies alone take {copy_bound:.1} s at the storage's bandwidth), \
          {:.1} requests per lifecycle, peak {peak_all} requests/s, {peak_node} on the busiest node",
         quantile(to_idle.clone(), 0.5),
@@ -154,6 +208,14 @@ async fn burst(size: usize, nodes: usize) {
 #[ignore = "a measurement (a few minutes); run by hand or with make bench-real"]
 async fn bench_real() {
     for (size, nodes) in [(16, 2), (40, 3), (64, 4)] {
-        burst(size, nodes).await;
+        burst(size, nodes, Layout::Shared).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "a measurement (a few minutes); run by hand or with make bench-real"]
+async fn bench_real_local() {
+    for (size, nodes) in [(16, 2), (40, 3), (64, 4)] {
+        burst(size, nodes, Layout::Local).await;
     }
 }
