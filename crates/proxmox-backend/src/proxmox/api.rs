@@ -420,6 +420,10 @@ impl Api {
         deadline: Instant,
     ) -> Result<(), SubstrateError> {
         let node = Some(vm.node.as_str());
+        // A task of the stop or the destroy finding no config: another
+        // destroy of the VM (one a restarted provider left running) got
+        // there first. The VM is gone.
+        let gone = |e: &PveError| e.is_not_found() || e.is_vm_config_missing(vm.vmid);
         if stop_first {
             tracing::info!(vm = %vm, "stopping VM");
             let mut attempt = 0;
@@ -430,12 +434,7 @@ impl Api {
                 {
                     Ok(upid) => match self.wait_task(&upid, "stop").await {
                         Ok(()) => break upid.task_type == "hastop",
-                        // Destroyed meanwhile (another destroy of it, one
-                        // a restarted provider left running, got there
-                        // first): the stop's worker found no config.
-                        Err(e) if e.is_not_found() || e.is_vm_config_missing(vm.vmid) => {
-                            return Ok(())
-                        }
+                        Err(e) if gone(&e) => return Ok(()),
                         // `VM 104 is locked (backup)` from the worker: the
                         // stop did nothing; a repeated stop is harmless,
                         // unless no task holds the lock (see below).
@@ -485,7 +484,7 @@ impl Api {
                     // left running) held its config lock and removed the
                     // config before this worker got the lock: `Configuration
                     // file '.../N.conf' does not exist`. The VM is gone.
-                    Err(e) if e.is_not_found() || e.is_vm_config_missing(vm.vmid) => return Ok(()),
+                    Err(e) if gone(&e) => return Ok(()),
                     Err(e) => e,
                 },
                 Err(e) if e.is_not_found() || e.is_forbidden() => return Ok(()),

@@ -357,34 +357,50 @@ impl Guest {
         self.await_exit(vm, pid, timeout).await
     }
 
-    /// [`Guest::run`] for the first command of a Configure or a Drain, which
-    /// no agent ping comes before: qemu-server pings the agent itself before
-    /// any agent command and refuses one it could not send (`QEMU guest
-    /// agent is not running`, the VM not running). Only then, when nothing
-    /// ran, does this wait for the agent (as [`Guest::wait_agent`], up to
-    /// `--agent-timeout`) and send the command again. A ping before every
-    /// Configure and Drain cost a request each to learn what the command's
-    /// own answer says.
+    /// [`Guest::run`] for the first command of a Drain, which no agent ping
+    /// comes before (see [`Guest::when_agent_up`]).
     async fn run_first(
         &self,
         vm: &VmRef,
         argv: &[String],
         timeout: Duration,
     ) -> Result<ExecStatus, ExecError> {
-        let exec = || {
-            self.api
-                .once(|pve| pve.agent_exec(&vm.node, vm.vmid, argv, None))
-        };
-        let pid = match exec().await {
-            Ok(pid) => pid,
-            Err(e) if e.is_agent_unreached() => {
-                tracing::info!(vm = %vm, error = %e, "the guest agent did not take the command; waiting for it");
-                self.wait_agent(vm).await.map_err(ExecError::Agent)?;
-                exec().await?
-            }
-            Err(e) => return Err(e.into()),
-        };
+        let pid = self
+            .when_agent_up(vm, || {
+                self.api
+                    .once(|pve| pve.agent_exec(&vm.node, vm.vmid, argv, None))
+            })
+            .await
+            .map_err(ExecError::Agent)??;
         self.await_exit(vm, pid, timeout).await
+    }
+
+    /// Sends the first guest request of a Configure or a Drain, which no
+    /// agent ping comes before: qemu-server pings the agent itself before
+    /// any agent request and refuses one it could not send (`QEMU guest
+    /// agent is not running`, the VM not running). Only then, when nothing
+    /// ran, does this wait for the agent (as [`Guest::wait_agent`], up to
+    /// `--agent-timeout`) and send it again. A ping before every Configure
+    /// and Drain cost a request each to learn what the request's own answer
+    /// says. The outer error: the agent did not come up; the inner: the
+    /// request's own answer.
+    async fn when_agent_up<T, F, Fut>(
+        &self,
+        vm: &VmRef,
+        mut send: F,
+    ) -> Result<Result<T, PveError>, SubstrateError>
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = Result<T, PveError>>,
+    {
+        match send().await {
+            Err(e) if e.is_agent_unreached() => {
+                tracing::info!(vm = %vm, error = %e, "the guest agent did not take the request; waiting for it");
+                self.wait_agent(vm).await?;
+                Ok(send().await)
+            }
+            sent => Ok(sent),
+        }
     }
 
     /// Polls guest pid `pid` until it exits or `timeout` passes.
@@ -607,34 +623,15 @@ impl Guest {
             } else {
                 part_path(path, i)
             };
-            let mut wrote = self
-                .api
-                .retry_raw(Some(&vm.node), deadline, |pve| {
+            // The first guest request of a Configure: it waits for an agent
+            // PVE finds not up, and the write (harmless to repeat) goes again.
+            self.when_agent_up(vm, || {
+                self.api.retry_raw(Some(&vm.node), deadline, |pve| {
                     pve.agent_file_write(&vm.node, vm.vmid, &file, chunk, FileEncoding::Base64)
                 })
-                .await;
-            // The first guest command of a Configure, which no ping comes
-            // before: PVE refused it unsent as the agent is not up; once it
-            // answers, the write (harmless to repeat) goes again.
-            if let Err(e) = &wrote {
-                if e.is_agent_unreached() {
-                    tracing::info!(vm = %vm, error = %e, "the guest agent did not take the blob; waiting for it");
-                    self.wait_agent(vm).await?;
-                    wrote = self
-                        .api
-                        .retry_raw(Some(&vm.node), deadline, |pve| {
-                            pve.agent_file_write(
-                                &vm.node,
-                                vm.vmid,
-                                &file,
-                                chunk,
-                                FileEncoding::Base64,
-                            )
-                        })
-                        .await;
-                }
-            }
-            wrote.map_err(|e| err_at(ctx(), Some(&vm.node), &e))?;
+            })
+            .await?
+            .map_err(|e| err_at(ctx(), Some(&vm.node), &e))?;
             if i > 0 {
                 parts.push(file);
             }

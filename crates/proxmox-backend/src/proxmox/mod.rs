@@ -654,7 +654,7 @@ impl Substrate for PveSubstrate {
         if st.is_running() {
             // No ping: PVE pings the agent before the guest command that
             // comes next and refuses it, unsent, while the agent is not up;
-            // that command then waits for the agent (`Guest::run_first`).
+            // that command then waits for the agent (`Guest::when_agent_up`).
             return Ok(());
         }
         self.ensure_running_status(vm, &st, deadline).await

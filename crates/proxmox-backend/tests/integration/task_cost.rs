@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use proxmox_backend::proxmox::{PveOptions, PveSubstrate};
 use proxmox_backend::substrate::Substrate;
-use pve_sim::{endpoints, SimConfig};
+use pve_sim::{endpoints, PveSim, SimConfig};
 
 use crate::common::{assert_no_violations, client, fast_sim, opts, req, sim_with};
 
@@ -159,25 +159,12 @@ async fn a_guessed_vmid_someone_else_holds_costs_one_refused_clone() {
 /// shortly before its learnt length, then every eighth of it.
 #[tokio::test]
 async fn looks_at_a_task_follow_what_its_kind_took() {
-    let sim = sim_with(fast_sim(
+    let looks = two_creates(
         Duration::from_millis(1000),
         Duration::from_millis(50),
-    ))
+        |sim| sim.call_count(endpoints::TASK_STATUS) + sim.call_count(NODE_TASKS),
+    )
     .await;
-    let sub = PveSubstrate::new(
-        client(&sim),
-        PveOptions {
-            poll_interval: Duration::from_millis(50),
-            ..opts(Duration::from_secs(20))
-        },
-    );
-    let mut looks = Vec::new();
-    for i in 0..2 {
-        let id = format!("p/OnDemand/pve.small/pve1/t{i:02}");
-        sim.reset_counts();
-        sub.clone_vm(&req(&id, "pve1")).await.expect("create");
-        looks.push(sim.call_count(endpoints::TASK_STATUS) + sim.call_count(NODE_TASKS));
-    }
     println!("task looks: first Create {}, second {}", looks[0], looks[1]);
     assert!(
         looks[0] >= 15,
@@ -187,7 +174,29 @@ async fn looks_at_a_task_follow_what_its_kind_took() {
         looks[1] * 3 <= looks[0],
         "the second waits most of the learnt length: {looks:?}"
     );
+}
+
+/// Two Creates one after the other on `pve1` at a 50 ms poll, with
+/// `clone`-long clones and `boot`-long agent boots: what `count` says of
+/// the requests each made (what the second learnt from the first).
+async fn two_creates(clone: Duration, boot: Duration, count: impl Fn(&PveSim) -> u64) -> [u64; 2] {
+    let sim = sim_with(fast_sim(clone, boot)).await;
+    let sub = PveSubstrate::new(
+        client(&sim),
+        PveOptions {
+            poll_interval: Duration::from_millis(50),
+            ..opts(Duration::from_secs(20))
+        },
+    );
+    let mut counts = [0; 2];
+    for (i, c) in counts.iter_mut().enumerate() {
+        sim.reset_counts();
+        let id = format!("p/OnDemand/pve.small/pve1/s{i:02}");
+        sub.clone_vm(&req(&id, "pve1")).await.expect("create");
+        *c = count(&sim);
+    }
     sim.shutdown().await;
+    counts
 }
 
 /// In a burst (a clone of this process in flight) the next id is taken
@@ -254,25 +263,12 @@ async fn a_burst_guesses_its_next_vmid_and_asks_again_after_a_wrong_guess() {
 /// the next one waits most of the learnt boot first and pings a few times.
 #[tokio::test]
 async fn agent_pings_after_a_start_follow_what_boots_took() {
-    let sim = sim_with(fast_sim(
+    let pings = two_creates(
         Duration::from_millis(50),
         Duration::from_millis(1000),
-    ))
+        |sim| sim.call_count(endpoints::AGENT_PING),
+    )
     .await;
-    let sub = PveSubstrate::new(
-        client(&sim),
-        PveOptions {
-            poll_interval: Duration::from_millis(50),
-            ..opts(Duration::from_secs(20))
-        },
-    );
-    let mut pings = Vec::new();
-    for i in 0..2 {
-        sim.reset_counts();
-        let id = format!("p/OnDemand/pve.small/pve1/a{i:02}");
-        sub.clone_vm(&req(&id, "pve1")).await.expect("create");
-        pings.push(sim.call_count(endpoints::AGENT_PING));
-    }
     println!("agent pings: first boot {}, second {}", pings[0], pings[1]);
     assert!(
         pings[0] >= 10,
@@ -282,7 +278,6 @@ async fn agent_pings_after_a_start_follow_what_boots_took() {
         pings[1] * 3 <= pings[0],
         "the second waits most of the learnt boot: {pings:?}"
     );
-    sim.shutdown().await;
 }
 
 /// The API cost of a 16-way burst of whole lifecycles (Create, Configure,
