@@ -145,10 +145,20 @@ pub struct Args {
     #[arg(long, default_value = "1s", value_parser = parse_duration)]
     pub proxmox_poll_interval: Duration,
 
-    /// Concurrent clones per (node, storage) pair: clones to the same
-    /// storage contend on its lock.
-    #[arg(long, default_value_t = 2)]
+    /// Most concurrent clones per (node, storage) pair: clones to the same
+    /// storage share its bandwidth and queue on its lock. With
+    /// --adaptive-clones (the default) the bound each pair uses moves
+    /// within 1 and this; without, it is this.
+    #[arg(long, default_value_t = 8)]
     pub max_parallel_clones: usize,
+
+    /// Let each (node, storage) pair find its own number of clones at once:
+    /// start at 2, take one more while clones take as long as the shortest
+    /// lately seen and others wait, give one back when they take half again
+    /// as long, halve on a storage-lock timeout; false: always
+    /// --max-parallel-clones.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    pub adaptive_clones: bool,
 
     /// VMIDs this provider allocates, MIN-MAX inclusive (e.g. 10000-19999);
     /// unset, PVE's whole range 100-999999.

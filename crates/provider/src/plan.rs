@@ -395,6 +395,7 @@ fn pve_options(args: &Args, catalog: &Catalog) -> Result<PveOptions, ConfigError
         readiness_command: args.readiness_command.trim().to_string(),
         drain_command: args.drain_command.clone(),
         max_parallel_clones: args.max_parallel_clones,
+        adaptive_clones: args.adaptive_clones,
         poll_interval: args.proxmox_poll_interval,
         // Leave the engine's Drain deadline room for EnsureRunning.
         drain_timeout: args.drain_timeout * 9 / 10,

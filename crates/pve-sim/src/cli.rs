@@ -87,6 +87,20 @@ pub struct Args {
     #[arg(long, value_name = "STORAGE=RATE", action = ArgAction::Append,
           value_delimiter = ',', value_parser = parse_bandwidth)]
     pub storage_bandwidth: Vec<(String, u64)>,
+    /// The most one clone's copy reaches on a storage, repeatable and
+    /// comma-separated: STORAGE=RATE (e.g. ceph-pool=400M). A copy runs
+    /// at the lesser of this and its share of --storage-bandwidth.
+    #[arg(long, value_name = "STORAGE=RATE", action = ArgAction::Append,
+          value_delimiter = ',', value_parser = parse_bandwidth)]
+    pub storage_stream_bandwidth: Vec<(String, u64)>,
+    /// How long a full clone allocates its volume under the storage's lock
+    /// on a storage with --storage-bandwidth (0 = no allocation step).
+    #[arg(long, default_value = "0s", value_parser = humantime_ms)]
+    pub volume_alloc_time: Duration,
+    /// How long an allocation waits for the storage's lock before the
+    /// clone fails (PVE: 10s).
+    #[arg(long, default_value = "10s", value_parser = humantime_ms)]
+    pub storage_lock_timeout: Duration,
     /// A storage that cannot be activated on a node at start-up (NFS
     /// server gone), repeatable: NODE:STORAGE.
     #[arg(long, value_name = "NODE:STORAGE", action = ArgAction::Append,
@@ -662,6 +676,9 @@ impl Args {
             tag_access: a.tag_access,
             registered_tags: a.registered_tag,
             storage_bandwidth: a.storage_bandwidth,
+            storage_stream_bandwidth: a.storage_stream_bandwidth,
+            volume_alloc_time: a.volume_alloc_time,
+            storage_lock_timeout: a.storage_lock_timeout,
             node_cpus: a.node_cpus,
             keepalive_idle: (!a.keepalive_idle.is_zero()).then_some(a.keepalive_idle),
             close_after_error: a.close_after_error,

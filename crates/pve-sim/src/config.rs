@@ -456,6 +456,25 @@ pub struct SimConfig {
     /// [`SimConfig::clone_duration`]; a linked clone there takes
     /// [`LINKED_CLONE_TIME`]. Storages not named keep the fixed duration.
     pub storage_bandwidth: Vec<(String, u64)>,
+    /// The most one full clone's copy reaches on a storage, by name, below
+    /// its [`SimConfig::storage_bandwidth`]: qemu-server copies a disk
+    /// with `qemu-img convert -p -n` (in-order writes, no `-W`), which one
+    /// stream to network storage cannot run at the pool's full rate, and a
+    /// `bwlimit: clone=` caps each clone alike. A copy runs at the lesser of
+    /// this and its share of the storage's bandwidth. Storages not named:
+    /// the share alone.
+    pub storage_stream_bandwidth: Vec<(String, u64)>,
+    /// How long allocating a full clone's volume takes on a storage with a
+    /// bandwidth, under the storage's lock (pve-storage `vdisk_alloc`:
+    /// the cluster-wide `cfs-lock 'storage-ID'` for a shared storage, the
+    /// node's `/var/lock/pve-manager/pve-storage-ID` for a local one). A
+    /// clone that cannot take the lock within
+    /// [`SimConfig::storage_lock_timeout`] fails with PVE's message.
+    /// Zero: no allocation step.
+    pub volume_alloc_time: Duration,
+    /// How long a volume allocation waits for the storage's lock (pve-cluster
+    /// `cfs_lock` and pve-common `lock_file` both default to 10 s).
+    pub storage_lock_timeout: Duration,
     /// Each node's CPU threads: its `maxcpu`, and the most vCPUs
     /// (`sockets` x `cores`) a VM may have there to start (qemu-server
     /// `config_to_command`: `MAX N vcpus allowed per VM on this node`).
@@ -551,6 +570,9 @@ impl Default for SimConfig {
             sdn_installed: true,
             registered_tags: Vec::new(),
             storage_bandwidth: Vec::new(),
+            storage_stream_bandwidth: Vec::new(),
+            volume_alloc_time: Duration::ZERO,
+            storage_lock_timeout: Duration::from_secs(10),
             node_cpus: 64,
             pci_mappings: Vec::new(),
         }

@@ -273,6 +273,22 @@ impl Shared {
                 return Err(format!("clone failed: {text}"));
             }
         }
+        let bandwidth = self
+            .cfg
+            .storage_bandwidth
+            .iter()
+            .find(|(name, _)| *name == storage)
+            .map(|(_, bw)| *bw);
+        if bandwidth.is_some() && need > 0 && !self.cfg.volume_alloc_time.is_zero() {
+            if let Err(msg) = self.allocate_volume(&source, &storage, shared).await {
+                // PVE removes the half-created VM when the clone worker fails.
+                let mut c = self.cluster.lock();
+                c.vms.remove(&newid);
+                c.agents.remove(&newid);
+                self.touch(&mut c);
+                return Err(msg);
+            }
+        }
         let key = (node, storage.clone());
         let limit = if shared {
             self.cfg.max_parallel_shared_clones
@@ -285,12 +301,6 @@ impl Shared {
             *n += 1;
             limit.is_some_and(|l| *n > l)
         };
-        let bandwidth = self
-            .cfg
-            .storage_bandwidth
-            .iter()
-            .find(|(name, _)| *name == storage)
-            .map(|(_, bw)| *bw);
         match (over, bandwidth) {
             (true, _) => tokio::time::sleep(self.cfg.storage_lock_wait).await,
             (false, Some(_)) if need == 0 => tokio::time::sleep(LINKED_CLONE_TIME).await,
@@ -333,12 +343,45 @@ impl Shared {
         Ok("OK".into())
     }
 
+    /// Allocates a full clone's volume on `storage` from `node`, holding
+    /// the storage's lock for [`crate::SimConfig::volume_alloc_time`]:
+    /// pve-storage's `vdisk_alloc` takes the cluster-wide `cfs-lock` of a
+    /// shared storage and the node's lock file of a local one, and gives up
+    /// after the lock timeout with the message PVE prints.
+    async fn allocate_volume(&self, node: &str, storage: &str, shared: bool) -> Result<(), String> {
+        let name = if shared {
+            format!("storage-{storage}")
+        } else {
+            format!("{node}/pve-storage-{storage}")
+        };
+        let lock = Arc::clone(self.storage_locks.lock().entry(name).or_default());
+        let Ok(_held) = tokio::time::timeout(self.cfg.storage_lock_timeout, lock.lock()).await
+        else {
+            return Err(if shared {
+                format!(
+                    "clone failed: cfs-lock 'storage-{storage}' error: got lock request timeout"
+                )
+            } else {
+                format!("clone failed: can't lock file '/var/lock/pve-manager/pve-storage-{storage}' - got timeout")
+            });
+        };
+        tokio::time::sleep(self.cfg.volume_alloc_time).await;
+        Ok(())
+    }
+
     /// Copies `bytes` onto the storage of `key` at `bandwidth` bytes per
     /// second shared evenly among the full clones writing there now (every
-    /// node's, for a shared storage), re-counted every tick: the model of
-    /// a storage whose throughput, not a lock, bounds parallel clones.
+    /// node's, for a shared storage), re-counted every tick, and at most
+    /// the storage's stream bandwidth for one copy: the model of a storage
+    /// whose throughput, not a lock, bounds parallel clones.
     async fn copy_at(&self, bandwidth: u64, bytes: u64, key: &(String, String), shared: bool) {
         const TICK: std::time::Duration = std::time::Duration::from_millis(20);
+        let stream = self
+            .cfg
+            .storage_stream_bandwidth
+            .iter()
+            .find(|(name, _)| *name == key.1)
+            .map_or(f64::INFINITY, |(_, bw)| *bw as f64);
         let mut left = bytes as f64;
         let mut last = Instant::now();
         while left > 0.0 {
@@ -353,7 +396,8 @@ impl Shared {
                     .max(1)
             };
             let now = Instant::now();
-            left -= bandwidth as f64 / writers as f64 * (now - last).as_secs_f64();
+            let rate = (bandwidth as f64 / writers as f64).min(stream);
+            left -= rate * (now - last).as_secs_f64();
             last = now;
         }
     }

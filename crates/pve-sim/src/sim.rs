@@ -63,6 +63,10 @@ pub struct Shared {
     /// are reserved (qemu-server `reserve_pci_usage` with a timeout) until
     /// the VM runs, when running itself holds them.
     pub(crate) pci_starting: Mutex<BTreeMap<u32, String>>,
+    /// Storage locks that volume allocations queue on, by lock name
+    /// (`storage-ID` cluster-wide, `NODE/pve-storage-ID` per node); see
+    /// [`SimConfig::volume_alloc_time`].
+    pub(crate) storage_locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
 }
 
 /// A volume a destroy left behind (`Could not remove disk`).
@@ -115,6 +119,7 @@ impl Shared {
             storages_busy: Mutex::default(),
             leftover_volumes: Mutex::default(),
             pci_starting: Mutex::default(),
+            storage_locks: Mutex::default(),
             qga_bin,
             cfg,
             cluster: Mutex::new(cluster),

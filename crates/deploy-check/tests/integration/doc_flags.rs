@@ -55,6 +55,7 @@ const SPEC_FLAGS: &[&str] = &[
     "--tls-key",
     "--tls-ca",
     // Added by the binary:
+    "--adaptive-clones",
     "--tls-client-identity",
     "--fake-latency",
     "--log-format",

@@ -17,7 +17,7 @@ use super::marker::{
 use super::options::PveOptions;
 use super::placement::Placement;
 use super::sizing::{Inherited, CLEARED_KEYS};
-use super::slots::CloneSlots;
+use super::slots::{ClonePermit, CloneSlots};
 use super::vmid::{LateClone, Vmids};
 use crate::substrate::{CloneRequest, SubstrateError, VmRef};
 use crate::timeline::{self, Step};
@@ -86,7 +86,7 @@ impl Cloner {
             .storage_key(req.template_vmid, template_node, deadline)
             .await?;
         let slot = timeline::step(Step::CloneSlot, &req.node);
-        let _permit = slot.end(self.slots.permit(&req.node, &storage).await)?;
+        let mut permit = slot.end(self.slots.permit(&req.node, &storage).await)?;
         let description = marker_description(&req.machine_id, &req.operation_id);
         let (full, target_storage) = self.placement.clone_options(req);
         let mut last: Option<String> = None;
@@ -131,6 +131,7 @@ impl Cloner {
             };
             self.inventory.set_pending(&req.machine_id, &vm);
             tracing::info!(machine_id = %req.machine_id, vm = %vm, template = req.template_vmid, template_node, storage = %storage, "cloning");
+            let posted = Instant::now();
             let upid = match self
                 .api
                 .once(|pve| pve.clone_vm(template_node, req.template_vmid, &params))
@@ -187,8 +188,10 @@ impl Cloner {
                 }
                 Err(e) if e.is_lock_timeout() => {
                     self.inventory.clear_pending(&req.machine_id);
+                    permit = self
+                        .requeue(permit, &e, req, &storage, attempt, deadline)
+                        .await?;
                     last = Some(e.to_string());
-                    self.api.pause(attempt, deadline).await;
                     attempt += 1;
                     continue;
                 }
@@ -229,6 +232,7 @@ impl Cloner {
             tracing::info!(machine_id = %req.machine_id, vm = %vm, task = %upid, "clone started");
             match self.api.wait_task(&upid, "clone").await {
                 Ok(()) => {
+                    permit.finished(req.template_vmid, posted.elapsed());
                     res.commit();
                     self.late
                         .reap_twins(&req.machine_id, vm.vmid, deadline)
@@ -247,8 +251,10 @@ impl Cloner {
                     tracing::info!(vm = %vm, error = %e, "clone hit a storage lock timeout; retrying");
                     self.remove_failed_clone(&vm, req, deadline).await?;
                     self.inventory.clear_pending(&req.machine_id);
+                    permit = self
+                        .requeue(permit, &e, req, &storage, attempt, deadline)
+                        .await?;
                     last = Some(e.to_string());
-                    self.api.pause(attempt, deadline).await;
                     attempt += 1;
                 }
                 Err(e @ PveError::TaskFailed { .. }) => {
@@ -263,6 +269,27 @@ impl Cloner {
                 }
             }
         }
+    }
+
+    /// After a lock timeout: a storage's tells the clone slots; then the
+    /// slot goes back while the clone backs off (it holds nothing on the
+    /// storage), and the clone waits its turn for one again.
+    async fn requeue(
+        &self,
+        permit: ClonePermit,
+        e: &PveError,
+        req: &CloneRequest,
+        storage: &str,
+        attempt: u32,
+        deadline: Instant,
+    ) -> Result<ClonePermit, SubstrateError> {
+        if e.is_storage_lock_timeout() {
+            permit.lock_timeout();
+        }
+        drop(permit);
+        self.api.pause(attempt, deadline).await;
+        let slot = timeline::step(Step::CloneSlot, &req.node);
+        slot.end(self.slots.permit(&req.node, storage).await)
     }
 
     /// After a clone POST whose answer was lost: [`Ambiguous::Ours`] once the

@@ -73,9 +73,14 @@ pub struct PveOptions {
     pub readiness_command: String,
     /// Shell command draining the node; `--grace-period` and `--timeout` are appended.
     pub drain_command: String,
-    /// Concurrent clones per (target node, storage of the template's disks):
-    /// the storage lock is what parallel clones contend on. At least 1.
+    /// Most concurrent clones per (target node, storage of the template's
+    /// disks): they share the storage's bandwidth and queue on its lock.
+    /// At least 1.
     pub max_parallel_clones: usize,
+    /// Adapt each key's clone slots within 1 and `max_parallel_clones` by
+    /// how long its clones take (see `slots`); false: always
+    /// `max_parallel_clones`.
+    pub adaptive_clones: bool,
     /// Bound on each PVE worker task (clone, start, stop, destroy).
     pub task_timeout: Duration,
     /// How long to wait for the guest agent to answer after a start.
@@ -184,7 +189,8 @@ impl Default for PveOptions {
             hostname_command: DEFAULT_HOSTNAME_COMMAND.into(),
             readiness_command: String::new(),
             drain_command: DEFAULT_DRAIN_COMMAND.into(),
-            max_parallel_clones: 2,
+            max_parallel_clones: 8,
+            adaptive_clones: true,
             task_timeout: Duration::from_secs(7 * 60),
             agent_timeout: Duration::from_secs(5 * 60),
             exec_timeout: Duration::from_secs(7 * 60),

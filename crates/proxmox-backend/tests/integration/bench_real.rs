@@ -1,18 +1,27 @@
-//! `make bench-real` (#41 item 4): bursts of whole lifecycles (Create,
-//! Configure, Drain, Delete) on pve-sim's honest clone model: a full clone
-//! copies the template's disk at its storage's bandwidth, shared among the
-//! copies writing there at once. 16, 40 and 64 at once over 2, 3 and 4
-//! nodes, from one shared template (2 GiB on `ceph-pool`, 2 GiB/s), a 3 s
-//! agent boot and the default 1 s poll. Prints, per burst: time to IDLE
-//! (the Create) median and p95, the makespan, what the storage's bandwidth
-//! alone allows, PVE requests per lifecycle, and the peak requests per
-//! second, cluster-wide and on the busiest node. `bench_real_local` runs
-//! the same bursts on local storage: a template per node on its
-//! `local-lvm` (1 GiB/s, shared among that node's copies). A measurement,
-//! not a check: `cargo test -p proxmox-backend --test integration
-//! bench_real -- --ignored --nocapture` runs both.
-//! `BIGFLEET_BENCH_CLONE_SLOTS=N` sets `--max-parallel-clones` (default 2),
-//! for a sweep.
+//! `make bench-real` (#41 items 2 and 4): bursts of whole lifecycles
+//! (Create, Configure, Drain, Delete) on pve-sim's honest clone model: a
+//! full clone allocates its volume under the storage's lock (0.5 s; the
+//! lock is cluster-wide on a shared storage, the node's on a local one),
+//! then copies the template's disk at the lesser of one stream's rate
+//! (512 MiB/s) and its share of the storage's bandwidth among the copies
+//! writing there at once. 16, 40 and 64 at once over 2, 3 and 4 nodes,
+//! from one shared template (2 GiB on `ceph-pool`, 2 GiB/s), a 3 s agent
+//! boot and the default 1 s poll. Prints, per burst: time to IDLE (the
+//! Create) median and p95, what the storage allows the median, each
+//! step's mean share of a Create, the makespan, what the storage's
+//! bandwidth alone allows it, PVE requests per lifecycle, and the peak
+//! requests per second, cluster-wide and on the busiest node.
+//! `bench_real_local` runs the same bursts on local storage: a template
+//! per node on its `local-lvm` (1 GiB/s, shared among that node's copies).
+//! A measurement, not a check: `cargo test -p proxmox-backend --test
+//! integration bench_real -- --ignored --nocapture` runs both.
+//!
+//! For a sweep: `BIGFLEET_BENCH_CLONE_SLOTS=N` sets
+//! `--max-parallel-clones`, `BIGFLEET_BENCH_ADAPTIVE=0|1`
+//! `--adaptive-clones` (both default to the provider's defaults),
+//! `BIGFLEET_BENCH_STREAM_MIB=N` one stream's rate,
+//! `BIGFLEET_BENCH_BURSTS=16x2,40x3` the bursts, and
+//! `BIGFLEET_BENCH_TIMELINES=1` prints every Create's steps.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -21,6 +30,7 @@ use std::time::{Duration, Instant};
 
 use proxmox_backend::proxmox::{PveOptions, PveSubstrate};
 use proxmox_backend::substrate::{CloneRequest, Substrate, SubstrateError};
+use proxmox_backend::timeline::Timeline;
 use pve_sim::PveSim;
 
 use crate::common::{client, fast_sim, opts, req, sim_with};
@@ -31,6 +41,24 @@ const BANDWIDTH: u64 = 2 << 30;
 
 /// A node's local storage: each node's copies share its own bandwidth.
 const LOCAL_BANDWIDTH: u64 = 1 << 30;
+
+/// The most one copy reaches on either storage (qemu-img's in-order
+/// writes): four copies fill the shared pool, two a node's local disk.
+/// `BIGFLEET_BENCH_STREAM_MIB=N` sets it, for a sweep.
+fn stream_bandwidth() -> u64 {
+    std::env::var("BIGFLEET_BENCH_STREAM_MIB")
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok())
+        .filter(|n| *n > 0)
+        .map_or(512 << 20, |mib| mib << 20)
+}
+
+/// Allocating a clone's volume, under the storage's lock (cluster-wide on
+/// the shared pool, per node on local storage).
+const VOLUME_ALLOC: Duration = Duration::from_millis(500);
+
+/// The agent's boot after the start.
+const AGENT_BOOT: Duration = Duration::from_secs(3);
 
 /// Where the burst's templates are.
 #[derive(Clone, Copy, PartialEq)]
@@ -48,6 +76,33 @@ fn clone_slots() -> usize {
         .and_then(|v| v.parse().ok())
         .filter(|n| *n > 0)
         .unwrap_or(PveOptions::default().max_parallel_clones)
+}
+
+/// The bursts, as (machines, nodes): 16 on 2, 40 on 3, 64 on 4, or
+/// `BIGFLEET_BENCH_BURSTS=16x2,40x3`.
+fn bursts() -> Vec<(usize, usize)> {
+    let parsed: Option<Vec<(usize, usize)>> =
+        std::env::var("BIGFLEET_BENCH_BURSTS").ok().map(|v| {
+            v.split(',')
+                .filter_map(|b| {
+                    let (m, n) = b.split_once('x')?;
+                    Some((m.trim().parse().ok()?, n.trim().parse().ok()?))
+                })
+                .filter(|(m, n)| *m > 0 && *n > 0)
+                .collect()
+        });
+    parsed
+        .filter(|b| !b.is_empty())
+        .unwrap_or_else(|| vec![(16, 2), (40, 3), (64, 4)])
+}
+
+/// `--adaptive-clones`: `BIGFLEET_BENCH_ADAPTIVE=0|1`, else the default.
+fn adaptive() -> bool {
+    match std::env::var("BIGFLEET_BENCH_ADAPTIVE").as_deref() {
+        Ok("1") => true,
+        Ok("0") => false,
+        _ => PveOptions::default().adaptive_clones,
+    }
 }
 
 /// Whose request it is: the node a `/nodes/<node>/...` path names, or the
@@ -77,7 +132,7 @@ fn quantile(mut v: Vec<f64>, q: f64) -> f64 {
 
 async fn burst(size: usize, nodes: usize, layout: Layout) {
     let names: Vec<String> = (1..=nodes).map(|n| format!("pve{n}")).collect();
-    let mut cfg = fast_sim(Duration::from_secs(2), Duration::from_secs(3));
+    let mut cfg = fast_sim(Duration::from_secs(2), AGENT_BOOT);
     cfg.nodes = names.clone();
     cfg.templates = match layout {
         Layout::Shared => vec![pve_sim::TemplateSpec::shared(9000, "pve1")],
@@ -92,6 +147,11 @@ async fn burst(size: usize, nodes: usize, layout: Layout) {
         ("ceph-pool".into(), BANDWIDTH),
         ("local-lvm".into(), LOCAL_BANDWIDTH),
     ];
+    cfg.storage_stream_bandwidth = vec![
+        ("ceph-pool".into(), stream_bandwidth()),
+        ("local-lvm".into(), stream_bandwidth()),
+    ];
+    cfg.volume_alloc_time = VOLUME_ALLOC;
     cfg.max_parallel_local_clones = None;
     cfg.max_parallel_shared_clones = None;
     let sim = Arc::new(sim_with(cfg).await);
@@ -100,6 +160,7 @@ async fn burst(size: usize, nodes: usize, layout: Layout) {
         PveOptions {
             poll_interval: Duration::from_secs(1),
             max_parallel_clones: clone_slots(),
+            adaptive_clones: adaptive(),
             readiness_command: String::new(),
             drain_command: "true".into(),
             ..opts(Duration::from_secs(600))
@@ -119,6 +180,8 @@ async fn burst(size: usize, nodes: usize, layout: Layout) {
             samples
         })
     };
+    let timeline = Arc::new(Timeline::default());
+    let wall0 = std::time::SystemTime::now();
     let started = Instant::now();
     let runs: Vec<_> = (0..size)
         .map(|i| {
@@ -128,14 +191,18 @@ async fn burst(size: usize, nodes: usize, layout: Layout) {
                 Layout::Shared => 9000,
                 Layout::Local => 9000 + (i % nodes) as u32,
             };
+            let timeline = Arc::clone(&timeline);
             tokio::spawn(async move {
                 let id = format!("p/OnDemand/pve.small/{node}/{i:03}");
                 let t = Instant::now();
-                let vm = sub
-                    .clone_vm(&CloneRequest {
-                        template_vmid: template,
-                        ..req(&id, &node)
-                    })
+                let vm = timeline
+                    .scope(
+                        &id,
+                        sub.clone_vm(&CloneRequest {
+                            template_vmid: template,
+                            ..req(&id, &node)
+                        }),
+                    )
                     .await?;
                 let to_idle = t.elapsed();
                 sub.ensure_running(&vm).await?;
@@ -182,23 +249,65 @@ async fn burst(size: usize, nodes: usize, layout: Layout) {
         );
     }
     let total = sim.requests().len() as f64;
-    let bytes = |copies: usize| (copies as u64 * (DISK_GIB << 30)) as f64;
     // Shared: every copy through the one storage; local: the busiest
     // node's copies through its own.
-    let (copy_bound, place) = match layout {
-        Layout::Shared => (bytes(size) / BANDWIDTH as f64, "shared"),
-        Layout::Local => (
-            bytes(size.div_ceil(nodes)) / LOCAL_BANDWIDTH as f64,
-            "local",
-        ),
+    let (copies, bandwidth, place) = match layout {
+        Layout::Shared => (size, BANDWIDTH, "shared"),
+        Layout::Local => (size.div_ceil(nodes), LOCAL_BANDWIDTH, "local"),
     };
-    let slots = clone_slots();
+    let bytes = (copies as u64 * (DISK_GIB << 30)) as f64;
+    let copy_bound = bytes / bandwidth as f64;
+    // What the storage allows the median machine (the one `quantile`
+    // picks, rank r among its storage's copies): the first r copies' bytes
+    // at the whole bandwidth, and no less than one copy at the stream's
+    // rate; then its allocation before and the agent's boot after.
+    let rank = ((size as f64 - 1.0) * 0.5).round() as usize + 1;
+    let rank = match layout {
+        Layout::Shared => rank,
+        Layout::Local => rank.div_ceil(nodes),
+    };
+    let disk = (DISK_GIB << 30) as f64;
+    let p50_bound = (rank as f64 * disk / bandwidth as f64)
+        .max(disk / stream_bandwidth().min(bandwidth) as f64)
+        + VOLUME_ALLOC.as_secs_f64()
+        + AGENT_BOOT.as_secs_f64();
+    // Where the Creates' time went: each step's mean over the burst.
+    let mut steps: BTreeMap<&str, f64> = BTreeMap::new();
+    for i in 0..size {
+        let node = &names[i % nodes];
+        for r in timeline.of(&format!("p/OnDemand/pve.small/{node}/{i:03}")) {
+            *steps.entry(r.step.name()).or_default() += r.duration.as_secs_f64();
+            if std::env::var("BIGFLEET_BENCH_TIMELINES").is_ok_and(|v| v == "1") {
+                let at = r
+                    .started
+                    .duration_since(wall0)
+                    .map(|d| d.as_secs_f64())
+                    .unwrap_or(0.0);
+                println!(
+                    "DBG {i:03} {} at {at:.2} took {:.2}",
+                    r.step.name(),
+                    r.duration.as_secs_f64()
+                );
+            }
+        }
+    }
+    let steps: Vec<String> = steps
+        .iter()
+        .map(|(name, sum)| format!("{name} {:.1}", sum / size as f64))
+        .collect();
+    let slots = if adaptive() {
+        format!("adaptive (at most {}) clone slots", clone_slots())
+    } else {
+        format!("{} clone slots", clone_slots())
+    };
     println!(
-        "bench-real {size:>2}-way on {nodes} nodes, {place} storage, {slots} clone slots per node: {failed} FAILED, to IDLE p50 {:.1} s p95 {:.1} s, \
+        "bench-real {size:>2}-way on {nodes} nodes, {place} storage, {slots} per node: {failed} FAILED, to IDLE p50 {:.1} s p95 {:.1} s \
+         (the storage allows p50 {p50_bound:.1} s; mean s per Create: {}), \
          makespan {makespan:.1} s (the copies alone take {copy_bound:.1} s at the storage's bandwidth), \
          {:.1} requests per lifecycle, peak {peak_all} requests/s, {peak_node} on the busiest node",
         quantile(to_idle.clone(), 0.5),
         quantile(to_idle, 0.95),
+        steps.join(", "),
         total / size as f64,
     );
     assert_eq!(failed, 0, "every lifecycle lands");
@@ -207,7 +316,7 @@ async fn burst(size: usize, nodes: usize, layout: Layout) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "a measurement (a few minutes); run by hand or with make bench-real"]
 async fn bench_real() {
-    for (size, nodes) in [(16, 2), (40, 3), (64, 4)] {
+    for (size, nodes) in bursts() {
         burst(size, nodes, Layout::Shared).await;
     }
 }
@@ -215,7 +324,7 @@ async fn bench_real() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "a measurement (a few minutes); run by hand or with make bench-real"]
 async fn bench_real_local() {
-    for (size, nodes) in [(16, 2), (40, 3), (64, 4)] {
+    for (size, nodes) in bursts() {
         burst(size, nodes, Layout::Local).await;
     }
 }

@@ -233,3 +233,154 @@ async fn unreadable_template_config_fails_the_create() {
     assert_eq!(template_config_reads(&sim, 9000), 2);
     sim.shutdown().await;
 }
+
+/// The honest clone model: a 1 GiB template on `ceph-pool`, whose copies
+/// run at the lesser of one stream and their share of the pool's
+/// bandwidth (in GiB/s).
+fn honest_model(
+    (stream, bandwidth): (u64, u64),
+    volume_alloc: Duration,
+    lock_timeout: Duration,
+) -> SimConfig {
+    let mut t = TemplateSpec::shared(9000, "pve1");
+    t.disk_gib = 1;
+    SimConfig {
+        templates: vec![t],
+        start_duration: Duration::from_millis(10),
+        agent_boot_delay: Duration::from_millis(20),
+        max_parallel_local_clones: None,
+        max_parallel_shared_clones: None,
+        storage_bandwidth: vec![("ceph-pool".into(), bandwidth << 30)],
+        storage_stream_bandwidth: vec![("ceph-pool".into(), stream << 30)],
+        volume_alloc_time: volume_alloc,
+        storage_lock_timeout: lock_timeout,
+        ..SimConfig::default()
+    }
+}
+
+/// Creates `n` machines on `node` at once, sampling how many clones run at
+/// once; returns the most seen.
+async fn burst_peak(sim: &Arc<PveSim>, sub: &Arc<PveSubstrate>, node: &str, n: usize) -> usize {
+    let tasks: Vec<_> = (0..n)
+        .map(|i| spawn_create(sub, req(&format!("a/OnDemand/t/{node}/{i:03}"), node, 9000)))
+        .collect();
+    let mut peak = 0;
+    while !tasks.iter().all(|t| t.is_finished()) {
+        peak = peak.max(clones_in_flight(sim));
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    for t in tasks {
+        t.await.expect("join").expect("every Create lands");
+    }
+    peak
+}
+
+/// Adaptive slots (#41 item 2) grow while clones take as long as the
+/// shortest seen and others wait: on a storage with room for eight
+/// streams, twelve Creates end up copying more than the two slots they
+/// start with, and never more than `--max-parallel-clones`. Fixed slots
+/// stay at two.
+#[tokio::test]
+async fn adaptive_slots_grow_while_the_storage_has_bandwidth_to_spare() {
+    let sim = Arc::new(
+        // Eight streams fit: eight copies at once each take a second.
+        PveSim::start(honest_model(
+            (1, 8),
+            Duration::ZERO,
+            Duration::from_secs(10),
+        ))
+        .await
+        .expect("simulator"),
+    );
+    let adaptive = Arc::new(PveSubstrate::new(
+        client(&sim),
+        PveOptions {
+            max_parallel_clones: 6,
+            adaptive_clones: true,
+            ..opts()
+        },
+    ));
+    let peak = burst_peak(&sim, &adaptive, "pve1", 12).await;
+    assert!(
+        (3..=6).contains(&peak),
+        "adaptive slots grew past the 2 they start with, within 6: {peak}"
+    );
+    let fixed = Arc::new(PveSubstrate::new(
+        client(&sim),
+        PveOptions {
+            max_parallel_clones: 2,
+            adaptive_clones: false,
+            ..opts()
+        },
+    ));
+    let peak = burst_peak(&sim, &fixed, "pve2", 6).await;
+    assert!(peak <= 2, "fixed slots stay at 2: {peak}");
+}
+
+/// Adaptive slots give slots back on storage-lock timeouts: a volume's
+/// allocation holds `ceph-pool`'s cluster-wide lock for 400 ms and a clone
+/// waits 500 ms for it, so more than two allocations at once fail; the
+/// copy itself is quick. A clone that met the timeout gives its slot back
+/// while it backs off. Every Create lands, and at most half as many clones
+/// fail as with fixed slots, which keep four allocations queued (4 against
+/// 14 here).
+#[tokio::test]
+async fn adaptive_slots_shrink_on_storage_lock_timeouts() {
+    const CREATES: usize = 16;
+    let clone_posts = |sim: &PveSim| {
+        sim.requests()
+            .iter()
+            .filter(|r| r.endpoint.as_deref() == Some(endpoints::CLONE))
+            .count()
+    };
+    let mut counts = Vec::new();
+    for adaptive in [true, false] {
+        let sim = Arc::new(
+            PveSim::start(honest_model(
+                (64, 64),
+                Duration::from_millis(400),
+                Duration::from_millis(500),
+            ))
+            .await
+            .expect("simulator"),
+        );
+        let sub = Arc::new(PveSubstrate::new(
+            client(&sim),
+            PveOptions {
+                max_parallel_clones: 2,
+                adaptive_clones: adaptive,
+                ..opts()
+            },
+        ));
+        let tasks: Vec<_> = (0..CREATES)
+            .map(|i| {
+                let node = if i % 2 == 0 { "pve1" } else { "pve2" };
+                spawn_create(
+                    &sub,
+                    req(&format!("s/OnDemand/t/{node}/{i:03}"), node, 9000),
+                )
+            })
+            .collect();
+        for t in tasks {
+            t.await.expect("join").expect("every Create lands");
+        }
+        // Each POST past the Creates that landed was a retry after a
+        // clone failed on the storage's lock.
+        counts.push(clone_posts(&sim) - CREATES);
+        Arc::try_unwrap(sim)
+            .ok()
+            .expect("one owner")
+            .shutdown()
+            .await;
+    }
+    let (adaptive, fixed) = (counts[0], counts[1]);
+    println!("clone retries after storage-lock timeouts: adaptive {adaptive}, fixed {fixed}");
+    assert!(
+        adaptive >= 1,
+        "the first allocations queue past the timeout"
+    );
+    assert!(
+        adaptive * 2 <= fixed,
+        "adaptive slots shrink and mostly stop meeting the timeout: {adaptive} retries against {fixed}"
+    );
+}

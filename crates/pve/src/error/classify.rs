@@ -25,6 +25,18 @@ impl PveError {
         self.server_text().is_some_and(is_lock_timeout_text)
     }
 
+    /// A storage's lock could not be acquired in time: pve-storage allocates
+    /// and frees volumes under it (`cfs-lock 'storage-ID'` cluster-wide for a
+    /// shared storage, `/var/lock/pve-manager/pve-storage-ID` on the node for
+    /// a local one), so too many clones at once queue on it. A VM's config
+    /// lock (`lock-104.conf`) is not one.
+    pub fn is_storage_lock_timeout(&self) -> bool {
+        self.server_text().is_some_and(|m| {
+            is_lock_timeout_text(m)
+                && (m.contains("cfs-lock 'storage-") || m.contains("/pve-storage-"))
+        })
+    }
+
     /// The object to create already exists (`VM 104 already exists`, clone target
     /// VMID taken, ...). On a retried clone this means an earlier attempt got there.
     /// PVE reports a taken id either in the message or, for a parameter check
@@ -420,6 +432,24 @@ pub(crate) fn is_lock_timeout_text(m: &str) -> bool {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn storage_lock_timeouts_are_told_from_config_lock_timeouts() {
+        let task = |exitstatus: &str| super::PveError::TaskFailed {
+            upid: "UPID:pve1:0:0:0:qmclone:9000:root@pam:".into(),
+            exitstatus: exitstatus.into(),
+        };
+        let shared =
+            task("clone failed: cfs-lock 'storage-ceph-pool' error: got lock request timeout");
+        let local = task("clone failed: can't lock file '/var/lock/pve-manager/pve-storage-local-lvm' - got timeout");
+        let config = task("can't lock file '/var/lock/qemu-server/lock-104.conf' - got timeout");
+        for e in [&shared, &local, &config] {
+            assert!(e.is_lock_timeout(), "{e}");
+        }
+        assert!(shared.is_storage_lock_timeout());
+        assert!(local.is_storage_lock_timeout());
+        assert!(!config.is_storage_lock_timeout());
+    }
+
     #[test]
     fn already_running_is_a_start_task_text() {
         let task = |exitstatus: &str| PveError::TaskFailed {
