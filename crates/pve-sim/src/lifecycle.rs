@@ -260,34 +260,29 @@ impl Shared {
             c.rrd.remove(&newid);
             self.touch(&mut c);
         }
-        {
-            // The new disk is allocated first, on the source node (a clone
-            // to another node is on shared storage): no room fails the
-            // worker, which removes what it made.
-            let mut c = self.cluster.lock();
+        let bandwidth = rate_of(&self.cfg.storage_bandwidth, &storage);
+        // The new disk is allocated first, on the source node (a clone to
+        // another node is on shared storage): no room, or no storage lock
+        // in time, fails the worker, which removes what it made.
+        let refused = {
+            let c = self.cluster.lock();
             let vol = format!("vm-{newid}-disk-0");
-            if let Err(text) = self.room_for(&c, &source, &storage, newid, &vol, need) {
-                c.vms.remove(&newid);
-                c.agents.remove(&newid);
-                self.touch(&mut c);
-                return Err(format!("clone failed: {text}"));
+            self.room_for(&c, &source, &storage, newid, &vol, need)
+                .err()
+                .map(|text| format!("clone failed: {text}"))
+        };
+        let refused = match refused {
+            None if bandwidth.is_some() && need > 0 && !self.cfg.volume_alloc_time.is_zero() => {
+                self.allocate_volume(&source, &storage, shared).await.err()
             }
-        }
-        let bandwidth = self
-            .cfg
-            .storage_bandwidth
-            .iter()
-            .find(|(name, _)| *name == storage)
-            .map(|(_, bw)| *bw);
-        if bandwidth.is_some() && need > 0 && !self.cfg.volume_alloc_time.is_zero() {
-            if let Err(msg) = self.allocate_volume(&source, &storage, shared).await {
-                // PVE removes the half-created VM when the clone worker fails.
-                let mut c = self.cluster.lock();
-                c.vms.remove(&newid);
-                c.agents.remove(&newid);
-                self.touch(&mut c);
-                return Err(msg);
-            }
+            refused => refused,
+        };
+        if let Some(msg) = refused {
+            let mut c = self.cluster.lock();
+            c.vms.remove(&newid);
+            c.agents.remove(&newid);
+            self.touch(&mut c);
+            return Err(msg);
         }
         let key = (node, storage.clone());
         let limit = if shared {
@@ -316,14 +311,7 @@ impl Shared {
             c.vms.remove(&newid);
             c.agents.remove(&newid);
             let _ = std::fs::remove_dir_all(self.guest_root(newid)); // scratch only
-            let msg = if shared {
-                format!(
-                    "clone failed: cfs-lock 'storage-{storage}' error: got lock request timeout"
-                )
-            } else {
-                format!("clone failed: can't lock file '/var/lock/pve-manager/pve-storage-{storage}' - got timeout")
-            };
-            return Err(msg);
+            return Err(storage_lock_timeout(&storage, shared));
         }
         if let Some(mut done) = pending {
             // The end of the worker: the full config (name, description,
@@ -357,13 +345,7 @@ impl Shared {
         let lock = Arc::clone(self.storage_locks.lock().entry(name).or_default());
         let Ok(_held) = tokio::time::timeout(self.cfg.storage_lock_timeout, lock.lock()).await
         else {
-            return Err(if shared {
-                format!(
-                    "clone failed: cfs-lock 'storage-{storage}' error: got lock request timeout"
-                )
-            } else {
-                format!("clone failed: can't lock file '/var/lock/pve-manager/pve-storage-{storage}' - got timeout")
-            });
+            return Err(storage_lock_timeout(storage, shared));
         };
         tokio::time::sleep(self.cfg.volume_alloc_time).await;
         Ok(())
@@ -376,12 +358,8 @@ impl Shared {
     /// whose throughput, not a lock, bounds parallel clones.
     async fn copy_at(&self, bandwidth: u64, bytes: u64, key: &(String, String), shared: bool) {
         const TICK: std::time::Duration = std::time::Duration::from_millis(20);
-        let stream = self
-            .cfg
-            .storage_stream_bandwidth
-            .iter()
-            .find(|(name, _)| *name == key.1)
-            .map_or(f64::INFINITY, |(_, bw)| *bw as f64);
+        let stream = rate_of(&self.cfg.storage_stream_bandwidth, &key.1)
+            .map_or(f64::INFINITY, |bw| bw as f64);
         let mut left = bytes as f64;
         let mut last = Instant::now();
         while left > 0.0 {
@@ -749,5 +727,26 @@ impl Shared {
             },
         );
         Ok(json!(upid))
+    }
+}
+
+/// The rate a `STORAGE=RATE` list gives `storage`, if it names it.
+fn rate_of(rates: &[(String, u64)], storage: &str) -> Option<u64> {
+    rates
+        .iter()
+        .find(|(name, _)| name == storage)
+        .map(|(_, rate)| *rate)
+}
+
+/// How a clone worker fails when its storage's lock did not come in time
+/// (pve-cluster `cfs_lock` for a shared storage, pve-common `lock_file`
+/// for a local one).
+fn storage_lock_timeout(storage: &str, shared: bool) -> String {
+    if shared {
+        format!("clone failed: cfs-lock 'storage-{storage}' error: got lock request timeout")
+    } else {
+        format!(
+            "clone failed: can't lock file '/var/lock/pve-manager/pve-storage-{storage}' - got timeout"
+        )
     }
 }

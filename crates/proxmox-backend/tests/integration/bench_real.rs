@@ -46,11 +46,15 @@ const LOCAL_BANDWIDTH: u64 = 1 << 30;
 /// writes): four copies fill the shared pool, two a node's local disk.
 /// `BIGFLEET_BENCH_STREAM_MIB=N` sets it, for a sweep.
 fn stream_bandwidth() -> u64 {
-    std::env::var("BIGFLEET_BENCH_STREAM_MIB")
+    positive_env("BIGFLEET_BENCH_STREAM_MIB").map_or(512 << 20, |mib| (mib as u64) << 20)
+}
+
+/// A number above 0 from the environment variable `name`, if it holds one.
+fn positive_env(name: &str) -> Option<usize> {
+    std::env::var(name)
         .ok()
-        .and_then(|v| v.parse::<u64>().ok())
+        .and_then(|v| v.parse().ok())
         .filter(|n| *n > 0)
-        .map_or(512 << 20, |mib| mib << 20)
 }
 
 /// Allocating a clone's volume, under the storage's lock (cluster-wide on
@@ -71,11 +75,7 @@ enum Layout {
 
 /// `--max-parallel-clones`: `BIGFLEET_BENCH_CLONE_SLOTS`, else the default.
 fn clone_slots() -> usize {
-    std::env::var("BIGFLEET_BENCH_CLONE_SLOTS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .filter(|n| *n > 0)
-        .unwrap_or(PveOptions::default().max_parallel_clones)
+    positive_env("BIGFLEET_BENCH_CLONE_SLOTS").unwrap_or(PveOptions::default().max_parallel_clones)
 }
 
 /// The bursts, as (machines, nodes): 16 on 2, 40 on 3, 64 on 4, or

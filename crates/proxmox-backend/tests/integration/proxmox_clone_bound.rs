@@ -258,6 +258,19 @@ fn honest_model(
     }
 }
 
+/// A substrate on `sim` with at most `most` clone slots per (node,
+/// storage), adaptive or fixed.
+fn substrate(sim: &PveSim, most: usize, adaptive: bool) -> Arc<PveSubstrate> {
+    Arc::new(PveSubstrate::new(
+        client(sim),
+        PveOptions {
+            max_parallel_clones: most,
+            adaptive_clones: adaptive,
+            ..opts()
+        },
+    ))
+}
+
 /// Creates `n` machines on `node` at once, sampling how many clones run at
 /// once; returns the most seen.
 async fn burst_peak(sim: &Arc<PveSim>, sub: &Arc<PveSubstrate>, node: &str, n: usize) -> usize {
@@ -292,27 +305,13 @@ async fn adaptive_slots_grow_while_the_storage_has_bandwidth_to_spare() {
         .await
         .expect("simulator"),
     );
-    let adaptive = Arc::new(PveSubstrate::new(
-        client(&sim),
-        PveOptions {
-            max_parallel_clones: 6,
-            adaptive_clones: true,
-            ..opts()
-        },
-    ));
+    let adaptive = substrate(&sim, 6, true);
     let peak = burst_peak(&sim, &adaptive, "pve1", 12).await;
     assert!(
         (3..=6).contains(&peak),
         "adaptive slots grew past the 2 they start with, within 6: {peak}"
     );
-    let fixed = Arc::new(PveSubstrate::new(
-        client(&sim),
-        PveOptions {
-            max_parallel_clones: 2,
-            adaptive_clones: false,
-            ..opts()
-        },
-    ));
+    let fixed = substrate(&sim, 2, false);
     let peak = burst_peak(&sim, &fixed, "pve2", 6).await;
     assert!(peak <= 2, "fixed slots stay at 2: {peak}");
 }
@@ -344,14 +343,7 @@ async fn adaptive_slots_shrink_on_storage_lock_timeouts() {
             .await
             .expect("simulator"),
         );
-        let sub = Arc::new(PveSubstrate::new(
-            client(&sim),
-            PveOptions {
-                max_parallel_clones: 2,
-                adaptive_clones: adaptive,
-                ..opts()
-            },
-        ));
+        let sub = substrate(&sim, 2, adaptive);
         let tasks: Vec<_> = (0..CREATES)
             .map(|i| {
                 let node = if i % 2 == 0 { "pve1" } else { "pve2" };

@@ -280,6 +280,23 @@ async fn a_clone_storage_must_be_enabled_on_the_template_node() {
     shutdown_clean(sim).await;
 }
 
+/// Clones template 9000 on `pve1` to `newid` (`full` "1" or "0"), which
+/// must end OK: how long the task took from its POST.
+async fn timed_clone(api: &Api, newid: &str, full: &str) -> Duration {
+    let t0 = std::time::Instant::now();
+    let st = api
+        .wait_task_of(
+            api.post(
+                "/nodes/pve1/qemu/9000/clone",
+                &[("newid", newid), ("full", full)],
+            )
+            .await,
+        )
+        .await;
+    assert_eq!(st["exitstatus"], "OK", "{st}");
+    t0.elapsed()
+}
+
 /// `--storage-bandwidth` (#41 item 2): a full clone copies its template's
 /// disk at the storage's bandwidth, shared among the clones writing there
 /// at once: alone, a 32 GiB disk at 64 GiB/s takes half a second; two at
@@ -293,23 +310,7 @@ async fn full_clones_share_the_storages_bandwidth() {
         ..cfg()
     })
     .await;
-    let timed = |newid: &'static str, full: &'static str| {
-        let api = &api;
-        async move {
-            let t0 = std::time::Instant::now();
-            let st = api
-                .wait_task_of(
-                    api.post(
-                        "/nodes/pve1/qemu/9000/clone",
-                        &[("newid", newid), ("full", full)],
-                    )
-                    .await,
-                )
-                .await;
-            assert_eq!(st["exitstatus"], "OK", "{st}");
-            t0.elapsed()
-        }
-    };
+    let timed = |newid, full| timed_clone(&api, newid, full);
     let alone = timed("130", "1").await;
     assert!(alone >= Duration::from_millis(450), "alone: {alone:?}");
     let (a, b) = tokio::join!(timed("131", "1"), timed("132", "1"));
@@ -339,23 +340,7 @@ async fn a_copy_runs_no_faster_than_one_stream() {
         ..cfg()
     })
     .await;
-    let timed = |newid: &'static str| {
-        let api = &api;
-        async move {
-            let t0 = std::time::Instant::now();
-            let st = api
-                .wait_task_of(
-                    api.post(
-                        "/nodes/pve1/qemu/9000/clone",
-                        &[("newid", newid), ("full", "1")],
-                    )
-                    .await,
-                )
-                .await;
-            assert_eq!(st["exitstatus"], "OK", "{st}");
-            t0.elapsed()
-        }
-    };
+    let timed = |newid| timed_clone(&api, newid, "1");
     let alone = timed("140").await;
     assert!(alone >= Duration::from_millis(950), "alone: {alone:?}");
     let (a, b) = tokio::join!(timed("141"), timed("142"));
