@@ -145,18 +145,19 @@ pub struct Args {
     #[arg(long, default_value = "1s", value_parser = parse_duration)]
     pub proxmox_poll_interval: Duration,
 
-    /// Most concurrent clones per (node, storage) pair: clones to the same
-    /// storage share its bandwidth and queue on its lock. With
-    /// --adaptive-clones (the default) the bound each pair uses moves
-    /// within 1 and this; without, it is this.
+    /// Most concurrent clones per node and storage (the one the clone
+    /// writes to): clones to the same storage share its bandwidth and queue
+    /// on its lock. With --adaptive-clones (the default) the bound each
+    /// storage uses moves within 1 and this per node; without, it is this.
     #[arg(long, default_value_t = 8)]
     pub max_parallel_clones: usize,
 
-    /// Let each (node, storage) pair find its own number of clones at once:
-    /// start at 2, take one more while clones take as long as the shortest
-    /// lately seen and others wait, give one back when they take half again
-    /// as long, halve on a storage-lock timeout; false: always
-    /// --max-parallel-clones.
+    /// Let each storage (a local one per node, a shared one cluster-wide)
+    /// find its own number of clones at once: start at 2 per node, take one
+    /// more while clones take as long as the shortest lately seen and
+    /// others wait, give one back when they take half again as long, halve
+    /// on a storage-lock timeout; false: always --max-parallel-clones per
+    /// node and storage.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     pub adaptive_clones: bool,
 

@@ -23,6 +23,9 @@ use proxmox_backend::backend::ProxmoxBackend;
 use proxmox_backend::substrate::{ApiObserver, API_OPS};
 use proxmox_backend::timeline::{Step, StepObserver};
 
+mod backend_gauges;
+use backend_gauges::BackendGauges;
+
 /// The exposition formats `/metrics` serves.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Format {
@@ -177,8 +180,8 @@ pub struct Metrics {
     /// 1 while this replica is the leader of a shared state (or serves a
     /// state of its own), 0 while it is a standby or starting.
     pub leader: Gauge,
-    /// The backend whose node memory guard the memory gauges read, while
-    /// this replica leads.
+    /// The backend whose guards (node memory, storage, destroy leftovers,
+    /// clone slots) [`BackendGauges`] reads, while this replica leads.
     memory: Arc<RwLock<Option<Arc<ProxmoxBackend>>>>,
     /// The backend and zones (nodes) `bigfleet_proxmox_node_up` reports,
     /// while this replica leads.
@@ -271,18 +274,12 @@ impl Metrics {
         );
         registry.register_collector(Box::new(ProcessCollector));
         let memory = Arc::new(RwLock::new(None));
-        registry.register_collector(Box::new(MemoryCollector {
-            source: Arc::clone(&memory),
-        }));
-        registry.register_collector(Box::new(StorageCollector {
+        registry.register_collector(Box::new(BackendGauges {
             source: Arc::clone(&memory),
         }));
         let nodes = Arc::new(RwLock::new(None));
         registry.register_collector(Box::new(NodesCollector {
             source: Arc::clone(&nodes),
-        }));
-        registry.register_collector(Box::new(LeftoverCollector {
-            source: Arc::clone(&memory),
         }));
         let leader = Gauge::default();
         registry.register(
@@ -399,8 +396,9 @@ impl Metrics {
         *self.nodes.write() = Some(NodeSource { backend, zones });
     }
 
-    /// Report the node memory guard's room per node at every scrape from
-    /// now on (as last checked: at start-up and by each Create).
+    /// Report the backend's guards at every scrape from now on: the node
+    /// memory guard's room per node (as last checked: at start-up and by
+    /// each Create), the storage guard's, destroy leftovers, clone slots.
     pub fn observe_memory(&self, backend: Arc<ProxmoxBackend>) {
         *self.memory.write() = Some(backend);
     }
@@ -537,155 +535,6 @@ impl Collector for NodesCollector {
             ConstGauge::new(up).encode(family.encode_family(&labels)?)?;
         }
         Ok(())
-    }
-}
-
-/// Which MiB figure of a node's room a gauge reports.
-type RoomValue = fn(&proxmox_backend::memory::MemoryRoom) -> u64;
-
-/// `bigfleet_proxmox_node_memory_{committed,limit}_bytes{node}`, from the
-/// node memory guard at scrape time.
-struct MemoryCollector {
-    source: Arc<RwLock<Option<Arc<ProxmoxBackend>>>>,
-}
-
-impl std::fmt::Debug for MemoryCollector {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("MemoryCollector")
-    }
-}
-
-impl Collector for MemoryCollector {
-    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
-        // A clone, so the lock is not held while the rooms are read.
-        let Some(backend) = self.source.read().clone() else {
-            return Ok(());
-        };
-        let rooms = backend.memory_rooms();
-        const MIB: i64 = 1 << 20;
-        let families: [(&str, &str, RoomValue); 2] = [
-            (
-                "bigfleet_proxmox_node_memory_committed_bytes",
-                "Configured memory of the VMs running or about to run on the node (whoever \
-                 owns them) plus the provider's Creates in flight there, as the node memory \
-                 guard last checked it",
-                |r| r.committed_mib,
-            ),
-            (
-                "bigfleet_proxmox_node_memory_limit_bytes",
-                "What the node memory guard lets be committed on the node: \
-                 --node-memory-limit x its memory (its whole memory when the guard is off)",
-                |r| r.limit_mib,
-            ),
-        ];
-        for (name, help, value) in families {
-            let mut family = encoder.encode_descriptor(name, help, None, MetricType::Gauge)?;
-            for room in &rooms {
-                let labels = NodeLabels {
-                    node: room.node.clone(),
-                };
-                let bytes = i64::try_from(value(room))
-                    .unwrap_or(i64::MAX)
-                    .saturating_mul(MIB);
-                ConstGauge::new(bytes).encode(family.encode_family(&labels)?)?;
-            }
-        }
-        Ok(())
-    }
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct StorageLabels {
-    storage: String,
-    /// Empty for a shared storage.
-    node: String,
-}
-
-/// Which byte figure of a storage a gauge reports.
-type SpaceValue = fn(&proxmox_backend::capacity::StorageSpace) -> u64;
-
-/// `bigfleet_proxmox_storage_{avail,allowed,in_flight}_bytes{storage,node}`,
-/// from the storage guard at scrape time (as last read: at start-up and by
-/// each full clone's Create).
-struct StorageCollector {
-    source: Arc<RwLock<Option<Arc<ProxmoxBackend>>>>,
-}
-
-impl std::fmt::Debug for StorageCollector {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("StorageCollector")
-    }
-}
-
-impl Collector for StorageCollector {
-    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
-        let Some(backend) = self.source.read().clone() else {
-            return Ok(());
-        };
-        let spaces = backend.storage_spaces();
-        let families: [(&str, &str, SpaceValue); 3] = [
-            (
-                "bigfleet_proxmox_storage_avail_bytes",
-                "Free space of a storage full clones land on, as the storage guard counts it \
-                 (PVE's avail at its last read, with the disks of the provider's clones in \
-                 flight counted once, by the in-flight gauge); node is empty for a shared storage",
-                |s| s.avail_bytes,
-            ),
-            (
-                "bigfleet_proxmox_storage_allowed_bytes",
-                "What the storage guard lets full clones take there: free space x \
-                 --storage-overcommit (1 unless set)",
-                |s| s.allowed_bytes(),
-            ),
-            (
-                "bigfleet_proxmox_storage_in_flight_bytes",
-                "Disk bytes of the provider's full clones admitted there whose clone task \
-                 has not ended yet",
-                |s| s.in_flight_bytes,
-            ),
-        ];
-        for (name, help, value) in families {
-            let mut family = encoder.encode_descriptor(name, help, None, MetricType::Gauge)?;
-            for space in &spaces {
-                let labels = StorageLabels {
-                    storage: space.storage.clone(),
-                    node: space.node.clone().unwrap_or_default(),
-                };
-                let bytes = i64::try_from(value(space)).unwrap_or(i64::MAX);
-                ConstGauge::new(bytes).encode(family.encode_family(&labels)?)?;
-            }
-        }
-        Ok(())
-    }
-}
-
-/// `bigfleet_proxmox_destroy_leftover_volumes_total`, from the backend at
-/// scrape time while this replica leads (the leader destroys). It counts
-/// from 0 again each term, a reset `increase()` and `rate()` handle.
-struct LeftoverCollector {
-    source: Arc<RwLock<Option<Arc<ProxmoxBackend>>>>,
-}
-
-impl std::fmt::Debug for LeftoverCollector {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("LeftoverCollector")
-    }
-}
-
-impl Collector for LeftoverCollector {
-    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
-        let Some(backend) = self.source.read().clone() else {
-            return Ok(());
-        };
-        let family = encoder.encode_descriptor(
-            "bigfleet_proxmox_destroy_leftover_volumes",
-            "Volumes PVE could not remove when it destroyed a VM (`Could not remove disk`: \
-             RBD watchers, an LV or ZFS dataset in use): the VM is gone, the disk still takes \
-             space until removed by hand",
-            None,
-            MetricType::Counter,
-        )?;
-        ConstCounter::new(backend.destroy_leftovers()).encode(family)
     }
 }
 

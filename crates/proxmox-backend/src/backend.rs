@@ -77,6 +77,11 @@ impl ProxmoxBackend {
         self.substrate.destroy_leftovers()
     }
 
+    /// Each clone-slot domain's slots, used slots and waiting clones.
+    pub fn clone_slots(&self) -> Vec<crate::substrate::CloneSlotsView> {
+        self.substrate.clone_slots()
+    }
+
     /// Each storage full clones land on, as the storage guard last checked it.
     pub fn storage_spaces(&self) -> Vec<crate::capacity::StorageSpace> {
         self.substrate.storage_spaces()

@@ -10,6 +10,19 @@ use providerkit::{BackendError, Cause, ErrorKind};
 use crate::capacity::{Admitted, Refusal, StorageSpace};
 use crate::memory::MemoryRoom;
 
+/// One clone-slot domain as it stands: how many clones may run at once
+/// there, how many run, and how many wait.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CloneSlotsView {
+    /// The node, or `(cluster)` for a shared storage's cluster-wide slots.
+    pub node: String,
+    /// The storages the clones write to, joined by `+`.
+    pub storage: String,
+    pub limit: usize,
+    pub used: usize,
+    pub waiting: usize,
+}
+
 /// A VM on one node: `HostRef.ref` is `<node>/<vmid>`.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct VmRef {
@@ -182,6 +195,10 @@ pub trait Substrate: Send + Sync + 'static {
     fn destroy_leftovers(&self) -> u64 {
         0
     }
+    /// Each clone-slot domain's slots, as they stand now.
+    fn clone_slots(&self) -> Vec<CloneSlotsView> {
+        Vec::new()
+    }
     /// Clone, size, mark, start and wait for the guest agent. A VM already
     /// marked for this machine id is adopted (and powered on) instead.
     async fn clone_vm(&self, req: &CloneRequest) -> Result<VmRef, SubstrateError>;
@@ -273,6 +290,9 @@ impl Substrate for Metered {
     }
     fn destroy_leftovers(&self) -> u64 {
         self.inner.destroy_leftovers()
+    }
+    fn clone_slots(&self) -> Vec<CloneSlotsView> {
+        self.inner.clone_slots()
     }
     async fn clone_vm(&self, req: &CloneRequest) -> Result<VmRef, SubstrateError> {
         self.timed("CloneVM", self.inner.clone_vm(req)).await

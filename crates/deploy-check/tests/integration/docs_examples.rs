@@ -34,6 +34,9 @@ const METRICS: &[(&str, &str)] = &[
     ("bigfleet_proxmox_storage_allowed_bytes", "gauge"),
     ("bigfleet_proxmox_storage_in_flight_bytes", "gauge"),
     ("bigfleet_proxmox_node_up", "gauge"),
+    ("bigfleet_proxmox_clone_slots", "gauge"),
+    ("bigfleet_proxmox_clone_slots_used", "gauge"),
+    ("bigfleet_proxmox_clone_slots_waiting", "gauge"),
     ("bigfleet_proxmox_step_duration_seconds", "histogram"),
     ("bigfleet_proxmox_pve_requests_total", "counter"),
 ];

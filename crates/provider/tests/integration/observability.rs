@@ -467,6 +467,15 @@ async fn real_backend_scrape_passes_promtool_and_the_openmetrics_parser() {
             &[("op", "CloneVM"), ("outcome", "success")]
         ) >= 1.0
     );
+    // The default template is on pve1's local-lvm: its clone slots are
+    // pve1's, adaptive from 2, none used or waited for once the clone ended.
+    let slots = [("node", "pve1"), ("storage", "local-lvm")];
+    assert_eq!(exp.must("bigfleet_proxmox_clone_slots", &slots), 2.0);
+    assert_eq!(exp.must("bigfleet_proxmox_clone_slots_used", &slots), 0.0);
+    assert_eq!(
+        exp.must("bigfleet_proxmox_clone_slots_waiting", &slots),
+        0.0
+    );
     let plain = provider_testkit::http::get(p.metrics, "/metrics").expect("GET /metrics");
     assert_eq!(plain.status, 200, "{}", plain.body);
     assert_eq!(

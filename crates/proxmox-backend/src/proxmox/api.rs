@@ -130,13 +130,13 @@ pub(super) enum Probe {
     Foreign,
 }
 
-/// The client, with the retry and wait policy.
 /// How long a read for an admission or the start-up line may take: the
 /// Create RPC (or the start) waits for it, so a node slow to answer is
 /// admitted unchecked (its clone checks again) rather than held up for the
 /// whole retry window. Every guard's admission reads within it.
 pub(super) const QUICK_READ: Duration = Duration::from_secs(10);
 
+/// The client, with the retry and wait policy.
 pub(super) struct Api {
     client: PveClient,
     opts: Arc<PveOptions>,
@@ -145,6 +145,11 @@ pub(super) struct Api {
     /// Volumes destroy tasks said they could not free, since this Api was
     /// made (see [`Api::report_unremoved_disks`]).
     unremoved_disks: AtomicU64,
+    /// The nodes `/nodes` last listed as not online, and when: a burst of
+    /// clones to other nodes than their template's asks once per poll
+    /// interval, not once each (see [`Api::node_offline`]). Locked across
+    /// the read, so the others wait for it rather than read too.
+    offline_nodes: tokio::sync::Mutex<Option<(Instant, Arc<Vec<String>>)>>,
 }
 
 /// Lines of a destroy task's log read for the disks it could not free: one
@@ -159,6 +164,7 @@ impl Api {
             client,
             opts,
             unremoved_disks: AtomicU64::new(0),
+            offline_nodes: tokio::sync::Mutex::new(None),
         }
     }
 
@@ -600,21 +606,42 @@ impl Api {
     /// online check for a clone with `target` (qemu-server `clone_vm`): it
     /// accepts one to an offline node, whose VM then cannot be started or
     /// reached (595) until the node is back, so the caller asks first. A
-    /// node the list does not have is left to PVE to refuse.
+    /// node the list does not have is left to PVE to refuse. A list read
+    /// within the last poll interval answers: a node that went down since
+    /// is the same race as one going down between this check and the POST.
     pub(super) async fn node_offline(
         &self,
         node: &str,
         deadline: Instant,
     ) -> Result<bool, SubstrateError> {
-        let nodes = self
-            .retry_pve(
-                format!("checking that node {node} is online"),
-                None,
-                deadline,
-                |pve| pve.nodes(),
-            )
-            .await?;
-        Ok(nodes.iter().any(|n| n.node == node && n.status != "online"))
+        let mut seen = self.offline_nodes.lock().await;
+        let fresh = seen
+            .as_ref()
+            .filter(|(at, _)| at.elapsed() < self.opts.poll_interval)
+            .map(|(_, offline)| Arc::clone(offline));
+        let offline = match fresh {
+            Some(offline) => offline,
+            None => {
+                let nodes = self
+                    .retry_pve(
+                        format!("checking that node {node} is online"),
+                        None,
+                        deadline,
+                        |pve| pve.nodes(),
+                    )
+                    .await?;
+                let offline: Arc<Vec<String>> = Arc::new(
+                    nodes
+                        .into_iter()
+                        .filter(|n| n.status != "online")
+                        .map(|n| n.node)
+                        .collect(),
+                );
+                *seen = Some((Instant::now(), Arc::clone(&offline)));
+                offline
+            }
+        };
+        Ok(offline.iter().any(|n| n == node))
     }
 
     /// The lock on VM `vm` when no running task holds it, `None` when it

@@ -17,7 +17,7 @@ use super::marker::{
 use super::options::PveOptions;
 use super::placement::Placement;
 use super::sizing::{Inherited, CLEARED_KEYS};
-use super::slots::{ClonePermit, CloneSlots};
+use super::slots::{ClonePermit, CloneSlots, SlotDomain};
 use super::vmid::{LateClone, Vmids};
 use crate::substrate::{CloneRequest, SubstrateError, VmRef};
 use crate::timeline::{self, Step};
@@ -81,14 +81,21 @@ impl Cloner {
         name: &str,
         deadline: Instant,
     ) -> Result<VmRef, SubstrateError> {
-        let storage = self
-            .placement
-            .storage_key(req.template_vmid, template_node, deadline)
-            .await?;
-        let slot = timeline::step(Step::CloneSlot, &req.node);
-        let mut permit = slot.end(self.slots.permit(&req.node, &storage).await)?;
-        let description = marker_description(&req.machine_id, &req.operation_id);
         let (full, target_storage) = self.placement.clone_options(req);
+        let domain = self
+            .placement
+            .slot_domain(
+                req.template_vmid,
+                template_node,
+                &req.node,
+                target_storage.as_deref(),
+                deadline,
+            )
+            .await?;
+        let storage = &domain.storage;
+        let slot = timeline::step(Step::CloneSlot, &req.node);
+        let mut permit = slot.end(self.slots.permit(&req.node, &domain).await)?;
+        let description = marker_description(&req.machine_id, &req.operation_id);
         let mut last: Option<String> = None;
         let mut attempt: u32 = 0;
         loop {
@@ -189,7 +196,7 @@ impl Cloner {
                 Err(e) if e.is_lock_timeout() => {
                     self.inventory.clear_pending(&req.machine_id);
                     permit = self
-                        .requeue(permit, &e, req, &storage, attempt, deadline)
+                        .requeue(permit, &e, req, &domain, attempt, deadline)
                         .await?;
                     last = Some(e.to_string());
                     attempt += 1;
@@ -252,7 +259,7 @@ impl Cloner {
                     self.remove_failed_clone(&vm, req, deadline).await?;
                     self.inventory.clear_pending(&req.machine_id);
                     permit = self
-                        .requeue(permit, &e, req, &storage, attempt, deadline)
+                        .requeue(permit, &e, req, &domain, attempt, deadline)
                         .await?;
                     last = Some(e.to_string());
                     attempt += 1;
@@ -279,7 +286,7 @@ impl Cloner {
         permit: ClonePermit,
         e: &PveError,
         req: &CloneRequest,
-        storage: &str,
+        domain: &SlotDomain,
         attempt: u32,
         deadline: Instant,
     ) -> Result<ClonePermit, SubstrateError> {
@@ -289,7 +296,7 @@ impl Cloner {
         drop(permit);
         self.api.pause(attempt, deadline).await;
         let slot = timeline::step(Step::CloneSlot, &req.node);
-        slot.end(self.slots.permit(&req.node, storage).await)
+        slot.end(self.slots.permit(&req.node, domain).await)
     }
 
     /// After a clone POST whose answer was lost: [`Ambiguous::Ours`] once the

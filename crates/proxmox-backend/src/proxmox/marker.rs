@@ -1,5 +1,7 @@
 //! How a VM is recognised as ours: the managed tag, the per-machine tag,
-//! the description marker naming the machine, and the clone's DNS-label name.
+//! the description marker naming the machine, and the clone's DNS-label
+//! name; and a template replica by its tag and its marker naming the
+//! source template.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -100,6 +102,53 @@ pub fn vm_name(instance_type: &str, machine_id: &str) -> String {
     out.trim_end_matches('-').to_string()
 }
 
+/// Tag on every replica (discovery from the inventory; the marker is the proof).
+pub const REPLICA_TAG: &str = "bigfleet-replica";
+
+const MARKER_PREFIX: &str = "BigFleet template replica.";
+
+/// The replica's description: `BigFleet template replica. source_vmid=<id>
+/// source_digest=<digest> node=<node it is for>`.
+pub fn replica_description(source_vmid: u32, source_digest: &str, node: &str) -> String {
+    format!("{MARKER_PREFIX} source_vmid={source_vmid} source_digest={source_digest} node={node}")
+}
+
+/// The node a replica is for (a half-staged one may still be on the
+/// template's node).
+pub(super) fn replica_target(description: &str) -> Option<String> {
+    parse_replica_marker(description)?;
+    description
+        .split_whitespace()
+        .find_map(|w| w.strip_prefix("node="))
+        .filter(|n| !n.is_empty())
+        .map(str::to_string)
+}
+
+/// `(source vmid, source digest)` from a replica's description.
+pub fn parse_replica_marker(description: &str) -> Option<(u32, String)> {
+    if !description.trim_start().starts_with(MARKER_PREFIX) {
+        return None;
+    }
+    let field = |k: &str| {
+        description
+            .split_whitespace()
+            .find_map(|w| w.strip_prefix(k))
+            .map(str::to_string)
+    };
+    let source = field("source_vmid=")?.parse().ok()?;
+    Some((source, field("source_digest=")?))
+}
+
+/// `bigfleet-replica-<source>-<node>` as a DNS label.
+pub(super) fn replica_name(source: u32, node: &str) -> String {
+    let mut out = format!("bigfleet-replica-{source}-");
+    for c in node.to_ascii_lowercase().chars() {
+        out.push(if c.is_ascii_alphanumeric() { c } else { '-' });
+    }
+    out.truncate(63);
+    out.trim_end_matches('-').to_string()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -163,5 +212,26 @@ mod tests {
             "m/1",
             None
         ));
+    }
+
+    #[test]
+    fn replica_markers_round_trip() {
+        let d = replica_description(9000, "abc123", "pve2");
+        assert_eq!(replica_target(&d).as_deref(), Some("pve2"));
+        assert_eq!(parse_replica_marker(&d), Some((9000, "abc123".into())));
+        assert_eq!(
+            parse_replica_marker(&format!("{d}\n")),
+            Some((9000, "abc123".into()))
+        );
+        assert_eq!(parse_replica_marker("my own copy of 9000"), None);
+        assert_eq!(
+            parse_replica_marker("BigFleet managed VM. machine_id=x operation_id=y"),
+            None
+        );
+        assert_eq!(
+            parse_replica_marker("BigFleet template replica. source_vmid=x"),
+            None
+        );
+        assert_eq!(replica_name(9000, "PVE_2"), "bigfleet-replica-9000-pve-2");
     }
 }

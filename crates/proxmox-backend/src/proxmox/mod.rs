@@ -23,7 +23,8 @@
 //! - `vmid` (`Vmids`): VMID choice, cool-downs, the late-clone watch.
 //! - `inventory`: the index of the cluster's VMs, templates' nodes, clones
 //!   in progress.
-//! - `slots`: clone slots per (node, storage).
+//! - `slots`: clone slots per domain (a node's storage, or a shared one
+//!   cluster-wide), adaptive by what clones take.
 //! - `placement`: clone mode, target storage, template layouts, node
 //!   storages, what a full clone's disks need, the start-up placement check.
 //! - `storage_guard`: claims of full clones on their storages, checked
@@ -136,14 +137,13 @@ mod task_watch;
 mod vmid;
 
 pub use marker::{
-    machine_tag, marker_description, owned_by, parse_marker, parse_marker_operation, vm_name,
-    MANAGED_TAG,
+    machine_tag, marker_description, owned_by, parse_marker, parse_marker_operation,
+    parse_replica_marker, replica_description, vm_name, MANAGED_TAG, REPLICA_TAG,
 };
 pub use options::{
     parse_node_storage, parse_storage_overcommit, parse_vmid_range, CloneMode, PveOptions,
     TypeDevices, TypeDisk, DEFAULT_DRAIN_COMMAND, DEFAULT_HOSTNAME_COMMAND, NODE_NAME_ENV,
 };
-pub use replica::{parse_replica_marker, replica_description, REPLICA_TAG};
 
 /// The real Proxmox substrate.
 pub struct PveSubstrate {
@@ -156,6 +156,8 @@ pub struct PveSubstrate {
     tags: Arc<TagPolicy>,
     late: Arc<LateClones>,
     cloner: Arc<Cloner>,
+    /// Clone slots, shared by the cloner and replica staging.
+    slots: Arc<CloneSlots>,
     planner: Planner,
     guest: Guest,
     restart: InterruptedClones,
@@ -201,7 +203,7 @@ impl PveSubstrate {
             Arc::clone(&api),
             Arc::clone(&opts),
             Arc::clone(&vmids),
-            slots,
+            Arc::clone(&slots),
             Arc::clone(&placement),
             Arc::clone(&storage),
             Arc::clone(&tags),
@@ -231,6 +233,7 @@ impl PveSubstrate {
             tags,
             late,
             cloner,
+            slots,
             planner,
             guest,
             restart,
@@ -482,6 +485,10 @@ impl Substrate for PveSubstrate {
 
     fn destroy_leftovers(&self) -> u64 {
         self.api.unremoved_disks()
+    }
+
+    fn clone_slots(&self) -> Vec<crate::substrate::CloneSlotsView> {
+        self.slots.view()
     }
 
     async fn clone_vm(&self, req: &CloneRequest) -> Result<VmRef, SubstrateError> {

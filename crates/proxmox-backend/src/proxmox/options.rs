@@ -73,13 +73,13 @@ pub struct PveOptions {
     pub readiness_command: String,
     /// Shell command draining the node; `--grace-period` and `--timeout` are appended.
     pub drain_command: String,
-    /// Most concurrent clones per (target node, storage of the template's
-    /// disks): they share the storage's bandwidth and queue on its lock.
+    /// Most concurrent clones per (target node, storage the clone writes
+    /// to): they share the storage's bandwidth and queue on its lock.
     /// At least 1.
     pub max_parallel_clones: usize,
-    /// Adapt each key's clone slots within 1 and `max_parallel_clones` by
-    /// how long its clones take (see `slots`); false: always
-    /// `max_parallel_clones`.
+    /// Adapt each storage's clone slots (a shared one's cluster-wide)
+    /// within 1 and `max_parallel_clones` per node by how long its clones
+    /// take (see `slots`); false: always `max_parallel_clones` per node.
     pub adaptive_clones: bool,
     /// Bound on each PVE worker task (clone, start, stop, destroy).
     pub task_timeout: Duration,

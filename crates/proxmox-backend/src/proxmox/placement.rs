@@ -16,7 +16,7 @@ use super::api::{err_at, Api};
 use super::options::CloneMode;
 use super::options::PveOptions;
 use super::sizing::Inherited;
-use super::slots::storage_key;
+use super::slots::{storage_key, SlotDomain};
 use crate::substrate::{CloneRequest, SubstrateError};
 
 /// Placement decisions with their caches and bookkeeping.
@@ -30,10 +30,13 @@ pub(super) struct Placement {
     /// Node -> its storages by id (type, shared flag), read once per node
     /// when a decision needs them.
     storages: Mutex<HashMap<String, Arc<OnceCell<Arc<NodeStorages>>>>>,
-    /// Template vmid -> clone-slot storage key of its disks, read once per
-    /// template (failed reads are not cached).
-    storage_keys: Mutex<HashMap<u32, Arc<OnceCell<String>>>>,
+    /// Template vmid -> the storages of its disks (sorted, deduplicated),
+    /// read once per template (failed reads are not cached).
+    template_storages: Mutex<HashMap<u32, Arc<OnceCell<Storages>>>>,
 }
+
+/// Storage ids, sorted and deduplicated, shared by whoever read them.
+type Storages = Arc<Vec<String>>;
 
 /// A template's disks as its node sees them.
 #[derive(Debug)]
@@ -116,22 +119,49 @@ impl Placement {
             opts,
             layouts: Mutex::default(),
             storages: Mutex::default(),
-            storage_keys: Mutex::default(),
+            template_storages: Mutex::default(),
         }
     }
 
-    /// The clone-slot key of a template's disk storages. A full clone without
-    /// `storage` lands on the same storages, so their locks are what parallel
-    /// clones contend on. One config read per template per process; a failed
-    /// read fails the Create (and is retried by the next one).
-    pub(super) async fn storage_key(
+    /// Where a clone to `node` counts its slots: the storages it writes
+    /// to (`target`, a full clone's configured storage, else the
+    /// template's disks' storages: their locks and bandwidth are what
+    /// parallel clones contend on), shared when `node` lists every one of
+    /// them shared. A node whose storages the token cannot list counts
+    /// them local. Reads the template's config and the node's storages
+    /// once each per process; a failed read fails the Create (and is
+    /// retried by the next one).
+    pub(super) async fn slot_domain(
+        &self,
+        template: u32,
+        template_node: &str,
+        node: &str,
+        target: Option<&str>,
+        deadline: Instant,
+    ) -> Result<SlotDomain, SubstrateError> {
+        let storages = match target {
+            Some(t) => Arc::new(vec![t.to_string()]),
+            None => {
+                self.template_storages(template, template_node, deadline)
+                    .await?
+            }
+        };
+        let listed = self.node_storages(node, deadline).await?;
+        Ok(SlotDomain {
+            storage: storage_key(&storages),
+            shared: !storages.is_empty() && storages.iter().all(|s| is_shared(&listed, s)),
+        })
+    }
+
+    /// The storages of a template's disks, read once.
+    async fn template_storages(
         &self,
         template: u32,
         template_node: &str,
         deadline: Instant,
-    ) -> Result<String, SubstrateError> {
+    ) -> Result<Storages, SubstrateError> {
         let cell = self
-            .storage_keys
+            .template_storages
             .lock()
             .entry(template)
             .or_default()
@@ -149,9 +179,9 @@ impl Placement {
                     |pve| pve.get_config(template_node, template),
                 )
                 .await?;
-            let key = storage_key(&cfg.disk_storages());
-            tracing::debug!(template, storage = %key, "template disk storage resolved");
-            Ok(key)
+            let storages = cfg.disk_storages();
+            tracing::debug!(template, storages = ?storages, "template disk storages resolved");
+            Ok(Arc::new(storages))
         })
         .await
         .cloned()
@@ -246,14 +276,14 @@ impl Placement {
                     |pve| pve.get_config(template_node, template),
                 )
                 .await?;
-            // The same read gives the clone-slot key: one read per template.
-            let key = storage_key(&cfg.disk_storages());
+            // The same read gives the clone slots' storages: one read per
+            // template.
             let _already = self
-                .storage_keys
+                .template_storages
                 .lock()
                 .entry(template)
                 .or_default()
-                .set(key);
+                .set(Arc::new(cfg.disk_storages()));
             let disks = cfg
                 .disks()
                 .into_iter()

@@ -20,60 +20,15 @@ use tokio::sync::Mutex as AsyncMutex;
 use tokio::time::Instant;
 
 use super::api::{err_at, kind_of, Api};
-use super::marker::TagPolicy;
+use super::marker::{
+    parse_replica_marker, replica_description, replica_name, replica_target, TagPolicy, REPLICA_TAG,
+};
 use super::options::PveOptions;
 use super::placement::{Layout, Placement};
 use super::slots::CloneSlots;
 use super::storage_guard::{SpaceRequest, StorageGuard};
 use super::vmid::{VmidHold, Vmids};
 use crate::substrate::{CloneRequest, SubstrateError, VmRef};
-
-/// Tag on every replica (discovery from the inventory; the marker is the proof).
-pub const REPLICA_TAG: &str = "bigfleet-replica";
-
-const MARKER_PREFIX: &str = "BigFleet template replica.";
-
-/// The replica's description: `BigFleet template replica. source_vmid=<id>
-/// source_digest=<digest> node=<node it is for>`.
-pub fn replica_description(source_vmid: u32, source_digest: &str, node: &str) -> String {
-    format!("{MARKER_PREFIX} source_vmid={source_vmid} source_digest={source_digest} node={node}")
-}
-
-/// The node a replica is for (a half-staged one may still be on the
-/// template's node).
-fn replica_target(description: &str) -> Option<String> {
-    parse_replica_marker(description)?;
-    description
-        .split_whitespace()
-        .find_map(|w| w.strip_prefix("node="))
-        .filter(|n| !n.is_empty())
-        .map(str::to_string)
-}
-
-/// `(source vmid, source digest)` from a replica's description.
-pub fn parse_replica_marker(description: &str) -> Option<(u32, String)> {
-    if !description.trim_start().starts_with(MARKER_PREFIX) {
-        return None;
-    }
-    let field = |k: &str| {
-        description
-            .split_whitespace()
-            .find_map(|w| w.strip_prefix(k))
-            .map(str::to_string)
-    };
-    let source = field("source_vmid=")?.parse().ok()?;
-    Some((source, field("source_digest=")?))
-}
-
-/// `bigfleet-replica-<source>-<node>` as a DNS label.
-fn replica_name(source: u32, node: &str) -> String {
-    let mut out = format!("bigfleet-replica-{source}-");
-    for c in node.to_ascii_lowercase().chars() {
-        out.push(if c.is_ascii_alphanumeric() { c } else { '-' });
-    }
-    out.truncate(63);
-    out.trim_end_matches('-').to_string()
-}
 
 /// What a replica's config said when last read.
 #[derive(Clone, Debug)]
@@ -542,14 +497,14 @@ impl Replicas {
         digest: &str,
         deadline: Instant,
     ) -> Result<(VmidHold<'_>, VmRef), CloneFailure> {
-        let key = self
+        let domain = self
             .placement
-            .storage_key(source, template_node, deadline)
+            .slot_domain(source, template_node, template_node, None, deadline)
             .await
             .map_err(CloneFailure::Other)?;
-        let _permit = self
+        let mut permit = self
             .slots
-            .permit(template_node, &key)
+            .permit(template_node, &domain)
             .await
             .map_err(CloneFailure::Other)?;
         let mut attempt = 0;
@@ -572,6 +527,7 @@ impl Replicas {
                 storage: None,
                 target: None,
             };
+            let posted = Instant::now();
             let outcome = match self
                 .api
                 .once(|pve| pve.clone_vm(template_node, source, &params))
@@ -581,7 +537,12 @@ impl Replicas {
                 Err(e) => Err(e),
             };
             let e = match outcome {
-                Ok(()) => return Ok((res, vm)),
+                Ok(()) => {
+                    // Timed like a Create's clone: the same storage, the
+                    // same slots.
+                    permit.finished(source, posted.elapsed());
+                    return Ok((res, vm));
+                }
                 Err(e) => e,
             };
             self.remove_replica(&vm, source, deadline).await;
@@ -594,6 +555,18 @@ impl Replicas {
             tracing::info!(vm = %vm, error = %e, "replica clone failed transiently; retrying");
             if e.is_vmid_collision(res.vmid) {
                 self.vmids.guessed_wrong();
+            } else if e.is_storage_lock_timeout() {
+                // As a Create's clone does: the slots learn of it, and the
+                // slot goes back while this one backs off.
+                permit.lock_timeout();
+                drop(permit);
+                self.api.pause(attempt, deadline).await;
+                attempt += 1;
+                permit = self
+                    .slots
+                    .permit(template_node, &domain)
+                    .await
+                    .map_err(CloneFailure::Other)?;
             } else {
                 self.api.pause(attempt, deadline).await;
                 attempt += 1;
@@ -820,31 +793,5 @@ impl Replicas {
                 tracing::warn!(vm = %vm, error = %e, "could not remove a stale template replica; it is no longer used");
             }
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn replica_markers_round_trip() {
-        let d = replica_description(9000, "abc123", "pve2");
-        assert_eq!(replica_target(&d).as_deref(), Some("pve2"));
-        assert_eq!(parse_replica_marker(&d), Some((9000, "abc123".into())));
-        assert_eq!(
-            parse_replica_marker(&format!("{d}\n")),
-            Some((9000, "abc123".into()))
-        );
-        assert_eq!(parse_replica_marker("my own copy of 9000"), None);
-        assert_eq!(
-            parse_replica_marker("BigFleet managed VM. machine_id=x operation_id=y"),
-            None
-        );
-        assert_eq!(
-            parse_replica_marker("BigFleet template replica. source_vmid=x"),
-            None
-        );
-        assert_eq!(replica_name(9000, "PVE_2"), "bigfleet-replica-9000-pve-2");
     }
 }

@@ -1,28 +1,34 @@
-//! Clone slots: how many clones run at once per (target node, storage
-//! key), the unit PVE serialises on (the storage's lock) and whose
-//! bandwidth the copies share; shared by Creates and replica stagings.
+//! Clone slots: how many clones run at once per domain, the unit PVE
+//! serialises on (the storage's lock) and whose bandwidth the copies
+//! share; shared by Creates and replica stagings. A domain is the storages
+//! a clone writes to ([`SlotDomain`]): on one node for local storage, and,
+//! adaptive, the whole cluster for a shared one, whose lock (pve-storage
+//! `cluster_lock_storage`) and bandwidth every node's clones share.
 //!
-//! Fixed, a key has `--max-parallel-clones` slots. Adaptive (the default),
-//! a key starts at [`ADAPTIVE_START`] and moves within 1 and
-//! `--max-parallel-clones` by what its clones show, as TCP Vegas moves a
-//! window by round-trip times: a copy runs at the lesser of what one stream
-//! reaches and its share of the storage's bandwidth, so while clones take
-//! about as long as the shortest lately seen of their template, the storage
-//! has bandwidth to spare and a waiting clone gets one more slot; once they
-//! take half again as long, the copies only share it and the key gives one
-//! back; a storage-lock timeout (PVE's allocation lock queued past its
-//! 10 s) halves it.
+//! Fixed, a (node, storage) has `--max-parallel-clones` slots. Adaptive
+//! (the default), a domain starts at [`ADAPTIVE_START`] per node cloning to
+//! it and moves within 1 and `--max-parallel-clones` per such node by what
+//! its clones show, as TCP Vegas moves a window by round-trip times: a
+//! copy runs at the lesser of what one stream reaches and its share of the
+//! storage's bandwidth, so while clones take about as long as the shortest
+//! lately seen of their template, the storage has bandwidth to spare and a
+//! waiting clone gets one more slot; once they take half again as long,
+//! the copies only share it and the domain gives one back; a storage-lock
+//! timeout (PVE's allocation lock queued past its 10 s) halves it. A node
+//! never holds more than `--max-parallel-clones` of a shared domain's
+//! slots: each copy is a `qemu-img` process on its node.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
-use crate::substrate::SubstrateError;
+use crate::substrate::{CloneSlotsView, SubstrateError};
 
-/// Where an adaptive key starts: two clones at once, the old fixed default.
+/// Where an adaptive domain starts, per node cloning to it: two clones at
+/// once, the old fixed default.
 pub(super) const ADAPTIVE_START: usize = 2;
 
 /// A clone this much longer than the shortest lately seen still found
@@ -32,9 +38,12 @@ const SPARE: f64 = 1.25;
 /// A clone this much longer only shared the storage's bandwidth.
 const CROWDED: f64 = 1.5;
 
-/// Clones of a template remembered per key for the shortest time: old
+/// Clones of a template remembered per domain for the shortest time: old
 /// enough samples go, so a storage that got slower for good is learnt.
 const WINDOW: usize = 32;
+
+/// The node of a cluster-wide domain's key, as logs and metrics show it.
+const CLUSTER: &str = "(cluster)";
 
 /// Clone-slot key for a template's disk storages (sorted, deduplicated): one
 /// storage is its id; several are joined into one stable key, so templates
@@ -48,24 +57,43 @@ pub(super) fn storage_key(storages: &[String]) -> String {
     }
 }
 
-/// The clone slots of every key, made on first use.
+/// Where a clone's slots are counted: the storages it writes to, and
+/// whether every one of them is shared by the cluster.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(super) struct SlotDomain {
+    /// The storages as one key ([`storage_key`]).
+    pub(super) storage: String,
+    /// Shared: the lock is cluster-wide and the bandwidth one pool.
+    pub(super) shared: bool,
+}
+
+/// The clone slots of every domain, made on first use.
 pub(super) struct CloneSlots {
     most: usize,
     adaptive: bool,
     keys: Mutex<HashMap<(String, String), Arc<Key>>>,
 }
 
-/// One key's slots: a fair semaphore whose permits are the current limit.
+/// One domain's slots: a fair semaphore whose permits are the current limit.
 struct Key {
+    /// The node, or [`CLUSTER`] for a cluster-wide domain.
     node: String,
     storage: String,
     sem: Arc<Semaphore>,
+    /// A cluster-wide domain's per-node bound (`--max-parallel-clones`
+    /// each); empty for a node's own domain.
+    node_caps: Mutex<HashMap<String, Arc<Semaphore>>>,
     state: Mutex<KeyState>,
 }
 
 #[derive(Default)]
 struct KeyState {
     limit: usize,
+    /// The most the limit may reach: `--max-parallel-clones` per node
+    /// cloning to the domain.
+    most: usize,
+    /// The nodes that cloned to a cluster-wide domain.
+    nodes: HashSet<String>,
     /// Permits to drop rather than return, for a limit lowered below what
     /// clones hold.
     owed: usize,
@@ -80,8 +108,8 @@ struct KeyState {
 }
 
 impl CloneSlots {
-    /// At most `most` slots per (node, storage key) (at least one); fixed
-    /// at `most`, or adaptive from [`ADAPTIVE_START`].
+    /// At most `most` slots per node and domain (at least one); fixed at
+    /// `most`, or adaptive from [`ADAPTIVE_START`].
     pub(super) fn new(most: usize, adaptive: bool) -> CloneSlots {
         CloneSlots {
             most: most.max(1),
@@ -90,54 +118,125 @@ impl CloneSlots {
         }
     }
 
-    fn key(&self, node: &str, storage: &str) -> Arc<Key> {
-        let limit = if self.adaptive {
+    /// The key for a clone on `node` to `domain`: the node's own, or the
+    /// cluster's for a shared storage (adaptive only: fixed slots are per
+    /// node, as `--max-parallel-clones` says).
+    fn key(&self, node: &str, domain: &SlotDomain) -> Arc<Key> {
+        let cluster = self.adaptive && domain.shared;
+        let scope = if cluster { CLUSTER } else { node };
+        let key = Arc::clone(
+            self.keys
+                .lock()
+                .entry((scope.to_string(), domain.storage.clone()))
+                .or_insert_with(|| {
+                    Arc::new(Key {
+                        node: scope.to_string(),
+                        storage: domain.storage.clone(),
+                        sem: Arc::new(Semaphore::new(0)),
+                        node_caps: Mutex::default(),
+                        state: Mutex::new(KeyState::default()),
+                    })
+                }),
+        );
+        self.join(&key, node, cluster);
+        key
+    }
+
+    /// Counts `node` in `key`'s domain: its ceiling grows by the node's
+    /// most and, until the domain has moved on what its clones showed, its
+    /// limit by the node's start.
+    fn join(&self, key: &Key, node: &str, cluster: bool) {
+        let mut st = key.state.lock();
+        if st.most > 0 && !cluster {
+            return;
+        }
+        if !st.nodes.insert(node.to_string()) {
+            return;
+        }
+        st.most += self.most;
+        let start = if self.adaptive {
             ADAPTIVE_START.min(self.most)
         } else {
             self.most
         };
-        Arc::clone(
-            self.keys
+        if st.changed.is_none() {
+            st.limit += start;
+            key.sem.add_permits(start);
+        }
+        if cluster {
+            key.node_caps
                 .lock()
-                .entry((node.to_string(), storage.to_string()))
-                .or_insert_with(|| {
-                    Arc::new(Key {
-                        node: node.to_string(),
-                        storage: storage.to_string(),
-                        sem: Arc::new(Semaphore::new(limit)),
-                        state: Mutex::new(KeyState {
-                            limit,
-                            ..KeyState::default()
-                        }),
-                    })
-                }),
-        )
+                .insert(node.to_string(), Arc::new(Semaphore::new(self.most)));
+        }
     }
 
-    /// The slots (`node`, `storage`) has now.
+    /// The slots a clone on `node` to `domain` has now.
     #[cfg(test)]
-    pub(super) fn limit(&self, node: &str, storage: &str) -> usize {
-        self.key(node, storage).state.lock().limit
+    pub(super) fn limit(&self, node: &str, domain: &SlotDomain) -> usize {
+        self.key(node, domain).state.lock().limit
     }
 
-    /// Waits for a slot on (`node`, `storage`); held until the permit drops.
+    /// Every domain's slots, used slots and waiting clones, for the metrics.
+    pub(super) fn view(&self) -> Vec<CloneSlotsView> {
+        let keys: Vec<Arc<Key>> = self.keys.lock().values().cloned().collect();
+        let mut out: Vec<CloneSlotsView> = keys
+            .iter()
+            .map(|k| {
+                let st = k.state.lock();
+                CloneSlotsView {
+                    node: k.node.clone(),
+                    storage: k.storage.clone(),
+                    limit: st.limit,
+                    used: (st.limit + st.owed).saturating_sub(k.sem.available_permits()),
+                    waiting: st.waiting,
+                }
+            })
+            .collect();
+        out.sort_by(|a, b| (&a.node, &a.storage).cmp(&(&b.node, &b.storage)));
+        out
+    }
+
+    /// Waits for a slot for a clone on `node` to `domain`; held until the
+    /// permit drops.
     pub(super) async fn permit(
         &self,
         node: &str,
-        storage: &str,
+        domain: &SlotDomain,
     ) -> Result<ClonePermit, SubstrateError> {
-        let key = self.key(node, storage);
-        key.state.lock().waiting += 1;
-        let permit = Arc::clone(&key.sem).acquire_owned().await;
-        key.state.lock().waiting -= 1;
-        let permit = permit.map_err(|_| SubstrateError::new("clone slots closed"))?;
+        let key = self.key(node, domain);
+        let node_cap = key.node_caps.lock().get(node).cloned();
+        let waiting = Waiting::new(&key);
+        let closed = |_| SubstrateError::new("clone slots closed");
+        let cap = match node_cap {
+            Some(cap) => Some(cap.acquire_owned().await.map_err(closed)?),
+            None => None,
+        };
+        let permit = Arc::clone(&key.sem).acquire_owned().await.map_err(closed)?;
+        drop(waiting);
         Ok(ClonePermit {
             key,
             permit: Some(permit),
+            _cap: cap,
             acquired: Instant::now(),
-            most: self.most,
             adaptive: self.adaptive,
         })
+    }
+}
+
+/// A clone counted as waiting on its key until this drops (it got its
+/// slot, or its Create was given up while it waited).
+struct Waiting(Arc<Key>);
+
+impl Waiting {
+    fn new(key: &Arc<Key>) -> Waiting {
+        key.state.lock().waiting += 1;
+        Waiting(Arc::clone(key))
+    }
+}
+
+impl Drop for Waiting {
+    fn drop(&mut self) {
+        self.0.state.lock().waiting -= 1;
     }
 }
 
@@ -145,8 +244,9 @@ impl CloneSlots {
 pub(super) struct ClonePermit {
     key: Arc<Key>,
     permit: Option<OwnedSemaphorePermit>,
+    /// A cluster-wide domain's slot of the clone's node.
+    _cap: Option<OwnedSemaphorePermit>,
     acquired: Instant,
-    most: usize,
     adaptive: bool,
 }
 
@@ -171,7 +271,7 @@ impl ClonePermit {
             return;
         }
         let ratio = took.as_secs_f64() / shortest.as_secs_f64().max(1e-3);
-        if ratio <= SPARE && st.waiting > 0 && st.limit < self.most {
+        if ratio <= SPARE && st.waiting > 0 && st.limit < st.most {
             st.limit += 1;
             st.changed = Some(Instant::now());
             self.key.sem.add_permits(1);
@@ -265,10 +365,11 @@ mod tests {
     #[tokio::test]
     async fn slots_bound_each_key_alone() {
         let slots = CloneSlots::new(1, false);
-        let held = slots.permit("pve1", "local-lvm").await.unwrap();
+        let lvm = local("local-lvm");
+        let held = slots.permit("pve1", &lvm).await.unwrap();
         // Another key is not bound by the first.
-        let _other = slots.permit("pve2", "local-lvm").await.unwrap();
-        let waiting = slots.permit("pve1", "local-lvm");
+        let _other = slots.permit("pve2", &lvm).await.unwrap();
+        let waiting = slots.permit("pve1", &lvm);
         tokio::pin!(waiting);
         assert!(
             futures::poll!(&mut waiting).is_pending(),
@@ -292,14 +393,109 @@ mod tests {
 
     const S: fn(u64) -> Duration = Duration::from_secs;
 
+    /// A domain on one node's own storage (or, for these tests, a storage
+    /// whose sharing does not matter).
+    fn local(storage: &str) -> SlotDomain {
+        SlotDomain {
+            storage: storage.into(),
+            shared: false,
+        }
+    }
+
+    fn shared(storage: &str) -> SlotDomain {
+        SlotDomain {
+            storage: storage.into(),
+            shared: true,
+        }
+    }
+
+    #[tokio::test]
+    async fn a_shared_storage_has_one_domain_for_the_cluster() {
+        let slots = CloneSlots::new(3, true);
+        let ceph = shared("ceph");
+        assert_eq!(slots.limit("pve1", &ceph), ADAPTIVE_START);
+        assert_eq!(
+            slots.limit("pve2", &ceph),
+            2 * ADAPTIVE_START,
+            "each node cloning to it brings its start"
+        );
+        // Four clones from pve1 take all four of the cluster's slots: the
+        // storage's lock and bandwidth are the cluster's.
+        let a = slots.permit("pve1", &ceph).await.unwrap();
+        let _b = slots.permit("pve1", &ceph).await.unwrap();
+        let _c = slots.permit("pve1", &ceph).await.unwrap();
+        let mut fourth = Box::pin(slots.permit("pve1", &ceph));
+        assert!(
+            try_now(&mut fourth).await.is_none(),
+            "a node holds at most --max-parallel-clones of them"
+        );
+        let d = slots.permit("pve2", &ceph).await.unwrap();
+        let mut from_pve2 = Box::pin(slots.permit("pve2", &ceph));
+        assert!(try_now(&mut from_pve2).await.is_none(), "four of four used");
+        let view = slots.view();
+        assert_eq!(
+            view,
+            vec![CloneSlotsView {
+                node: CLUSTER.into(),
+                storage: "ceph".into(),
+                limit: 4,
+                used: 4,
+                waiting: 2,
+            }]
+        );
+        // It grows, once a round, to 3 per node that cloned there.
+        d.finished(9000, S(4));
+        assert_eq!(
+            slots.limit("pve1", &ceph),
+            5,
+            "clones wait, the storage has room"
+        );
+        let e = try_now(&mut from_pve2)
+            .await
+            .expect("pve2 gets the new slot");
+        assert!(
+            try_now(&mut fourth).await.is_none(),
+            "pve1 still holds its most"
+        );
+        a.finished(9000, S(4));
+        assert_eq!(slots.limit("pve1", &ceph), 5, "a ran before the change");
+        e.finished(9000, S(4));
+        assert_eq!(slots.limit("pve1", &ceph), 6);
+        let f = slots.permit("pve2", &ceph).await.unwrap();
+        f.finished(9000, S(4));
+        assert_eq!(slots.limit("pve1", &ceph), 6, "never past 3 per node");
+        // A local storage of the same name on a node is that node's own.
+        assert_eq!(slots.limit("pve1", &local("ceph")), ADAPTIVE_START);
+        // Fixed slots stay per node, as --max-parallel-clones says.
+        let fixed = CloneSlots::new(3, false);
+        assert_eq!(fixed.limit("pve1", &ceph), 3);
+        assert_eq!(fixed.limit("pve2", &ceph), 3);
+    }
+
+    #[tokio::test]
+    async fn a_clone_given_up_while_waiting_no_longer_counts_as_waiting() {
+        let slots = CloneSlots::new(1, true);
+        let ceph = local("ceph");
+        let held = slots.permit("pve1", &ceph).await.unwrap();
+        let mut waiting = Box::pin(slots.permit("pve1", &ceph));
+        assert!(try_now(&mut waiting).await.is_none());
+        assert_eq!(slots.view()[0].waiting, 1);
+        drop(waiting);
+        assert_eq!(slots.view()[0].waiting, 0, "its Create was given up");
+        assert_eq!(slots.view()[0].used, 1);
+        drop(held);
+        assert_eq!(slots.view()[0].used, 0);
+    }
+
     #[tokio::test]
     async fn adaptive_grows_while_clones_take_the_shortest_time_and_some_wait() {
         let slots = CloneSlots::new(4, true);
-        let limit = || slots.limit("pve1", "ceph");
+        let ceph = local("ceph");
+        let limit = || slots.limit("pve1", &ceph);
         assert_eq!(limit(), ADAPTIVE_START);
-        let a = slots.permit("pve1", "ceph").await.unwrap();
-        let _b = slots.permit("pve1", "ceph").await.unwrap();
-        let mut third = Box::pin(slots.permit("pve1", "ceph"));
+        let a = slots.permit("pve1", &ceph).await.unwrap();
+        let _b = slots.permit("pve1", &ceph).await.unwrap();
+        let mut third = Box::pin(slots.permit("pve1", &ceph));
         assert!(
             try_now(&mut third).await.is_none(),
             "two slots to start with"
@@ -308,13 +504,13 @@ mod tests {
         assert_eq!(limit(), 3, "a clone waits and the storage has room");
         let c = try_now(&mut third).await.expect("the new slot, at once");
         a.finished(9000, S(4));
-        let mut fourth = Box::pin(slots.permit("pve1", "ceph"));
+        let mut fourth = Box::pin(slots.permit("pve1", &ceph));
         assert!(try_now(&mut fourth).await.is_none());
         assert_eq!(limit(), 3, "a clone from before the change moves nothing");
         c.finished(9000, Duration::from_millis(4900));
         assert_eq!(limit(), 4, "within a quarter of the shortest still grows");
         let d = try_now(&mut fourth).await.expect("the fourth slot");
-        let mut fifth = Box::pin(slots.permit("pve1", "ceph"));
+        let mut fifth = Box::pin(slots.permit("pve1", &ceph));
         assert!(try_now(&mut fifth).await.is_none());
         d.finished(9000, S(4));
         assert_eq!(limit(), 4, "never past --max-parallel-clones");
@@ -326,19 +522,21 @@ mod tests {
     #[tokio::test]
     async fn adaptive_grows_only_while_clones_wait() {
         let slots = CloneSlots::new(4, true);
-        let a = slots.permit("pve1", "ceph").await.unwrap();
+        let ceph = local("ceph");
+        let a = slots.permit("pve1", &ceph).await.unwrap();
         a.finished(9000, S(4));
         a.finished(9000, S(4));
-        assert_eq!(slots.limit("pve1", "ceph"), ADAPTIVE_START);
+        assert_eq!(slots.limit("pve1", &ceph), ADAPTIVE_START);
     }
 
     #[tokio::test]
     async fn adaptive_gives_slots_back_when_clones_crowd_and_on_lock_timeouts() {
         let slots = CloneSlots::new(8, true);
-        let limit = || slots.limit("pve1", "ceph");
-        let a = slots.permit("pve1", "ceph").await.unwrap();
-        let b = slots.permit("pve1", "ceph").await.unwrap();
-        let mut waiting = Box::pin(slots.permit("pve1", "ceph"));
+        let ceph = local("ceph");
+        let limit = || slots.limit("pve1", &ceph);
+        let a = slots.permit("pve1", &ceph).await.unwrap();
+        let b = slots.permit("pve1", &ceph).await.unwrap();
+        let mut waiting = Box::pin(slots.permit("pve1", &ceph));
         assert!(try_now(&mut waiting).await.is_none());
         a.finished(9000, S(4));
         let c = try_now(&mut waiting).await.expect("3 slots");
@@ -349,7 +547,7 @@ mod tests {
         c.finished(9000, S(7));
         assert_eq!(limit(), 2, "once a round: c ran before the change");
         // Three held against a limit of two: the first back is not handed on.
-        let mut next = Box::pin(slots.permit("pve1", "ceph"));
+        let mut next = Box::pin(slots.permit("pve1", &ceph));
         drop(b);
         assert!(
             try_now(&mut next).await.is_none(),
@@ -364,7 +562,7 @@ mod tests {
         assert_eq!(limit(), 1, "a lock timeout halves");
         a.lock_timeout();
         assert_eq!(limit(), 1, "never below one, and a is from before");
-        let mut last = Box::pin(slots.permit("pve1", "ceph"));
+        let mut last = Box::pin(slots.permit("pve1", &ceph));
         drop(a);
         assert!(try_now(&mut last).await.is_none(), "e holds the one slot");
         drop(e);
@@ -374,11 +572,12 @@ mod tests {
     #[tokio::test]
     async fn fixed_slots_never_move() {
         let slots = CloneSlots::new(3, false);
-        assert_eq!(slots.limit("pve1", "ceph"), 3);
-        let a = slots.permit("pve1", "ceph").await.unwrap();
+        let ceph = local("ceph");
+        assert_eq!(slots.limit("pve1", &ceph), 3);
+        let a = slots.permit("pve1", &ceph).await.unwrap();
         a.finished(9000, S(4));
         a.finished(9000, S(40));
         a.lock_timeout();
-        assert_eq!(slots.limit("pve1", "ceph"), 3);
+        assert_eq!(slots.limit("pve1", &ceph), 3);
     }
 }

@@ -7,7 +7,8 @@
 //! writing there at once. 16, 40 and 64 at once over 2, 3 and 4 nodes,
 //! from one shared template (2 GiB on `ceph-pool`, 2 GiB/s), a 3 s agent
 //! boot and the default 1 s poll. Prints, per burst: time to IDLE (the
-//! Create) median and p95, what the storage allows the median, each
+//! Create) median and p95, what the storage allows the median (by its
+//! bandwidth, and with every copy at one stream's full rate), each
 //! step's mean share of a Create, the makespan, what the storage's
 //! bandwidth alone allows it, PVE requests per lifecycle, and the peak
 //! requests per second, cluster-wide and on the busiest node.
@@ -20,8 +21,10 @@
 //! `--max-parallel-clones`, `BIGFLEET_BENCH_ADAPTIVE=0|1`
 //! `--adaptive-clones` (both default to the provider's defaults),
 //! `BIGFLEET_BENCH_STREAM_MIB=N` one stream's rate,
-//! `BIGFLEET_BENCH_BURSTS=16x2,40x3` the bursts, and
-//! `BIGFLEET_BENCH_TIMELINES=1` prints every Create's steps.
+//! `BIGFLEET_BENCH_BURSTS=16x2,40x3` the bursts,
+//! `BIGFLEET_BENCH_TIMELINES=1` prints every Create's steps,
+//! `BIGFLEET_BENCH_SLOTS=1` each clone-slot domain's limit as it moves, and
+//! `BIGFLEET_BENCH_ENDPOINTS=1` the requests per lifecycle by endpoint.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -71,6 +74,11 @@ enum Layout {
     Shared,
     /// A template per node (VMID 9000 + n) on its own `local-lvm`.
     Local,
+}
+
+/// Whether the environment variable `name` is `1`.
+fn flag_env(name: &str) -> bool {
+    std::env::var(name).is_ok_and(|v| v == "1")
 }
 
 /// `--max-parallel-clones`: `BIGFLEET_BENCH_CLONE_SLOTS`, else the default.
@@ -169,10 +177,25 @@ async fn burst(size: usize, nodes: usize, layout: Layout) {
     // Requests by node, sampled every 100 ms, for the peak per second.
     let done = Arc::new(AtomicBool::new(false));
     let sampler = {
-        let (sim, done) = (Arc::clone(&sim), Arc::clone(&done));
+        let (sim, done, sub) = (Arc::clone(&sim), Arc::clone(&done), Arc::clone(&sub));
         tokio::spawn(async move {
             let mut samples: Vec<(Instant, BTreeMap<String, u64>)> = Vec::new();
+            let (t0, mut limits) = (Instant::now(), BTreeMap::new());
             while !done.load(Ordering::SeqCst) {
+                for v in sub.clone_slots() {
+                    let key = format!("{}/{}", v.node, v.storage);
+                    if flag_env("BIGFLEET_BENCH_SLOTS")
+                        && limits.insert(key.clone(), v.limit) != Some(v.limit)
+                    {
+                        println!(
+                            "  at {:.1} s {key}: {} slots ({} used, {} waiting)",
+                            t0.elapsed().as_secs_f64(),
+                            v.limit,
+                            v.used,
+                            v.waiting
+                        );
+                    }
+                }
                 samples.push((Instant::now(), by_node(&sim)));
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
@@ -249,6 +272,23 @@ async fn burst(size: usize, nodes: usize, layout: Layout) {
         );
     }
     let total = sim.requests().len() as f64;
+    if flag_env("BIGFLEET_BENCH_ENDPOINTS") {
+        let mut by_endpoint: BTreeMap<String, u64> = BTreeMap::new();
+        for r in sim.requests() {
+            *by_endpoint
+                .entry(
+                    r.endpoint
+                        .unwrap_or_else(|| format!("{} {}", r.method, r.path)),
+                )
+                .or_default() += 1;
+        }
+        for (endpoint, n) in by_endpoint {
+            println!(
+                "  {:>5.2} per lifecycle: {endpoint}",
+                n as f64 / size as f64
+            );
+        }
+    }
     // Shared: every copy through the one storage; local: the busiest
     // node's copies through its own.
     let (copies, bandwidth, place) = match layout {
@@ -271,13 +311,22 @@ async fn burst(size: usize, nodes: usize, layout: Layout) {
         .max(disk / stream_bandwidth().min(bandwidth) as f64)
         + VOLUME_ALLOC.as_secs_f64()
         + AGENT_BOOT.as_secs_f64();
+    // The same with every copy at one stream's full rate (none slowed to
+    // share the storage): as many at once as fill it, so the median's copy
+    // is in the ceil(rank / fill)-th of them. Only sharing beats it: the
+    // first `rank` copies all at once, each at 1/rank of the bandwidth.
+    let stream = stream_bandwidth().min(bandwidth);
+    let fill = (bandwidth / stream).max(1) as usize;
+    let p50_streams = rank.div_ceil(fill) as f64 * disk / stream as f64
+        + VOLUME_ALLOC.as_secs_f64()
+        + AGENT_BOOT.as_secs_f64();
     // Where the Creates' time went: each step's mean over the burst.
     let mut steps: BTreeMap<&str, f64> = BTreeMap::new();
     for i in 0..size {
         let node = &names[i % nodes];
         for r in timeline.of(&format!("p/OnDemand/pve.small/{node}/{i:03}")) {
             *steps.entry(r.step.name()).or_default() += r.duration.as_secs_f64();
-            if std::env::var("BIGFLEET_BENCH_TIMELINES").is_ok_and(|v| v == "1") {
+            if flag_env("BIGFLEET_BENCH_TIMELINES") {
                 let at = r
                     .started
                     .duration_since(wall0)
@@ -302,7 +351,7 @@ async fn burst(size: usize, nodes: usize, layout: Layout) {
     };
     println!(
         "bench-real {size:>2}-way on {nodes} nodes, {place} storage, {slots} per node: {failed} FAILED, to IDLE p50 {:.1} s p95 {:.1} s \
-         (the storage allows p50 {p50_bound:.1} s; mean s per Create: {}), \
+         (the storage allows p50 {p50_bound:.1} s, {p50_streams:.1} s with each copy at a stream's full rate; mean s per Create: {}), \
          makespan {makespan:.1} s (the copies alone take {copy_bound:.1} s at the storage's bandwidth), \
          {:.1} requests per lifecycle, peak {peak_all} requests/s, {peak_node} on the busiest node",
         quantile(to_idle.clone(), 0.5),

@@ -44,6 +44,19 @@ fn sim_config(templates: Vec<TemplateSpec>, clone_duration: Duration) -> SimConf
     }
 }
 
+/// Templates 9000 on pve1's local-lvm and 9001 on the shared ceph-pool.
+async fn local_and_shared_templates(clone_duration: Duration) -> PveSim {
+    PveSim::start(sim_config(
+        vec![
+            TemplateSpec::local(9000, "pve1"),
+            TemplateSpec::shared(9001, "pve1"),
+        ],
+        clone_duration,
+    ))
+    .await
+    .expect("simulator")
+}
+
 fn clones_in_flight(sim: &PveSim) -> usize {
     sim.vms()
         .values()
@@ -72,15 +85,7 @@ fn spawn_create(
 #[tokio::test]
 async fn different_storages_or_nodes_clone_concurrently() {
     // Long clones so the overlap is certain to be seen.
-    let sim = PveSim::start(sim_config(
-        vec![
-            TemplateSpec::local(9000, "pve1"),
-            TemplateSpec::shared(9001, "pve1"),
-        ],
-        Duration::from_millis(1500),
-    ))
-    .await
-    .expect("simulator");
+    let sim = local_and_shared_templates(Duration::from_millis(1500)).await;
     let sub = Arc::new(PveSubstrate::new(client(&sim), opts()));
 
     let tasks = vec![
@@ -160,15 +165,7 @@ async fn same_storage_same_node_clones_serialise() {
 
 #[tokio::test]
 async fn template_config_is_read_once_per_template() {
-    let sim = PveSim::start(sim_config(
-        vec![
-            TemplateSpec::local(9000, "pve1"),
-            TemplateSpec::shared(9001, "pve1"),
-        ],
-        Duration::from_millis(50),
-    ))
-    .await
-    .expect("simulator");
+    let sim = local_and_shared_templates(Duration::from_millis(50)).await;
     let mut o = opts();
     o.max_parallel_clones = 4;
     let sub = Arc::new(PveSubstrate::new(client(&sim), o));
@@ -375,4 +372,100 @@ async fn adaptive_slots_shrink_on_storage_lock_timeouts() {
         adaptive * 2 <= fixed,
         "adaptive slots shrink and mostly stop meeting the timeout: {adaptive} retries against {fixed}"
     );
+}
+
+/// Adaptive slots: a shared storage's are the cluster's (its lock and its
+/// bandwidth are), a local storage's each node's, and a full clone given a
+/// storage counts on that storage, which its volume is allocated on and
+/// written to, not on the template's.
+#[tokio::test]
+async fn slots_follow_the_storage_a_clone_writes_to_and_its_reach() {
+    let sim = local_and_shared_templates(Duration::from_millis(50)).await;
+    let adaptive = PveOptions {
+        max_parallel_clones: 4,
+        adaptive_clones: true,
+        ..opts()
+    };
+    let sub = PveSubstrate::new(client(&sim), adaptive.clone());
+    for (id, node, template) in [
+        ("d/OnDemand/t/pve1/000", "pve1", 9001),
+        ("d/OnDemand/t/pve2/000", "pve2", 9001),
+        ("d/OnDemand/t/pve1/001", "pve1", 9000),
+    ] {
+        sub.clone_vm(&req(id, node, template))
+            .await
+            .expect("create");
+    }
+    let domains: Vec<(String, String, usize)> = sub
+        .clone_slots()
+        .into_iter()
+        .map(|d| (d.node, d.storage, d.limit))
+        .collect();
+    assert_eq!(
+        domains,
+        [
+            ("(cluster)".to_string(), "ceph-pool".to_string(), 4),
+            ("pve1".to_string(), "local-lvm".to_string(), 2),
+        ],
+        "one domain for ceph-pool, 2 slots to start with per node cloning there"
+    );
+    assert!(sub
+        .clone_slots()
+        .iter()
+        .all(|d| d.used == 0 && d.waiting == 0));
+
+    // A full clone of the ceph template onto pve2's local-lvm.
+    let onto_local = PveSubstrate::new(
+        client(&sim),
+        PveOptions {
+            node_storage: [("pve2".to_string(), "local-lvm".to_string())].into(),
+            ..adaptive.clone()
+        },
+    );
+    let vm = onto_local
+        .clone_vm(&req("d/OnDemand/t/pve2/001", "pve2", 9001))
+        .await
+        .expect("create");
+    let domains: Vec<(String, String)> = onto_local
+        .clone_slots()
+        .into_iter()
+        .map(|d| (d.node, d.storage))
+        .collect();
+    // A shared template cannot be cloned from pve1 onto pve2's local
+    // storage: a template replica is staged first, by a clone on pve1 to
+    // the template's ceph-pool; the Create's clone from it writes pve2's
+    // local-lvm.
+    assert_eq!(
+        domains,
+        [
+            ("(cluster)".to_string(), "ceph-pool".to_string()),
+            ("pve2".to_string(), "local-lvm".to_string())
+        ]
+    );
+    let landed = sim.vm(vm.vmid).expect("the Create's VM");
+    assert_eq!(
+        (landed.node.as_str(), landed.storage.as_str()),
+        ("pve2", "local-lvm")
+    );
+
+    // Fixed slots stay per node, shared storage or not.
+    let fixed = PveSubstrate::new(
+        client(&sim),
+        PveOptions {
+            adaptive_clones: false,
+            ..adaptive
+        },
+    );
+    fixed
+        .clone_vm(&req("d/OnDemand/t/pve2/002", "pve2", 9001))
+        .await
+        .expect("create");
+    let domains: Vec<(String, String, usize)> = fixed
+        .clone_slots()
+        .into_iter()
+        .map(|d| (d.node, d.storage, d.limit))
+        .collect();
+    assert_eq!(domains, [("pve2".to_string(), "ceph-pool".to_string(), 4)]);
+    assert!(sim.schema_violations().is_empty());
+    sim.shutdown().await;
 }
