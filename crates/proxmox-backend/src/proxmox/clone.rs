@@ -87,7 +87,6 @@ impl Cloner {
             .slot_domain(
                 req.template_vmid,
                 template_node,
-                &req.node,
                 target_storage.as_deref(),
                 deadline,
             )

@@ -123,19 +123,20 @@ impl Placement {
         }
     }
 
-    /// Where a clone to `node` counts its slots: the storages it writes
-    /// to (`target`, a full clone's configured storage, else the
-    /// template's disks' storages: their locks and bandwidth are what
-    /// parallel clones contend on), shared when `node` lists every one of
-    /// them shared. A node whose storages the token cannot list counts
-    /// them local. Reads the template's config and the node's storages
-    /// once each per process; a failed read fails the Create (and is
-    /// retried by the next one).
+    /// Where a clone counts its slots: the storages it writes to
+    /// (`target`, a full clone's configured storage, else the template's
+    /// disks' storages: their locks and bandwidth are what parallel clones
+    /// contend on), shared when the template's node lists every one of
+    /// them shared. `shared` is storage.cfg's, the same from every node, and
+    /// the template's node is online (the clone runs there), so a target
+    /// node down or slow to answer does not hold the clone up here; a
+    /// storage that node does not list counts as local. Reads the
+    /// template's config and its node's storages once each per process; a
+    /// failed read fails the Create (and is retried by the next one).
     pub(super) async fn slot_domain(
         &self,
         template: u32,
         template_node: &str,
-        node: &str,
         target: Option<&str>,
         deadline: Instant,
     ) -> Result<SlotDomain, SubstrateError> {
@@ -146,7 +147,7 @@ impl Placement {
                     .await?
             }
         };
-        let listed = self.node_storages(node, deadline).await?;
+        let listed = self.node_storages(template_node, deadline).await?;
         Ok(SlotDomain {
             storage: storage_key(&storages),
             shared: !storages.is_empty() && storages.iter().all(|s| is_shared(&listed, s)),

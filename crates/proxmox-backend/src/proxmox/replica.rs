@@ -499,7 +499,7 @@ impl Replicas {
     ) -> Result<(VmidHold<'_>, VmRef), CloneFailure> {
         let domain = self
             .placement
-            .slot_domain(source, template_node, template_node, None, deadline)
+            .slot_domain(source, template_node, None, deadline)
             .await
             .map_err(CloneFailure::Other)?;
         let mut permit = self

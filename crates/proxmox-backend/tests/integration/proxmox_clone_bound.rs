@@ -413,6 +413,18 @@ async fn slots_follow_the_storage_a_clone_writes_to_and_its_reach() {
         .clone_slots()
         .iter()
         .all(|d| d.used == 0 && d.waiting == 0));
+    // Whether a storage is shared is read from the template's node, which
+    // the clone runs on: a target node down or slow is never asked here.
+    let listed = |node: &str| {
+        sim.requests()
+            .iter()
+            .filter(|r| {
+                r.endpoint.as_deref() == Some(endpoints::NODE_STORAGE)
+                    && r.path.ends_with(&format!("/nodes/{node}/storage"))
+            })
+            .count()
+    };
+    assert_eq!((listed("pve1"), listed("pve2")), (1, 0));
 
     // A full clone of the ceph template onto pve2's local-lvm.
     let onto_local = PveSubstrate::new(

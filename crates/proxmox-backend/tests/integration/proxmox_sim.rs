@@ -543,17 +543,17 @@ async fn api_call_accounting_with_1000_marked_vms() {
         "{create:?}"
     );
     let guard_reads = 2;
-    // The first Create to a node also lists the node's storages, once per
-    // node per process: whether the template's storage is shared decides
-    // whether its clone slots are the node's or the cluster's.
+    // The first Create also lists the template node's storages, once per
+    // process: whether the template's storage is shared decides whether
+    // its clone slots are the node's or the cluster's.
     assert_eq!(
         create.get(endpoints::NODE_STORAGE).copied(),
         Some(1),
         "{create:?}"
     );
-    let once_per_node = 1;
+    let once_per_process = 1;
     assert!(
-        sum(&create) - guard_reads - once_per_node <= 11,
+        sum(&create) - guard_reads - once_per_process <= 11,
         "Create took {create:?}"
     );
     // The adoption check is the inventory listing; the one config read is the
