@@ -18,7 +18,7 @@
 //! never holds more than `--max-parallel-clones` of a shared domain's
 //! slots: each copy is a `qemu-img` process on its node.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -80,20 +80,17 @@ struct Key {
     node: String,
     storage: String,
     sem: Arc<Semaphore>,
-    /// A cluster-wide domain's per-node bound (`--max-parallel-clones`
-    /// each); empty for a node's own domain.
-    node_caps: Mutex<HashMap<String, Arc<Semaphore>>>,
     state: Mutex<KeyState>,
 }
 
 #[derive(Default)]
 struct KeyState {
     limit: usize,
-    /// The most the limit may reach: `--max-parallel-clones` per node
-    /// cloning to the domain.
-    most: usize,
-    /// The nodes that cloned to a cluster-wide domain.
-    nodes: HashSet<String>,
+    /// The nodes that cloned to the domain (one for a node's own), each
+    /// with its bound of `--max-parallel-clones` of the domain's slots
+    /// (a copy is a `qemu-img` process on its node). The limit reaches
+    /// at most the sum of them.
+    nodes: HashMap<String, Arc<Semaphore>>,
     /// Permits to drop rather than return, for a limit lowered below what
     /// clones hold.
     owed: usize,
@@ -120,10 +117,13 @@ impl CloneSlots {
 
     /// The key for a clone on `node` to `domain`: the node's own, or the
     /// cluster's for a shared storage (adaptive only: fixed slots are per
-    /// node, as `--max-parallel-clones` says).
-    fn key(&self, node: &str, domain: &SlotDomain) -> Arc<Key> {
-        let cluster = self.adaptive && domain.shared;
-        let scope = if cluster { CLUSTER } else { node };
+    /// node, as `--max-parallel-clones` says); and the node's bound there.
+    fn key(&self, node: &str, domain: &SlotDomain) -> (Arc<Key>, Arc<Semaphore>) {
+        let scope = if self.adaptive && domain.shared {
+            CLUSTER
+        } else {
+            node
+        };
         let key = Arc::clone(
             self.keys
                 .lock()
@@ -133,27 +133,24 @@ impl CloneSlots {
                         node: scope.to_string(),
                         storage: domain.storage.clone(),
                         sem: Arc::new(Semaphore::new(0)),
-                        node_caps: Mutex::default(),
                         state: Mutex::new(KeyState::default()),
                     })
                 }),
         );
-        self.join(&key, node, cluster);
-        key
+        let bound = self.join(&key, node);
+        (key, bound)
     }
 
-    /// Counts `node` in `key`'s domain: its ceiling grows by the node's
+    /// Counts `node` in `key`'s domain (its ceiling grows by the node's
     /// most and, until the domain has moved on what its clones showed, its
-    /// limit by the node's start.
-    fn join(&self, key: &Key, node: &str, cluster: bool) {
+    /// limit by the node's start); the node's bound there.
+    fn join(&self, key: &Key, node: &str) -> Arc<Semaphore> {
         let mut st = key.state.lock();
-        if st.most > 0 && !cluster {
-            return;
+        if let Some(bound) = st.nodes.get(node) {
+            return Arc::clone(bound);
         }
-        if !st.nodes.insert(node.to_string()) {
-            return;
-        }
-        st.most += self.most;
+        let bound = Arc::new(Semaphore::new(self.most));
+        st.nodes.insert(node.to_string(), Arc::clone(&bound));
         let start = if self.adaptive {
             ADAPTIVE_START.min(self.most)
         } else {
@@ -163,17 +160,13 @@ impl CloneSlots {
             st.limit += start;
             key.sem.add_permits(start);
         }
-        if cluster {
-            key.node_caps
-                .lock()
-                .insert(node.to_string(), Arc::new(Semaphore::new(self.most)));
-        }
+        bound
     }
 
     /// The slots a clone on `node` to `domain` has now.
     #[cfg(test)]
     pub(super) fn limit(&self, node: &str, domain: &SlotDomain) -> usize {
-        self.key(node, domain).state.lock().limit
+        self.key(node, domain).0.state.lock().limit
     }
 
     /// Every domain's slots, used slots and waiting clones, for the metrics.
@@ -203,21 +196,18 @@ impl CloneSlots {
         node: &str,
         domain: &SlotDomain,
     ) -> Result<ClonePermit, SubstrateError> {
-        let key = self.key(node, domain);
-        let node_cap = key.node_caps.lock().get(node).cloned();
+        let (key, bound) = self.key(node, domain);
         let waiting = Waiting::new(&key);
         let closed = |_| SubstrateError::new("clone slots closed");
-        let cap = match node_cap {
-            Some(cap) => Some(cap.acquire_owned().await.map_err(closed)?),
-            None => None,
-        };
+        let node_slot = bound.acquire_owned().await.map_err(closed)?;
         let permit = Arc::clone(&key.sem).acquire_owned().await.map_err(closed)?;
         drop(waiting);
         Ok(ClonePermit {
             key,
             permit: Some(permit),
-            _cap: cap,
+            _node_slot: node_slot,
             acquired: Instant::now(),
+            most: self.most,
             adaptive: self.adaptive,
         })
     }
@@ -244,9 +234,11 @@ impl Drop for Waiting {
 pub(super) struct ClonePermit {
     key: Arc<Key>,
     permit: Option<OwnedSemaphorePermit>,
-    /// A cluster-wide domain's slot of the clone's node.
-    _cap: Option<OwnedSemaphorePermit>,
+    /// One of the node's `--max-parallel-clones` in the domain.
+    _node_slot: OwnedSemaphorePermit,
     acquired: Instant,
+    /// `--max-parallel-clones`: the ceiling per node in the domain.
+    most: usize,
     adaptive: bool,
 }
 
@@ -271,7 +263,8 @@ impl ClonePermit {
             return;
         }
         let ratio = took.as_secs_f64() / shortest.as_secs_f64().max(1e-3);
-        if ratio <= SPARE && st.waiting > 0 && st.limit < st.most {
+        let ceiling = self.most * st.nodes.len();
+        if ratio <= SPARE && st.waiting > 0 && st.limit < ceiling {
             st.limit += 1;
             st.changed = Some(Instant::now());
             self.key.sem.add_permits(1);

@@ -181,12 +181,16 @@ async fn burst(size: usize, nodes: usize, layout: Layout) {
         tokio::spawn(async move {
             let mut samples: Vec<(Instant, BTreeMap<String, u64>)> = Vec::new();
             let (t0, mut limits) = (Instant::now(), BTreeMap::new());
+            let show_slots = flag_env("BIGFLEET_BENCH_SLOTS");
             while !done.load(Ordering::SeqCst) {
-                for v in sub.clone_slots() {
+                let domains = if show_slots {
+                    sub.clone_slots()
+                } else {
+                    Vec::new()
+                };
+                for v in domains {
                     let key = format!("{}/{}", v.node, v.storage);
-                    if flag_env("BIGFLEET_BENCH_SLOTS")
-                        && limits.insert(key.clone(), v.limit) != Some(v.limit)
-                    {
+                    if limits.insert(key.clone(), v.limit) != Some(v.limit) {
                         println!(
                             "  at {:.1} s {key}: {} slots ({} used, {} waiting)",
                             t0.elapsed().as_secs_f64(),
