@@ -91,9 +91,14 @@ impl Task {
     }
 
     /// Log lines `[{n, t}]` from line `start` (0-based), at most `limit`.
+    /// An ended task's log ends with its worker's last line, which its
+    /// status is read from (pve-common `PVE::UPID::read_status`); a worker
+    /// that died without one (its node powered off) leaves none, and its
+    /// status reads `unexpected status` for that very reason.
     pub fn log_json(&self, start: usize, limit: usize) -> Value {
         let mut lines: Vec<String> = self.log.clone();
         match &self.exitstatus {
+            Some(es) if es == "unexpected status" => {}
             Some(es) if es == "OK" => lines.push("TASK OK".into()),
             Some(es) if es.starts_with("WARNINGS") => lines.push(format!("TASK {es}")),
             Some(es) => lines.push(format!("TASK ERROR: {es}")),

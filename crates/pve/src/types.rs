@@ -602,6 +602,24 @@ pub struct TaskLogLine {
 }
 
 impl TaskLogLine {
+    /// The exit status this line gives, when it is the line a worker ends
+    /// its log with: `TASK OK` (`OK`), `TASK WARNINGS: N` (`WARNINGS: N`)
+    /// or `TASK ERROR: <cause>` (the cause). PVE's own status read takes
+    /// the exit status from the log's last line this way (pve-common
+    /// `PVE::UPID::read_status`), so a log ending in one is that of an
+    /// ended task, and says how it ended. `None` for any other line.
+    pub fn exit_status(&self) -> Option<&str> {
+        let rest = self.t.strip_prefix("TASK ")?;
+        if rest == "OK" {
+            return Some(rest);
+        }
+        if let Some(cause) = rest.strip_prefix("ERROR: ") {
+            return (!cause.is_empty()).then_some(cause);
+        }
+        let count = rest.strip_prefix("WARNINGS: ")?;
+        (!count.is_empty() && count.bytes().all(|b| b.is_ascii_digit())).then_some(rest)
+    }
+
     /// A line that says why a task failed: PVE's workers write their cause
     /// as `ERROR: …` or a `… failed: …` line (a migration's exit status says
     /// only `migration aborted`).
@@ -877,6 +895,29 @@ mod tests {
             "Could not remove disk 'local-lvm:vm-1-disk-0",
         ] {
             assert_eq!(line(t).unremoved_disk(), None, "{t}");
+        }
+    }
+
+    #[test]
+    fn a_task_logs_last_line_says_how_it_ended() {
+        let line = |t: &str| super::TaskLogLine { n: 9, t: t.into() };
+        assert_eq!(line("TASK OK").exit_status(), Some("OK"));
+        assert_eq!(line("TASK WARNINGS: 2").exit_status(), Some("WARNINGS: 2"));
+        assert_eq!(
+            line("TASK ERROR: VM 130 is running - destroy failed").exit_status(),
+            Some("VM 130 is running - destroy failed")
+        );
+        for t in [
+            "purging VM 130 from related configurations..",
+            "TASK",
+            "TASK OK but more",
+            "TASK WARNINGS: ",
+            "TASK WARNINGS: two",
+            "TASK ERROR: ",
+            " TASK OK",
+            "no content",
+        ] {
+            assert_eq!(line(t).exit_status(), None, "{t}");
         }
     }
 

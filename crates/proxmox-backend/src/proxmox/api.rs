@@ -16,17 +16,19 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures::future::Either;
 use providerkit::ErrorKind;
-use pve::{PveClient, PveError, TaskLogLine, TaskStatus, Upid, VmStatus};
+use pve::{PveClient, PveError, TaskStatus, Upid, VmStatus};
 use rand::Rng;
 use tokio::time::Instant;
 
+use super::estimate::FirstLook;
 use super::marker::{looks_managed, owned_by, MANAGED_TAG};
 use super::options::PveOptions;
 use super::task_watch::TaskWatch;
 use crate::substrate::{SubstrateError, VmRef};
 use crate::timeline::{self, Step};
+
+mod destroy;
 
 /// How a PVE failure is classified for callers and metrics.
 pub(super) fn kind_of(e: &PveError) -> ErrorKind {
@@ -142,6 +144,8 @@ pub(super) struct Api {
     opts: Arc<PveOptions>,
     /// Task waits, one poll per node per tick.
     tasks: TaskWatch,
+    /// When, after a stop, a VM's destroy is accepted (see `Api::wait_stop`).
+    stops: FirstLook,
     /// Volumes destroy tasks said they could not free, since this Api was
     /// made (see [`Api::report_unremoved_disks`]).
     unremoved_disks: AtomicU64,
@@ -152,15 +156,11 @@ pub(super) struct Api {
     offline_nodes: tokio::sync::Mutex<Option<(Instant, Arc<Vec<String>>)>>,
 }
 
-/// Lines of a destroy task's log read for the disks it could not free: one
-/// line per disk and a few more (`purging VM`, `TASK ...`); a VM of ours has
-/// one disk, so this is ample.
-const DESTROY_LOG_LINES: u64 = 500;
-
 impl Api {
     pub(super) fn new(client: PveClient, opts: Arc<PveOptions>) -> Api {
         Api {
             tasks: TaskWatch::new(client.clone(), opts.poll_interval),
+            stops: FirstLook::default(),
             client,
             opts,
             unremoved_disks: AtomicU64::new(0),
@@ -298,14 +298,24 @@ impl Api {
     /// A machine's clone, start, stop and destroy tasks are steps of its
     /// [timeline](crate::timeline), from the task's start to its end.
     async fn wait_task_status(&self, upid: &Upid, what: &str) -> Result<TaskStatus, PveError> {
+        let deadline = Instant::now() + self.opts.task_timeout;
+        self.timed_task(upid, what, self.tasks.wait(upid, deadline))
+            .await
+    }
+
+    /// A task wait as a step of the machine's timeline (clone, start,
+    /// stop, destroy), from the task's start to its end.
+    async fn timed_task<T>(
+        &self,
+        upid: &Upid,
+        what: &str,
+        wait: impl Future<Output = Result<T, PveError>>,
+    ) -> Result<T, PveError> {
         let mut step = task_step(what).map(|s| timeline::step(s, &upid.node));
         if let Some(step) = step.as_mut() {
             step.task(upid);
         }
-        let deadline = Instant::now() + self.opts.task_timeout;
-        let out = self
-            .tasks
-            .wait(upid, deadline)
+        let out = wait
             .await
             .inspect_err(|e| tracing::debug!(task = what, error = %e, "PVE task failed"));
         match step {
@@ -405,201 +415,6 @@ impl Api {
             )));
         }
         Ok(st)
-    }
-
-    /// Stops and destroys a VM whose marker was checked by the caller.
-    /// Repeats are harmless (stopping a stopped VM, destroying a gone one),
-    /// so transient failures are retried until `deadline`. The caller
-    /// forgets the VMID afterwards (it is gone either way on `Ok`).
-    ///
-    /// `stop_first`: whether to stop it first (a VM known stopped is not).
-    /// A VM whose power state is not known is stopped anyway: stopping a
-    /// stopped VM is an `OK` task at once (qemu-server's `_do_vm_stop`
-    /// returns before anything when no QEMU runs), cheaper than reading its
-    /// status first when it usually runs. Whether the HA manager owns it is
-    /// told by the stop's own task: `hastop` only queues the request, which
-    /// is then waited for.
-    pub(super) async fn destroy(
-        &self,
-        vm: &VmRef,
-        stop_first: bool,
-        deadline: Instant,
-    ) -> Result<(), SubstrateError> {
-        let node = Some(vm.node.as_str());
-        // A task of the stop or the destroy finding no config: another
-        // destroy of the VM (one a restarted provider left running) got
-        // there first. The VM is gone.
-        let gone = |e: &PveError| e.is_not_found() || e.is_vm_config_missing(vm.vmid);
-        if stop_first {
-            tracing::info!(vm = %vm, "stopping VM");
-            let mut attempt = 0;
-            let ha = loop {
-                match self
-                    .retry_raw(node, deadline, |pve| pve.stop(&vm.node, vm.vmid))
-                    .await
-                {
-                    Ok(upid) => match self.wait_task(&upid, "stop").await {
-                        Ok(()) => break upid.task_type == "hastop",
-                        Err(e) if gone(&e) => return Ok(()),
-                        // `VM 104 is locked (backup)` from the worker: the
-                        // stop did nothing; a repeated stop is harmless,
-                        // unless no task holds the lock (see below).
-                        Err(e) if e.is_transient() && Instant::now() < deadline => {
-                            if e.is_locked() && !e.is_lock_timeout() {
-                                if let Some(lock) = self.stale_lock(vm, deadline).await? {
-                                    tracing::warn!(vm = %vm, lock = %lock, "the VM is locked and no task holds the lock; only root can clear it");
-                                    return Err(stale_lock_error(vm, &lock, LockedVm::Ours));
-                                }
-                            }
-                            tracing::info!(vm = %vm, error = %e, attempt, "stop task failed transiently; retrying");
-                            self.pause(attempt, deadline).await;
-                            attempt += 1;
-                        }
-                        Err(e) => return Err(err_at(format!("stopping VM {vm}"), node, &e)),
-                    },
-                    Err(e) if e.is_not_found() => return Ok(()),
-                    Err(e) => return Err(err_at(format!("stopping VM {vm}"), node, &e)),
-                }
-            };
-            if ha {
-                // hastop only queues the request.
-                self.wait_status(vm, "stopped", |s| !s.is_running()).await?;
-            }
-        }
-        tracing::info!(vm = %vm, "destroying VM");
-        let mut attempt = 0;
-        let mut unreferenced_too = true;
-        let mut unprotected = false;
-        loop {
-            let with_unreferenced = unreferenced_too;
-            let destroy = |pve| {
-                if with_unreferenced {
-                    Either::Left(PveClient::destroy(pve, &vm.node, vm.vmid))
-                } else {
-                    Either::Right(PveClient::destroy_referenced(pve, &vm.node, vm.vmid))
-                }
-            };
-            let failed = match self.retry_raw(node, deadline, destroy).await {
-                Ok(upid) => match self.wait_task_status(&upid, "destroy").await {
-                    Ok(done) => {
-                        self.report_unremoved_disks(vm, &upid, &done, deadline)
-                            .await;
-                        return Ok(());
-                    }
-                    // Another destroy of the VM (one a restarted provider
-                    // left running) held its config lock and removed the
-                    // config before this worker got the lock: `Configuration
-                    // file '.../N.conf' does not exist`. The VM is gone.
-                    Err(e) if gone(&e) => return Ok(()),
-                    Err(e) => e,
-                },
-                Err(e) if e.is_not_found() || e.is_forbidden() => return Ok(()),
-                Err(e) if e.is_protected() => e,
-                Err(e) if e.is_locked() && !e.is_lock_timeout() => e,
-                Err(e) => return Err(err_at(format!("destroying VM {vm}"), node, &e)),
-            };
-            // A VM cloned before marking cleared `protection` (PVE copies it
-            // from a protected template): the caller proved it ours, so the
-            // flag goes, once.
-            if failed.is_protected() && !unprotected {
-                tracing::info!(vm = %vm, "clearing the protection flag it copied from its template");
-                self.clear_protection(vm, deadline).await?;
-                unprotected = true;
-                continue;
-            }
-            // `destroy-unreferenced-disks` activates every storage holding
-            // images on the node: one out of reach (`is not online`) or
-            // hung (`unable to activate storage`, a mount that does not
-            // answer) fails the worker after the VM's own disks are freed,
-            // leaving its config. What the flag adds (disks of a half-made
-            // clone the config never named) is not worth a VM that cannot
-            // be destroyed while a storage it never used is down: destroy
-            // again without it.
-            if unreferenced_too && (failed.is_offline() || failed.is_storage_unavailable()) {
-                tracing::warn!(vm = %vm, error = %failed,
-                    "a storage of the node is offline or hangs; destroying the VM without looking for unreferenced disks");
-                unreferenced_too = false;
-                continue;
-            }
-            // A lock no running task holds stays until root clears it:
-            // fail naming the command instead of retrying until the
-            // deadline (and again on every Delete after it).
-            if failed.is_locked() && !failed.is_lock_timeout() {
-                if let Some(lock) = self.stale_lock(vm, deadline).await? {
-                    tracing::warn!(vm = %vm, lock = %lock, "the VM is locked and no task holds the lock; only root can clear it");
-                    return Err(stale_lock_error(vm, &lock, LockedVm::Ours));
-                }
-            }
-            // PVE checks the VM's lock inside the worker, after the DELETE
-            // answered 200: `VM is locked (backup)`, or its config lock
-            // still held after 10 s. The worker did nothing, and the lock
-            // clears when the other operation ends, so the DELETE is sent
-            // again.
-            if !failed.is_transient() || Instant::now() >= deadline {
-                return Err(err_at(format!("destroying VM {vm}"), node, &failed));
-            }
-            tracing::info!(vm = %vm, error = %failed, attempt, "destroy task failed transiently; retrying");
-            self.pause(attempt, deadline).await;
-            attempt += 1;
-        }
-    }
-
-    /// Reports the disks a successful destroy could not free. qemu-server's
-    /// `destroy_vm` goes on past a disk `vdisk_free` fails on (RBD
-    /// watchers, an LV or ZFS dataset in use): the VM is gone, the volume
-    /// stays. Only the task's log says so: PVE 9 ends the task `WARNINGS:
-    /// N`, PVE 8 `OK`. Each such volume gets a WARN (the volume, the task)
-    /// and a count in [`Api::unremoved_disks`]; the Delete still succeeds.
-    ///
-    /// The log is read after every destroy, `OK` too: PVE 8 gives no other
-    /// sign. Measured on pve-sim (`cargo test -p proxmox-backend --test
-    /// integration destroy_log_cost -- --ignored --nocapture`), a Delete of
-    /// a running VM makes 6 API calls without the read and 7 with it, and
-    /// the read takes 0.3 ms (median; 2.3 ms at most) of a Delete's 110 ms;
-    /// on PVE it is one small file read on the task's node, like one of the
-    /// destroy's status polls. Cheaper than telling versions apart per node
-    /// (a cluster being upgraded runs both), and never wrong.
-    /// Best effort: an unreadable log is a WARN, never a failed Delete.
-    async fn report_unremoved_disks(
-        &self,
-        vm: &VmRef,
-        upid: &Upid,
-        done: &TaskStatus,
-        deadline: Instant,
-    ) {
-        let exit = done.exitstatus.as_deref().unwrap_or_default();
-        let lines = match self
-            .retry_raw(Some(&upid.node), deadline, |pve| {
-                pve.task_log(upid, 0, DESTROY_LOG_LINES)
-            })
-            .await
-        {
-            Ok(lines) => lines,
-            Err(e) => {
-                tracing::warn!(vm = %vm, upid = %upid, exit, error = %e,
-                    "could not read the log of the destroy task: a disk it could not free would go unreported; look for `Could not remove disk` in that task's log on PVE");
-                return;
-            }
-        };
-        for volume in lines.iter().filter_map(TaskLogLine::unremoved_disk) {
-            self.unremoved_disks.fetch_add(1, Ordering::Relaxed);
-            tracing::warn!(vm = %vm, volume, upid = %upid, exit,
-                "PVE destroyed the VM but could not remove one of its disks (still in use: RBD watchers, a busy LV or ZFS dataset); it keeps its space on the storage. Find what holds it, then remove it with `pvesm free <volume>`");
-        }
-    }
-
-    /// `delete=protection` on a VM whose marker the caller checked.
-    async fn clear_protection(&self, vm: &VmRef, deadline: Instant) -> Result<(), SubstrateError> {
-        let params = pve::ConfigParams {
-            delete: vec!["protection".to_string()],
-            ..pve::ConfigParams::default()
-        };
-        let node = Some(vm.node.as_str());
-        self.retry_raw(node, deadline, |pve| {
-            pve.set_config_sync(&vm.node, vm.vmid, &params)
-        })
-        .await
-        .map_err(|e| err_at(format!("clearing the protection flag of VM {vm}"), node, &e))
     }
 
     /// Whether `/nodes` lists `node` as anything but online. PVE has no

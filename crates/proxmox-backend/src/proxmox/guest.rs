@@ -28,7 +28,17 @@ use crate::redact::Redactor;
 use crate::substrate::{SubstrateError, VmRef};
 use crate::timeline::{self, Step, StepGuard};
 
+mod boots;
 mod command;
+
+use boots::Boots;
+
+/// What one ping of a guest agent found.
+enum Ping {
+    Up,
+    /// Not up yet (the error that said so).
+    NotYet(PveError),
+}
 
 /// Raw bytes per file-write chunk: 36 KiB base64-encodes to 48 KiB, which
 /// stays under the 60 KiB `content` limit and (form-encoded) under the 64 KiB
@@ -104,52 +114,11 @@ pub(super) struct Guest {
     /// Each VM's name, by VMID: the node name its commands are given. Learnt
     /// from the status EnsureRunning reads before every Configure and Drain.
     names: Mutex<HashMap<u32, String>>,
-    /// How long a guest agent took to answer after a start, by node
-    /// (smoothed): the first ping after the next start there waits most of
-    /// it, instead of pinging every poll interval through the boot.
-    boot_times: Mutex<HashMap<String, Duration>>,
-    /// Boots after a start still waited on, by node and VMID: how long each
-    /// has gone unanswered. While a node has nothing learnt, a boot starting
-    /// there waits that long before its first ping (its agent is no faster).
-    booting: Mutex<HashMap<String, HashMap<u32, Duration>>>,
+    /// When to ping the agent after a start (see [`boots`]).
+    boots: Boots,
     /// Templates whose guest was asked whether it grows its root file
     /// system at boot (once per template per process).
     grow_checked: Mutex<std::collections::HashSet<u32>>,
-}
-
-/// A boot waited on, in [`Guest::booting`] from its first ping until the
-/// wait ends, however it ends.
-struct Booting<'a> {
-    booting: &'a Mutex<HashMap<String, HashMap<u32, Duration>>>,
-    node: String,
-    vmid: u32,
-}
-
-impl<'a> Booting<'a> {
-    fn new(booting: &'a Mutex<HashMap<String, HashMap<u32, Duration>>>, vm: &VmRef) -> Self {
-        booting
-            .lock()
-            .entry(vm.node.clone())
-            .or_default()
-            .insert(vm.vmid, Duration::ZERO);
-        Booting {
-            booting,
-            node: vm.node.clone(),
-            vmid: vm.vmid,
-        }
-    }
-}
-
-impl Drop for Booting<'_> {
-    fn drop(&mut self) {
-        let mut booting = self.booting.lock();
-        if let Some(boots) = booting.get_mut(&self.node) {
-            boots.remove(&self.vmid);
-            if boots.is_empty() {
-                booting.remove(&self.node);
-            }
-        }
-    }
 }
 
 /// Whether the guest has what grows its root file system to a larger boot
@@ -165,8 +134,7 @@ impl Guest {
             opts,
             probes: Mutex::new(HashMap::new()),
             names: Mutex::new(HashMap::new()),
-            boot_times: Mutex::new(HashMap::new()),
-            booting: Mutex::default(),
+            boots: Boots::default(),
             grow_checked: Mutex::default(),
         }
     }
@@ -246,99 +214,110 @@ impl Guest {
     /// Pings the agent until it answers, polling through boot-time failures.
     pub(super) async fn wait_agent(&self, vm: &VmRef) -> Result<(), SubstrateError> {
         let step = timeline::step(Step::Agent, &vm.node);
-        step.end(self.ping_until_up(vm, self.opts.poll_interval, None).await)
+        let deadline = Instant::now() + self.opts.agent_timeout;
+        step.end(
+            self.ping_until_up(vm, self.opts.poll_interval, deadline)
+                .await,
+        )
     }
 
-    /// [`Guest::wait_agent`] right after this provider started the VM: the
-    /// first ping waits nine tenths of what agents on this node took to
-    /// answer after a start lately (at most half the agent timeout), and a
-    /// ping that finds the agent not up yet is followed by the next a
-    /// quarter of that later (at most a poll interval), so a boot costs a
-    /// ping, sometimes two, rather than one per poll interval. The time
-    /// this one took is learnt for the next: a boot that answered the first
-    /// ping pulls the estimate down, one that needed more pushes it up.
+    /// [`Guest::wait_agent`] right after this provider started the VM, on
+    /// the schedule [`boots`] learns: the first ping at about when agents
+    /// have answered after a start lately, so a boot costs about one ping.
     pub(super) async fn wait_agent_after_start(&self, vm: &VmRef) -> Result<(), SubstrateError> {
         let step = timeline::step(Step::Agent, &vm.node);
-        let started = Instant::now();
-        let learnt = self.boot_times.lock().get(&vm.node).copied();
-        let every = match learnt {
-            Some(boot) => {
-                tokio::time::sleep((boot * 9 / 10).min(self.opts.agent_timeout / 2)).await;
-                (boot / 4).clamp(self.api.first_poll(), self.opts.poll_interval)
+        let boot = self.boots.begin(vm.vmid);
+        let deadline = boot.started + self.opts.agent_timeout;
+        let poll = self.opts.poll_interval;
+        let out = loop {
+            if let Some(at) = self.boots.first_ping.at(&vm.node) {
+                let first = boot.started + at.min(self.opts.agent_timeout / 2);
+                tokio::time::sleep_until(first).await;
+                let out = match self.ping(vm).await {
+                    Ok(Ping::Up) => Ok(true),
+                    Ok(Ping::NotYet(_)) => {
+                        let every = (at / 8).clamp(self.api.first_poll(), poll);
+                        self.ping_until_up(vm, every, deadline)
+                            .await
+                            .map(|()| false)
+                    }
+                    Err(e) => Err(e),
+                };
+                if let Ok(first_hit) = out {
+                    let took = boot.started.elapsed();
+                    self.boots
+                        .first_ping
+                        .learn(&vm.node, Some(at), first_hit, took);
+                }
+                break out.map(|_| ());
             }
-            // Nothing learnt: the start task ends once QEMU runs, before
-            // the guest has booted far enough for its agent, so the first
-            // ping waits a poll interval, or as long as a boot still waited
-            // on at this node has gone unanswered.
-            None => {
-                let unanswered = self
-                    .booting
-                    .lock()
-                    .get(&vm.node)
-                    .and_then(|boots| boots.values().max().copied())
-                    .unwrap_or_default();
-                let first = self
-                    .opts
-                    .poll_interval
-                    .max(unanswered)
-                    .min(self.opts.agent_timeout / 2);
-                tokio::time::sleep(first).await;
-                self.opts.poll_interval
-            }
-        };
-        let out = {
-            let _boot = Booting::new(&self.booting, vm);
-            self.ping_until_up(vm, every, Some(started)).await
-        };
-        if out.is_ok() {
-            let took = started.elapsed();
-            let mut times = self.boot_times.lock();
-            let smoothed = match times.get(&vm.node) {
-                Some(before) => (*before + took) / 2,
-                None => took,
+            // Nothing learnt anywhere: the oldest boot pings through, the
+            // others less often until it has learnt.
+            let period = if self.boots.is_scout(&boot) {
+                poll
+            } else {
+                poll * boots::FOLLOWER_PERIOD
             };
-            times.insert(vm.node.clone(), smoothed);
-        }
+            tokio::select! {
+                () = tokio::time::sleep(period) => {}
+                () = self.boots.first_ping.learnt() => continue,
+            }
+            match self.ping(vm).await {
+                Ok(Ping::Up) => {
+                    self.boots
+                        .first_ping
+                        .learn(&vm.node, None, false, boot.started.elapsed());
+                    break Ok(());
+                }
+                Ok(Ping::NotYet(e)) if Instant::now() >= deadline => {
+                    break Err(self.agent_timed_out(vm, &e))
+                }
+                Ok(Ping::NotYet(_)) => {}
+                Err(e) => break Err(e),
+            }
+        };
+        drop(boot);
         step.end(out)
     }
 
-    /// Pings every `every` until the agent answers or `--agent-timeout`
-    /// passes. A boot `started` at that instant notes how long it has gone
-    /// unanswered at each miss (see [`Guest::booting`]).
+    /// Pings every `every` until the agent answers or `deadline` passes.
     async fn ping_until_up(
         &self,
         vm: &VmRef,
         every: Duration,
-        started: Option<Instant>,
+        deadline: Instant,
     ) -> Result<(), SubstrateError> {
-        let opts = &self.opts;
-        let deadline = Instant::now() + opts.agent_timeout;
         loop {
-            match self.api.once(|pve| pve.agent_ping(&vm.node, vm.vmid)).await {
-                Ok(()) => {
-                    tracing::info!(vm = %vm, "guest agent up");
-                    return Ok(());
+            match self.ping(vm).await? {
+                Ping::Up => return Ok(()),
+                Ping::NotYet(e) if Instant::now() >= deadline => {
+                    return Err(self.agent_timed_out(vm, &e))
                 }
-                // The agent not up yet, or PVE failing transiently on the
-                // way to it (a proxy 503, a reset connection): both heal
-                // by themselves, so the wait goes on until its deadline.
-                Err(e) if e.is_agent_transient() || e.is_transient() => {
-                    if let Some(started) = started {
-                        if let Some(boots) = self.booting.lock().get_mut(&vm.node) {
-                            boots.insert(vm.vmid, started.elapsed());
-                        }
-                    }
-                    if Instant::now() >= deadline {
-                        return Err(SubstrateError::new(format!(
-                            "the guest agent of VM {vm} did not answer within {:?} (last error: {e}); is qemu-guest-agent installed and enabled in the template?",
-                            opts.agent_timeout
-                        )));
-                    }
-                }
-                Err(e) => return Err(err(format!("pinging the guest agent of VM {vm}"), &e)),
+                Ping::NotYet(_) => tokio::time::sleep(every).await,
             }
-            tokio::time::sleep(every).await;
         }
+    }
+
+    /// One ping. An agent not up yet, or PVE failing transiently on the
+    /// way to it (a proxy 503, a reset connection), is [`Ping::NotYet`]:
+    /// both heal by themselves, so a wait goes on.
+    async fn ping(&self, vm: &VmRef) -> Result<Ping, SubstrateError> {
+        match self.api.once(|pve| pve.agent_ping(&vm.node, vm.vmid)).await {
+            Ok(()) => {
+                tracing::info!(vm = %vm, "guest agent up");
+                Ok(Ping::Up)
+            }
+            Err(e) if e.is_agent_transient() || e.is_transient() => Ok(Ping::NotYet(e)),
+            Err(e) => Err(err(format!("pinging the guest agent of VM {vm}"), &e)),
+        }
+    }
+
+    /// The error of an agent that did not answer within `--agent-timeout`.
+    fn agent_timed_out(&self, vm: &VmRef, last: &PveError) -> SubstrateError {
+        SubstrateError::new(format!(
+            "the guest agent of VM {vm} did not answer within {:?} (last error: {last}); is qemu-guest-agent installed and enabled in the template?",
+            self.opts.agent_timeout
+        ))
     }
 
     /// Runs `argv` in the guest and waits for it to exit (bounded by `timeout`).

@@ -119,6 +119,7 @@ use vmid::Vmids;
 mod api;
 mod clone;
 mod device_guard;
+mod estimate;
 mod guest;
 mod inventory;
 mod late;

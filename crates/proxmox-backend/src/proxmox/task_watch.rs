@@ -24,6 +24,16 @@
 //! per-task wait it replaces), so a failure costs what it did before.
 //! Deadlines are the waiters' own: a task still running at a waiter's
 //! deadline answers [`PveError::TaskDeadline`], as the per-task wait did.
+//!
+//! A task whose log its waiter reads anyway ([`TaskWatch::wait_logged`]: a
+//! destroy, whose log alone names the disks it could not free) is looked
+//! at through its log instead: a worker ends its log with `TASK OK`, `TASK
+//! WARNINGS: N` or `TASK ERROR: …`, the very line PVE's status read takes
+//! the exit status from (pve-common `PVE::UPID::read_status`), so the look
+//! that sees it ended has read the log too, and no read follows. Every
+//! [`STATUS_EVERY`]th look is a status read instead: a worker killed before
+//! its last line (its node rebooted) never writes one, and only the status
+//! says it is no longer running.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -31,7 +41,7 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 use pve::error::Cause;
-use pve::{exit_ok, PveClient, PveError, TaskState, TaskStatus, TaskSummary, Upid};
+use pve::{exit_ok, PveClient, PveError, TaskLogLine, TaskState, TaskStatus, TaskSummary, Upid};
 use tokio::sync::{oneshot, Notify};
 use tokio::time::Instant;
 
@@ -43,8 +53,22 @@ const FIRST_LOOK: Duration = Duration::from_millis(100);
 /// at with it: a little early for them, and one list for all.
 const COALESCE: Duration = Duration::from_millis(150);
 
-/// How a wait ends: the task's final status, or why it could not be known.
-type Outcome = Result<TaskStatus, PveError>;
+/// A task looked at through its log has every this-many-th look read its
+/// status instead (see the module's doc).
+const STATUS_EVERY: u32 = 4;
+
+/// How a wait ends: the task's final status (with its log, when the
+/// waiter asked for it and the look that saw the end read it), or why it
+/// could not be known.
+type Outcome = Result<Ended, PveError>;
+
+/// An ended task: its status, and its log's first lines when the look that
+/// saw it end was a log read.
+#[derive(Clone)]
+pub(super) struct Ended {
+    pub(super) status: TaskStatus,
+    pub(super) log: Option<Vec<TaskLogLine>>,
+}
 
 /// The watches of every node with tasks waited on.
 pub(super) struct TaskWatch {
@@ -90,6 +114,11 @@ struct Waiting {
     /// The last failed read of its status (the node unreachable): what a
     /// waiter whose deadline passes is told.
     last_error: Option<Cause>,
+    /// Looked at through its log's first this-many lines, when a waiter
+    /// reads them anyway (see [`TaskWatch::wait_logged`]).
+    log_lines: Option<u64>,
+    /// Looks so far (for [`STATUS_EVERY`]).
+    looks: u32,
 }
 
 impl TaskWatch {
@@ -103,7 +132,28 @@ impl TaskWatch {
 
     /// Waits for `upid` to end or `deadline` to pass. `OK` and `WARNINGS:
     /// N` succeed; any other exit status is [`PveError::TaskFailed`].
-    pub(super) async fn wait(&self, upid: &Upid, deadline: Instant) -> Outcome {
+    pub(super) async fn wait(
+        &self,
+        upid: &Upid,
+        deadline: Instant,
+    ) -> Result<TaskStatus, PveError> {
+        self.wait_with(upid, deadline, None).await.map(|e| e.status)
+    }
+
+    /// [`TaskWatch::wait`] for a task whose log's first `lines` lines the
+    /// waiter reads once it ended: it is looked at through them, and the
+    /// look that sees it end hands them over (`None` when a status read or
+    /// the node's list saw the end: the waiter reads the log itself).
+    pub(super) async fn wait_logged(
+        &self,
+        upid: &Upid,
+        deadline: Instant,
+        lines: u64,
+    ) -> Result<Ended, PveError> {
+        self.wait_with(upid, deadline, Some(lines)).await
+    }
+
+    async fn wait_with(&self, upid: &Upid, deadline: Instant, log_lines: Option<u64>) -> Outcome {
         let (tx, rx) = oneshot::channel();
         let start = {
             let mut nodes = self.nodes.lock();
@@ -119,18 +169,18 @@ impl TaskWatch {
             let mut waiting = node.waiting.lock();
             let first = !node.running.swap(true, std::sync::atomic::Ordering::SeqCst);
             let now = Instant::now();
-            waiting
-                .entry(upid.to_string())
-                .or_insert_with(|| Waiting {
-                    upid: upid.clone(),
-                    since: now,
-                    due: now + first_look,
-                    every,
-                    waiters: Vec::new(),
-                    last_error: None,
-                })
-                .waiters
-                .push(tx);
+            let w = waiting.entry(upid.to_string()).or_insert_with(|| Waiting {
+                upid: upid.clone(),
+                since: now,
+                due: now + first_look,
+                every,
+                waiters: Vec::new(),
+                last_error: None,
+                log_lines: None,
+                looks: 0,
+            });
+            w.waiters.push(tx);
+            w.log_lines = w.log_lines.max(log_lines);
             drop(waiting);
             node.arrived.notify_one();
             first.then(|| Arc::clone(node))
@@ -215,15 +265,39 @@ impl Watcher {
             let horizon = now + COALESCE;
             let mut tasks: Vec<Upid> = Vec::new();
             let mut others: Vec<Upid> = Vec::new();
+            // Tasks looked at through their logs, with how (never through
+            // the list: a row that shows one ended would still leave its
+            // log to read).
+            let mut logged: Vec<(Upid, Look)> = Vec::new();
             for w in self.node.waiting.lock().values_mut() {
                 if w.due <= horizon {
-                    tasks.push(w.upid.clone());
                     w.due = (w.due + w.every).max(now + w.every / 2);
-                } else {
+                    match w.log_lines {
+                        Some(lines) => {
+                            w.looks += 1;
+                            let look = if w.looks % STATUS_EVERY == 0 {
+                                Look::Status
+                            } else {
+                                Look::Log(lines)
+                            };
+                            logged.push((w.upid.clone(), look));
+                        }
+                        None => tasks.push(w.upid.clone()),
+                    }
+                } else if w.log_lines.is_none() {
                     others.push(w.upid.clone());
                 }
             }
+            let me = &self;
+            let by_log = logged.iter().map(|(upid, look)| async move {
+                let polled = match look {
+                    Look::Log(lines) => me.check_log(upid, *lines).await,
+                    Look::Status => me.check(upid, None).await,
+                };
+                me.settle(upid, polled);
+            });
             let Some(node) = tasks.first().map(|u| u.node.clone()) else {
+                futures::future::join_all(by_log).await;
                 continue;
             };
             // The list pays off from two tasks on: one task alone costs a
@@ -245,7 +319,7 @@ impl Watcher {
                     let key = upid.to_string();
                     if let Some(row) = rows.iter().find(|r| r.upid == key) {
                         if let Some(status) = ended_row(upid, row) {
-                            self.answer(upid, finished(upid, status));
+                            self.answer(upid, finished(upid, status, None));
                         }
                     }
                 }
@@ -253,15 +327,46 @@ impl Watcher {
             // The status reads the list leaves (tasks gone from it) run side
             // by side, as the per-task polls did: no task waits on another's.
             let listed = listed.as_deref();
-            let me = &self;
             let checks = tasks.iter().map(|upid| async move {
-                match me.check(upid, listed).await {
-                    Polled::Ended(outcome) => me.answer(upid, outcome),
-                    Polled::Running => me.note(upid, None),
-                    Polled::Unreadable(e) => me.note(upid, Some(e)),
-                }
+                let polled = me.check(upid, listed).await;
+                me.settle(upid, polled);
             });
-            futures::future::join_all(checks).await;
+            futures::future::join(
+                futures::future::join_all(checks),
+                futures::future::join_all(by_log),
+            )
+            .await;
+        }
+    }
+
+    /// Answers the waiters of a task seen ended, or keeps what the look found.
+    fn settle(&self, upid: &Upid, polled: Polled) {
+        match polled {
+            Polled::Ended(outcome) => self.answer(upid, outcome),
+            Polled::Running => self.note(upid, None),
+            Polled::Unreadable(e) => self.note(upid, Some(e)),
+        }
+    }
+
+    /// Whether `upid` has ended, from its log's first `lines` lines: ended
+    /// when the last of them is a worker's last line. A log that cannot be
+    /// read for a reason that will not heal (a token that may read the
+    /// task's status but not its log) leaves this look to the status read:
+    /// the log is the waiter's to read then, and its failure its to report.
+    async fn check_log(&self, upid: &Upid, lines: u64) -> Polled {
+        match self.client.task_log(upid, 0, lines).await {
+            Ok(log) => match log.last().and_then(TaskLogLine::exit_status) {
+                Some(exit) => {
+                    let status = stopped(upid, exit, Some(upid.task_type.clone()));
+                    Polled::Ended(finished(upid, status, Some(log)))
+                }
+                // Running, or past the lines read: later looks tell.
+                None => Polled::Running,
+            },
+            Err(e) if e.is_node_unreachable() || e.is_transport() || e.is_timeout() => {
+                Polled::Unreadable(Cause::new(e))
+            }
+            Err(_) => self.check(upid, None).await,
         }
     }
 
@@ -272,7 +377,7 @@ impl Watcher {
         if let Some(rows) = listed {
             if let Some(row) = rows.iter().find(|r| r.upid == key) {
                 if let Some(status) = ended_row(upid, row) {
-                    return Polled::Ended(finished(upid, status));
+                    return Polled::Ended(finished(upid, status, None));
                 }
                 if row.endtime.is_none() {
                     return Polled::Running;
@@ -283,7 +388,7 @@ impl Watcher {
             // status: its own status says how it stands.
         }
         match self.client.task_status(upid).await {
-            Ok(st) if st.status == TaskState::Stopped => Polled::Ended(finished(upid, st)),
+            Ok(st) if st.status == TaskState::Stopped => Polled::Ended(finished(upid, st, None)),
             Ok(_) => Polled::Running,
             // Polled through until the waiter's deadline, as before.
             Err(e) if e.is_node_unreachable() || e.is_transport() || e.is_timeout() => {
@@ -321,6 +426,14 @@ impl Watcher {
     }
 }
 
+/// How a task looked at through its log is looked at this time.
+enum Look {
+    /// Its log's first this-many lines.
+    Log(u64),
+    /// Its status (every [`STATUS_EVERY`]th look).
+    Status,
+}
+
 /// What one poll found of a task.
 enum Polled {
     Running,
@@ -345,20 +458,26 @@ fn kind_of(upid: &Upid) -> String {
 /// for a row with an end but no exit status.
 fn ended_row(upid: &Upid, row: &TaskSummary) -> Option<TaskStatus> {
     let exit = row.exit_status()?;
-    Some(TaskStatus {
+    Some(stopped(upid, exit, row.task_type.clone()))
+}
+
+/// The status a read of ended task `upid` would give, with exit status `exit`.
+fn stopped(upid: &Upid, exit: &str, task_type: Option<String>) -> TaskStatus {
+    TaskStatus {
         status: TaskState::Stopped,
         exitstatus: Some(exit.to_string()),
         upid: Some(upid.to_string()),
-        task_type: row.task_type.clone(),
+        task_type,
         node: Some(upid.node.clone()),
-    })
+    }
 }
 
-/// A stopped task's outcome: its status, or [`PveError::TaskFailed`].
-fn finished(upid: &Upid, st: TaskStatus) -> Outcome {
+/// A stopped task's outcome: its status (and its log, when the look read
+/// it), or [`PveError::TaskFailed`].
+fn finished(upid: &Upid, st: TaskStatus, log: Option<Vec<TaskLogLine>>) -> Outcome {
     let es = st.exitstatus.clone().unwrap_or_default();
     if exit_ok(&es) {
-        return Ok(st);
+        return Ok(Ended { status: st, log });
     }
     Err(PveError::TaskFailed {
         upid: upid.to_string(),

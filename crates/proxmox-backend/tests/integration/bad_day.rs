@@ -208,3 +208,75 @@ async fn destroy_log_cost() {
     );
     sim.shutdown().await;
 }
+
+/// The requests the provider made about task `upid`: its status reads and
+/// its log reads.
+fn task_reads(sim: &pve_sim::PveSim, kind: &str) -> (usize, usize) {
+    let requests = sim.requests();
+    let of_task = |suffix: &str| {
+        requests
+            .iter()
+            .filter(|r| r.path.contains(kind) && r.path.ends_with(suffix))
+            .count()
+    };
+    (of_task("/status"), of_task("/log"))
+}
+
+/// A destroy is looked at through its log, which the Delete reads anyway
+/// for the disks it could not free: the worker's last line (`TASK OK`)
+/// says it ended, so no status read comes first and no log read after.
+#[tokio::test]
+async fn a_destroy_is_looked_at_through_its_log_which_is_read_once() {
+    let sim = sim_with(SimConfig {
+        destroy_duration: std::time::Duration::from_millis(10),
+        ..common::fast_sim_150()
+    })
+    .await;
+    let sub = PveSubstrate::new(client(&sim), opts());
+    let id = "p/OnDemand/pve.small/pve1/007";
+    let vm = sub.clone_vm(&req(id, "pve1")).await.expect("create");
+    sub.delete_vm(&vm, id).await.expect("delete");
+    assert!(sim.vm(vm.vmid).is_none());
+    assert_eq!(
+        task_reads(&sim, "qmdestroy"),
+        (0, 1),
+        "one look, through the log, and nothing after it"
+    );
+    sim.shutdown().await;
+}
+
+/// A destroy's worker dies with its node before its last line: its log
+/// never ends, and only its status (`unexpected status`) says it is over.
+/// Looked at through its log, every fourth look reads the status, so the
+/// Delete learns the worker died instead of waiting out `--task-timeout`.
+#[tokio::test]
+async fn a_destroy_whose_worker_died_unwritten_is_told_by_its_status() {
+    let sim = sim_with(SimConfig {
+        destroy_duration: std::time::Duration::from_secs(30),
+        ..common::fast_sim_150()
+    })
+    .await;
+    let sub = std::sync::Arc::new(PveSubstrate::new(client(&sim), opts()));
+    let id = "p/OnDemand/pve.small/pve1/008";
+    let vm = sub.clone_vm(&req(id, "pve1")).await.expect("create");
+    let delete = tokio::spawn({
+        let sub = std::sync::Arc::clone(&sub);
+        let vm = vm.clone();
+        async move { sub.delete_vm(&vm, id).await }
+    });
+    common::until("the destroy is looked at", || {
+        task_reads(&sim, "qmdestroy").1 > 0
+    })
+    .await;
+    assert!(sim.set_node_online("pve1", false));
+    sim.set_node_online("pve1", true);
+    let e = tokio::time::timeout(std::time::Duration::from_secs(10), delete)
+        .await
+        .expect("the Delete ends well before --task-timeout")
+        .expect("joined")
+        .expect_err("the destroy died");
+    assert!(e.to_string().contains("unexpected status"), "{e}");
+    let (status, _) = task_reads(&sim, "qmdestroy");
+    assert!(status >= 1, "the status said it");
+    sim.shutdown().await;
+}

@@ -280,6 +280,122 @@ async fn agent_pings_after_a_start_follow_what_boots_took() {
     );
 }
 
+/// A first wave of boots, nothing learnt yet: the oldest pings through its
+/// boot (1 s at a 50 ms poll: about 20 pings), the three others ping every
+/// fourth poll interval until it has learnt, then once at what it learnt.
+/// Each pinging through would cost about 80.
+#[tokio::test]
+async fn a_first_wave_of_boots_pings_through_one_boot_not_each() {
+    let sim = Arc::new(sim_with(fast_sim(Duration::from_millis(50), Duration::from_secs(1))).await);
+    let sub = Arc::new(PveSubstrate::new(
+        client(&sim),
+        PveOptions {
+            max_parallel_clones: 4,
+            poll_interval: Duration::from_millis(50),
+            ..opts(Duration::from_secs(20))
+        },
+    ));
+    let creates: Vec<_> = (0..4)
+        .map(|i| {
+            let sub = Arc::clone(&sub);
+            tokio::spawn(async move {
+                sub.clone_vm(&req(&format!("p/OnDemand/pve.small/pve1/w{i:02}"), "pve1"))
+                    .await
+            })
+        })
+        .collect();
+    for c in creates {
+        c.await.expect("task").expect("create");
+    }
+    let pings = sim.call_count(endpoints::AGENT_PING);
+    println!("agent pings for a first wave of 4 boots: {pings}");
+    assert!(
+        pings <= 45,
+        "{pings} pings: more than one boot pinged through"
+    );
+    assert!(pings >= 4, "every agent answered a ping: {pings}");
+}
+
+/// pve-sim with stops taking `stop`, and two VMs created on pve1 with
+/// their machine ids.
+async fn two_vms_stopping_in(
+    stop: Duration,
+) -> (
+    PveSim,
+    PveSubstrate,
+    Vec<(proxmox_backend::substrate::VmRef, String)>,
+) {
+    let sim = sim_with(SimConfig {
+        stop_duration: stop,
+        ..fast_sim(Duration::from_millis(50), Duration::from_millis(50))
+    })
+    .await;
+    let sub = PveSubstrate::new(client(&sim), opts(Duration::from_secs(20)));
+    let mut vms = Vec::new();
+    for i in 0..2 {
+        let id = format!("p/OnDemand/pve.small/pve1/d{i:02}");
+        vms.push((sub.clone_vm(&req(&id, "pve1")).await.expect("create"), id));
+    }
+    (sim, sub, vms)
+}
+
+/// How often the provider read stop tasks (their status, or a node's list).
+fn stop_task_reads(sim: &PveSim) -> usize {
+    sim.requests()
+        .iter()
+        .filter(|r| {
+            r.method == "GET"
+                && (r.path.contains("qmstop") || r.endpoint.as_deref() == Some(NODE_TASKS))
+        })
+        .count()
+}
+
+/// Once a node's stops have a learnt length, a Delete sends the destroy
+/// then, and PVE accepting it (it refuses a VM whose QEMU still runs)
+/// shows the stop done: no look at the stop's task. The first Delete on
+/// the node waits for its stop as any task, and learns its length.
+#[tokio::test]
+async fn a_delete_sends_its_destroy_at_the_stops_learnt_length() {
+    let (sim, sub, vms) = two_vms_stopping_in(Duration::from_millis(10)).await;
+    let mut reads = Vec::new();
+    for (vm, id) in &vms {
+        let before = stop_task_reads(&sim);
+        sim.reset_counts();
+        sub.delete_vm(vm, id).await.expect("delete");
+        assert!(sim.vm(vm.vmid).is_none(), "destroyed");
+        assert_eq!(sim.call_count(endpoints::DESTROY), 1, "one destroy sent");
+        reads.push(stop_task_reads(&sim) - before);
+    }
+    assert!(reads[0] >= 1, "the first stop is looked at: {reads:?}");
+    assert_eq!(reads[1], 0, "the second is not: {reads:?}");
+    assert_no_violations(&sim);
+    sim.shutdown().await;
+}
+
+/// A stop slower than learnt: the destroy sent at the learnt length is
+/// refused (`VM N is running - destroy failed`), the stop is waited for
+/// as any task, the destroy sent again, and the VM is gone.
+#[tokio::test]
+async fn a_stop_slower_than_learnt_is_waited_for_and_the_destroy_sent_again() {
+    let (sim, sub, vms) = two_vms_stopping_in(Duration::from_millis(500)).await;
+    // A VM already stopped stops at once: the length learnt is short.
+    let (first, first_id) = &vms[0];
+    assert!(sim.stop_vm_out_of_band(first.vmid));
+    sub.delete_vm(first, first_id).await.expect("delete");
+    let (vm, id) = &vms[1];
+    sim.reset_counts();
+    sub.delete_vm(vm, id).await.expect("delete");
+    assert!(sim.vm(vm.vmid).is_none(), "destroyed");
+    assert_eq!(
+        sim.call_count(endpoints::DESTROY),
+        2,
+        "refused while the stop ran, then accepted"
+    );
+    assert_eq!(sim.call_count(endpoints::STOP), 1, "stopped once");
+    assert_no_violations(&sim);
+    sim.shutdown().await;
+}
+
 /// The API cost of a 16-way burst of whole lifecycles (Create, Configure,
 /// Drain, Delete) on issue #41's set-up: a shared template, 2 s clones, a
 /// 3 s agent boot, two nodes, the default 1 s poll. Prints the requests

@@ -154,6 +154,21 @@ async fn a_clone_on_a_node_that_powers_off_dies_leaving_lock_clone_outside_the_p
         .await;
     assert_eq!(st.data()["status"], "stopped");
     assert_eq!(st.data()["exitstatus"], "unexpected status");
+    // The worker died before its last line: the log has no `TASK …` line,
+    // which is why the status reads `unexpected status`.
+    let log = api
+        .get(
+            &format!("/nodes/pve1/tasks/{upid}/log"),
+            &[("start", "0"), ("limit", "500")],
+        )
+        .await;
+    let lines = log.data().as_array().expect("log lines").clone();
+    assert!(
+        lines
+            .iter()
+            .all(|l| !l["t"].as_str().unwrap_or_default().starts_with("TASK ")),
+        "{lines:?}"
+    );
     let active = api.get("/nodes/pve1/tasks", &[("source", "active")]).await;
     assert!(
         active

@@ -55,6 +55,14 @@ impl PveError {
         matches!(self, PveError::TaskFailed { exitstatus, .. } if exitstatus.contains("already running"))
     }
 
+    /// A destroy refused because the VM's QEMU still runs (`VM 104 is
+    /// running - destroy failed`, qemu-server `destroy_vm`'s check before
+    /// its worker starts, or the same check inside it).
+    pub fn is_running_refusal(&self) -> bool {
+        self.server_text()
+            .is_some_and(|m| m.contains(" is running - destroy failed"))
+    }
+
     /// pveproxy could not reach the node owning the call (595/596/597).
     pub fn is_node_unreachable(&self) -> bool {
         matches!(self.status(), Some(595..=597))
@@ -835,6 +843,10 @@ mod tests {
         let running = task("VM 104 is running - destroy failed");
         assert!(!running.is_locked());
         assert!(!running.is_transient());
+        assert!(running.is_running_refusal());
+        assert!(api(500, "VM 104 is running - destroy failed").is_running_refusal());
+        assert!(!task("VM 104 already running").is_running_refusal());
+        assert!(!locked.is_running_refusal());
     }
 
     #[test]
