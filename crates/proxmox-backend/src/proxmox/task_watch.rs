@@ -363,9 +363,7 @@ impl Watcher {
                 // Running, or past the lines read: later looks tell.
                 None => Polled::Running,
             },
-            Err(e) if e.is_node_unreachable() || e.is_transport() || e.is_timeout() => {
-                Polled::Unreadable(Cause::new(e))
-            }
+            Err(e) if e.is_unanswered() => Polled::Unreadable(Cause::new(e)),
             Err(_) => self.check(upid, None).await,
         }
     }
@@ -391,9 +389,7 @@ impl Watcher {
             Ok(st) if st.status == TaskState::Stopped => Polled::Ended(finished(upid, st, None)),
             Ok(_) => Polled::Running,
             // Polled through until the waiter's deadline, as before.
-            Err(e) if e.is_node_unreachable() || e.is_transport() || e.is_timeout() => {
-                Polled::Unreadable(Cause::new(e))
-            }
+            Err(e) if e.is_unanswered() => Polled::Unreadable(Cause::new(e)),
             Err(e) => Polled::Ended(Err(e)),
         }
     }

@@ -125,9 +125,7 @@ impl PveClient {
                     });
                 }
                 Ok(_) => None,
-                Err(e) if e.is_node_unreachable() || e.is_transport() || e.is_timeout() => {
-                    Some(Cause::new(e))
-                }
+                Err(e) if e.is_unanswered() => Some(Cause::new(e)),
                 Err(e) => return Err(e),
             };
             let now = tokio::time::Instant::now();

@@ -213,6 +213,14 @@ impl PveError {
                 if param_errors.values().any(|v| says(v)))
     }
 
+    /// No answer came from the node that holds what was asked: pveproxy
+    /// could not reach it (595/596/597), the connection failed, or the
+    /// request timed out. A read of a task's status or log that fails this
+    /// way says nothing of the task, and is repeated at the next look.
+    pub fn is_unanswered(&self) -> bool {
+        self.is_node_unreachable() || self.is_transport() || self.is_timeout()
+    }
+
     /// Transport-level failure (no usable HTTP answer).
     pub fn is_transport(&self) -> bool {
         matches!(self, PveError::Transport { .. })
@@ -566,6 +574,14 @@ mod tests {
         assert!(api(595, "Connection refused").is_node_unreachable());
         assert!(api(596, "Connection timed out").is_node_unreachable());
         assert!(!api(500, "x").is_node_unreachable());
+        assert!(api(595, "Connection refused").is_unanswered());
+        assert!(PveError::Timeout {
+            op: "task_log",
+            timeout: std::time::Duration::from_secs(1)
+        }
+        .is_unanswered());
+        assert!(!api(500, "x").is_unanswered());
+        assert!(!api(403, "Permission check failed").is_unanswered());
         assert!(api(401, "authentication failure").is_auth());
         assert!(api(
             500,
