@@ -181,10 +181,16 @@ impl Api {
     /// which handles each. `hastop` only queues the stop: always waited.
     async fn wait_stop(&self, vm: &VmRef, stop: &Upid) -> Result<Option<Upid>, PveError> {
         let began = Instant::now();
-        let mut planned = self
-            .stops
-            .at(&vm.node)
-            .filter(|_| stop.task_type != "hastop");
+        let hastop = stop.task_type == "hastop";
+        let planned = if hastop {
+            None
+        } else {
+            self.stops.at(&vm.node)
+        };
+        // Whether how long this stop takes says how long the node's stops
+        // take: not when HA only queued it, nor when the early destroy was
+        // refused for something else than the VM running.
+        let mut telling = !hastop;
         if let Some(at) = planned {
             tokio::time::sleep(at).await;
             match self.client.destroy(&vm.node, vm.vmid).await {
@@ -195,13 +201,13 @@ impl Api {
                 Err(e) if e.is_running_refusal() => {}
                 Err(e) => {
                     tracing::debug!(vm = %vm, error = %e, "the destroy sent at the stop's learnt length was refused; waiting for the stop");
-                    planned = None;
+                    telling = false;
                 }
             }
         }
         let deadline = Instant::now() + self.opts.task_timeout;
         self.tasks.wait(stop, deadline).await?;
-        if planned.is_some() || self.stops.at(&vm.node).is_none() {
+        if telling {
             self.stops.learn(&vm.node, planned, false, began.elapsed());
         }
         Ok(None)
