@@ -141,7 +141,8 @@ bench:
 	$(MAKE) bench-real
 
 # The scaling guard (issue #43), in `make bench` and in `make test` (CI):
-# the Create rate in memory and in SQLite, and Get p99, with 1k machines and
+# the Create rate in memory and in SQLite (the median of nine rounds), and
+# Get p99 (the median of three 3 s windows), with 1k machines and
 # with 100k (a quarter of each fleet holding VMs), measured in one run and
 # compared as ratios; fails when the 100k figure is under two thirds of the
 # 1k one (Get p99 over 1.5x). About 40 s after the release build. Appends

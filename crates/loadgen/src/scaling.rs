@@ -8,7 +8,10 @@
 //! does; then the same number of Creates is timed at each size,
 //! [`ROUNDS`] times (each round's machines deleted back to SPECULATIVE
 //! before the next), and the median round counts. Get p99 is read under
-//! the same open-loop load at each size.
+//! the same open-loop load at each size, in [`GET_WINDOWS`] windows, and
+//! the median window counts: one window's p99 on a 2-core machine moves
+//! by half with what else ran in it, while work that grows with the fleet
+//! slows every window.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -30,6 +33,8 @@ const FILL_CAP: usize = 25_000;
 const ROUNDS: usize = 9;
 /// Offered Get rate while Get p99 is read.
 const GET_RPS: u32 = 2000;
+/// Windows Get p99 is read in at each size; the median counts.
+const GET_WINDOWS: usize = 3;
 /// The large size's Create rate must be at least this share of the small
 /// size's; its Get p99 at most the inverse times the small size's.
 pub const FLOOR: f64 = 2.0 / 3.0;
@@ -179,10 +184,17 @@ async fn measure(
     let fill_s = filled.elapsed().as_secs_f64();
     let rounds: Vec<String> = ids.split_off(ids.len() - window);
     let get_p99 = if state == State::Memory {
-        bench
-            .open_loop_get(size, &ids, GET_RPS, report)
-            .await
-            .context("Get p99")?
+        let mut windows = Vec::with_capacity(GET_WINDOWS);
+        for window in 1..=GET_WINDOWS {
+            windows.push(
+                bench
+                    .open_loop_get(size, &ids, GET_RPS, report)
+                    .await
+                    .with_context(|| format!("Get p99, window {window}"))?,
+            );
+        }
+        windows.sort();
+        windows[windows.len() / 2]
     } else {
         Duration::ZERO
     };
