@@ -193,7 +193,8 @@ impl Api {
         let mut telling = !hastop;
         if let Some(at) = planned {
             tokio::time::sleep(at).await;
-            match self.client.destroy(&vm.node, vm.vmid).await {
+            // Once: a refusal is the answer sought, not something to retry.
+            match self.once(|pve| pve.destroy(&vm.node, vm.vmid)).await {
                 Ok(destroy) => {
                     self.stops.learn(&vm.node, Some(at), true, began.elapsed());
                     return Ok(Some(destroy));
