@@ -37,7 +37,7 @@ use proxmox_backend::substrate::{CloneRequest, Substrate, SubstrateError};
 use proxmox_backend::timeline::Timeline;
 use pve_sim::PveSim;
 
-use crate::common::{client, fast_sim, opts, req, sim_with};
+use crate::common::{client, fast_sim, opts, quantile, req, sim_with};
 
 /// The template's disk and the storage's bandwidth.
 const DISK_GIB: u64 = 2;
@@ -131,12 +131,6 @@ fn by_node(sim: &PveSim) -> BTreeMap<String, u64> {
         *out.entry(node_of(&r.path)).or_default() += 1;
     }
     out
-}
-
-fn quantile(mut v: Vec<f64>, q: f64) -> f64 {
-    v.sort_by(f64::total_cmp);
-    let i = ((v.len() as f64 - 1.0) * q).round() as usize;
-    v.get(i).copied().unwrap_or(0.0)
 }
 
 async fn burst(size: usize, nodes: usize, layout: Layout) {

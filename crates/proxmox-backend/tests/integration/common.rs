@@ -215,3 +215,11 @@ pub fn fast_sim_150() -> SimConfig {
 pub async fn until(what: &str, cond: impl FnMut() -> bool) {
     provider_testkit::wait::until(what, Duration::from_secs(10), cond).await
 }
+
+/// The `q` quantile of `v` by nearest rank (0 for none): the benchmarks'
+/// median and p95, one definition for all of them.
+pub fn quantile(mut v: Vec<f64>, q: f64) -> f64 {
+    v.sort_by(f64::total_cmp);
+    let i = ((v.len() as f64 - 1.0) * q).round() as usize;
+    v.get(i).copied().unwrap_or(0.0)
+}
