@@ -214,6 +214,15 @@ pub struct Args {
     /// Time from start until the guest agent answers.
     #[arg(long, default_value = "3s", value_parser = humantime_ms)]
     pub agent_boot_delay: Duration,
+    /// How long an agent request waits for a booting agent before "QEMU
+    /// guest agent is not running" (PVE: qemu-server's 3 s `guest-ping`).
+    #[arg(long, default_value = "3s", value_parser = humantime_ms)]
+    pub agent_ping_wait: Duration,
+    /// pvedaemon workers per node, each serving one protected call (a
+    /// POST, PUT or DELETE, an agent call, a VM's status) at a time (PVE:
+    /// 3; 0: no limit).
+    #[arg(long, default_value_t = 3)]
+    pub daemon_workers: usize,
     /// Config lock wait before "got timeout" (PVE: 10s).
     #[arg(long, default_value = "1s", value_parser = humantime_ms)]
     pub lock_wait: Duration,
@@ -649,6 +658,8 @@ impl Args {
             config_task_duration: a.config_task_duration,
             ha_delay: a.ha_delay,
             agent_boot_delay: a.agent_boot_delay,
+            agent_ping_wait: a.agent_ping_wait,
+            daemon_workers: a.daemon_workers,
             lock_wait: a.lock_wait,
             storage_lock_wait: a.storage_lock_wait,
             auth_failure_delay: a.auth_failure_delay,

@@ -325,6 +325,19 @@ pub struct SimConfig {
     pub ha_delay: Duration,
     /// Guest agent answers this long after the VM started (PVE: often 100 s+).
     pub agent_boot_delay: Duration,
+    /// How long an agent request waits for a booting agent before PVE
+    /// answers "QEMU guest agent is not running" (qemu-server's
+    /// `qga_check_running`: a `guest-ping` with a 3 s timeout before every
+    /// agent command). A request made while the guest boots is answered as
+    /// soon as the agent comes up within this window: QEMU hands the
+    /// socket's bytes to the guest only once qemu-ga has opened its port.
+    pub agent_ping_wait: Duration,
+    /// pvedaemon workers per node (PVE: 3). PVE runs every protected call
+    /// (a POST, PUT or DELETE, a guest-agent call, a VM's current status)
+    /// in one, and a worker serves one call at a time, so calls that wait
+    /// (an agent request held through a boot, a config update waiting for
+    /// the VM's lock) make the node's others queue. 0: no limit.
+    pub daemon_workers: usize,
     /// Wait for a held config lock before "got timeout" (PVE: 10 s).
     pub lock_wait: Duration,
     /// Wait for a storage lock before a clone fails (PVE: 10 s or more).
@@ -505,6 +518,8 @@ impl SimConfig {
         self.tag_style = TagStyle::Verbatim;
         self.agent_latin1 = false;
         self.form_semicolon_separator = false;
+        self.agent_ping_wait = Duration::ZERO;
+        self.daemon_workers = 0;
         self
     }
 }
@@ -536,6 +551,8 @@ impl Default for SimConfig {
             config_task_duration: Duration::from_millis(20),
             ha_delay: Duration::from_millis(300),
             agent_boot_delay: Duration::from_millis(300),
+            agent_ping_wait: Duration::from_secs(3),
+            daemon_workers: 3,
             lock_wait: Duration::from_millis(100),
             storage_lock_wait: Duration::from_millis(100),
             max_parallel_local_clones: Some(4),

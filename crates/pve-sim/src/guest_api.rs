@@ -6,6 +6,7 @@
 //! front of either agent.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use base64::Engine;
 use serde_json::{json, Value};
@@ -13,7 +14,7 @@ use serde_json::{json, Value};
 use crate::agent::{self, AgentState, ExecResult, ExecSlot, GuestExec};
 use crate::params::Params;
 use crate::qga::{QgaError, QgaErrorKind, QgaProcess};
-use crate::sim::{prepare_root, Shared};
+use crate::sim::{prepare_root, Shared, WaitGuard};
 use crate::state::{ApiError, ApiResult, Vm};
 
 impl Shared {
@@ -22,19 +23,39 @@ impl Shared {
     /// The VM if its agent answers, plus its qemu-ga when forwarding. qemu-ga is
     /// started on first use after boot rather than at start, so seeded and
     /// out-of-band-started VMs get one too and idle VMs cost no process.
-    fn agent_vm(&self, node: &str, vmid: u32) -> ApiResult<(Vm, Option<Arc<QgaProcess>>)> {
+    ///
+    /// Like PVE, it first gives a booting agent up to `agent_ping_wait` to
+    /// answer (qemu-server's `guest-ping` with a 3 s timeout): a request
+    /// made during boot is answered when the agent comes up within that
+    /// window, and fails with "QEMU guest agent is not running" after it.
+    async fn agent_vm(&self, node: &str, vmid: u32) -> ApiResult<(Vm, Option<Arc<QgaProcess>>)> {
+        let (boot, started_at) = {
+            let c = self.cluster.lock();
+            let vm = c.vm_on(node, vmid)?;
+            if !vm.running {
+                return Err(ApiError::internal(format!("VM {vmid} is not running")));
+            }
+            if !vm.agent_enabled() {
+                return Err(ApiError::internal("No QEMU guest agent configured"));
+            }
+            let boot = vm.started_at.map_or(Duration::ZERO, |t| {
+                self.cfg.agent_boot_delay.saturating_sub(t.elapsed())
+            });
+            (boot, vm.started_at)
+        };
+        if !boot.is_zero() {
+            let _waiting = WaitGuard::new(&self.agent_waits, node);
+            if boot > self.cfg.agent_ping_wait {
+                tokio::time::sleep(self.cfg.agent_ping_wait).await;
+                return Err(ApiError::internal("QEMU guest agent is not running"));
+            }
+            tokio::time::sleep(boot).await;
+        }
         let c = self.cluster.lock();
         let vm = c.vm_on(node, vmid)?;
-        if !vm.running {
-            return Err(ApiError::internal(format!("VM {vmid} is not running")));
-        }
-        if !vm.agent_enabled() {
-            return Err(ApiError::internal("No QEMU guest agent configured"));
-        }
-        let booted = vm
-            .started_at
-            .is_some_and(|t| t.elapsed() >= self.cfg.agent_boot_delay);
-        if !booted {
+        // Stopped or restarted while the request waited: that boot's agent
+        // is gone.
+        if !vm.running || vm.started_at != started_at {
             return Err(ApiError::internal("QEMU guest agent is not running"));
         }
         let vm = vm.clone();
@@ -71,7 +92,7 @@ impl Shared {
     }
 
     pub async fn agent_ping(&self, node: &str, vmid: u32) -> ApiResult {
-        let (_, qga) = self.agent_vm(node, vmid)?;
+        let (_, qga) = self.agent_vm(node, vmid).await?;
         if let Some(q) = qga {
             q.ping().await.map_err(|e| qga_err(vmid, &e))?;
         }
@@ -79,7 +100,7 @@ impl Shared {
     }
 
     pub async fn agent_file_write(&self, node: &str, vmid: u32, p: &Params) -> ApiResult {
-        let (vm, qga) = self.agent_vm(node, vmid)?;
+        let (vm, qga) = self.agent_vm(node, vmid).await?;
         let file = p.get("file").unwrap_or_default();
         let content = p.get("content").unwrap_or_default();
         let bytes = if p.bool("encode").unwrap_or(true) {
@@ -116,7 +137,7 @@ impl Shared {
     }
 
     pub async fn agent_exec(self: &Arc<Self>, node: &str, vmid: u32, p: &Params) -> ApiResult {
-        let (vm, qga) = self.agent_vm(node, vmid)?;
+        let (vm, qga) = self.agent_vm(node, vmid).await?;
         let command = p.all("command").to_vec();
         if command.is_empty() {
             return Err(ApiError::param(
@@ -191,7 +212,7 @@ impl Shared {
     }
 
     pub async fn agent_exec_status(&self, node: &str, vmid: u32, pid: u64) -> ApiResult {
-        let (_, qga) = self.agent_vm(node, vmid)?;
+        let (_, qga) = self.agent_vm(node, vmid).await?;
         let remote = match self.local_exec_status(vmid, pid)? {
             Ok(v) => return Ok(v),
             Err(remote) => remote,
@@ -284,7 +305,7 @@ impl Shared {
     /// `GET .../agent/network-get-interfaces`: the simulated guest's `lo` and
     /// `eth0` (MAC as in the VM's `net0`, an address derived from the VMID).
     pub async fn agent_network_interfaces(&self, node: &str, vmid: u32) -> ApiResult {
-        let (vm, _) = self.agent_vm(node, vmid)?;
+        let (vm, _) = self.agent_vm(node, vmid).await?;
         let (hi, lo) = ((vm.vmid >> 8) & 0xff, vm.vmid & 0xff);
         let mac = format!("bc:24:11:00:{hi:02x}:{lo:02x}");
         let stats = json!({
@@ -319,7 +340,7 @@ impl Shared {
 
     /// `GET .../agent/get-osinfo`: the simulated guest's OS.
     pub async fn agent_osinfo(&self, node: &str, vmid: u32) -> ApiResult {
-        self.agent_vm(node, vmid)?;
+        self.agent_vm(node, vmid).await?;
         Ok(json!({"result": {
             "id": "debian",
             "name": "Debian GNU/Linux",
@@ -336,7 +357,7 @@ impl Shared {
     /// `/etc/hostname`, see [`crate::guest_root`]), never the machine's own,
     /// which a real qemu-ga would report.
     pub async fn agent_host_name(&self, node: &str, vmid: u32) -> ApiResult {
-        let (vm, _) = self.agent_vm(node, vmid)?;
+        let (vm, _) = self.agent_vm(node, vmid).await?;
         let name = std::fs::read_to_string(vm.guest_root.join(crate::guest_root::HOSTNAME_FILE))
             .map_err(|e| agent_err(vmid, "guest-get-host-name", &e.to_string()))?;
         Ok(json!({"result": {"host-name": name.trim()}}))
@@ -344,7 +365,7 @@ impl Shared {
 
     /// `GET .../agent/info`: the agent's version and the commands it supports.
     pub async fn agent_info(&self, node: &str, vmid: u32) -> ApiResult {
-        self.agent_vm(node, vmid)?;
+        self.agent_vm(node, vmid).await?;
         let cmds: Vec<Value> = AGENT_COMMANDS
             .iter()
             .map(

@@ -63,7 +63,7 @@ pub use config::{
 pub use faults::Faults;
 pub use guest_root::{GUEST_ROOT_ENV, TEMPLATE_HOSTNAME};
 pub use params::Params;
-pub use sim::{LeftoverVolume, RecordedRequest};
+pub use sim::{LeftoverVolume, RecordedRequest, Waits};
 pub use state::Vm;
 
 /// Endpoint names for counters and fault injection (`"METHOD /template"`).
@@ -381,6 +381,21 @@ impl PveSim {
     /// [`SimConfig::pve9`]).
     pub fn set_storage_busy(&self, node: &str, storage: &str, busy: bool) {
         self.shared.set_storage_busy(node, storage, busy);
+    }
+
+    /// Agent requests that waited for a booting agent, by node: how many,
+    /// for how long in all, and the most at once. On PVE each holds one of
+    /// the node's three pvedaemon workers while it waits, so this is what
+    /// a caller's agent waits cost the node's API.
+    pub fn agent_waits(&self) -> BTreeMap<String, Waits> {
+        self.shared.agent_waits.lock().clone()
+    }
+
+    /// Protected calls that queued for one of their node's pvedaemon
+    /// workers (see [`SimConfig::daemon_workers`]), by node: how many, for
+    /// how long in all, and the most queued at once.
+    pub fn daemon_queue(&self) -> BTreeMap<String, Waits> {
+        self.shared.daemon_queue.lock().clone()
     }
 
     /// The volumes destroys could not free, oldest first.

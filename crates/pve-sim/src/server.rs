@@ -314,7 +314,12 @@ async fn handle(
         });
         return error_response(&ApiError::Status(status, msg));
     }
+    let worker = match path_params.iter().find(|(k, _)| k == "node") {
+        Some((_, node)) if protected(method.as_str(), template) => s.daemon_worker(node).await,
+        _ => None,
+    };
     let res = route.answer(&s, &params).await;
+    drop(worker);
     if res.is_ok() {
         if let Some((status, msg)) = s.faults.take_fail_after(&endpoint) {
             return error_response(&ApiError::Status(status, msg));
@@ -329,6 +334,14 @@ async fn handle(
         Ok(v) => ok_response(v),
         Err(e) => error_response(&e),
     }
+}
+
+/// Whether PVE runs the call in pvedaemon (`protected => 1`): every POST,
+/// PUT and DELETE the simulator serves, each guest-agent call and a VM's
+/// current status (qemu pid files are root's); other reads run in
+/// pveproxy.
+fn protected(method: &str, template: &str) -> bool {
+    method != "GET" || template.contains("/agent/") || template.ends_with("/status/current")
 }
 
 fn authorized(s: &Shared, headers: &HeaderMap) -> bool {

@@ -6,7 +6,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::future::Future;
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 use serde::Serialize;
@@ -67,6 +67,82 @@ pub struct Shared {
     /// (`storage-ID` cluster-wide, `NODE/pve-storage-ID` per node); see
     /// [`SimConfig::volume_alloc_time`].
     pub(crate) storage_locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    /// Agent requests that waited for a booting agent, by node (see
+    /// [`SimConfig::agent_ping_wait`]): on PVE each holds one of the node's
+    /// pvedaemon workers for as long as it waits.
+    pub(crate) agent_waits: Mutex<BTreeMap<String, Waits>>,
+    /// Each node's pvedaemon workers (see [`SimConfig::daemon_workers`]),
+    /// and the requests that queued for one.
+    pub(crate) daemon: Mutex<BTreeMap<String, Arc<tokio::sync::Semaphore>>>,
+    pub(crate) daemon_queue: Mutex<BTreeMap<String, Waits>>,
+}
+
+/// Requests on one node that waited for something (an agent's boot, a
+/// pvedaemon worker): how many, for how long in all, and the most at once.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Waits {
+    pub requests: u64,
+    pub total: Duration,
+    pub peak: usize,
+    /// Waiting now.
+    pub now: usize,
+}
+
+/// Counts one request on `node` in `waits` as waiting until it drops.
+pub(crate) struct WaitGuard<'a> {
+    waits: &'a Mutex<BTreeMap<String, Waits>>,
+    node: String,
+    since: Instant,
+}
+
+impl<'a> WaitGuard<'a> {
+    pub(crate) fn new(waits: &'a Mutex<BTreeMap<String, Waits>>, node: &str) -> Self {
+        let mut all = waits.lock();
+        let w = all.entry(node.to_string()).or_default();
+        w.requests += 1;
+        w.now += 1;
+        w.peak = w.peak.max(w.now);
+        WaitGuard {
+            waits,
+            node: node.to_string(),
+            since: Instant::now(),
+        }
+    }
+}
+
+impl Drop for WaitGuard<'_> {
+    fn drop(&mut self) {
+        if let Some(w) = self.waits.lock().get_mut(&self.node) {
+            w.now -= 1;
+            w.total += self.since.elapsed();
+        }
+    }
+}
+
+impl Shared {
+    /// One of `node`'s pvedaemon workers for a protected call (PVE runs
+    /// those in pvedaemon, three workers by default, each serving one call
+    /// at a time), waited for when all are busy; `None` when the simulator
+    /// models no limit.
+    pub(crate) async fn daemon_worker(
+        &self,
+        node: &str,
+    ) -> Option<tokio::sync::OwnedSemaphorePermit> {
+        if self.cfg.daemon_workers == 0 {
+            return None;
+        }
+        let workers = Arc::clone(
+            self.daemon
+                .lock()
+                .entry(node.to_string())
+                .or_insert_with(|| Arc::new(tokio::sync::Semaphore::new(self.cfg.daemon_workers))),
+        );
+        if let Ok(permit) = Arc::clone(&workers).try_acquire_owned() {
+            return Some(permit);
+        }
+        let _queued = WaitGuard::new(&self.daemon_queue, node);
+        workers.acquire_owned().await.ok()
+    }
 }
 
 /// A volume a destroy left behind (`Could not remove disk`).
@@ -120,6 +196,9 @@ impl Shared {
             leftover_volumes: Mutex::default(),
             pci_starting: Mutex::default(),
             storage_locks: Mutex::default(),
+            agent_waits: Mutex::default(),
+            daemon: Mutex::default(),
+            daemon_queue: Mutex::default(),
             qga_bin,
             cfg,
             cluster: Mutex::new(cluster),

@@ -37,7 +37,7 @@ use proxmox_backend::substrate::{CloneRequest, Substrate, SubstrateError};
 use proxmox_backend::timeline::Timeline;
 use pve_sim::PveSim;
 
-use crate::common::{client, fast_sim, opts, quantile, req, sim_with};
+use crate::common::{client, fast_sim, held_agent_requests, opts, quantile, req, sim_with};
 
 /// The template's disk and the storage's bandwidth.
 const DISK_GIB: u64 = 2;
@@ -353,13 +353,14 @@ async fn burst(size: usize, nodes: usize, layout: Layout) {
         "bench-real {size:>2}-way on {nodes} nodes, {place} storage, {slots} per node: {failed} FAILED, to IDLE p50 {:.1} s p95 {:.1} s \
          (the storage allows p50 {p50_bound:.1} s, {p50_streams:.1} s with each copy at a stream's full rate: {:.2}x and {:.2}x; mean s per Create: {}), \
          makespan {makespan:.1} s (the copies alone take {copy_bound:.1} s at the storage's bandwidth), \
-         {:.1} requests per lifecycle, peak {peak_all} requests/s, {peak_node} on the busiest node",
+         {:.1} requests per lifecycle, peak {peak_all} requests/s, {peak_node} on the busiest node; {}",
         p50,
         quantile(to_idle, 0.95),
         p50 / p50_bound,
         p50 / p50_streams,
         steps.join(", "),
         total / size as f64,
+        held_agent_requests(&sim),
     );
     assert_eq!(failed, 0, "every lifecycle lands");
 }

@@ -223,3 +223,22 @@ pub fn quantile(mut v: Vec<f64>, q: f64) -> f64 {
     let i = ((v.len() as f64 - 1.0) * q).round() as usize;
     v.get(i).copied().unwrap_or(0.0)
 }
+
+/// What the agent requests PVE held through boots cost the nodes'
+/// pvedaemon workers (see `PveSim::agent_waits`): how many were held, for
+/// how long in all, and the most held at once on one node; and the
+/// protected calls that queued for a worker meanwhile.
+pub fn held_agent_requests(sim: &PveSim) -> String {
+    let sum = |waits: BTreeMap<String, pve_sim::Waits>| {
+        let requests: u64 = waits.values().map(|w| w.requests).sum();
+        let total: Duration = waits.values().map(|w| w.total).sum();
+        let peak = waits.values().map(|w| w.peak).max().unwrap_or(0);
+        (requests, total.as_secs_f64(), peak)
+    };
+    let (held, held_s, held_peak) = sum(sim.agent_waits());
+    let (queued, queued_s, _) = sum(sim.daemon_queue());
+    format!(
+        "{held} agent requests held through boots ({held_s:.1} s in all, at most {held_peak} at once on a node), \
+         {queued} protected calls queued for a pvedaemon worker ({queued_s:.1} s in all)"
+    )
+}

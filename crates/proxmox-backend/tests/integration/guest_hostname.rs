@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use proxmox_backend::proxmox::{vm_name, PveOptions, PveSubstrate};
 use proxmox_backend::substrate::{Substrate, VmRef};
-use pve_sim::{endpoints, SimConfig, TEMPLATE_HOSTNAME};
+use pve_sim::{endpoints, PveSim, SimConfig, TEMPLATE_HOSTNAME};
 
 use crate::common::{self, client, sim_with};
 
@@ -118,6 +118,25 @@ async fn an_empty_hostname_command_still_checks_the_name() {
     sim.shutdown().await;
 }
 
+/// A machine cloned on pve-sim whose agent boots in 600 ms, PVE holding
+/// an agent request for up to `ping_wait` meanwhile; its provider polls
+/// every 50 ms. Returns the simulator, the provider, the VM and its name.
+async fn booting_guest(ping_wait: Duration, n: &str) -> (PveSim, PveSubstrate, VmRef, String) {
+    let sim = sim_with(SimConfig {
+        agent_boot_delay: Duration::from_millis(600),
+        agent_ping_wait: ping_wait,
+        ..SimConfig::default()
+    })
+    .await;
+    let mut o = opts();
+    o.poll_interval = Duration::from_millis(50);
+    o.drain_command = "true".into();
+    let sub = PveSubstrate::new(client(&sim), o);
+    let id = format!("p/OnDemand/pve.small/pve1/{n}");
+    let vm = clone_one(&sub, &id).await;
+    (sim, sub, vm, vm_name("pve.small", &id))
+}
+
 /// Configure and Drain send no ping first. A Configure's first guest
 /// request is the blob's file-write, then one command names the guest,
 /// reads the name back and runs the hook. When the agent is not up (the VM
@@ -126,18 +145,9 @@ async fn an_empty_hostname_command_still_checks_the_name() {
 /// With the agent up, a Configure costs one exec, none for a ping.
 #[tokio::test]
 async fn the_first_guest_command_waits_for_an_agent_that_is_not_up() {
-    let sim = sim_with(SimConfig {
-        agent_boot_delay: Duration::from_millis(600),
-        ..SimConfig::default()
-    })
-    .await;
-    let mut o = opts();
-    o.poll_interval = Duration::from_millis(50);
-    o.drain_command = "true".into();
-    let sub = PveSubstrate::new(client(&sim), o);
-    let id = "p/OnDemand/pve.small/pve1/003";
-    let vm = clone_one(&sub, id).await;
-    let name = vm_name("pve.small", id);
+    // A boot longer than PVE holds an agent request for: the write during
+    // it is refused (the next test has one within it).
+    let (sim, sub, vm, name) = booting_guest(Duration::from_millis(50), "003").await;
 
     sim.reset_counts();
     sub.ensure_running(&vm).await.expect("running");
@@ -190,4 +200,30 @@ async fn the_first_guest_command_waits_for_an_agent_that_is_not_up() {
     );
     common::assert_no_violations(&sim);
     sim.shutdown().await;
+}
+
+/// As PVE does it: an agent request while the guest boots is held until
+/// the agent comes up (within qemu-server's 3 s `guest-ping`), so a
+/// Configure right after an out-of-band restart writes once, pings never,
+/// and still names the guest.
+#[tokio::test]
+async fn a_guest_command_during_a_short_boot_is_held_until_the_agent_is_up() {
+    // PVE's own wait, longer than the boot.
+    let (sim, sub, vm, name) = booting_guest(Duration::from_secs(3), "004").await;
+    sub.ensure_running(&vm).await.expect("running");
+
+    assert!(sim.stop_vm_out_of_band(vm.vmid) && sim.start_vm_out_of_band(vm.vmid));
+    std::fs::write(sim.guest_root(vm.vmid).join("etc/hostname"), "template\n").unwrap();
+    let before = sim.agent_waits()["pve1"].requests;
+    sim.reset_counts();
+    sub.configure(&vm, b"true\n").await.expect("configure");
+    assert_eq!(
+        sim.call_count(endpoints::AGENT_FILE_WRITE),
+        1,
+        "held, then written"
+    );
+    assert_eq!(sim.call_count(endpoints::AGENT_PING), 0);
+    assert_eq!(sim.guest_hostname(vm.vmid).as_deref(), Some(name.as_str()));
+    let waited = sim.agent_waits()["pve1"];
+    assert_eq!((waited.requests - before, waited.now), (1, 0), "{waited:?}");
 }

@@ -17,6 +17,8 @@ fn fast_cfg() -> SimConfig {
         ],
         clone_duration: Duration::from_millis(300),
         agent_boot_delay: Duration::from_millis(300),
+        // Shorter than the boot, so a ping right after the start is refused.
+        agent_ping_wait: Duration::from_millis(50),
         lock_wait: Duration::from_millis(50),
         ha_delay: Duration::from_millis(200),
         ..SimConfig::default()

@@ -458,3 +458,141 @@ async fn without_sdn_the_vnet_index_is_not_implemented_and_every_bridge_is_local
     );
     shutdown_clean(sim).await;
 }
+
+/// qemu-server asks the agent for a `guest-ping` with a 3 s timeout before
+/// every agent request (`qga_check_running`), and QEMU hands the socket's
+/// bytes to the guest only once qemu-ga has opened its port: a request made
+/// while the guest boots waits, and is answered when the agent comes up
+/// within the window, or refused once the window has passed.
+#[tokio::test]
+async fn an_agent_request_during_boot_waits_for_the_agent() {
+    use std::time::Instant;
+    let boot = Duration::from_millis(1500);
+    let window = Duration::from_millis(1000);
+    let (sim, api) = start_sim(SimConfig {
+        agent_boot_delay: boot,
+        agent_ping_wait: window,
+        ..fast()
+    })
+    .await;
+    sim.insert_vm(sim.new_vm(500, "pve1", "guest")).unwrap();
+    let r = api.post("/nodes/pve1/qemu/500/status/start", &[]).await;
+    let started = Instant::now();
+    assert_eq!(api.wait_task_of(r).await["exitstatus"], "OK");
+    let ping = "/nodes/pve1/qemu/500/agent/ping";
+
+    // The boot ends beyond the window: refused once the window has passed.
+    let sent = Instant::now();
+    let r = api.post(ping, &[]).await;
+    assert_eq!(
+        (r.status, r.message().as_str()),
+        (500, "QEMU guest agent is not running")
+    );
+    assert!(
+        sent.elapsed() >= window,
+        "refused after {:?}",
+        sent.elapsed()
+    );
+    let waited = sim.agent_waits()["pve1"];
+    assert_eq!((waited.requests, waited.peak, waited.now), (1, 1, 0));
+    assert!(waited.total >= window, "{waited:?}");
+
+    // The boot ends within the window: answered then, not at its end.
+    let sent = Instant::now();
+    let r = api.post(ping, &[]).await;
+    assert_eq!(r.status, 200, "{:?}", r.body);
+    assert!(started.elapsed() >= boot, "answered before the boot ended");
+    assert!(
+        sent.elapsed() < window,
+        "answered at the window's end, not when the agent came up: {:?}",
+        sent.elapsed()
+    );
+
+    assert_eq!(sim.agent_waits()["pve1"].requests, 2);
+
+    // The VM stops while a request waits for its boot: that boot's agent
+    // is gone, and the request is refused, not answered.
+    assert!(sim.stop_vm_out_of_band(500) && sim.start_vm_out_of_band(500));
+    tokio::time::sleep(boot - window + Duration::from_millis(200)).await;
+    let pings = || {
+        sim.requests()
+            .iter()
+            .filter(|r| r.path.ends_with("/agent/ping"))
+            .count()
+    };
+    let before = pings();
+    let waiting = {
+        let api = crate::common::Api::new(&sim);
+        tokio::spawn(async move { api.post(ping, &[]).await })
+    };
+    while pings() == before {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert!(sim.stop_vm_out_of_band(500));
+    let r = waiting.await.unwrap();
+    assert_eq!(r.status, 500, "{:?}", r.body);
+    shutdown_clean(sim).await;
+}
+
+/// pvedaemon serves a node's protected calls with three workers, one call
+/// each: three agent requests held through boots leave a fourth protected
+/// call on that node (here a clone) queued until one ends, while reads
+/// pveproxy serves (the task list) and other nodes' calls go on.
+#[tokio::test]
+async fn held_agent_requests_queue_a_nodes_other_protected_calls() {
+    use std::time::Instant;
+    let window = Duration::from_millis(800);
+    let (sim, api) = start_sim(SimConfig {
+        agent_boot_delay: Duration::from_secs(3600),
+        agent_ping_wait: window,
+        ..fast()
+    })
+    .await;
+    for vmid in [501, 502, 503] {
+        sim.insert_vm(sim.new_vm(vmid, "pve1", "guest")).unwrap();
+        assert!(sim.start_vm_out_of_band(vmid));
+    }
+    sim.insert_vm(sim.new_vm(504, "pve2", "guest")).unwrap();
+    assert!(sim.start_vm_out_of_band(504));
+    let held: Vec<_> = [501, 502, 503, 504]
+        .into_iter()
+        .map(|vmid| {
+            let api = crate::common::Api::new(&sim);
+            tokio::spawn(async move {
+                let node = if vmid == 504 { "pve2" } else { "pve1" };
+                api.post(&format!("/nodes/{node}/qemu/{vmid}/agent/ping"), &[])
+                    .await
+            })
+        })
+        .collect();
+    let held_now = || sim.agent_waits().values().map(|w| w.now).sum::<usize>();
+    while held_now() < 4 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    // A read pveproxy serves is not held.
+    let t = Instant::now();
+    assert_eq!(api.get("/nodes/pve1/tasks", &[]).await.status, 200);
+    assert!(
+        t.elapsed() < window / 2,
+        "a task list waited {:?}",
+        t.elapsed()
+    );
+    // A protected call on pve1 queues behind the three held pings.
+    let t = Instant::now();
+    let r = api
+        .post(
+            "/nodes/pve1/qemu/9000/clone",
+            &[("newid", "600"), ("name", "queued"), ("full", "1")],
+        )
+        .await;
+    assert_eq!(r.status, 200, "{:?}", r.body);
+    let queued = t.elapsed();
+    assert!(queued >= window / 2, "the clone did not queue: {queued:?}");
+    for h in held {
+        assert_eq!(h.await.unwrap().status, 500, "no agent ever answers");
+    }
+    let q = sim.daemon_queue();
+    assert_eq!((q["pve1"].requests, q["pve1"].peak), (1, 1), "{q:?}");
+    assert!(!q.contains_key("pve2"), "pve2 has workers to spare: {q:?}");
+    shutdown_clean(sim).await;
+}

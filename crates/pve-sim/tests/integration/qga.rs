@@ -24,6 +24,8 @@ fn cfg(bin: PathBuf) -> SimConfig {
         guest_agent: GuestAgentMode::Qga(bin),
         clone_duration: Duration::from_millis(50),
         agent_boot_delay: Duration::from_millis(300),
+        // Shorter than the boot, so a ping right after the start is refused.
+        agent_ping_wait: Duration::from_millis(50),
         ..SimConfig::default()
     }
 }
