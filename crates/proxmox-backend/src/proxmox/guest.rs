@@ -30,8 +30,10 @@ use crate::timeline::{self, Step, StepGuard};
 
 mod boots;
 mod command;
+mod gate;
 
 use boots::Boots;
+use gate::WaitGate;
 
 /// What one ping of a guest agent found.
 enum Ping {
@@ -116,6 +118,8 @@ pub(super) struct Guest {
     names: Mutex<HashMap<u32, String>>,
     /// When to ping the agent after a start (see [`boots`]).
     boots: Boots,
+    /// Per node, the one ping that may wait for a boot (see [`gate`]).
+    waits: WaitGate,
     /// Templates whose guest was asked whether it grows its root file
     /// system at boot (once per template per process).
     grow_checked: Mutex<std::collections::HashSet<u32>>,
@@ -135,6 +139,7 @@ impl Guest {
             probes: Mutex::new(HashMap::new()),
             names: Mutex::new(HashMap::new()),
             boots: Boots::default(),
+            waits: WaitGate::default(),
             grow_checked: Mutex::default(),
         }
     }
@@ -214,9 +219,10 @@ impl Guest {
     /// Pings the agent until it answers, polling through boot-time failures.
     pub(super) async fn wait_agent(&self, vm: &VmRef) -> Result<(), SubstrateError> {
         let step = timeline::step(Step::Agent, &vm.node);
-        let deadline = Instant::now() + self.opts.agent_timeout;
+        let now = Instant::now();
+        let deadline = now + self.opts.agent_timeout;
         step.end(
-            self.ping_until_up(vm, self.opts.poll_interval, deadline)
+            self.ping_until_up(vm, self.opts.poll_interval, deadline, now)
                 .await,
         )
     }
@@ -233,14 +239,20 @@ impl Guest {
             if let Some(at) = self.boots.first_ping.at(&vm.node) {
                 let first = boot.started + at.min(self.opts.agent_timeout / 2);
                 tokio::time::sleep_until(first).await;
+                let every = (at / 8).clamp(self.api.first_poll(), poll);
+                let sent = Instant::now();
                 let out = match self.ping(vm).await {
-                    Ok(Ping::Up) => Ok(true),
-                    Ok(Ping::NotYet(_)) => {
-                        let every = (at / 8).clamp(self.api.first_poll(), poll);
-                        self.ping_until_up(vm, every, deadline)
-                            .await
-                            .map(|()| false)
-                    }
+                    // Answered at once: the estimate was late enough. One
+                    // PVE held until the agent came up was early: the
+                    // agent was not up when asked, and the wait held one
+                    // of the node's pvedaemon workers, so it is a miss
+                    // (else the estimate would creep earlier, boot after
+                    // boot, each first ping held longer).
+                    Ok(Ping::Up) => Ok(sent.elapsed() <= every),
+                    Ok(Ping::NotYet(_)) => self
+                        .ping_until_up(vm, every, deadline, sent + every)
+                        .await
+                        .map(|()| false),
                     Err(e) => Err(e),
                 };
                 if let Ok(first_hit) = out {
@@ -262,7 +274,10 @@ impl Guest {
                 () = tokio::time::sleep(period) => {}
                 () = self.boots.first_ping.learnt() => continue,
             }
-            match self.ping(vm).await {
+            let turn = self.waits.enter(&vm.node).await;
+            let pinged = self.ping(vm).await;
+            drop(turn);
+            match pinged {
                 Ok(Ping::Up) => {
                     self.boots
                         .first_ping
@@ -280,20 +295,30 @@ impl Guest {
         step.end(out)
     }
 
-    /// Pings every `every` until the agent answers or `deadline` passes.
+    /// Pings from `first` on until the agent answers or `deadline` passes,
+    /// each `every` after the one before was sent (so one PVE held while
+    /// the guest booted is followed at once), and each through the node's
+    /// [`WaitGate`].
     async fn ping_until_up(
         &self,
         vm: &VmRef,
         every: Duration,
         deadline: Instant,
+        first: Instant,
     ) -> Result<(), SubstrateError> {
+        let mut next = first;
         loop {
-            match self.ping(vm).await? {
+            tokio::time::sleep_until(next).await;
+            let turn = self.waits.enter(&vm.node).await;
+            next = Instant::now() + every;
+            let pinged = self.ping(vm).await?;
+            drop(turn);
+            match pinged {
                 Ping::Up => return Ok(()),
                 Ping::NotYet(e) if Instant::now() >= deadline => {
                     return Err(self.agent_timed_out(vm, &e))
                 }
-                Ping::NotYet(_) => tokio::time::sleep(every).await,
+                Ping::NotYet(_) => {}
             }
         }
     }

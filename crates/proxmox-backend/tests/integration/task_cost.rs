@@ -513,3 +513,97 @@ async fn a_delete_reads_the_marker_and_no_status() {
     assert_no_violations(&sim);
     sim.shutdown().await;
 }
+
+/// PVE holds a ping to a booting guest until its agent is up (within 3 s),
+/// in one of the node's three pvedaemon workers. A first ping held that
+/// way came early and counts as a miss, so the schedule does not creep
+/// earlier boot after boot, each first ping held a little longer (counted
+/// as hits, 30 boots of 400 ms hold about 4 s in all; as misses, under 1).
+#[tokio::test]
+async fn first_pings_pve_holds_do_not_creep_earlier() {
+    let boot = Duration::from_millis(400);
+    let sim = sim_with(fast_sim(Duration::from_millis(20), boot)).await;
+    let sub = PveSubstrate::new(client(&sim), opts(Duration::from_secs(20)));
+    for i in 0..30 {
+        let id = format!("p/OnDemand/pve.small/pve1/h{i:02}");
+        sub.clone_vm(&req(&id, "pve1")).await.expect("create");
+    }
+    let waited = sim.agent_waits()["pve1"];
+    println!("agent requests held through boots: {waited:?}");
+    assert!(
+        waited.total < Duration::from_millis(1500),
+        "first pings held for {:?} in all",
+        waited.total
+    );
+    assert_no_violations(&sim);
+}
+
+/// A template whose guest never runs an agent, four Creates on one node at
+/// once: PVE holds each ping for its whole wait in one of the node's three
+/// pvedaemon workers. The provider holds at most one of them at a time, not
+/// all three, so the node's other protected calls (here someone reading a
+/// VM's status every 50 ms, as the web UI does) do not queue behind them;
+/// each Create still ends with the agent's timeout.
+#[tokio::test]
+async fn pings_that_may_wait_hold_one_pvedaemon_worker_per_node() {
+    let window = Duration::from_millis(300);
+    let sim = Arc::new(
+        sim_with(SimConfig {
+            agent_ping_wait: window,
+            ..fast_sim(Duration::from_millis(20), Duration::from_secs(3600))
+        })
+        .await,
+    );
+    sim.insert_vm(sim.new_vm(700, "pve1", "someone-elses"))
+        .expect("a VM of someone else's");
+    let sub = Arc::new(PveSubstrate::new(
+        client(&sim),
+        PveOptions {
+            max_parallel_clones: 4,
+            agent_timeout: Duration::from_secs(2),
+            ..opts(Duration::from_secs(20))
+        },
+    ));
+    let creates: Vec<_> = (0..4)
+        .map(|i| {
+            let sub = Arc::clone(&sub);
+            tokio::spawn(async move {
+                sub.clone_vm(&req(&format!("p/OnDemand/pve.small/pve1/g{i:02}"), "pve1"))
+                    .await
+            })
+        })
+        .collect();
+    let reader = {
+        let (pve, done) = (
+            crate::common::client_of(crate::common::config(&sim)),
+            Arc::clone(&sim),
+        );
+        tokio::spawn(async move {
+            let mut reads = 0u32;
+            while done.agent_waits().get("pve1").map_or(0, |w| w.requests) < 8 {
+                pve.status_current("pve1", 700).await.expect("status");
+                reads += 1;
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            reads
+        })
+    };
+    for c in creates {
+        let e = c.await.expect("task").expect_err("no agent ever answers");
+        assert!(e.to_string().contains("agent"), "{e}");
+    }
+    let reads = reader.await.expect("reader");
+    let waited = sim.agent_waits()["pve1"];
+    let queued = sim.daemon_queue().get("pve1").copied().unwrap_or_default();
+    println!(
+        "{reads} status reads; agent requests held: {waited:?}; queued for a worker: {queued:?}"
+    );
+    assert!(waited.requests >= 8, "{waited:?}");
+    assert_eq!(waited.peak, 1, "{waited:?}");
+    assert!(
+        queued.total < window,
+        "the node's other calls queued {:?} behind held pings",
+        queued.total
+    );
+    assert_no_violations(&sim);
+}

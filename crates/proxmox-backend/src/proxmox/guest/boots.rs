@@ -4,7 +4,11 @@
 //! - **Learnt** ([`FirstLook`]): the first ping after a start comes at a
 //!   tracked high quantile of how long agents on the node took to answer,
 //!   so about one boot in ten needs a second ping; a miss is followed by
-//!   pings an eighth of the estimate apart (at most a poll interval).
+//!   pings an eighth of the estimate apart (at most a poll interval), each
+//!   through the node's [`WaitGate`](super::gate::WaitGate). PVE holds a
+//!   ping to a booting guest until its agent is up (up to 3 s), so a first
+//!   ping answered only after a wait longer than that eighth came early,
+//!   and is learnt as a miss.
 //! - **Nothing learnt anywhere** (the first wave after a start-up): the
 //!   oldest boot waited on pings every poll interval, and learns; the
 //!   others ping every [`FOLLOWER_PERIOD`] poll intervals until it has,
