@@ -5,7 +5,7 @@
 //!   tracked high quantile of how long agents on the node took to answer,
 //!   so about one boot in ten needs a second ping; a miss is followed by
 //!   pings an eighth of the estimate apart (at most a poll interval), each
-//!   through the node's [`WaitGate`](super::gate::WaitGate). PVE holds a
+//!   through the node's `WaitGate` (`guest/gate.rs`). PVE holds a
 //!   ping to a booting guest until its agent is up (up to 3 s), so a first
 //!   ping answered only after a wait longer than that eighth came early,
 //!   and is learnt as a miss.
