@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use proxmox_backend::proxmox::{PveOptions, PveSubstrate};
-use proxmox_backend::substrate::Substrate;
+use proxmox_backend::substrate::{Substrate, SubstrateError, VmRef};
 use pve_sim::{endpoints, PveSim, SimConfig};
 
 use crate::common::{
@@ -178,17 +178,37 @@ async fn looks_at_a_task_follow_what_its_kind_took() {
     );
 }
 
+/// [`fast_sim`] with a ping during boot refused at once, not held until
+/// the agent is up as PVE holds it: each ping a boot's schedule sends is a
+/// request counted, so a schedule that pings through a boot shows.
+fn refusing_pings(clone: Duration, boot: Duration) -> SimConfig {
+    SimConfig {
+        agent_ping_wait: Duration::ZERO,
+        ..fast_sim(clone, boot)
+    }
+}
+
+/// `n` Creates at once on `pve1`, machine ids `p/OnDemand/pve.small/pve1/`
+/// `tag` and a number.
+fn creates_at_once(
+    sub: &Arc<PveSubstrate>,
+    n: usize,
+    tag: &str,
+) -> Vec<tokio::task::JoinHandle<Result<VmRef, SubstrateError>>> {
+    (0..n)
+        .map(|i| {
+            let sub = Arc::clone(sub);
+            let id = format!("p/OnDemand/pve.small/pve1/{tag}{i:02}");
+            tokio::spawn(async move { sub.clone_vm(&req(&id, "pve1")).await })
+        })
+        .collect()
+}
+
 /// Two Creates one after the other on `pve1` at a 50 ms poll, with
 /// `clone`-long clones and `boot`-long agent boots: what `count` says of
 /// the requests each made (what the second learnt from the first).
 async fn two_creates(clone: Duration, boot: Duration, count: impl Fn(&PveSim) -> u64) -> [u64; 2] {
-    // Pings refused at once rather than held through the boot as PVE
-    // holds them, so each poll the schedule makes is a request counted.
-    let sim = sim_with(SimConfig {
-        agent_ping_wait: Duration::ZERO,
-        ..fast_sim(clone, boot)
-    })
-    .await;
+    let sim = sim_with(refusing_pings(clone, boot)).await;
     let sub = PveSubstrate::new(
         client(&sim),
         PveOptions {
@@ -294,7 +314,13 @@ async fn agent_pings_after_a_start_follow_what_boots_took() {
 /// Each pinging through would cost about 80.
 #[tokio::test]
 async fn a_first_wave_of_boots_pings_through_one_boot_not_each() {
-    let sim = Arc::new(sim_with(fast_sim(Duration::from_millis(50), Duration::from_secs(1))).await);
+    let sim = Arc::new(
+        sim_with(refusing_pings(
+            Duration::from_millis(50),
+            Duration::from_secs(1),
+        ))
+        .await,
+    );
     let sub = Arc::new(PveSubstrate::new(
         client(&sim),
         PveOptions {
@@ -303,16 +329,7 @@ async fn a_first_wave_of_boots_pings_through_one_boot_not_each() {
             ..opts(Duration::from_secs(20))
         },
     ));
-    let creates: Vec<_> = (0..4)
-        .map(|i| {
-            let sub = Arc::clone(&sub);
-            tokio::spawn(async move {
-                sub.clone_vm(&req(&format!("p/OnDemand/pve.small/pve1/w{i:02}"), "pve1"))
-                    .await
-            })
-        })
-        .collect();
-    for c in creates {
+    for c in creates_at_once(&sub, 4, "w") {
         c.await.expect("task").expect("create");
     }
     let pings = sim.call_count(endpoints::AGENT_PING);
@@ -564,15 +581,7 @@ async fn pings_that_may_wait_hold_one_pvedaemon_worker_per_node() {
             ..opts(Duration::from_secs(20))
         },
     ));
-    let creates: Vec<_> = (0..4)
-        .map(|i| {
-            let sub = Arc::clone(&sub);
-            tokio::spawn(async move {
-                sub.clone_vm(&req(&format!("p/OnDemand/pve.small/pve1/g{i:02}"), "pve1"))
-                    .await
-            })
-        })
-        .collect();
+    let creates = creates_at_once(&sub, 4, "g");
     let reader = {
         let (pve, done) = (
             crate::common::client_of(crate::common::config(&sim)),
