@@ -283,12 +283,12 @@ async fn handle(
     if let Some((status, msg)) = injected {
         return error_response(&ApiError::Status(status, msg));
     }
-    if let Some(node) = path_params
+    let node = path_params
         .iter()
         .find(|(k, _)| k == "node")
-        .map(|(_, v)| v.clone())
-    {
-        if let Err(e) = check_node(&s, &node) {
+        .map(|(_, v)| v.clone());
+    if let Some(node) = &node {
+        if let Err(e) = check_node(&s, node) {
             if e == offline_node() && !s.cfg.offline_delay.is_zero() {
                 // pveproxy's connect to a powered-off host waits out ARP.
                 tokio::time::sleep(s.cfg.offline_delay).await;
@@ -314,8 +314,8 @@ async fn handle(
         });
         return error_response(&ApiError::Status(status, msg));
     }
-    let worker = match path_params.iter().find(|(k, _)| k == "node") {
-        Some((_, node)) if protected(method.as_str(), template) => s.daemon_worker(node).await,
+    let worker = match &node {
+        Some(node) if protected(method.as_str(), template) => s.daemon_worker(node).await,
         _ => None,
     };
     let res = route.answer(&s, &params).await;

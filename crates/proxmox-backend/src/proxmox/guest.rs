@@ -274,9 +274,7 @@ impl Guest {
                 () = tokio::time::sleep(period) => {}
                 () = self.boots.first_ping.learnt() => continue,
             }
-            let turn = self.waits.enter(&vm.node).await;
-            let pinged = self.ping(vm).await;
-            drop(turn);
+            let (_, pinged) = self.ping_in_turn(vm).await;
             match pinged {
                 Ok(Ping::Up) => {
                     self.boots
@@ -309,11 +307,9 @@ impl Guest {
         let mut next = first;
         loop {
             tokio::time::sleep_until(next).await;
-            let turn = self.waits.enter(&vm.node).await;
-            next = Instant::now() + every;
-            let pinged = self.ping(vm).await?;
-            drop(turn);
-            match pinged {
+            let (sent, pinged) = self.ping_in_turn(vm).await;
+            next = sent + every;
+            match pinged? {
                 Ping::Up => return Ok(()),
                 Ping::NotYet(e) if Instant::now() >= deadline => {
                     return Err(self.agent_timed_out(vm, &e))
@@ -321,6 +317,13 @@ impl Guest {
                 Ping::NotYet(_) => {}
             }
         }
+    }
+
+    /// One ping in the node's turn ([`WaitGate`]), and when it was sent.
+    async fn ping_in_turn(&self, vm: &VmRef) -> (Instant, Result<Ping, SubstrateError>) {
+        let _turn = self.waits.enter(&vm.node).await;
+        let sent = Instant::now();
+        (sent, self.ping(vm).await)
     }
 
     /// One ping. An agent not up yet, or PVE failing transiently on the
