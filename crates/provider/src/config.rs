@@ -153,11 +153,11 @@ pub struct Args {
     pub max_parallel_clones: usize,
 
     /// Let each storage (a local one per node, a shared one cluster-wide)
-    /// find its own number of clones at once: start at 2 per node, take one
-    /// more while clones take as long as the shortest lately seen and
-    /// others wait, give one back when they take half again as long, halve
-    /// on a storage-lock timeout; false: always --max-parallel-clones per
-    /// node and storage.
+    /// find its own number of clones at once, as TCP Vegas finds a window:
+    /// start at 2 per node, take one more while clones show the storage
+    /// had bandwidth to spare and others wait, give one back when more
+    /// than one copy only shared it, halve on a storage-lock timeout;
+    /// false: always --max-parallel-clones per node and storage.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     pub adaptive_clones: bool,
 

@@ -10,20 +10,27 @@
 //! it and moves within 1 and `--max-parallel-clones` per such node by what
 //! its clones show, as TCP Vegas moves a window by round-trip times: a
 //! copy runs at the lesser of what one stream reaches and its share of the
-//! storage's bandwidth, so while clones take about as long as the shortest
-//! lately seen of their template, the storage has bandwidth to spare and a
-//! waiting clone gets one more slot; once they take half again as long,
-//! the copies only share it and the domain gives one back; a storage-lock
-//! timeout (PVE's allocation lock queued past its 10 s) halves it. A node
-//! never holds more than `--max-parallel-clones` of a shared domain's
-//! slots: each copy is a `qemu-img` process on its node.
+//! storage's bandwidth. From a clone's time against the shortest lately
+//! seen of its template, and the clones it ran among (the domain's mean
+//! held slots over its time, Little's law), Vegas's estimate of the copies
+//! the storage did not need follows: `among * (1 - shortest / took)`.
+//! Under [`ALPHA`] the storage had bandwidth to spare and a waiting clone
+//! gets one more slot; over [`BETA`] more than one copy only shared it and
+//! the domain gives one back. Between, the domain keeps one clone beyond
+//! what fills the storage, which allocates under the storage's lock while
+//! the others copy, so the disk does not idle through each allocation. A
+//! storage-lock timeout (PVE's allocation lock queued past its 10 s)
+//! halves the slots. A node never holds more than `--max-parallel-clones`
+//! of a shared domain's slots: each copy is a `qemu-img` process on its
+//! node.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use parking_lot::Mutex;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::time::Instant;
 
 use crate::substrate::{CloneSlotsView, SubstrateError};
 
@@ -31,12 +38,16 @@ use crate::substrate::{CloneSlotsView, SubstrateError};
 /// once, the old fixed default.
 pub(super) const ADAPTIVE_START: usize = 2;
 
-/// A clone this much longer than the shortest lately seen still found
-/// bandwidth to spare (the allocation's queue and a late look are noise).
-const SPARE: f64 = 1.25;
+/// Fewer copies than this beyond what the storage needed: it had
+/// bandwidth to spare. Two clones on a storage one copy fills (one copies
+/// while the other allocates) come to about 0.8, and two on one that two
+/// fill to about 0: the first holds, the second grows.
+const ALPHA: f64 = 0.5;
 
-/// A clone this much longer only shared the storage's bandwidth.
-const CROWDED: f64 = 1.5;
+/// More than this beyond what the storage needed: one copy more than the
+/// one that hides an allocation. Three on a storage one copy fills come to
+/// about 1.8, three on one that two fill to about 0.9.
+const BETA: f64 = 1.5;
 
 /// Clones of a template remembered per domain for the shortest time: old
 /// enough samples go, so a storage that got slower for good is learnt.
@@ -102,6 +113,23 @@ struct KeyState {
     /// ran under the new limit and may move it again (as Vegas moves once a
     /// round trip), or one crowded round would give back every slot.
     changed: Option<Instant>,
+    /// Slots held now.
+    held: usize,
+    /// Slot-seconds held since the domain was made, as of `counted`: a
+    /// clone's mean company is its difference over the clone's time.
+    held_seconds: f64,
+    counted: Option<Instant>,
+}
+
+impl KeyState {
+    /// Counts the slot-seconds held up to `now`; the total.
+    fn held_seconds_at(&mut self, now: Instant) -> f64 {
+        if let Some(counted) = self.counted {
+            self.held_seconds += self.held as f64 * now.duration_since(counted).as_secs_f64();
+        }
+        self.counted = Some(now);
+        self.held_seconds
+    }
 }
 
 impl CloneSlots {
@@ -202,11 +230,19 @@ impl CloneSlots {
         let node_slot = bound.acquire_owned().await.map_err(closed)?;
         let permit = Arc::clone(&key.sem).acquire_owned().await.map_err(closed)?;
         drop(waiting);
+        let acquired = Instant::now();
+        let held_seconds_before = {
+            let mut st = key.state.lock();
+            let before = st.held_seconds_at(acquired);
+            st.held += 1;
+            before
+        };
         Ok(ClonePermit {
             key,
             permit: Some(permit),
             _node_slot: node_slot,
-            acquired: Instant::now(),
+            acquired,
+            held_seconds_before,
             most: self.most,
             adaptive: self.adaptive,
         })
@@ -237,6 +273,8 @@ pub(super) struct ClonePermit {
     /// One of the node's `--max-parallel-clones` in the domain.
     _node_slot: OwnedSemaphorePermit,
     acquired: Instant,
+    /// The domain's slot-seconds held when this one was taken.
+    held_seconds_before: f64,
     /// `--max-parallel-clones`: the ceiling per node in the domain.
     most: usize,
     adaptive: bool,
@@ -245,7 +283,8 @@ pub(super) struct ClonePermit {
 impl ClonePermit {
     /// The clone of `template` ended well after `took` (its POST to its
     /// task's end): a slot more while clones wait and the storage has
-    /// bandwidth to spare, one fewer once the copies only share it.
+    /// bandwidth to spare, one fewer once more than one copy only shared
+    /// it.
     pub(super) fn finished(&self, template: u32, took: Duration) {
         if !self.adaptive {
             return;
@@ -262,17 +301,29 @@ impl ClonePermit {
         if !self.ran_under_current_limit(&st) {
             return;
         }
-        let ratio = took.as_secs_f64() / shortest.as_secs_f64().max(1e-3);
+        let now = Instant::now();
+        let held_for = now.duration_since(self.acquired).as_secs_f64();
+        let held_seconds = st.held_seconds_at(now) - self.held_seconds_before;
+        // The clones it ran among, itself included.
+        let among = if held_for > 0.0 {
+            (held_seconds / held_for).max(1.0)
+        } else {
+            1.0
+        };
+        let unneeded = among * (1.0 - shortest.as_secs_f64() / took.as_secs_f64().max(1e-3));
         let ceiling = self.most * st.nodes.len();
-        if ratio <= SPARE && st.waiting > 0 && st.limit < ceiling {
+        if unneeded < ALPHA && st.waiting > 0 && st.limit < ceiling {
             st.limit += 1;
-            st.changed = Some(Instant::now());
+            st.changed = Some(now);
             self.key.sem.add_permits(1);
-            self.changed(st.limit, "clones take their shortest time and more wait");
-        } else if ratio > CROWDED {
+            self.changed(
+                st.limit,
+                "the storage had bandwidth to spare and clones wait",
+            );
+        } else if unneeded > BETA {
             let fewer = st.limit.saturating_sub(1);
             if self.lower(&mut st, fewer) {
-                self.changed(st.limit, "clones take half again their shortest time");
+                self.changed(st.limit, "more copies than the storage needed");
             }
         }
     }
@@ -324,6 +375,8 @@ impl Drop for ClonePermit {
         let Some(permit) = self.permit.take() else {
             return;
         };
+        st.held_seconds_at(Instant::now());
+        st.held -= 1;
         if st.owed > 0 {
             st.owed -= 1;
             permit.forget();
@@ -480,28 +533,50 @@ mod tests {
         assert_eq!(slots.view()[0].used, 0);
     }
 
-    #[tokio::test]
-    async fn adaptive_grows_while_clones_take_the_shortest_time_and_some_wait() {
-        let slots = CloneSlots::new(4, true);
-        let ceph = local("ceph");
-        let limit = || slots.limit("pve1", &ceph);
-        assert_eq!(limit(), ADAPTIVE_START);
-        let a = slots.permit("pve1", &ceph).await.unwrap();
-        let _b = slots.permit("pve1", &ceph).await.unwrap();
-        let mut third = Box::pin(slots.permit("pve1", &ceph));
+    /// Two clones holding the two slots an adaptive domain starts with on
+    /// pve1, and a third polled once, so it counts as waiting.
+    async fn two_held_one_waiting<'a>(
+        slots: &'a CloneSlots,
+        domain: &'a SlotDomain,
+    ) -> (
+        ClonePermit,
+        ClonePermit,
+        std::pin::Pin<
+            Box<impl std::future::Future<Output = Result<ClonePermit, SubstrateError>> + 'a>,
+        >,
+    ) {
+        assert_eq!(slots.limit("pve1", domain), ADAPTIVE_START);
+        let a = slots.permit("pve1", domain).await.unwrap();
+        let b = slots.permit("pve1", domain).await.unwrap();
+        let mut third = Box::pin(slots.permit("pve1", domain));
         assert!(
             try_now(&mut third).await.is_none(),
             "two slots to start with"
         );
+        (a, b, third)
+    }
+
+    const MS: fn(u64) -> Duration = Duration::from_millis;
+
+    #[tokio::test(start_paused = true)]
+    async fn adaptive_grows_while_clones_take_the_shortest_time_and_some_wait() {
+        let slots = CloneSlots::new(4, true);
+        let ceph = local("ceph");
+        let limit = || slots.limit("pve1", &ceph);
+        let (a, b, mut third) = two_held_one_waiting(&slots, &ceph).await;
+        tokio::time::advance(S(4)).await;
         a.finished(9000, S(4));
         assert_eq!(limit(), 3, "a clone waits and the storage has room");
         let c = try_now(&mut third).await.expect("the new slot, at once");
-        a.finished(9000, S(4));
+        b.finished(9000, S(4));
         let mut fourth = Box::pin(slots.permit("pve1", &ceph));
         assert!(try_now(&mut fourth).await.is_none());
         assert_eq!(limit(), 3, "a clone from before the change moves nothing");
-        c.finished(9000, Duration::from_millis(4900));
-        assert_eq!(limit(), 4, "within a quarter of the shortest still grows");
+        // Among three for all its time, an eighth over the shortest: a
+        // third of a copy more than the storage needed, still room.
+        tokio::time::advance(MS(4500)).await;
+        c.finished(9000, MS(4500));
+        assert_eq!(limit(), 4, "room to spare still grows");
         let d = try_now(&mut fourth).await.expect("the fourth slot");
         let mut fifth = Box::pin(slots.permit("pve1", &ceph));
         assert!(try_now(&mut fifth).await.is_none());
@@ -522,22 +597,59 @@ mod tests {
         assert_eq!(slots.limit("pve1", &ceph), ADAPTIVE_START);
     }
 
-    #[tokio::test]
+    /// A storage one copy fills: a copy alone takes 2.5 s, two at once
+    /// 4.5 s each (one copies while the other allocates, then they share),
+    /// three 6.5 s. Two is what it needs; by the ratio to the shortest
+    /// alone (1.8x) two look crowded, and giving one back would leave the
+    /// disk idle through every allocation.
+    #[tokio::test(start_paused = true)]
+    async fn a_storage_one_copy_fills_keeps_a_second_clone_allocating_beside_the_copy() {
+        let slots = CloneSlots::new(8, true);
+        let lvm = local("local-lvm");
+        let limit = || slots.limit("pve1", &lvm);
+        let alone = slots.permit("pve1", &lvm).await.unwrap();
+        tokio::time::advance(MS(2500)).await;
+        alone.finished(9000, MS(2500));
+        drop(alone);
+        assert_eq!(limit(), 2, "nobody waited, nothing moves");
+        let (a, b, _waiting) = two_held_one_waiting(&slots, &lvm).await;
+        tokio::time::advance(MS(4500)).await;
+        a.finished(9000, MS(4500));
+        b.finished(9000, MS(4500));
+        assert_eq!(limit(), 2, "one copying, one allocating: hold");
+        // Three at once, had the limit been three, hold a copy more than
+        // the storage needs beside the allocating one: give it back.
+        let slots = CloneSlots::new(8, true);
+        let (a, b, mut third) = two_held_one_waiting(&slots, &lvm).await;
+        tokio::time::advance(MS(2500)).await;
+        a.finished(9000, MS(2500));
+        assert_eq!(slots.limit("pve1", &lvm), 3);
+        let c = try_now(&mut third).await.expect("the third slot");
+        let d = Box::pin(slots.permit("pve1", &lvm));
+        drop(a);
+        let d = d.await.unwrap();
+        tokio::time::advance(MS(6500)).await;
+        c.finished(9000, MS(6500));
+        assert_eq!(slots.limit("pve1", &lvm), 2, "three at once: one too many");
+        drop((b, d));
+    }
+
+    #[tokio::test(start_paused = true)]
     async fn adaptive_gives_slots_back_when_clones_crowd_and_on_lock_timeouts() {
         let slots = CloneSlots::new(8, true);
         let ceph = local("ceph");
         let limit = || slots.limit("pve1", &ceph);
-        let a = slots.permit("pve1", &ceph).await.unwrap();
-        let b = slots.permit("pve1", &ceph).await.unwrap();
-        let mut waiting = Box::pin(slots.permit("pve1", &ceph));
-        assert!(try_now(&mut waiting).await.is_none());
-        a.finished(9000, S(4));
+        let (a, b, mut waiting) = two_held_one_waiting(&slots, &ceph).await;
+        tokio::time::advance(S(2)).await;
+        a.finished(9000, S(2));
         let c = try_now(&mut waiting).await.expect("3 slots");
-        c.finished(9000, Duration::from_millis(5500));
-        assert_eq!(limit(), 3, "1.4x the shortest: hold");
-        c.finished(9000, S(7));
-        assert_eq!(limit(), 2, "1.75x: the copies only share the storage");
-        c.finished(9000, S(7));
+        // Among three (a, b, c) for all its time.
+        tokio::time::advance(S(6)).await;
+        c.finished(9000, S(3));
+        assert_eq!(limit(), 3, "one copy beyond what the storage needed: hold");
+        c.finished(9000, S(6));
+        assert_eq!(limit(), 2, "two beyond: the copies only share the storage");
+        c.finished(9000, S(6));
         assert_eq!(limit(), 2, "once a round: c ran before the change");
         // Three held against a limit of two: the first back is not handed on.
         let mut next = Box::pin(slots.permit("pve1", &ceph));
@@ -549,6 +661,7 @@ mod tests {
         drop(c);
         let e = try_now(&mut next).await.expect("a slot of the two");
         // Another template's clones are timed against their own shortest.
+        tokio::time::advance(S(20)).await;
         e.finished(9001, S(20));
         assert_eq!(limit(), 2);
         e.lock_timeout();
