@@ -40,7 +40,7 @@ pub(super) const ADAPTIVE_START: usize = 2;
 
 /// Fewer copies than this beyond what the storage needed: it had
 /// bandwidth to spare. Two clones on a storage one copy fills (one copies
-/// while the other allocates) come to about 0.8, and two on one that two
+/// while the other allocates) come to about 0.9, and two on one that two
 /// fill to about 0: the first holds, the second grows.
 const ALPHA: f64 = 0.5;
 
