@@ -113,7 +113,10 @@ struct KeyState {
     /// ran under the new limit and may move it again (as Vegas moves once a
     /// round trip), or one crowded round would give back every slot.
     changed: Option<Instant>,
-    /// Slots held now.
+    /// Slots held now. Counted here rather than read off the semaphore
+    /// (`used` in [`CloneSlots::view`]): a permit leaves the semaphore
+    /// before this lock is taken, and the slot-seconds up to that moment
+    /// must not count it yet.
     held: usize,
     /// Slot-seconds held since the domain was made, as of `counted`: a
     /// clone's mean company is its difference over the clone's time.
