@@ -16,7 +16,10 @@
 //! first looked at an eighth of that before it is due, then every eighth
 //! of it (at most the poll interval): a clone that took 40 s last time is
 //! not looked at 40 times, and one that ends on time is seen within an
-//! eighth of its length (a clone slot waits on that).
+//! eighth of its length (a clone slot waits on that). Tasks waited on
+//! before any of their kind ended on the node (a burst's first round) are
+//! looked at every poll period until one ends, and then follow what it
+//! took.
 //!
 //! A node's watch runs while someone waits on one of its tasks and stops
 //! when the last waiter is answered or gives up; a node whose list cannot
@@ -119,6 +122,11 @@ struct Waiting {
     log_lines: Option<u64>,
     /// Looks so far (for [`STATUS_EVERY`]).
     looks: u32,
+    /// Its looks follow what its kind took on the node. A task waited on
+    /// before any of its kind ended there is looked at every poll period
+    /// until one does; then it follows what that one took (see
+    /// [`Watcher::answer`]).
+    estimated: bool,
 }
 
 impl TaskWatch {
@@ -159,12 +167,12 @@ impl TaskWatch {
             let mut nodes = self.nodes.lock();
             let node = nodes.entry(upid.node.clone()).or_default();
             let soonest = self.poll.min(FIRST_LOOK);
-            let (first_look, every) = match node.learnt.lock().get(&kind_of(upid)) {
+            let (first_look, every, estimated) = match node.learnt.lock().get(&kind_of(upid)) {
                 Some(took) => {
-                    let every = (*took / 8).clamp(soonest, self.poll);
-                    (took.saturating_sub(every).max(soonest), every)
+                    let every = looks_every(*took, self.poll);
+                    (took.saturating_sub(every).max(soonest), every, true)
                 }
-                None => (soonest, self.poll),
+                None => (soonest, self.poll, false),
             };
             let mut waiting = node.waiting.lock();
             let first = !node.running.swap(true, std::sync::atomic::Ordering::SeqCst);
@@ -178,6 +186,7 @@ impl TaskWatch {
                 last_error: None,
                 log_lines: None,
                 looks: 0,
+                estimated,
             });
             w.waiters.push(tx);
             w.log_lines = w.log_lines.max(log_lines);
@@ -188,6 +197,7 @@ impl TaskWatch {
         if let Some(node) = start {
             let watch = Watcher {
                 client: self.client.clone(),
+                poll: self.poll,
                 node,
             };
             tokio::spawn(watch.run());
@@ -226,6 +236,8 @@ impl TaskWatch {
 /// One node's poll loop.
 struct Watcher {
     client: PveClient,
+    /// The poll interval: the longest between two looks at a task.
+    poll: Duration,
     node: Arc<NodeWatch>,
 }
 
@@ -408,16 +420,42 @@ impl Watcher {
         // A failed task tells nothing of how long the kind takes.
         if outcome.is_ok() {
             let took = w.since.elapsed();
-            let mut learnt = self.node.learnt.lock();
             let kind = kind_of(upid);
-            let smoothed = match learnt.get(&kind) {
-                Some(before) => (*before + took) / 2,
-                None => took,
+            let smoothed = {
+                let mut learnt = self.node.learnt.lock();
+                let smoothed = match learnt.get(&kind) {
+                    Some(before) => (*before + took) / 2,
+                    None => took,
+                };
+                learnt.insert(kind.clone(), smoothed);
+                smoothed
             };
-            learnt.insert(kind, smoothed);
+            self.follow_learnt(&kind, smoothed);
         }
         for tx in w.waiters {
             let _ = tx.send(outcome.clone());
+        }
+    }
+
+    /// Tasks of `kind` waited on before any of it ended on the node (a
+    /// burst's first round, all registered together) are looked at every
+    /// poll period in their own phase; now that one has shown what the kind
+    /// takes, they follow it as a later task would: next looked at shortly
+    /// before it is due, then every eighth of it. A clone that ends half a
+    /// second after its sibling is then seen within an eighth of a clone,
+    /// not a whole poll period later, and hands its clone slot on sooner.
+    fn follow_learnt(&self, kind: &str, took: Duration) {
+        let every = looks_every(took, self.poll);
+        let now = Instant::now();
+        for w in self.node.waiting.lock().values_mut() {
+            if w.estimated || kind_of(&w.upid) != kind {
+                continue;
+            }
+            w.estimated = true;
+            w.every = every;
+            // Not sooner than a period from this look, which saw it running.
+            let due = (w.since + took.saturating_sub(every)).max(now + every);
+            w.due = w.due.min(due);
         }
     }
 }
@@ -436,6 +474,13 @@ enum Polled {
     Ended(Outcome),
     /// Its status could not be read (the node unreachable); polled again.
     Unreadable(Cause),
+}
+
+/// How often a task of a kind that took `took` is looked at: every eighth
+/// of it, no sooner than [`FIRST_LOOK`] (or the poll interval, when that is
+/// shorter) and no later than the poll interval.
+fn looks_every(took: Duration, poll: Duration) -> Duration {
+    (took / 8).clamp(poll.min(FIRST_LOOK), poll)
 }
 
 /// What a task's duration is learnt under: its type, and for a clone its

@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use proxmox_backend::proxmox::{PveOptions, PveSubstrate};
 use proxmox_backend::substrate::{Substrate, SubstrateError, VmRef};
+use proxmox_backend::timeline::Timeline;
 use pve_sim::{endpoints, PveSim, SimConfig};
 
 use crate::common::{
@@ -176,6 +177,76 @@ async fn looks_at_a_task_follow_what_its_kind_took() {
         looks[1] * 3 <= looks[0],
         "the second waits most of the learnt length: {looks:?}"
     );
+}
+
+/// A burst's first round is waited on before any clone of its template
+/// ended on the node, so it is looked at every poll period (2 s here); once
+/// one of them ends, the others follow what it took. Two clones on a disk
+/// one copy fills, the second's allocation a second behind the first's
+/// under the storage's lock, end a second apart (about 3.8 s and 4.8 s);
+/// the first is seen at the look at 4.1 s and teaches the kind about 4 s,
+/// so the second is looked at every half second from 4.6 s and seen at
+/// 5.1 s, not at the next poll-period look at 6.1 s.
+#[tokio::test]
+async fn a_first_round_clone_follows_what_its_sibling_took() {
+    let mut cfg = fast_sim(Duration::from_secs(2), Duration::from_millis(50));
+    let mut template = pve_sim::TemplateSpec::local(9000, "pve1");
+    template.disk_gib = 2;
+    cfg.templates = vec![template];
+    cfg.storage_bandwidth = vec![("local-lvm".into(), 1100 << 20)];
+    cfg.storage_stream_bandwidth = vec![("local-lvm".into(), 1100 << 20)];
+    cfg.volume_alloc_time = Duration::from_secs(1);
+    cfg.max_parallel_local_clones = None;
+    let sim = Arc::new(sim_with(cfg).await);
+    let sub = Arc::new(PveSubstrate::new(
+        client(&sim),
+        PveOptions {
+            poll_interval: Duration::from_secs(2),
+            max_parallel_clones: 2,
+            adaptive_clones: false,
+            ..opts(Duration::from_secs(60))
+        },
+    ));
+    let timeline = Arc::new(Timeline::default());
+    let ids = [
+        "p/OnDemand/pve.small/pve1/r00",
+        "p/OnDemand/pve.small/pve1/r01",
+    ];
+    let runs: Vec<_> = ids
+        .iter()
+        .map(|id| {
+            let (sub, timeline, id) = (Arc::clone(&sub), Arc::clone(&timeline), id.to_string());
+            tokio::spawn(async move { timeline.scope(&id, sub.clone_vm(&req(&id, "pve1"))).await })
+        })
+        .collect();
+    for run in runs {
+        run.await.expect("task").expect("create");
+    }
+    // When each clone was seen ended: its clone step's end.
+    let mut seen: Vec<std::time::SystemTime> = ids
+        .iter()
+        .map(|id| {
+            let clone = timeline
+                .of(id)
+                .into_iter()
+                .find(|r| r.step.name() == "clone")
+                .expect("a clone step");
+            clone.started + clone.duration
+        })
+        .collect();
+    seen.sort();
+    let apart = seen[1].duration_since(seen[0]).expect("in order");
+    println!("the clones were seen {apart:?} apart");
+    assert!(
+        apart >= Duration::from_millis(500),
+        "the second clone ends a second after the first: {apart:?}"
+    );
+    assert!(
+        apart <= Duration::from_millis(1500),
+        "the second clone is seen within an eighth of the first's time after it ends, \
+         not a 2 s poll period after the first was seen: {apart:?}"
+    );
+    assert_no_violations(&sim);
 }
 
 /// [`fast_sim`] with a ping during boot refused at once, not held until
