@@ -125,7 +125,7 @@ struct Waiting {
     /// Its looks follow what its kind took on the node. A task waited on
     /// before any of its kind ended there is looked at every poll period
     /// until one does; then it follows what that one took (see
-    /// [`Watcher::answer`]).
+    /// [`Watcher::follow_learnt`]).
     estimated: bool,
 }
 
