@@ -15,7 +15,9 @@ OUT=${OUT:-reports/pve-sim}
 mkdir -p "$OUT"
 work=$(mktemp -d)
 sim_pid=""
+recipe_pid=""
 cleanup() {
+  if [ -n "$recipe_pid" ]; then kill "$recipe_pid" 2>/dev/null || true; wait "$recipe_pid" 2>/dev/null || true; fi
   if [ -n "$sim_pid" ]; then kill "$sim_pid" 2>/dev/null || true; wait "$sim_pid" 2>/dev/null || true; fi
   rm -rf "$work"
 }
@@ -76,7 +78,7 @@ recipe_command() {
 # cluster's address, the token and CA files, the state file and the
 # binaries' directory are this run's; the listener takes a free port.
 certify_recipe() {
-  local boot harness log="$OUT/recipe-provider.log" addr="" provider_pid
+  local boot harness log="$OUT/recipe-provider.log" addr=""
   boot=$(recipe_command 'target/release/bigfleet-proxmox')
   harness=$(recipe_command 'target/release/bfconformance')
   if [ -z "$boot" ] || [ -z "$harness" ]; then
@@ -91,20 +93,30 @@ certify_recipe() {
   boot=${boot//127.0.0.1:9099/127.0.0.1:0}
   boot=${boot//127.0.0.1:9098/127.0.0.1:0}
   harness=${harness//target\/release\//$BIN/}
-  eval "$boot" >"$log" 2>&1 &
-  provider_pid=$!
+  # exec: the background job is the provider itself, not a shell that
+  # runs it, so killing $! stops the provider (a killed shell would leave
+  # it running, orphaned, after the run).
+  eval "exec $boot" >"$log" 2>&1 &
+  recipe_pid=$!
   for _ in $(seq 1 600); do
     addr=$(sed -n 's/.*msg="serving CapacityProvider" addr=\([^ ]*\).*/\1/p' "$log")
     if [ -n "$addr" ]; then break; fi
-    if ! kill -0 "$provider_pid" 2>/dev/null; then cat "$log" >&2; echo "the recipe's provider exited" >&2; exit 1; fi
+    if ! kill -0 "$recipe_pid" 2>/dev/null; then cat "$log" >&2; echo "the recipe's provider exited" >&2; exit 1; fi
     sleep 0.05
   done
   if [ -z "$addr" ]; then cat "$log" >&2; echo "the recipe's provider never served" >&2; exit 1; fi
   harness=${harness//127.0.0.1:9099/$addr}
   local rc=0
   eval "$harness --out $OUT/recipe" || rc=$?
-  kill "$provider_pid" 2>/dev/null || true
-  wait "$provider_pid" 2>/dev/null || true
+  kill "$recipe_pid" 2>/dev/null || true
+  wait "$recipe_pid" 2>/dev/null || true
+  recipe_pid=""
+  # Nothing the recipe started outlives it. (The bracket keeps this grep's
+  # own command line from matching.)
+  if grep -lsE "$work/recipe-state[.]db" /proc/[0-9]*/cmdline >/dev/null; then
+    echo "the recipe's provider outlived its kill" >&2
+    exit 1
+  fi
   if [ "$rc" -ne 0 ]; then echo "the certify-a-real-endpoint recipe failed against pve-sim" >&2; exit "$rc"; fi
 }
 
