@@ -137,6 +137,24 @@ fn by_node(sim: &PveSim) -> BTreeMap<String, u64> {
     out
 }
 
+/// Machine `i` of a burst on the nodes `names` (`tag` sets a warm-up's
+/// ids apart from the timed burst's): its id, and its clone on node `i`
+/// mod the nodes, from the shared template or from that node's own.
+fn machine(layout: Layout, names: &[String], i: usize, tag: &str) -> (String, CloneRequest) {
+    let n = i % names.len();
+    let node = &names[n];
+    let id = format!("p/OnDemand/pve.small/{node}/{tag}{i:03}");
+    let template_vmid = match layout {
+        Layout::Shared => 9000,
+        Layout::Local => 9000 + n as u32,
+    };
+    let request = CloneRequest {
+        template_vmid,
+        ..req(&id, node)
+    };
+    (id, request)
+}
+
 async fn burst(size: usize, nodes: usize, layout: Layout) {
     let names: Vec<String> = (1..=nodes).map(|n| format!("pve{n}")).collect();
     let mut cfg = fast_sim(Duration::from_secs(2), AGENT_BOOT);
@@ -180,19 +198,9 @@ async fn burst(size: usize, nodes: usize, layout: Layout) {
         let warm: Vec<_> = (0..size)
             .map(|i| {
                 let sub = Arc::clone(&sub);
-                let node = names[i % nodes].clone();
-                let template = match layout {
-                    Layout::Shared => 9000,
-                    Layout::Local => 9000 + (i % nodes) as u32,
-                };
+                let (id, request) = machine(layout, &names, i, "w");
                 tokio::spawn(async move {
-                    let id = format!("p/OnDemand/pve.small/{node}/w{i:03}");
-                    let vm = sub
-                        .clone_vm(&CloneRequest {
-                            template_vmid: template,
-                            ..req(&id, &node)
-                        })
-                        .await?;
+                    let vm = sub.clone_vm(&request).await?;
                     sub.delete_vm(&vm, &id).await
                 })
             })
@@ -242,24 +250,11 @@ async fn burst(size: usize, nodes: usize, layout: Layout) {
     let runs: Vec<_> = (0..size)
         .map(|i| {
             let sub = Arc::clone(&sub);
-            let node = names[i % nodes].clone();
-            let template = match layout {
-                Layout::Shared => 9000,
-                Layout::Local => 9000 + (i % nodes) as u32,
-            };
+            let (id, request) = machine(layout, &names, i, "");
             let timeline = Arc::clone(&timeline);
             tokio::spawn(async move {
-                let id = format!("p/OnDemand/pve.small/{node}/{i:03}");
                 let t = Instant::now();
-                let vm = timeline
-                    .scope(
-                        &id,
-                        sub.clone_vm(&CloneRequest {
-                            template_vmid: template,
-                            ..req(&id, &node)
-                        }),
-                    )
-                    .await?;
+                let vm = timeline.scope(&id, sub.clone_vm(&request)).await?;
                 let to_idle = t.elapsed();
                 sub.ensure_running(&vm).await?;
                 sub.configure(&vm, b"true\n").await?;
@@ -356,8 +351,8 @@ async fn burst(size: usize, nodes: usize, layout: Layout) {
     // Where the Creates' time went: each step's mean over the burst.
     let mut steps: BTreeMap<&str, f64> = BTreeMap::new();
     for i in 0..size {
-        let node = &names[i % nodes];
-        for r in timeline.of(&format!("p/OnDemand/pve.small/{node}/{i:03}")) {
+        let (id, _) = machine(layout, &names, i, "");
+        for r in timeline.of(&id) {
             *steps.entry(r.step.name()).or_default() += r.duration.as_secs_f64();
             if flag_env("BIGFLEET_BENCH_TIMELINES") {
                 let at = r
