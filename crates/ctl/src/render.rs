@@ -250,6 +250,9 @@ pub(crate) struct StepView {
     pub(crate) upid: String,
     #[serde(skip_serializing_if = "String::is_empty")]
     pub(crate) error: String,
+    /// Under way: `duration_ms` is how long so far.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub(crate) running: bool,
 }
 
 impl From<&TimelineStep> for StepView {
@@ -261,6 +264,7 @@ impl From<&TimelineStep> for StepView {
             duration_ms: s.duration_ms,
             upid: s.upid.clone(),
             error: s.error.clone(),
+            running: s.running,
         }
     }
 }
@@ -289,6 +293,12 @@ pub(crate) fn timeline_table(steps: &[TimelineStep]) -> String {
             (_, false) => format!("error: {}", cell(&v.error)),
             (false, true) => cell(&v.upid),
             (true, true) => "-".to_string(),
+        };
+        // A step under way: its time so far, and said so.
+        let tail = if v.running {
+            format!("running (so far); {tail}")
+        } else {
+            tail
         };
         out.push_str(&format!(
             "  {:<24}  {:<15}  {:<10}  {:>9}  {tail}\n",
@@ -535,4 +545,48 @@ pub(crate) fn summary_table(rows: &[SummaryRow]) -> String {
     totals.push(rows.iter().map(|r| r.total).sum::<usize>().to_string());
     body.push(totals);
     render_table(&header, &body)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn step(name: &str, upid: &str, error: &str, running: bool) -> TimelineStep {
+        TimelineStep {
+            step: name.into(),
+            node: "pve1".into(),
+            started_unix_ms: 1_700_000_000_000,
+            duration_ms: 4200,
+            upid: upid.into(),
+            error: error.into(),
+            running,
+        }
+    }
+
+    #[test]
+    fn a_step_under_way_says_so_in_the_table_and_in_json() {
+        let steps = [
+            step("clone_slot", "", "", false),
+            step("clone", "UPID:pve1:7", "", true),
+        ];
+        let table = timeline_table(&steps);
+        let rows: Vec<&str> = table.lines().skip(2).collect();
+        assert!(rows[0].ends_with("  -"), "{table}");
+        assert!(!rows[0].contains("running"), "{table}");
+        assert!(
+            rows[1].contains("4.20s") && rows[1].ends_with("running (so far); UPID:pve1:7"),
+            "{table}"
+        );
+        let json: Vec<serde_json::Value> = steps
+            .iter()
+            .map(|s| serde_json::to_value(StepView::from(s)).expect("JSON"))
+            .collect();
+        assert_eq!(
+            json[0].get("running"),
+            None,
+            "only a step under way says it"
+        );
+        assert_eq!(json[1]["running"], true);
+        assert_eq!(json[1]["duration_ms"], 4200);
+    }
 }

@@ -154,6 +154,7 @@ impl Admin for AdminService {
                 duration_ms: u64::try_from(r.duration.as_millis()).unwrap_or(u64::MAX),
                 upid: r.upid.unwrap_or_default(),
                 error: r.error.unwrap_or_default(),
+                running: r.running,
                 node: r.node,
             })
             .collect();

@@ -109,8 +109,11 @@ pub struct StepRecord {
     pub duration: Duration,
     /// The PVE task that ran it, when one did.
     pub upid: Option<String>,
-    /// How it failed; `None` when it succeeded.
+    /// How it failed; `None` when it succeeded (or is still under way).
     pub error: Option<String>,
+    /// Still under way: `duration` is how long it has run so far. An
+    /// operator asking why a Create is slow asks while it is.
+    pub running: bool,
 }
 
 /// Told of every step that ends, for the per-step histograms.
@@ -130,6 +133,20 @@ struct Machines {
     steps: HashMap<String, (u64, VecDeque<StepRecord>)>,
     /// Bumped on every record: the machine with the smallest goes first.
     clock: u64,
+    /// The steps under way, by their guard's serial: one per live
+    /// [`StepGuard`] in a scope, so bounded by the work in flight.
+    open: HashMap<u64, Open>,
+    next_open: u64,
+}
+
+/// A step under way, as [`Timeline::of`] shows it until it ends.
+struct Open {
+    machine_id: String,
+    step: Step,
+    node: String,
+    started: SystemTime,
+    clock: tokio::time::Instant,
+    upid: Option<String>,
 }
 
 impl Timeline {
@@ -150,17 +167,52 @@ impl Timeline {
         CURRENT.scope(current, fut).await
     }
 
-    /// The recorded steps of `machine_id`, oldest first.
+    /// The recorded steps of `machine_id`, oldest first, then the ones
+    /// under way (`running`, with how long so far), by when they started.
     pub fn of(&self, machine_id: &str) -> Vec<StepRecord> {
-        self.machines
-            .lock()
+        let m = self.machines.lock();
+        let mut steps: Vec<StepRecord> = m
             .steps
             .get(machine_id)
             .map(|(_, steps)| steps.iter().cloned().collect())
-            .unwrap_or_default()
+            .unwrap_or_default();
+        let mut open: Vec<StepRecord> = m
+            .open
+            .values()
+            .filter(|o| o.machine_id == machine_id)
+            .map(|o| StepRecord {
+                step: o.step,
+                node: o.node.clone(),
+                started: o.started,
+                duration: o.clock.elapsed(),
+                upid: o.upid.clone(),
+                error: None,
+                running: true,
+            })
+            .collect();
+        open.sort_by_key(|r| r.started);
+        steps.extend(open);
+        steps
     }
 
-    fn record(&self, machine_id: &str, record: StepRecord) {
+    /// Shows a step under way until it is recorded; its serial.
+    fn open(&self, open: Open) -> u64 {
+        let mut m = self.machines.lock();
+        m.next_open += 1;
+        let serial = m.next_open;
+        m.open.insert(serial, open);
+        serial
+    }
+
+    fn set_task(&self, serial: u64, upid: &str) {
+        if let Some(o) = self.machines.lock().open.get_mut(&serial) {
+            o.upid = Some(upid.to_string());
+        }
+    }
+
+    /// Records a step that ended, and stops showing it as under way
+    /// (`open`) under the same lock, so no read misses it between.
+    fn record(&self, machine_id: &str, open: Option<u64>, record: StepRecord) {
         if let Some(obs) = &self.observer {
             obs.observe_step(
                 record.step,
@@ -170,6 +222,9 @@ impl Timeline {
             );
         }
         let mut m = self.machines.lock();
+        if let Some(serial) = open {
+            m.open.remove(&serial);
+        }
         m.clock += 1;
         let now = m.clock;
         if !m.steps.contains_key(machine_id) && m.steps.len() >= MACHINES {
@@ -208,13 +263,27 @@ tokio::task_local! {
 /// doc). End it with [`StepGuard::end`]; a guard dropped without it (the
 /// future cancelled, an early return) records the step as abandoned.
 pub fn step(step: Step, node: &str) -> StepGuard {
+    let current = CURRENT.try_with(Clone::clone).ok();
+    let started = SystemTime::now();
+    let clock = tokio::time::Instant::now();
+    let open = current.as_ref().map(|c| {
+        c.timeline.open(Open {
+            machine_id: c.machine_id.clone(),
+            step,
+            node: node.to_string(),
+            started,
+            clock,
+            upid: None,
+        })
+    });
     StepGuard {
-        current: CURRENT.try_with(Clone::clone).ok(),
+        current,
         step,
         node: node.to_string(),
-        started: SystemTime::now(),
-        clock: tokio::time::Instant::now(),
+        started,
+        clock,
         upid: None,
+        open,
         done: false,
     }
 }
@@ -227,13 +296,19 @@ pub struct StepGuard {
     started: SystemTime,
     clock: tokio::time::Instant,
     upid: Option<String>,
+    /// Its serial among the steps under way, while it is shown as one.
+    open: Option<u64>,
     done: bool,
 }
 
 impl StepGuard {
     /// The PVE task running this step.
     pub fn task(&mut self, upid: impl fmt::Display) {
-        self.upid = Some(upid.to_string());
+        let upid = upid.to_string();
+        if let (Some(current), Some(serial)) = (&self.current, self.open) {
+            current.timeline.set_task(serial, &upid);
+        }
+        self.upid = Some(upid);
     }
 
     /// Ends the step with the outcome of what it did, and hands it back.
@@ -250,6 +325,7 @@ impl StepGuard {
         };
         current.timeline.record(
             &current.machine_id,
+            self.open.take(),
             StepRecord {
                 step: self.step,
                 node: std::mem::take(&mut self.node),
@@ -257,6 +333,7 @@ impl StepGuard {
                 duration: self.clock.elapsed(),
                 upid: self.upid.take(),
                 error,
+                running: false,
             },
         );
     }
@@ -347,5 +424,57 @@ mod tests {
         assert!(timeline.of("m-1").is_empty(), "least recently worked on");
         assert_eq!(timeline.of(&format!("n-{MACHINES}")).len(), 1);
         assert_eq!(timeline.machines.lock().steps.len(), MACHINES);
+    }
+
+    #[tokio::test]
+    async fn a_step_under_way_is_shown_running_until_it_ends() {
+        let timeline = Arc::new(Timeline::new(None));
+        let (started_tx, started_rx) = tokio::sync::oneshot::channel();
+        let (end_tx, end_rx) = tokio::sync::oneshot::channel::<Result<(), String>>();
+        let t = Arc::clone(&timeline);
+        let work = tokio::spawn(async move {
+            t.scope("m-1", async {
+                let _: Result<(), String> = step(Step::CloneSlot, "pve1").end(Ok(()));
+                let mut clone = step(Step::Clone, "pve1");
+                clone.task("UPID:pve1:7");
+                let _ = started_tx.send(());
+                let outcome = end_rx.await.unwrap_or(Ok(()));
+                let _ = clone.end(outcome);
+            })
+            .await;
+        });
+        started_rx.await.expect("the clone step began");
+        let steps = timeline.of("m-1");
+        let shown: Vec<(Step, bool, Option<&str>)> = steps
+            .iter()
+            .map(|r| (r.step, r.running, r.upid.as_deref()))
+            .collect();
+        assert_eq!(
+            shown,
+            [
+                (Step::CloneSlot, false, None),
+                (Step::Clone, true, Some("UPID:pve1:7")),
+            ]
+        );
+        assert!(steps[1].error.is_none());
+        assert!(timeline.of("m-2").is_empty(), "only its own machine's");
+        end_tx.send(Err("clone failed".into())).expect("end it");
+        work.await.expect("the work ends");
+        let steps = timeline.of("m-1");
+        assert_eq!(steps.len(), 2, "{steps:?}");
+        assert!(!steps[1].running);
+        assert_eq!(steps[1].error.as_deref(), Some("clone failed"));
+        assert!(
+            timeline.machines.lock().open.is_empty(),
+            "nothing left shown as under way"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_step_outside_any_scope_is_not_shown_under_way() {
+        let timeline = Arc::new(Timeline::new(None));
+        let guard = step(Step::Start, "pve1");
+        assert!(timeline.machines.lock().open.is_empty());
+        drop(guard);
     }
 }

@@ -214,3 +214,123 @@ async fn a_lifecycle_is_accounted_for_step_by_step() {
     drop(p);
     sim.shutdown().await;
 }
+
+/// A Create's step under way is in its timeline as it runs, not only
+/// once it ends: the Admin service lists the clone as running with its
+/// task and its time so far, and `ctl get` says so in the table and the
+/// JSON; once the machine is IDLE, nothing is shown as under way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_step_under_way_is_shown_while_it_runs() {
+    // Long enough that the reads below, `ctl get` among them, fall inside it.
+    const CLONE: Duration = Duration::from_secs(6);
+    let sim = PveSim::start(SimConfig {
+        clone_duration: CLONE,
+        agent_boot_delay: Duration::from_millis(100),
+        rrd_lag: Duration::ZERO,
+        ..SimConfig::default()
+    })
+    .await
+    .expect("simulator");
+    let (_dir, ca) = sim_ca_file(&sim);
+    let args = sim_backend_args(
+        &sim,
+        &ca,
+        "pve1",
+        &[
+            "--seed-count",
+            "1",
+            "--proxmox-poll-interval",
+            "50ms",
+            "--reconcile-interval",
+            "0s",
+        ],
+    );
+    let p = common::start_blocking(args).await;
+    let mut c = p.client().await;
+    let id = common::speculative_id(&mut c).await;
+    c.create(CreateRequest {
+        machine_id: id.clone(),
+        ..Default::default()
+    })
+    .await
+    .expect("Create");
+    let admin = AdminClient::new(common::plain_channel(p.grpc).await);
+    let read = || {
+        let mut admin = admin.clone();
+        let id = id.clone();
+        async move {
+            admin
+                .timeline(TimelineRequest { machine_id: id })
+                .await
+                .expect("Timeline")
+                .into_inner()
+                .steps
+        }
+    };
+    // Until the clone's task is known (its POST answered).
+    let deadline = tokio::time::Instant::now() + CLONE;
+    let steps = loop {
+        let steps = read().await;
+        if steps
+            .iter()
+            .any(|s| s.step == "clone" && !s.upid.is_empty())
+        {
+            break steps;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no clone under way: {steps:#?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    let names: Vec<(&str, bool)> = steps.iter().map(|s| (s.step.as_str(), s.running)).collect();
+    assert_eq!(
+        names,
+        [("clone_slot", false), ("clone", true)],
+        "{steps:#?}"
+    );
+    let clone = &steps[1];
+    assert!(clone.upid.starts_with("UPID:pve1:"), "{clone:?}");
+    assert!(clone.error.is_empty(), "{clone:?}");
+    let later = read().await;
+    assert!(
+        later[1].running && later[1].duration_ms >= clone.duration_ms,
+        "its time so far grows: {clone:?} then {:?}",
+        later[1]
+    );
+
+    let target = p.grpc.to_string();
+    let out = std::process::Command::new(BIN)
+        .args(["ctl", "get", &id, "--target", &target])
+        .output()
+        .expect("ctl get");
+    let table = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{table}");
+    assert!(
+        table
+            .lines()
+            .any(|l| l.contains(" clone ") && l.contains("running (so far); UPID:pve1:")),
+        "{table}"
+    );
+    let out = std::process::Command::new(BIN)
+        .args(["ctl", "get", &id, "--target", &target, "--output", "json"])
+        .output()
+        .expect("ctl get --output json");
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    assert_eq!(v["timeline"][1]["step"], "clone");
+    assert_eq!(v["timeline"][1]["running"], true, "{v}");
+    assert_eq!(v["timeline"][0].get("running"), None, "{v}");
+
+    wait_state(&mut c, &id, MachineState::Idle, DEADLINE).await;
+    let steps = read().await;
+    assert!(steps.iter().all(|s| !s.running), "{steps:#?}");
+    let clone = steps.iter().find(|s| s.step == "clone").expect("the clone");
+    assert!(
+        clone.duration_ms >= CLONE.as_millis() as u64,
+        "ended, with its whole time: {clone:?}"
+    );
+    drop(c);
+    drop(admin);
+    drop(p);
+    sim.shutdown().await;
+}
