@@ -299,7 +299,7 @@ impl Shared {
         match (over, bandwidth) {
             (true, _) => tokio::time::sleep(self.cfg.storage_lock_wait).await,
             (false, Some(_)) if need == 0 => tokio::time::sleep(LINKED_CLONE_TIME).await,
-            (false, Some(bw)) => self.copy_at(bw, need, &key, shared).await,
+            (false, Some(bw)) => self.copy_at(bw, need, &key, shared, &upid).await,
             (false, None) => tokio::time::sleep(self.cfg.clone_duration).await,
         }
         let mut c = self.cluster.lock();
@@ -356,12 +356,35 @@ impl Shared {
     /// node's, for a shared storage), re-counted every tick, and at most
     /// the storage's stream bandwidth for one copy: the model of a storage
     /// whose throughput, not a lock, bounds parallel clones.
-    async fn copy_at(&self, bandwidth: u64, bytes: u64, key: &(String, String), shared: bool) {
+    ///
+    /// As it goes it logs what qemu-server's `qemu-img convert -p` parser
+    /// prints into the clone's task log, a line each whole percent
+    /// (qemu-img reports every 1 %).
+    async fn copy_at(
+        &self,
+        bandwidth: u64,
+        bytes: u64,
+        key: &(String, String),
+        shared: bool,
+        upid: &str,
+    ) {
         const TICK: std::time::Duration = std::time::Duration::from_millis(20);
         let stream = rate_of(&self.cfg.storage_stream_bandwidth, &key.1)
             .map_or(f64::INFINITY, |bw| bw as f64);
         let mut left = bytes as f64;
         let mut last = Instant::now();
+        let mut logged = None;
+        let mut log_progress = |left: f64| {
+            let percent = (100.0 * (1.0 - left.max(0.0) / bytes as f64)).clamp(0.0, 100.0);
+            if logged.is_some_and(|at: f64| percent.floor() <= at.floor()) {
+                return;
+            }
+            logged = Some(percent);
+            self.cluster
+                .lock()
+                .task_log(upid, copy_progress_line(bytes, percent));
+        };
+        log_progress(left);
         while left > 0.0 {
             tokio::time::sleep(TICK).await;
             let writers = {
@@ -377,6 +400,7 @@ impl Shared {
             let rate = (bandwidth as f64 / writers as f64).min(stream);
             left -= rate * (now - last).as_secs_f64();
             last = now;
+            log_progress(left);
         }
     }
 
@@ -748,5 +772,52 @@ fn storage_lock_timeout(storage: &str, shared: bool) -> String {
         format!(
             "clone failed: can't lock file '/var/lock/pve-manager/pve-storage-{storage}' - got timeout"
         )
+    }
+}
+
+/// A line of a full clone's task log as qemu-server prints qemu-img's
+/// progress: `transferred 204.8 MiB of 2.0 GiB (10.00%)` (`QemuImage::convert`,
+/// sizes by `PVE::Format::render_bytes` at one decimal).
+pub(crate) fn copy_progress_line(size: u64, percent: f64) -> String {
+    let transferred = (size as f64 * percent / 100.0) as u64;
+    format!(
+        "transferred {} of {} ({percent:.2}%)",
+        render_bytes(transferred),
+        render_bytes(size)
+    )
+}
+
+/// `PVE::Format::render_bytes($value, 1)`: the largest binary unit the
+/// value reaches, one decimal.
+fn render_bytes(value: u64) -> String {
+    const UNITS: [&str; 6] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"];
+    let mut v = value as f64;
+    let mut unit = 0;
+    if value > 1023 {
+        unit = ((v.ln() / 1024f64.ln()) as usize).min(UNITS.len() - 1);
+        v /= 1024f64.powi(unit as i32);
+    }
+    format!("{v:.1} {}", UNITS[unit])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// As `PVE::Format::render_bytes($v, 1)` and qemu-server's parser print.
+    #[test]
+    fn progress_lines_read_as_pves() {
+        assert_eq!(render_bytes(0), "0.0 B");
+        assert_eq!(render_bytes(1023), "1023.0 B");
+        assert_eq!(render_bytes(1024), "1.0 KiB");
+        assert_eq!(render_bytes(2 << 30), "2.0 GiB");
+        assert_eq!(
+            copy_progress_line(2 << 30, 10.0),
+            "transferred 204.8 MiB of 2.0 GiB (10.00%)"
+        );
+        assert_eq!(
+            copy_progress_line(32 << 30, 100.0),
+            "transferred 32.0 GiB of 32.0 GiB (100.00%)"
+        );
     }
 }

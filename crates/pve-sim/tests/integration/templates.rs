@@ -326,6 +326,64 @@ async fn full_clones_share_the_storages_bandwidth() {
     shutdown_clean(sim).await;
 }
 
+/// A full clone's task log shows the copy's progress as qemu-server
+/// prints qemu-img's: `transferred X of Y (P%)`, from 0 % to 100 %, rising,
+/// a line at most each whole percent; a client can read how far a copy is.
+#[tokio::test]
+async fn a_full_clones_log_shows_the_copys_progress() {
+    let (sim, api) = start_sim(SimConfig {
+        storage_bandwidth: vec![("local-lvm".into(), 64 << 30)],
+        max_parallel_local_clones: None,
+        ..cfg()
+    })
+    .await;
+    let resp = api
+        .post(
+            "/nodes/pve1/qemu/9000/clone",
+            &[("newid", "135"), ("full", "1")],
+        )
+        .await;
+    assert_eq!(resp.status, 200, "{:?}", resp.body);
+    let upid = resp.data().as_str().expect("upid").to_string();
+    let st = api.wait_task(&upid).await;
+    assert_eq!(st["exitstatus"], "OK", "{st}");
+    let log = api
+        .get(
+            &format!("/nodes/pve1/tasks/{upid}/log"),
+            &[("limit", "1000")],
+        )
+        .await;
+    let lines: Vec<String> = log
+        .data()
+        .as_array()
+        .expect("log lines")
+        .iter()
+        .filter_map(|l| l["t"].as_str().map(str::to_string))
+        .filter(|t| t.starts_with("transferred "))
+        .collect();
+    assert_eq!(
+        lines.first().map(String::as_str),
+        Some("transferred 0.0 B of 32.0 GiB (0.00%)"),
+        "{lines:#?}"
+    );
+    assert_eq!(
+        lines.last().map(String::as_str),
+        Some("transferred 32.0 GiB of 32.0 GiB (100.00%)"),
+        "{lines:#?}"
+    );
+    assert!((3..=101).contains(&lines.len()), "{lines:#?}");
+    let percents: Vec<f64> = lines
+        .iter()
+        .filter_map(|l| l.rsplit_once('(')?.1.strip_suffix("%)")?.parse().ok())
+        .collect();
+    assert_eq!(percents.len(), lines.len(), "{lines:#?}");
+    assert!(
+        percents.windows(2).all(|w| w[1].floor() > w[0].floor()),
+        "rising, a whole percent at least between lines: {percents:?}"
+    );
+    shutdown_clean(sim).await;
+}
+
 /// `--storage-stream-bandwidth`: one copy runs no faster than a stream,
 /// however idle the storage (qemu-img's in-order writes): a 32 GiB disk on
 /// a 64 GiB/s storage whose stream reaches 32 GiB/s takes a second, not
