@@ -253,6 +253,9 @@ pub(crate) struct StepView {
     /// Under way: `duration_ms` is how long so far.
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub(crate) running: bool,
+    /// A clone under way: how far its copy is, in percent.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) copied_percent: Option<f64>,
 }
 
 impl From<&TimelineStep> for StepView {
@@ -265,6 +268,7 @@ impl From<&TimelineStep> for StepView {
             upid: s.upid.clone(),
             error: s.error.clone(),
             running: s.running,
+            copied_percent: s.copied_percent,
         }
     }
 }
@@ -295,10 +299,10 @@ pub(crate) fn timeline_table(steps: &[TimelineStep]) -> String {
             (true, true) => "-".to_string(),
         };
         // A step under way: its time so far, and said so.
-        let tail = if v.running {
-            format!("running (so far); {tail}")
-        } else {
-            tail
+        let tail = match (v.running, v.copied_percent) {
+            (true, Some(percent)) => format!("running (so far), {percent:.0} % copied; {tail}"),
+            (true, None) => format!("running (so far); {tail}"),
+            (false, _) => tail,
         };
         out.push_str(&format!(
             "  {:<24}  {:<15}  {:<10}  {:>9}  {tail}\n",
@@ -560,14 +564,18 @@ mod tests {
             upid: upid.into(),
             error: error.into(),
             running,
+            copied_percent: None,
         }
     }
 
     #[test]
     fn a_step_under_way_says_so_in_the_table_and_in_json() {
+        let mut copying = step("clone", "UPID:pve1:8", "", true);
+        copying.copied_percent = Some(37.4);
         let steps = [
             step("clone_slot", "", "", false),
             step("clone", "UPID:pve1:7", "", true),
+            copying,
         ];
         let table = timeline_table(&steps);
         let rows: Vec<&str> = table.lines().skip(2).collect();
@@ -588,5 +596,11 @@ mod tests {
         );
         assert_eq!(json[1]["running"], true);
         assert_eq!(json[1]["duration_ms"], 4200);
+        assert_eq!(json[1].get("copied_percent"), None);
+        assert!(
+            rows[2].ends_with("running (so far), 37 % copied; UPID:pve1:8"),
+            "{table}"
+        );
+        assert_eq!(json[2]["copied_percent"], 37.4);
     }
 }

@@ -143,7 +143,8 @@ impl Admin for AdminService {
         self.engine.get(&req.machine_id)?;
         let steps = self
             .backend
-            .timeline(&req.machine_id)
+            .timeline_now(&req.machine_id)
+            .await
             .into_iter()
             .map(|r| TimelineStep {
                 step: r.step.name().to_string(),
@@ -155,6 +156,7 @@ impl Admin for AdminService {
                 upid: r.upid.unwrap_or_default(),
                 error: r.error.unwrap_or_default(),
                 running: r.running,
+                copied_percent: r.copied_percent,
                 node: r.node,
             })
             .collect();

@@ -13,7 +13,7 @@ use providerkit::{
 
 use crate::catalog::{self, InstanceType, Pricing, Slot};
 use crate::substrate::{CloneRequest, Substrate, SubstrateError, VmRef};
-use crate::timeline::{StepObserver, StepRecord, Timeline};
+use crate::timeline::{Step, StepObserver, StepRecord, Timeline};
 
 pub struct ProxmoxBackend {
     slots: Vec<Slot>,
@@ -59,6 +59,31 @@ impl ProxmoxBackend {
     /// oldest first (empty for one it has not worked on).
     pub fn timeline(&self, machine_id: &str) -> Vec<StepRecord> {
         self.timeline.of(machine_id)
+    }
+
+    /// [`ProxmoxBackend::timeline`], with how far each clone under way has
+    /// copied, read from its task's log now (one PVE request per such
+    /// clone; a machine has at most one). A log that cannot be read leaves
+    /// the step without it, and is logged: the timeline is still worth
+    /// showing.
+    pub async fn timeline_now(&self, machine_id: &str) -> Vec<StepRecord> {
+        let mut steps = self.timeline.of(machine_id);
+        for step in steps
+            .iter_mut()
+            .filter(|s| s.running && s.step == Step::Clone)
+        {
+            let Some(upid) = &step.upid else { continue };
+            match self.substrate.copy_progress(upid).await {
+                Ok(percent) => step.copied_percent = percent,
+                Err(e) => tracing::warn!(
+                    machine_id,
+                    upid = %upid,
+                    error = %e,
+                    "could not read how far a clone under way has copied"
+                ),
+            }
+        }
+        steps
     }
 
     /// Each node's memory room as the node memory guard last saw it.

@@ -101,7 +101,7 @@ impl fmt::Display for Step {
 }
 
 /// One step taken for a machine.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct StepRecord {
     pub step: Step,
     pub node: String,
@@ -114,6 +114,10 @@ pub struct StepRecord {
     /// Still under way: `duration` is how long it has run so far. An
     /// operator asking why a Create is slow asks while it is.
     pub running: bool,
+    /// For a clone under way: how far its copy is, in percent, as its task
+    /// log last said when the timeline was asked for
+    /// ([`crate::backend::ProxmoxBackend::timeline_now`]); `None` otherwise.
+    pub copied_percent: Option<f64>,
 }
 
 /// Told of every step that ends, for the per-step histograms.
@@ -188,6 +192,7 @@ impl Timeline {
                 upid: o.upid.clone(),
                 error: None,
                 running: true,
+                copied_percent: None,
             })
             .collect();
         open.sort_by_key(|r| r.started);
@@ -334,6 +339,7 @@ impl StepGuard {
                 upid: self.upid.take(),
                 error,
                 running: false,
+                copied_percent: None,
             },
         );
     }

@@ -638,6 +638,26 @@ impl TaskLogLine {
         let (volid, _) = rest.split_once("', check manually")?;
         (!volid.is_empty()).then_some(volid)
     }
+
+    /// How far a disk copy is, in percent, when this line reports it:
+    /// qemu-server prints qemu-img's progress in a full clone's log as
+    /// `transferred 204.8 MiB of 2.0 GiB (10.00%)` (`QemuImage::convert`)
+    /// and a block job's (a clone of a running VM, a disk move) as
+    /// `drive-scsi0: transferred 1.0 GiB of 32.0 GiB (3.12%) in 2s`
+    /// (`BlockJob::qemumonitor_wait_blockjobs`).
+    pub fn copy_percent(&self) -> Option<f64> {
+        let t = self.t.trim();
+        let rest = match t.split_once(": transferred ") {
+            Some((job, rest)) if !job.contains(' ') => rest,
+            _ => t.strip_prefix("transferred ")?,
+        };
+        let (_, tail) = rest.split_once(" of ")?;
+        let (_, pct) = tail.split_once(" (")?;
+        let (pct, _) = pct.split_once("%)")?;
+        pct.parse::<f64>()
+            .ok()
+            .filter(|p| p.is_finite() && (0.0..=100.0).contains(p))
+    }
 }
 
 /// One VM from `GET /cluster/resources?type=vm` (may be seconds stale; no description).
@@ -817,6 +837,33 @@ pub enum FileEncoding {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn copy_percent_reads_qemu_imgs_and_a_block_jobs_progress() {
+        let line = |t: &str| TaskLogLine { n: 1, t: t.into() };
+        assert_eq!(
+            line("transferred 204.8 MiB of 2.0 GiB (10.00%)").copy_percent(),
+            Some(10.0)
+        );
+        assert_eq!(
+            line("drive-scsi0: transferred 1.0 GiB of 32.0 GiB (3.12%) in 2s").copy_percent(),
+            Some(3.12)
+        );
+        assert_eq!(
+            line("drive-scsi0: transferred 32.0 GiB of 32.0 GiB (100.00%) in 41s, ready")
+                .copy_percent(),
+            Some(100.0)
+        );
+        for other in [
+            "create full clone of drive scsi0 (local-lvm:base-9000-disk-0)",
+            "transferred 1.0 GiB of 2.0 GiB (lots%)",
+            "transferred 3.0 GiB of 2.0 GiB (150.00%)",
+            "migration status: active (transferred 1.0 GiB of 2.0 GiB (50.00%))",
+            "TASK OK",
+        ] {
+            assert_eq!(line(other).copy_percent(), None, "{other}");
+        }
+    }
+
     #[test]
     fn a_task_row_is_running_when_pve_says_running_or_says_nothing() {
         let row = |status: serde_json::Value| -> super::TaskSummary {

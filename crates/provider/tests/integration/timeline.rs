@@ -217,14 +217,17 @@ async fn a_lifecycle_is_accounted_for_step_by_step() {
 
 /// A Create's step under way is in its timeline as it runs, not only
 /// once it ends: the Admin service lists the clone as running with its
-/// task and its time so far, and `ctl get` says so in the table and the
-/// JSON; once the machine is IDLE, nothing is shown as under way.
+/// task, its time so far and how far its copy is (read from the task's
+/// log, as PVE prints qemu-img's progress), and `ctl get` says so in the
+/// table and the JSON; once the machine is IDLE, nothing is shown as under
+/// way.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_step_under_way_is_shown_while_it_runs() {
-    // Long enough that the reads below, `ctl get` among them, fall inside it.
+    // Long enough that the reads below, `ctl get` among them, fall inside
+    // it: the template's 32 GiB disk copied at 32 GiB per 6 s.
     const CLONE: Duration = Duration::from_secs(6);
     let sim = PveSim::start(SimConfig {
-        clone_duration: CLONE,
+        storage_bandwidth: vec![("local-lvm".into(), (32 << 30) / CLONE.as_secs())],
         agent_boot_delay: Duration::from_millis(100),
         rrd_lag: Duration::ZERO,
         ..SimConfig::default()
@@ -267,13 +270,14 @@ async fn a_step_under_way_is_shown_while_it_runs() {
                 .steps
         }
     };
-    // Until the clone's task is known (its POST answered).
+    // Until the clone's task is known (its POST answered) and its copy
+    // has begun (after the volume's allocation).
     let deadline = tokio::time::Instant::now() + CLONE;
     let steps = loop {
         let steps = read().await;
         if steps
             .iter()
-            .any(|s| s.step == "clone" && !s.upid.is_empty())
+            .any(|s| s.step == "clone" && !s.upid.is_empty() && s.copied_percent.is_some())
         {
             break steps;
         }
@@ -292,7 +296,20 @@ async fn a_step_under_way_is_shown_while_it_runs() {
     let clone = &steps[1];
     assert!(clone.upid.starts_with("UPID:pve1:"), "{clone:?}");
     assert!(clone.error.is_empty(), "{clone:?}");
-    let later = read().await;
+    let copied = clone.copied_percent.unwrap_or(-1.0);
+    assert!((0.0..100.0).contains(&copied), "{clone:?}");
+    // Until the copy has moved on by a whole percent (a line each).
+    let later = loop {
+        let later = read().await;
+        if later[1].copied_percent.is_some_and(|p| p >= copied + 1.0) {
+            break later;
+        }
+        assert!(
+            later[1].running && tokio::time::Instant::now() < deadline,
+            "the copy does not move on: {clone:?} then {later:#?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
     assert!(
         later[1].running && later[1].duration_ms >= clone.duration_ms,
         "its time so far grows: {clone:?} then {:?}",
@@ -307,9 +324,9 @@ async fn a_step_under_way_is_shown_while_it_runs() {
     let table = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{table}");
     assert!(
-        table
-            .lines()
-            .any(|l| l.contains(" clone ") && l.contains("running (so far); UPID:pve1:")),
+        table.lines().any(|l| l.contains(" clone ")
+            && l.contains("running (so far), ")
+            && l.contains(" % copied; UPID:pve1:")),
         "{table}"
     );
     let out = std::process::Command::new(BIN)
@@ -319,14 +336,20 @@ async fn a_step_under_way_is_shown_while_it_runs() {
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
     assert_eq!(v["timeline"][1]["step"], "clone");
     assert_eq!(v["timeline"][1]["running"], true, "{v}");
+    assert!(v["timeline"][1]["copied_percent"].is_f64(), "{v}");
     assert_eq!(v["timeline"][0].get("running"), None, "{v}");
 
     wait_state(&mut c, &id, MachineState::Idle, DEADLINE).await;
     let steps = read().await;
-    assert!(steps.iter().all(|s| !s.running), "{steps:#?}");
+    assert!(
+        steps
+            .iter()
+            .all(|s| !s.running && s.copied_percent.is_none()),
+        "{steps:#?}"
+    );
     let clone = steps.iter().find(|s| s.step == "clone").expect("the clone");
     assert!(
-        clone.duration_ms >= CLONE.as_millis() as u64,
+        clone.duration_ms >= CLONE.as_millis() as u64 - 50,
         "ended, with its whole time: {clone:?}"
     );
     drop(c);

@@ -142,3 +142,63 @@ async fn the_first_answer_of_a_start_up_check_is_not_waited_for() {
     );
     sim.shutdown().await;
 }
+
+/// How far a full clone under way has copied, read from its task's log
+/// through the door (past transient failures): a percent while it copies,
+/// `None` for a task whose log reports no copy, a clear error for a UPID
+/// that is not one.
+#[tokio::test]
+async fn a_clones_copy_progress_is_read_from_its_log_through_the_door() {
+    let sim = sim_with(SimConfig {
+        // The template's 32 GiB disk in about 4 s.
+        storage_bandwidth: vec![("local-lvm".into(), 8 << 30)],
+        ..common::fast_sim(Duration::from_millis(100), Duration::from_millis(50))
+    })
+    .await;
+    let sub = PveSubstrate::new(one_attempt(&sim), opts());
+    let pve = common::client(&sim);
+    let clone = |newid, full| {
+        let params = pve::CloneParams {
+            newid,
+            full: Some(full),
+            ..Default::default()
+        };
+        let pve = pve.clone();
+        async move { pve.clone_vm("pve1", 9000, &params).await.expect("clone") }
+    };
+    let upid = clone(150, true).await.to_string();
+    // Until its copy has begun (after the volume's allocation).
+    let first = provider_testkit::wait::Wait::new(
+        "the copy's first progress line",
+        Duration::from_secs(10),
+    )
+    .some_async(|| async { sub.copy_progress(&upid).await.expect("read") })
+    .await;
+    assert!((0.0..100.0).contains(&first), "{first}");
+    let before = fail_next(&sim, endpoints::TASK_LOG);
+    let again = sub
+        .copy_progress(&upid)
+        .await
+        .expect("read past the failures")
+        .expect("a percent");
+    assert_retried(&sim, endpoints::TASK_LOG, before, "copy progress");
+    assert!(again >= first, "{first} then {again}");
+
+    // A linked clone copies nothing: its log, once it ended, has no
+    // progress line.
+    let linked = clone(151, false).await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    pve.wait_task(&linked, deadline, Duration::from_millis(20))
+        .await
+        .expect("the linked clone ends");
+    assert_eq!(
+        sub.copy_progress(&linked.to_string()).await.expect("read"),
+        None
+    );
+    let bad = sub
+        .copy_progress("not-a-upid")
+        .await
+        .expect_err("not a UPID");
+    assert!(bad.to_string().contains("UPID"), "{bad}");
+    sim.shutdown().await;
+}
