@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use providerkit::ErrorKind;
-use pve::{CloneParams, ConfigParams, PveError};
+use pve::{CloneParams, ConfigParams, PveError, Upid};
 use tokio::time::Instant;
 
 use super::api::{err, err_at, stale_lock_error, Api, LockedVm, Probe};
@@ -236,7 +236,15 @@ impl Cloner {
                 }
             };
             tracing::info!(machine_id = %req.machine_id, vm = %vm, task = %upid, "clone started");
-            match self.api.wait_task(&upid, "clone").await {
+            let waited = {
+                let wait = self.api.wait_task(&upid, "clone");
+                tokio::pin!(wait);
+                tokio::select! {
+                    ended = &mut wait => ended,
+                    () = self.report_progress(&permit, &upid) => wait.await,
+                }
+            };
+            match waited {
                 Ok(()) => {
                     permit.finished(req.template_vmid, posted.elapsed());
                     res.commit();
@@ -274,6 +282,30 @@ impl Cloner {
                     return Err(err(format!("clone task for VM {vm}"), &e));
                 }
             }
+        }
+    }
+
+    /// While the clone's domain learns its storage (see
+    /// `slots::learn`): reads the clone task's log for its copy's progress
+    /// as the domain asks, and tells it. Returns once the domain needs no
+    /// more (at once when it is not learning); the task's wait runs beside
+    /// it. A log that cannot be read now is read again at the next turn:
+    /// a missed sample only delays the learning.
+    async fn report_progress(&self, permit: &ClonePermit, upid: &Upid) {
+        // A clone's log is about a hundred lines (one each whole percent).
+        const LINES: u64 = 1000;
+        let mut next = permit.first_read();
+        while let Some(after) = next {
+            tokio::time::sleep(after).await;
+            let percent = match self.api.once(|pve| pve.task_log(upid, 0, LINES)).await {
+                Ok(log) => log.iter().rev().find_map(pve::TaskLogLine::copy_percent),
+                Err(e) => {
+                    tracing::debug!(task = %upid, error = %e, "could not read the clone's progress; reading it at the next turn");
+                    next = Some(after);
+                    continue;
+                }
+            };
+            next = permit.sample(percent);
         }
     }
 

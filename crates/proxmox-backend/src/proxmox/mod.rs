@@ -174,10 +174,8 @@ impl PveSubstrate {
         let api = Arc::new(Api::new(client, Arc::clone(&opts)));
         let vmids = Arc::new(Vmids::new(Arc::clone(&api), Arc::clone(&opts)));
         let inventory = Arc::new(Inventory::new(Arc::clone(&api)));
-        let slots = Arc::new(CloneSlots::new(
-            opts.max_parallel_clones,
-            opts.adaptive_clones,
-        ));
+        let slots =
+            Arc::new(CloneSlots::new(opts.max_parallel_clones, opts.adaptive_clones).learning());
         let placement = Arc::new(Placement::new(Arc::clone(&api), Arc::clone(&opts)));
         let storage = Arc::new(StorageGuard::new(
             Arc::clone(&api),

@@ -23,6 +23,20 @@
 //! halves the slots. A node never holds more than `--max-parallel-clones`
 //! of a shared domain's slots: each copy is a `qemu-img` process on its
 //! node.
+//!
+//! A node's own storage (adaptive) first learns ([`learn`]): its first
+//! clone copies alone, then one more at a time, each reading its copy's
+//! progress from its task's log, until the copies slow one another. That
+//! gives one copy's rate alone and the disk's whole rate, so its fill (the
+//! copies at once it holds) and its time per clone. From then on the
+//! domain has one slot more than the fill and starts a clone each time
+//! per clone (a pace, as GCRA spaces cells): clones end one after another
+//! instead of in rounds whose copies shared the disk and ended together.
+//! Vegas then only gives slots back (crowding, lock timeouts). A domain
+//! whose clones show no progress (linked clones, fixed-duration test
+//! doubles) gives learning up after its first clone and adapts as above.
+//! What it learnt is kept for the process's life, in percent of the
+//! template it learnt from.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -33,6 +47,9 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
 
 use crate::substrate::{CloneSlotsView, SubstrateError};
+
+mod learn;
+use learn::{Learner, Learnt};
 
 /// Where an adaptive domain starts, per node cloning to it: two clones at
 /// once, the old fixed default.
@@ -82,6 +99,9 @@ pub(super) struct SlotDomain {
 pub(super) struct CloneSlots {
     most: usize,
     adaptive: bool,
+    /// Adaptive, a node's own storage first learns its rate and fill from
+    /// its clones' progress and then paces them ([`learn`]).
+    learn: bool,
     keys: Mutex<HashMap<(String, String), Arc<Key>>>,
 }
 
@@ -122,6 +142,18 @@ struct KeyState {
     /// clone's mean company is its difference over the clone's time.
     held_seconds: f64,
     counted: Option<Instant>,
+    /// While the domain learns its storage ([`learn`]): it sets the limit.
+    learner: Option<Learner>,
+    /// Once learnt: one clone starts each `every`, the next at `next`.
+    pace: Option<Pace>,
+    /// Numbers the permits, for the learner.
+    serial: u64,
+}
+
+/// A learnt domain's pace: clones start one each `every`.
+struct Pace {
+    every: Duration,
+    next: Instant,
 }
 
 impl KeyState {
@@ -142,8 +174,19 @@ impl CloneSlots {
         CloneSlots {
             most: most.max(1),
             adaptive,
+            learn: false,
             keys: Mutex::new(HashMap::new()),
         }
+    }
+
+    /// Adaptive slots whose node-own domains learn their storage before
+    /// they pace (see [`learn`]); the clones must then report their copy's
+    /// progress ([`ClonePermit::sample`]). A shared storage's domain adapts
+    /// as before: its pool is filled by many streams, and its clones end
+    /// one after another already.
+    pub(super) fn learning(mut self) -> CloneSlots {
+        self.learn = self.adaptive;
+        self
     }
 
     /// The key for a clone on `node` to `domain`: the node's own, or the
@@ -168,21 +211,25 @@ impl CloneSlots {
                     })
                 }),
         );
-        let bound = self.join(&key, node);
+        let bound = self.join(&key, node, self.learn && !domain.shared);
         (key, bound)
     }
 
     /// Counts `node` in `key`'s domain (its ceiling grows by the node's
     /// most and, until the domain has moved on what its clones showed, its
     /// limit by the node's start); the node's bound there.
-    fn join(&self, key: &Key, node: &str) -> Arc<Semaphore> {
+    fn join(&self, key: &Key, node: &str, learn: bool) -> Arc<Semaphore> {
         let mut st = key.state.lock();
         if let Some(bound) = st.nodes.get(node) {
             return Arc::clone(bound);
         }
         let bound = Arc::new(Semaphore::new(self.most));
         st.nodes.insert(node.to_string(), Arc::clone(&bound));
-        let start = if self.adaptive {
+        let start = if learn && st.nodes.len() == 1 {
+            // One copy alone first: the learner admits more.
+            st.learner = Some(Learner::new(self.most));
+            1
+        } else if self.adaptive {
             ADAPTIVE_START.min(self.most)
         } else {
             self.most
@@ -233,6 +280,28 @@ impl CloneSlots {
         let node_slot = bound.acquire_owned().await.map_err(closed)?;
         let permit = Arc::clone(&key.sem).acquire_owned().await.map_err(closed)?;
         drop(waiting);
+        let now = Instant::now();
+        let (id, learning, start) = {
+            let mut st = key.state.lock();
+            st.serial += 1;
+            let id = st.serial;
+            let verdict = st.learner.as_mut().map(|l| l.join(id));
+            let learning = matches!(verdict, Some(None));
+            if let Some(Some(v)) = verdict {
+                key.apply(&mut st, v, self.most);
+            }
+            // A learnt domain's pace: this clone starts at the next turn.
+            let start = st.pace.as_mut().map_or(now, |p| {
+                let start = p.next.max(now);
+                p.next = start + p.every;
+                start
+            });
+            (id, learning, start)
+        };
+        // Its slot is held while it waits for its turn (the slot wait).
+        if start > now {
+            tokio::time::sleep_until(start).await;
+        }
         let acquired = Instant::now();
         let held_seconds_before = {
             let mut st = key.state.lock();
@@ -248,6 +317,8 @@ impl CloneSlots {
             held_seconds_before,
             most: self.most,
             adaptive: self.adaptive,
+            id,
+            learning,
         })
     }
 }
@@ -281,6 +352,10 @@ pub(super) struct ClonePermit {
     /// `--max-parallel-clones`: the ceiling per node in the domain.
     most: usize,
     adaptive: bool,
+    /// Its number among the domain's permits.
+    id: u64,
+    /// Taken while the domain learnt its storage: its progress counts.
+    learning: bool,
 }
 
 impl ClonePermit {
@@ -293,6 +368,11 @@ impl ClonePermit {
             return;
         }
         let mut st = self.key.state.lock();
+        if self.learning {
+            if let Some(v) = st.learner.as_mut().and_then(|l| l.left(self.id, true)) {
+                self.key.apply(&mut st, v, self.most);
+            }
+        }
         let recent = st.recent.entry(template).or_default();
         recent.push_back(took);
         if recent.len() > WINDOW {
@@ -315,7 +395,10 @@ impl ClonePermit {
         };
         let unneeded = among * (1.0 - shortest.as_secs_f64() / took.as_secs_f64().max(1e-3));
         let ceiling = self.most * st.nodes.len();
-        if unneeded < ALPHA && st.waiting > 0 && st.limit < ceiling {
+        // Learning, the learner sets the limit; paced, the pace starts
+        // clones and more slots would only let them crowd.
+        let steered = st.learner.is_some() || st.pace.is_some();
+        if unneeded < ALPHA && st.waiting > 0 && st.limit < ceiling && !steered {
             st.limit += 1;
             st.changed = Some(now);
             self.key.sem.add_permits(1);
@@ -323,12 +406,34 @@ impl ClonePermit {
                 st.limit,
                 "the storage had bandwidth to spare and clones wait",
             );
-        } else if unneeded > BETA {
+        } else if unneeded > BETA && st.learner.is_none() {
             let fewer = st.limit.saturating_sub(1);
-            if self.lower(&mut st, fewer) {
+            if self.key.lower(&mut st, fewer) {
                 self.changed(st.limit, "more copies than the storage needed");
             }
         }
+    }
+
+    /// When this clone is first to report its copy's progress
+    /// ([`ClonePermit::sample`]): `None` unless its domain is learning its
+    /// storage.
+    pub(super) fn first_read(&self) -> Option<Duration> {
+        (self.learning && self.key.state.lock().learner.is_some()).then_some(learn::READ_SOONEST)
+    }
+
+    /// The clone's copy was `percent` done (`None`: its log shows no
+    /// progress yet) as its task's log was read now. When to read it
+    /// next; `None` once its domain needs no more.
+    pub(super) fn sample(&self, percent: Option<f64>) -> Option<Duration> {
+        let mut st = self.key.state.lock();
+        let (verdict, next) = st
+            .learner
+            .as_mut()
+            .map(|l| l.sample(self.id, Instant::now(), percent))?;
+        if let Some(v) = verdict {
+            self.key.apply(&mut st, v, self.most);
+        }
+        next.filter(|_| st.learner.is_some())
     }
 
     /// The clone met a storage-lock timeout: too many allocations queue on
@@ -342,9 +447,23 @@ impl ClonePermit {
             return;
         }
         let half = st.limit / 2;
-        if self.lower(&mut st, half) {
+        if self.key.lower(&mut st, half) {
             self.changed(st.limit, "a storage-lock timeout");
         }
+    }
+
+    fn ran_under_current_limit(&self, st: &KeyState) -> bool {
+        st.changed.is_none_or(|at| self.acquired >= at)
+    }
+
+    fn changed(&self, slots: usize, why: &str) {
+        self.key.changed(slots, why);
+    }
+}
+
+impl Key {
+    fn changed(&self, slots: usize, why: &str) {
+        tracing::info!(node = %self.node, storage = %self.storage, slots, why, "clone slots changed");
     }
 
     /// Lowers the key's limit to `to` (at least one): free permits go now,
@@ -357,17 +476,65 @@ impl ClonePermit {
         let cut = st.limit - to;
         st.limit = to;
         st.changed = Some(Instant::now());
-        let forgotten = self.key.sem.forget_permits(cut);
+        let forgotten = self.sem.forget_permits(cut);
         st.owed += cut - forgotten;
         true
     }
 
-    fn ran_under_current_limit(&self, st: &KeyState) -> bool {
-        st.changed.is_none_or(|at| self.acquired >= at)
+    /// Raises the key's limit to `to`; whether it went higher.
+    fn raise(&self, st: &mut KeyState, to: usize) -> bool {
+        if to <= st.limit {
+            return false;
+        }
+        let more = to - st.limit;
+        // Permits owed back for an earlier lowering are kept instead.
+        let kept = more.min(st.owed);
+        st.owed -= kept;
+        self.sem.add_permits(more - kept);
+        st.limit = to;
+        st.changed = Some(Instant::now());
+        true
     }
 
-    fn changed(&self, slots: usize, why: &str) {
-        tracing::info!(node = %self.key.node, storage = %self.key.storage, slots, why, "clone slots changed");
+    /// Acts on what the learner says (see [`learn`]); `most` is the
+    /// ceiling per node.
+    fn apply(&self, st: &mut KeyState, verdict: Learnt, most: usize) {
+        match verdict {
+            Learnt::Stage(n) => {
+                if self.raise(st, n) {
+                    self.changed(n, "learning the storage: one copy more at once");
+                }
+            }
+            Learnt::Known { every, fill } => {
+                st.learner = None;
+                st.pace = Some(Pace {
+                    every,
+                    next: Instant::now(),
+                });
+                // As many as fill the storage, and one allocating beside them.
+                let to = (fill + 1).min(most.max(1));
+                if !self.raise(st, to) {
+                    self.lower(st, to);
+                }
+                tracing::info!(
+                    node = %self.node,
+                    storage = %self.storage,
+                    fill,
+                    every_ms = every.as_millis() as u64,
+                    slots = st.limit,
+                    "clone slots learnt the storage: a clone starts each `every`"
+                );
+            }
+            Learnt::GaveUp => {
+                st.learner = None;
+                let to = ADAPTIVE_START.min(most.max(1));
+                self.raise(st, to);
+                self.changed(
+                    st.limit,
+                    "learning the storage gave up (no progress to read)",
+                );
+            }
+        }
     }
 }
 
@@ -375,6 +542,13 @@ impl Drop for ClonePermit {
     fn drop(&mut self) {
         // Under the key's lock, so a concurrent lowering counts it rightly.
         let mut st = self.key.state.lock();
+        if self.learning {
+            // Given up or failed before its verdict (a clone that ended
+            // well has left already).
+            if let Some(v) = st.learner.as_mut().and_then(|l| l.left(self.id, false)) {
+                self.key.apply(&mut st, v, self.most);
+            }
+        }
         let Some(permit) = self.permit.take() else {
             return;
         };

@@ -10,6 +10,7 @@ mod common;
 mod api_door;
 mod bad_day;
 mod bench_real;
+mod clone_pace;
 mod configurations;
 mod devices;
 mod guest_hostname;

@@ -30,10 +30,13 @@ async fn a_burst_of_tasks_on_a_node_costs_one_list_per_tick() {
         .await,
     );
     let poll = Duration::from_millis(50);
+    // The whole burst's clones at once (fixed slots: an adaptive node's
+    // first clone would run alone while it learns its storage).
     let sub = Arc::new(PveSubstrate::new(
         client(&sim),
         PveOptions {
             max_parallel_clones: BURST,
+            adaptive_clones: false,
             poll_interval: poll,
             ..opts(Duration::from_secs(20))
         },
@@ -310,10 +313,12 @@ async fn a_burst_guesses_its_next_vmid_and_asks_again_after_a_wrong_guess() {
         ))
         .await,
     );
+    // Four slots from the first clone: the second must run beside it.
     let sub = Arc::new(PveSubstrate::new(
         client(&sim),
         PveOptions {
             max_parallel_clones: 4,
+            adaptive_clones: false,
             ..opts(Duration::from_secs(20))
         },
     ));
