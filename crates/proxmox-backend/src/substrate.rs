@@ -21,6 +21,9 @@ pub struct CloneSlotsView {
     pub limit: usize,
     pub used: usize,
     pub waiting: usize,
+    /// A node's storage that learnt its rate: one clone starts each this
+    /// long. `None` while it learns, or where nothing paces.
+    pub pace: Option<std::time::Duration>,
 }
 
 /// A VM on one node: `HostRef.ref` is `<node>/<vmid>`.

@@ -37,6 +37,7 @@ const METRICS: &[(&str, &str)] = &[
     ("bigfleet_proxmox_clone_slots", "gauge"),
     ("bigfleet_proxmox_clone_slots_used", "gauge"),
     ("bigfleet_proxmox_clone_slots_waiting", "gauge"),
+    ("bigfleet_proxmox_clone_pace_seconds", "gauge"),
     ("bigfleet_proxmox_step_duration_seconds", "histogram"),
     ("bigfleet_proxmox_pve_requests_total", "counter"),
 ];

@@ -51,8 +51,9 @@ struct CloneSlotLabels {
 /// each full clone's Create), `bigfleet_proxmox_destroy_leftover_volumes
 /// _total` (while this replica leads: the leader destroys; it counts from
 /// 0 again each term, a reset `increase()` and `rate()` handle) and
-/// `bigfleet_proxmox_clone_slots{,_used,_waiting}{node,storage}`, from the
-/// backend at scrape time.
+/// `bigfleet_proxmox_clone_slots{,_used,_waiting}{node,storage}` and
+/// `bigfleet_proxmox_clone_pace_seconds{node,storage}`, from the backend at
+/// scrape time.
 pub(super) struct BackendGauges {
     pub(super) source: Arc<RwLock<Option<Arc<ProxmoxBackend>>>>,
 }
@@ -135,12 +136,25 @@ impl Collector for BackendGauges {
                 |d| count(d.waiting),
             ),
         ];
-        encode_gauges(&mut encoder, &families, &backend.clone_slots(), |d| {
-            CloneSlotLabels {
-                node: d.node.clone(),
-                storage: d.storage.clone(),
+        let slots = backend.clone_slots();
+        let labels = |d: &CloneSlotsView| CloneSlotLabels {
+            node: d.node.clone(),
+            storage: d.storage.clone(),
+        };
+        encode_gauges(&mut encoder, &families, &slots, labels)?;
+        // Only the storages that learnt a pace have one; in seconds, a float.
+        let mut family = encoder.encode_descriptor(
+            "bigfleet_proxmox_clone_pace_seconds",
+            "A node's own storage that learnt its rate from its first clones' progress: \
+             one clone starts each this long (its time per clone at its whole bandwidth)",
+            None,
+            MetricType::Gauge,
+        )?;
+        for d in &slots {
+            if let Some(pace) = d.pace {
+                ConstGauge::new(pace.as_secs_f64()).encode(family.encode_family(&labels(d))?)?;
             }
-        })?;
+        }
         let family = encoder.encode_descriptor(
             "bigfleet_proxmox_destroy_leftover_volumes",
             "Volumes PVE could not remove when it destroyed a VM (`Could not remove disk`: \

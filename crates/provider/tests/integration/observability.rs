@@ -468,9 +468,16 @@ async fn real_backend_scrape_passes_promtool_and_the_openmetrics_parser() {
         ) >= 1.0
     );
     // The default template is on pve1's local-lvm: its clone slots are
-    // pve1's, adaptive from 2, none used or waited for once the clone ended.
+    // pve1's, adaptive from 2 once learning gave up (this simulator's
+    // fixed-length clones print no progress), so no pace; none used or
+    // waited for once the clone ended.
     let slots = [("node", "pve1"), ("storage", "local-lvm")];
     assert_eq!(exp.must("bigfleet_proxmox_clone_slots", &slots), 2.0);
+    assert_eq!(
+        exp.get("bigfleet_proxmox_clone_pace_seconds", &slots),
+        None,
+        "nothing learnt, nothing paced"
+    );
     assert_eq!(exp.must("bigfleet_proxmox_clone_slots_used", &slots), 0.0);
     assert_eq!(
         exp.must("bigfleet_proxmox_clone_slots_waiting", &slots),

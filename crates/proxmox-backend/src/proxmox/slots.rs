@@ -260,6 +260,7 @@ impl CloneSlots {
                     limit: st.limit,
                     used: (st.limit + st.owed).saturating_sub(k.sem.available_permits()),
                     waiting: st.waiting,
+                    pace: st.pace.as_ref().map(|p| p.every),
                 }
             })
             .collect();
@@ -664,6 +665,7 @@ mod tests {
                 limit: 4,
                 used: 4,
                 waiting: 2,
+                pace: None,
             }]
         );
         // It grows, once a round, to 3 per node that cloned there.

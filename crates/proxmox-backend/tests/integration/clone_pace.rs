@@ -20,7 +20,8 @@ const DISK_RATE: u64 = 32 << 30;
 
 /// Six Creates at once on `pve1`, a copy's stream reaching `stream` (none:
 /// the disk's whole rate). The domain's slots after them, and when each
-/// Create's clone was done (seconds from the first POST), in order.
+/// Create's clone was done (seconds from the first POST), in order. The
+/// pace learnt must be the disk's second per clone.
 async fn burst(stream: Option<u64>) -> (usize, Vec<f64>) {
     let sim = sim_with(SimConfig {
         storage_bandwidth: vec![("local-lvm".into(), DISK_RATE)],
@@ -52,12 +53,17 @@ async fn burst(stream: Option<u64>) -> (usize, Vec<f64>) {
         done.push(c.await.expect("task"));
     }
     done.sort_by(f64::total_cmp);
-    let slots = sub
+    let view = sub
         .clone_slots()
         .into_iter()
         .find(|v| v.node == "pve1" && v.storage == "local-lvm")
-        .map(|v| v.limit)
         .expect("the node's local-lvm slots");
+    let pace = view.pace.map(|p| p.as_secs_f64());
+    assert!(
+        pace.is_some_and(|p| (0.85..1.2).contains(&p)),
+        "a clone each second: {pace:?} ({done:?})"
+    );
+    let slots = view.limit;
     sim.shutdown().await;
     (slots, done)
 }
