@@ -17,7 +17,7 @@ use super::marker::{
 use super::options::PveOptions;
 use super::placement::Placement;
 use super::sizing::{Inherited, CLEARED_KEYS};
-use super::slots::{ClonePermit, CloneSlots, SlotDomain};
+use super::slots::{ClonePermit, CloneSlots, Read, SlotDomain};
 use super::vmid::{LateClone, Vmids};
 use crate::substrate::{CloneRequest, SubstrateError, VmRef};
 use crate::timeline::{self, Step};
@@ -287,25 +287,42 @@ impl Cloner {
 
     /// While the clone's domain learns its storage (see
     /// `slots::learn`): reads the clone task's log for its copy's progress
-    /// as the domain asks, and tells it. Returns once the domain needs no
-    /// more (at once when it is not learning); the task's wait runs beside
-    /// it. A log that cannot be read now is read again at the next turn:
-    /// a missed sample only delays the learning.
+    /// when the domain asks (while it allocates, every 250 ms; in its
+    /// stage's window, when it should have advanced enough; otherwise when
+    /// the learning moves on), and tells it. Returns once the domain needs
+    /// no more (at once when it is not learning); the task's wait runs
+    /// beside it. A log that cannot be read now is read again at the next
+    /// turn: a missed sample only delays the learning.
     async fn report_progress(&self, permit: &ClonePermit, upid: &Upid) {
         // A clone's log is about a hundred lines (one each whole percent).
         const LINES: u64 = 1000;
-        let mut next = permit.first_read();
-        while let Some(after) = next {
-            tokio::time::sleep(after).await;
+        // A wake missed is made up for by a read this much later.
+        const AT_LATEST: std::time::Duration = std::time::Duration::from_secs(2);
+        let Some(first) = permit.first_read() else {
+            return;
+        };
+        let mut changes = permit.changes();
+        let mut next = Read::After(first);
+        loop {
+            match next {
+                Read::After(after) => tokio::time::sleep(after).await,
+                Read::OnChange => {
+                    let _ = tokio::time::timeout(AT_LATEST, changes.changed()).await;
+                    if !permit.learning() {
+                        return;
+                    }
+                }
+                Read::Done => return,
+            }
             let percent = match self.api.once(|pve| pve.task_log(upid, 0, LINES)).await {
                 Ok(log) => log.iter().rev().find_map(pve::TaskLogLine::copy_percent),
                 Err(e) => {
                     tracing::debug!(task = %upid, error = %e, "could not read the clone's progress; reading it at the next turn");
-                    next = Some(after);
+                    next = Read::After(first);
                     continue;
                 }
             };
-            next = permit.sample(percent);
+            next = permit.sample(percent, &mut changes);
         }
     }
 

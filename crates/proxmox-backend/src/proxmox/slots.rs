@@ -43,12 +43,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use parking_lot::Mutex;
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
 
 use crate::substrate::{CloneSlotsView, SubstrateError};
 
 mod learn;
+pub(super) use learn::Read;
 use learn::{Learner, Learnt};
 
 /// Where an adaptive domain starts, per node cloning to it: two clones at
@@ -112,6 +113,8 @@ struct Key {
     storage: String,
     sem: Arc<Semaphore>,
     state: Mutex<KeyState>,
+    /// Bumped when its learning moves on (see [`Read::OnChange`]).
+    changes: watch::Sender<u64>,
 }
 
 #[derive(Default)]
@@ -148,6 +151,8 @@ struct KeyState {
     pace: Option<Pace>,
     /// Numbers the permits, for the learner.
     serial: u64,
+    /// The learner's generation last published on `Key::changes`.
+    published: u64,
 }
 
 /// A learnt domain's pace: clones start one each `every`.
@@ -208,6 +213,7 @@ impl CloneSlots {
                         storage: domain.storage.clone(),
                         sem: Arc::new(Semaphore::new(0)),
                         state: Mutex::new(KeyState::default()),
+                        changes: watch::channel(0).0,
                     })
                 }),
         );
@@ -287,6 +293,7 @@ impl CloneSlots {
             st.serial += 1;
             let id = st.serial;
             let verdict = st.learner.as_mut().map(|l| l.join(id));
+            key.publish(&mut st);
             let learning = matches!(verdict, Some(None));
             if let Some(Some(v)) = verdict {
                 key.apply(&mut st, v, self.most);
@@ -370,7 +377,9 @@ impl ClonePermit {
         }
         let mut st = self.key.state.lock();
         if self.learning {
-            if let Some(v) = st.learner.as_mut().and_then(|l| l.left(self.id, true)) {
+            let verdict = st.learner.as_mut().and_then(|l| l.left(self.id, true));
+            self.key.publish(&mut st);
+            if let Some(v) = verdict {
                 self.key.apply(&mut st, v, self.most);
             }
         }
@@ -425,16 +434,39 @@ impl ClonePermit {
     /// The clone's copy was `percent` done (`None`: its log shows no
     /// progress yet) as its task's log was read now. When to read it
     /// next; `None` once its domain needs no more.
-    pub(super) fn sample(&self, percent: Option<f64>) -> Option<Duration> {
+    ///
+    /// `seen` (from [`ClonePermit::changes`]) is marked up to date under
+    /// the domain's lock: a change this read made does not wake its own
+    /// wait, and one made by another clone after it does.
+    pub(super) fn sample(&self, percent: Option<f64>, seen: &mut watch::Receiver<u64>) -> Read {
         let mut st = self.key.state.lock();
-        let (verdict, next) = st
+        let Some((verdict, next)) = st
             .learner
             .as_mut()
-            .map(|l| l.sample(self.id, Instant::now(), percent))?;
+            .map(|l| l.sample(self.id, Instant::now(), percent))
+        else {
+            return Read::Done;
+        };
+        self.key.publish(&mut st);
         if let Some(v) = verdict {
             self.key.apply(&mut st, v, self.most);
         }
-        next.filter(|_| st.learner.is_some())
+        seen.borrow_and_update();
+        if st.learner.is_some() {
+            next
+        } else {
+            Read::Done
+        }
+    }
+
+    /// Whether this clone is still to report its copy's progress.
+    pub(super) fn learning(&self) -> bool {
+        self.learning && self.key.state.lock().learner.is_some()
+    }
+
+    /// Tells when its domain's learning moves on ([`Read::OnChange`]).
+    pub(super) fn changes(&self) -> watch::Receiver<u64> {
+        self.key.changes.subscribe()
     }
 
     /// The clone met a storage-lock timeout: too many allocations queue on
@@ -497,9 +529,25 @@ impl Key {
         true
     }
 
+    /// Wakes the clones waiting on [`Read::OnChange`] when the learner
+    /// moved on since the last call.
+    fn publish(&self, st: &mut KeyState) {
+        let Some(generation) = st.learner.as_ref().map(Learner::generation) else {
+            return;
+        };
+        if generation != st.published {
+            st.published = generation;
+            self.changes.send_modify(|g| *g += 1);
+        }
+    }
+
     /// Acts on what the learner says (see [`learn`]); `most` is the
     /// ceiling per node.
     fn apply(&self, st: &mut KeyState, verdict: Learnt, most: usize) {
+        if matches!(verdict, Learnt::Known { .. } | Learnt::GaveUp) {
+            // The clones waiting to be read are read no more.
+            self.changes.send_modify(|g| *g += 1);
+        }
         match verdict {
             Learnt::Stage(n) => {
                 if self.raise(st, n) {
@@ -546,7 +594,9 @@ impl Drop for ClonePermit {
         if self.learning {
             // Given up or failed before its verdict (a clone that ended
             // well has left already).
-            if let Some(v) = st.learner.as_mut().and_then(|l| l.left(self.id, false)) {
+            let verdict = st.learner.as_mut().and_then(|l| l.left(self.id, false));
+            self.key.publish(&mut st);
+            if let Some(v) = verdict {
                 self.key.apply(&mut st, v, self.most);
             }
         }

@@ -52,6 +52,18 @@ pub(super) enum Learnt {
     GaveUp,
 }
 
+/// When a learning copy's log is to be read next.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(in crate::proxmox) enum Read {
+    /// After this long.
+    After(Duration),
+    /// When the learning next moves on (a stage's window begins, a stage
+    /// follows, it ends): nothing this copy shows counts before then.
+    OnChange,
+    /// No more: its copy is done, or it is not learning.
+    Done,
+}
+
 /// One learning copy's samples: (when, percent).
 #[derive(Default)]
 struct Copy {
@@ -84,6 +96,9 @@ pub(super) struct Learner {
     admitted: usize,
     /// Windows of this stage started again by a copy that left.
     restarts: usize,
+    /// Bumped each time a window begins or a stage follows: the copies
+    /// waiting on [`Read::OnChange`] are then read.
+    generation: u64,
 }
 
 impl Learner {
@@ -96,6 +111,7 @@ impl Learner {
             began: None,
             admitted: 0,
             restarts: 0,
+            generation: 0,
         }
     }
 
@@ -139,17 +155,22 @@ impl Learner {
         }
     }
 
+    /// See [`Read::OnChange`].
+    pub(super) fn generation(&self) -> u64 {
+        self.generation
+    }
+
     /// A read of copy `id`'s log at `at`: `percent` as its last progress
     /// line said, `None` when it has none yet. A verdict when this read
-    /// completes a stage; and when to read this copy next (`None`: stop).
+    /// completes a stage; and when to read this copy next.
     pub(super) fn sample(
         &mut self,
         id: u64,
         at: Instant,
         percent: Option<f64>,
-    ) -> (Option<Learnt>, Option<Duration>) {
+    ) -> (Option<Learnt>, Read) {
         let Some(copy) = self.copies.get_mut(&id) else {
-            return (None, None);
+            return (None, Read::Done);
         };
         let percent = percent.unwrap_or(0.0);
         copy.last = Some((at, percent));
@@ -161,6 +182,7 @@ impl Learner {
             && self.copies.values().all(|c| c.copying.is_some())
         {
             self.began = Some(at);
+            self.generation += 1;
         }
         if let Some(began) = self.began {
             for c in self.copies.values_mut() {
@@ -175,23 +197,38 @@ impl Learner {
         (self.verdict(), next)
     }
 
-    /// When to read copy `id` again: about when it will have advanced half
-    /// the points a rate needs, by its rate so far.
-    fn next_read(&self, id: u64) -> Option<Duration> {
-        let copy = self.copies.get(&id)?;
-        let Some(((t0, p0), (t1, p1))) = copy.copying.zip(copy.last) else {
-            return Some(READ_SOONEST);
+    /// When to read copy `id` again: while it allocates, soon; once it
+    /// copies, not before the stage's window begins; in the window, about
+    /// when it will have advanced the points a rate needs, by its rate so
+    /// far; once its rate counts, not before the next stage.
+    fn next_read(&self, id: u64) -> Read {
+        let Some(copy) = self.copies.get(&id) else {
+            return Read::Done;
+        };
+        let (Some((t0, p0)), Some((t1, p1))) = (copy.copying, copy.last) else {
+            return Read::After(READ_SOONEST);
         };
         if p1 >= 100.0 {
-            return None;
+            return Read::Done;
+        }
+        let Some((_, from)) = copy.from else {
+            return if self.began.is_none() {
+                Read::OnChange
+            } else {
+                Read::After(READ_SOONEST)
+            };
+        };
+        if copy.rate().is_some() {
+            return Read::OnChange;
         }
         let secs = t1.duration_since(t0).as_secs_f64();
         if p1 <= p0 || secs <= 0.0 {
-            return Some(READ_SOONEST);
+            return Read::After(READ_SOONEST);
         }
-        let rate = (p1 - p0) / secs;
-        let half = Duration::from_secs_f64((MIN_ADVANCE / 2.0 / rate).min(3600.0));
-        Some(half.clamp(READ_SOONEST, READ_LATEST))
+        // A little past the points, so one read usually does.
+        let left = from + MIN_ADVANCE * 1.1 - p1;
+        let wait = Duration::from_secs_f64((left / ((p1 - p0) / secs)).clamp(0.0, 3600.0));
+        Read::After(wait.clamp(READ_SOONEST, READ_LATEST))
     }
 
     fn verdict(&mut self) -> Option<Learnt> {
@@ -204,11 +241,8 @@ impl Learner {
             .map(Copy::rate)
             .collect::<Option<_>>()?;
         let rate = rates.iter().sum::<f64>() / rates.len() as f64;
-        let Some(alone) = self.alone else {
-            self.alone = Some(rate);
-            return Some(self.next_stage());
-        };
-        if rate >= UNSLOWED * alone && self.stage < self.most {
+        let alone = *self.alone.get_or_insert(rate);
+        if self.stage < self.most && (self.stage == 1 || rate >= UNSLOWED * alone) {
             return Some(self.next_stage());
         }
         // The stage's copies slowed one another (or the ceiling is
@@ -224,6 +258,7 @@ impl Learner {
     fn next_stage(&mut self) -> Learnt {
         self.stage += 1;
         self.restarts = 0;
+        self.generation += 1;
         self.restart();
         Learnt::Stage(self.stage)
     }
@@ -328,7 +363,7 @@ mod tests {
         let mut fresh = Learner::new(8);
         fresh.join(7);
         let (v, next) = fresh.sample(7, t, None);
-        assert_eq!((v, next), (None, Some(READ_SOONEST)));
+        assert_eq!((v, next), (None, Read::After(READ_SOONEST)));
         assert_eq!(
             fresh.left(7, false),
             None,
@@ -344,20 +379,64 @@ mod tests {
         );
     }
 
+    /// With one clone at most per node there is no second stage: the lone
+    /// copy's rate is the disk's, as far as the provider will use it.
     #[test]
-    fn reads_come_about_when_half_the_points_have_passed() {
-        let mut l = Learner::new(8);
+    fn one_clone_at_most_is_learnt_alone() {
+        let mut l = Learner::new(1);
+        let mut t = Instant::now();
+        assert_eq!(l.join(1), None);
+        let v = feed(&mut l, &mut t, &[(1, 1.0)], 25.0, 4);
+        let Some(Learnt::Known { every, fill }) = v else {
+            panic!("{v:?}");
+        };
+        assert_eq!(fill, 1);
+        assert!((every.as_secs_f64() - 4.0).abs() < 0.5, "{every:?}");
+    }
+
+    /// Reads follow the copy: soon while it allocates; in its window, about
+    /// when it will have advanced the points (within 250 ms to 2 s); not
+    /// while its rate cannot count (the others not copying yet, or its rate
+    /// counted already); none once it is done.
+    #[test]
+    fn reads_come_when_a_read_can_count() {
         let t = Instant::now();
+        let mut l = Learner::new(8);
         l.join(1);
-        assert_eq!(l.sample(1, t, Some(1.0)).1, Some(READ_SOONEST));
-        // 1 %/s: five points take 5 s; read no later than 2 s.
-        assert_eq!(l.sample(1, t + MS(1000), Some(2.0)).1, Some(READ_LATEST));
-        // 40 %/s: five points take 125 ms; read no sooner than 250 ms.
+        assert_eq!(
+            l.sample(1, t, None).1,
+            Read::After(READ_SOONEST),
+            "allocating"
+        );
+        assert_eq!(
+            l.sample(1, t + MS(250), Some(1.0)).1,
+            Read::After(READ_SOONEST)
+        );
+        // 1 %/s: eleven points take 11 s; read no later than 2 s.
+        assert_eq!(
+            l.sample(1, t + MS(1250), Some(2.0)).1,
+            Read::After(READ_LATEST)
+        );
+        // 20 %/s: the rest of eleven points (from 1 %) in 0.5 s.
         let mut f = Learner::new(8);
         f.join(1);
         f.sample(1, t, Some(1.0));
-        assert_eq!(f.sample(1, t + MS(500), Some(21.0)).1, Some(READ_SOONEST));
-        assert_eq!(f.sample(1, t + MS(600), Some(100.0)).1, None, "done");
+        assert_eq!(f.sample(1, t + MS(100), Some(3.0)).1, Read::After(MS(450)));
+        // Its rate counts: the next stage; until a second copy copies,
+        // nothing it shows counts.
+        let (v, next) = f.sample(1, t + MS(600), Some(13.0));
+        assert_eq!((v, next), (Some(Learnt::Stage(2)), Read::OnChange));
+        let before = f.generation();
+        f.join(2);
+        assert_eq!(
+            f.sample(2, t + MS(700), Some(1.0)).1,
+            Read::After(READ_SOONEST)
+        );
+        assert!(
+            f.generation() > before,
+            "its window began: the first is read"
+        );
+        assert_eq!(f.sample(1, t + MS(700), Some(100.0)).1, Read::Done, "done");
     }
 
     #[test]
