@@ -198,14 +198,13 @@ pub trait Substrate: Send + Sync + 'static {
     fn destroy_leftovers(&self) -> u64 {
         0
     }
-    /// Each clone-slot domain's slots, as they stand now.
     /// How far the disk copy of the PVE task `upid` is, in percent, as its
     /// log last reported it (a full clone under way); `None` when its log
     /// reports none. Read when asked (an operator's `ctl get`), not polled.
     async fn copy_progress(&self, _upid: &str) -> Result<Option<f64>, SubstrateError> {
         Ok(None)
     }
-
+    /// Each clone-slot domain's slots, as they stand now.
     fn clone_slots(&self) -> Vec<CloneSlotsView> {
         Vec::new()
     }

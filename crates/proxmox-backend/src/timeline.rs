@@ -153,6 +153,50 @@ struct Open {
     upid: Option<String>,
 }
 
+impl Open {
+    /// What it is as a record now: its time so far; `running` while under
+    /// way, else ended with `error`.
+    fn record(&self, running: bool, error: Option<String>) -> StepRecord {
+        StepRecord {
+            step: self.step,
+            node: self.node.clone(),
+            started: self.started,
+            duration: self.clock.elapsed(),
+            upid: self.upid.clone(),
+            error,
+            running,
+            copied_percent: None,
+        }
+    }
+}
+
+impl Machines {
+    /// Keeps `record` as `machine_id`'s latest step, within the bounds.
+    fn push(&mut self, machine_id: &str, record: StepRecord) {
+        self.clock += 1;
+        let now = self.clock;
+        if !self.steps.contains_key(machine_id) && self.steps.len() >= MACHINES {
+            let oldest = self
+                .steps
+                .iter()
+                .min_by_key(|(_, (at, _))| *at)
+                .map(|(id, _)| id.clone());
+            if let Some(id) = oldest {
+                self.steps.remove(&id);
+            }
+        }
+        let entry = self
+            .steps
+            .entry(machine_id.to_string())
+            .or_insert_with(|| (now, VecDeque::new()));
+        entry.0 = now;
+        if entry.1.len() >= STEPS_PER_MACHINE {
+            entry.1.pop_front();
+        }
+        entry.1.push_back(record);
+    }
+}
+
 impl Timeline {
     pub fn new(observer: Option<Arc<dyn StepObserver>>) -> Timeline {
         Timeline {
@@ -184,16 +228,7 @@ impl Timeline {
             .open
             .values()
             .filter(|o| o.machine_id == machine_id)
-            .map(|o| StepRecord {
-                step: o.step,
-                node: o.node.clone(),
-                started: o.started,
-                duration: o.clock.elapsed(),
-                upid: o.upid.clone(),
-                error: None,
-                running: true,
-                copied_percent: None,
-            })
+            .map(|o| o.record(true, None))
             .collect();
         open.sort_by_key(|r| r.started);
         steps.extend(open);
@@ -215,42 +250,26 @@ impl Timeline {
         }
     }
 
-    /// Records a step that ended, and stops showing it as under way
-    /// (`open`) under the same lock, so no read misses it between.
-    fn record(&self, machine_id: &str, open: Option<u64>, record: StepRecord) {
-        if let Some(obs) = &self.observer {
-            obs.observe_step(
-                record.step,
-                &record.node,
-                record.duration,
-                record.error.is_none(),
-            );
+    /// Ends the step under way `serial` with `error` (`None`: it
+    /// succeeded): recorded, and no longer shown as under way, under the
+    /// same lock, so no read misses it between.
+    fn close(&self, serial: u64, error: Option<String>) {
+        let observed = {
+            let mut m = self.machines.lock();
+            let Some(open) = m.open.remove(&serial) else {
+                return;
+            };
+            let record = open.record(false, error);
+            let observed = self.observer.is_some().then(|| {
+                let ok = record.error.is_none();
+                (record.step, record.node.clone(), record.duration, ok)
+            });
+            m.push(&open.machine_id, record);
+            observed
+        };
+        if let (Some(obs), Some((step, node, duration, ok))) = (&self.observer, observed) {
+            obs.observe_step(step, &node, duration, ok);
         }
-        let mut m = self.machines.lock();
-        if let Some(serial) = open {
-            m.open.remove(&serial);
-        }
-        m.clock += 1;
-        let now = m.clock;
-        if !m.steps.contains_key(machine_id) && m.steps.len() >= MACHINES {
-            let oldest = m
-                .steps
-                .iter()
-                .min_by_key(|(_, (at, _))| *at)
-                .map(|(id, _)| id.clone());
-            if let Some(id) = oldest {
-                m.steps.remove(&id);
-            }
-        }
-        let entry = m
-            .steps
-            .entry(machine_id.to_string())
-            .or_insert_with(|| (now, VecDeque::new()));
-        entry.0 = now;
-        if entry.1.len() >= STEPS_PER_MACHINE {
-            entry.1.pop_front();
-        }
-        entry.1.push_back(record);
     }
 }
 
@@ -268,52 +287,35 @@ tokio::task_local! {
 /// doc). End it with [`StepGuard::end`]; a guard dropped without it (the
 /// future cancelled, an early return) records the step as abandoned.
 pub fn step(step: Step, node: &str) -> StepGuard {
-    let current = CURRENT.try_with(Clone::clone).ok();
-    let started = SystemTime::now();
-    let clock = tokio::time::Instant::now();
-    let open = current.as_ref().map(|c| {
-        c.timeline.open(Open {
-            machine_id: c.machine_id.clone(),
-            step,
-            node: node.to_string(),
-            started,
-            clock,
-            upid: None,
+    let open = CURRENT
+        .try_with(|c| {
+            let serial = c.timeline.open(Open {
+                machine_id: c.machine_id.clone(),
+                step,
+                node: node.to_string(),
+                started: SystemTime::now(),
+                clock: tokio::time::Instant::now(),
+                upid: None,
+            });
+            (Arc::clone(&c.timeline), serial)
         })
-    });
-    StepGuard {
-        current,
-        step,
-        node: node.to_string(),
-        started,
-        clock,
-        upid: None,
-        open,
-        done: false,
-    }
+        .ok();
+    StepGuard { open, done: false }
 }
 
-/// A step under way.
+/// A step under way: its timeline and its serial there, when a machine is
+/// in scope (outside one nothing is shown or recorded).
 pub struct StepGuard {
-    current: Option<Current>,
-    step: Step,
-    node: String,
-    started: SystemTime,
-    clock: tokio::time::Instant,
-    upid: Option<String>,
-    /// Its serial among the steps under way, while it is shown as one.
-    open: Option<u64>,
+    open: Option<(Arc<Timeline>, u64)>,
     done: bool,
 }
 
 impl StepGuard {
     /// The PVE task running this step.
     pub fn task(&mut self, upid: impl fmt::Display) {
-        let upid = upid.to_string();
-        if let (Some(current), Some(serial)) = (&self.current, self.open) {
-            current.timeline.set_task(serial, &upid);
+        if let Some((timeline, serial)) = &self.open {
+            timeline.set_task(*serial, &upid.to_string());
         }
-        self.upid = Some(upid);
     }
 
     /// Ends the step with the outcome of what it did, and hands it back.
@@ -325,23 +327,9 @@ impl StepGuard {
 
     fn finish(&mut self, error: Option<String>) {
         self.done = true;
-        let Some(current) = self.current.take() else {
-            return;
-        };
-        current.timeline.record(
-            &current.machine_id,
-            self.open.take(),
-            StepRecord {
-                step: self.step,
-                node: std::mem::take(&mut self.node),
-                started: self.started,
-                duration: self.clock.elapsed(),
-                upid: self.upid.take(),
-                error,
-                running: false,
-                copied_percent: None,
-            },
-        );
+        if let Some((timeline, serial)) = self.open.take() {
+            timeline.close(serial, error);
+        }
     }
 }
 

@@ -778,7 +778,7 @@ fn storage_lock_timeout(storage: &str, shared: bool) -> String {
 /// A line of a full clone's task log as qemu-server prints qemu-img's
 /// progress: `transferred 204.8 MiB of 2.0 GiB (10.00%)` (`QemuImage::convert`,
 /// sizes by `PVE::Format::render_bytes` at one decimal).
-pub(crate) fn copy_progress_line(size: u64, percent: f64) -> String {
+fn copy_progress_line(size: u64, percent: f64) -> String {
     let transferred = (size as f64 * percent / 100.0) as u64;
     format!(
         "transferred {} of {} ({percent:.2}%)",

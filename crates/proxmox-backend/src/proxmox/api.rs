@@ -194,6 +194,28 @@ impl Api {
         call(&self.client)
     }
 
+    /// How far the disk copy of task `upid` is, in percent, by the last
+    /// progress line of its log (`None`: none yet). Retried past transient
+    /// failures until `deadline` when one is given, else read once.
+    pub(super) async fn copy_percent(
+        &self,
+        upid: &Upid,
+        deadline: Option<Instant>,
+    ) -> Result<Option<f64>, PveError> {
+        // A clone's log is about a hundred lines (one each whole percent).
+        const LINES: u64 = 1000;
+        let log = match deadline {
+            Some(deadline) => {
+                self.retry_raw(Some(&upid.node), deadline, |pve| {
+                    pve.task_log(upid, 0, LINES)
+                })
+                .await?
+            }
+            None => self.once(|pve| pve.task_log(upid, 0, LINES)).await?,
+        };
+        Ok(log.iter().rev().find_map(pve::TaskLogLine::copy_percent))
+    }
+
     pub(super) fn first_poll(&self) -> Duration {
         self.opts.poll_interval.min(Duration::from_millis(100))
     }

@@ -294,8 +294,6 @@ impl Cloner {
     /// beside it. A log that cannot be read now is read again at the next
     /// turn: a missed sample only delays the learning.
     async fn report_progress(&self, permit: &ClonePermit, upid: &Upid) {
-        // A clone's log is about a hundred lines (one each whole percent).
-        const LINES: u64 = 1000;
         // A wake missed is made up for by a read this much later.
         const AT_LATEST: std::time::Duration = std::time::Duration::from_secs(2);
         let Some(first) = permit.first_read() else {
@@ -314,8 +312,8 @@ impl Cloner {
                 }
                 Read::Done => return,
             }
-            let percent = match self.api.once(|pve| pve.task_log(upid, 0, LINES)).await {
-                Ok(log) => log.iter().rev().find_map(pve::TaskLogLine::copy_percent),
+            let percent = match self.api.copy_percent(upid, None).await {
+                Ok(percent) => percent,
                 Err(e) => {
                     tracing::debug!(task = %upid, error = %e, "could not read the clone's progress; reading it at the next turn");
                     next = Read::After(first);

@@ -481,18 +481,11 @@ impl Substrate for PveSubstrate {
     async fn copy_progress(&self, upid: &str) -> Result<Option<f64>, SubstrateError> {
         // An operator's read: a few retries at most, never a long hang.
         const WITHIN: Duration = Duration::from_secs(5);
-        // A clone's log is about a hundred lines (one each whole percent).
-        const LINES: u64 = 1000;
         let task = pve::Upid::parse(upid).map_err(|e| api::err("a task's UPID", &e))?;
-        let deadline = Instant::now() + WITHIN;
-        let log = self
-            .api
-            .retry_raw(Some(&task.node), deadline, |pve| {
-                pve.task_log(&task, 0, LINES)
-            })
+        self.api
+            .copy_percent(&task, Some(Instant::now() + WITHIN))
             .await
-            .map_err(|e| err_at(format!("reading the log of {upid}"), Some(&task.node), &e))?;
-        Ok(log.iter().rev().find_map(pve::TaskLogLine::copy_percent))
+            .map_err(|e| err_at(format!("reading the log of {upid}"), Some(&task.node), &e))
     }
 
     async fn observe_memory(&self, nodes: &[String]) -> Vec<MemoryRoom> {

@@ -151,8 +151,6 @@ struct KeyState {
     pace: Option<Pace>,
     /// Numbers the permits, for the learner.
     serial: u64,
-    /// The learner's generation last published on `Key::changes`.
-    published: u64,
 }
 
 /// A learnt domain's pace: clones start one each `every`.
@@ -292,12 +290,9 @@ impl CloneSlots {
             let mut st = key.state.lock();
             st.serial += 1;
             let id = st.serial;
-            let verdict = st.learner.as_mut().map(|l| l.join(id));
-            key.publish(&mut st);
-            let learning = matches!(verdict, Some(None));
-            if let Some(Some(v)) = verdict {
-                key.apply(&mut st, v, self.most);
-            }
+            key.learn(&mut st, self.most, |l| (l.join(id), ()));
+            // Still learning after it joined: its progress counts.
+            let learning = st.learner.is_some();
             // A learnt domain's pace: this clone starts at the next turn.
             let start = st.pace.as_mut().map_or(now, |p| {
                 let start = p.next.max(now);
@@ -377,11 +372,8 @@ impl ClonePermit {
         }
         let mut st = self.key.state.lock();
         if self.learning {
-            let verdict = st.learner.as_mut().and_then(|l| l.left(self.id, true));
-            self.key.publish(&mut st);
-            if let Some(v) = verdict {
-                self.key.apply(&mut st, v, self.most);
-            }
+            self.key
+                .learn(&mut st, self.most, |l| (l.left(self.id, true), ()));
         }
         let recent = st.recent.entry(template).or_default();
         recent.push_back(took);
@@ -428,7 +420,7 @@ impl ClonePermit {
     /// ([`ClonePermit::sample`]): `None` unless its domain is learning its
     /// storage.
     pub(super) fn first_read(&self) -> Option<Duration> {
-        (self.learning && self.key.state.lock().learner.is_some()).then_some(learn::READ_SOONEST)
+        self.learning().then_some(learn::READ_SOONEST)
     }
 
     /// The clone's copy was `percent` done (`None`: its log shows no
@@ -440,17 +432,11 @@ impl ClonePermit {
     /// wait, and one made by another clone after it does.
     pub(super) fn sample(&self, percent: Option<f64>, seen: &mut watch::Receiver<u64>) -> Read {
         let mut st = self.key.state.lock();
-        let Some((verdict, next)) = st
-            .learner
-            .as_mut()
-            .map(|l| l.sample(self.id, Instant::now(), percent))
-        else {
+        let Some(next) = self.key.learn(&mut st, self.most, |l| {
+            l.sample(self.id, Instant::now(), percent)
+        }) else {
             return Read::Done;
         };
-        self.key.publish(&mut st);
-        if let Some(v) = verdict {
-            self.key.apply(&mut st, v, self.most);
-        }
         seen.borrow_and_update();
         if st.learner.is_some() {
             next
@@ -529,16 +515,26 @@ impl Key {
         true
     }
 
-    /// Wakes the clones waiting on [`Read::OnChange`] when the learner
-    /// moved on since the last call.
-    fn publish(&self, st: &mut KeyState) {
-        let Some(generation) = st.learner.as_ref().map(Learner::generation) else {
-            return;
-        };
-        if generation != st.published {
-            st.published = generation;
+    /// Tells the domain's learner something (`tell`, which gives its
+    /// verdict, if any, and what else it answers), when the domain learns:
+    /// wakes the clones waiting on [`Read::OnChange`] if the learner moved
+    /// on, and acts on the verdict. `None` when the domain does not learn.
+    fn learn<R>(
+        &self,
+        st: &mut KeyState,
+        most: usize,
+        tell: impl FnOnce(&mut Learner) -> (Option<Learnt>, R),
+    ) -> Option<R> {
+        let learner = st.learner.as_mut()?;
+        let before = learner.generation();
+        let (verdict, answer) = tell(learner);
+        if learner.generation() != before {
             self.changes.send_modify(|g| *g += 1);
         }
+        if let Some(v) = verdict {
+            self.apply(st, v, most);
+        }
+        Some(answer)
     }
 
     /// Acts on what the learner says (see [`learn`]); `most` is the
@@ -594,11 +590,8 @@ impl Drop for ClonePermit {
         if self.learning {
             // Given up or failed before its verdict (a clone that ended
             // well has left already).
-            let verdict = st.learner.as_mut().and_then(|l| l.left(self.id, false));
-            self.key.publish(&mut st);
-            if let Some(v) = verdict {
-                self.key.apply(&mut st, v, self.most);
-            }
+            self.key
+                .learn(&mut st, self.most, |l| (l.left(self.id, false), ()));
         }
         let Some(permit) = self.permit.take() else {
             return;
