@@ -492,6 +492,18 @@ pub async fn speculative_id(c: &mut CapacityProviderClient<Channel>) -> String {
     speculative_where(c, "", |_| true).await
 }
 
+/// Sends a plain Create for a SPECULATIVE slot; its id.
+pub async fn create_speculative(c: &mut CapacityProviderClient<Channel>) -> String {
+    let id = speculative_id(c).await;
+    c.create(bigfleet_proto::v1alpha1::CreateRequest {
+        machine_id: id.clone(),
+        ..Default::default()
+    })
+    .await
+    .expect("Create");
+    id
+}
+
 /// The id of a SPECULATIVE slot in zone `node`.
 pub async fn speculative_in(c: &mut CapacityProviderClient<Channel>, node: &str) -> String {
     speculative_where(c, &format!(" in zone {node}"), |m| m.zone == node).await

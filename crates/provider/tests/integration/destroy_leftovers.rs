@@ -6,7 +6,7 @@
 
 use std::time::Duration;
 
-use bigfleet_proto::v1alpha1::{CreateRequest, DeleteRequest, MachineState};
+use bigfleet_proto::v1alpha1::{DeleteRequest, MachineState};
 use pve_sim::{PveSim, SimConfig};
 
 use crate::common::{self, http_get, sim_backend_args, sim_ca_file, wait_state};
@@ -47,13 +47,7 @@ async fn a_disk_the_destroy_left_is_a_warn_and_a_count_on_pve_8_and_9() {
         // the first leak.
         assert_eq!(leftovers(&p).as_deref(), Some("0"), "pve9={pve9}");
         let mut c = p.client().await;
-        let id = common::speculative_id(&mut c).await;
-        c.create(CreateRequest {
-            machine_id: id.clone(),
-            ..Default::default()
-        })
-        .await
-        .expect("Create");
+        let id = common::create_speculative(&mut c).await;
         let idle = wait_state(&mut c, &id, MachineState::Idle, LIFECYCLE_DEADLINE).await;
         let host = idle.host.expect("a host").r#ref;
         let vmid: u32 = host

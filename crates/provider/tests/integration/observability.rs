@@ -451,13 +451,7 @@ async fn real_backend_scrape_passes_promtool_and_the_openmetrics_parser() {
     );
     let p = start_blocking(args).await;
     let mut c = p.client().await;
-    let id = common::speculative_id(&mut c).await;
-    c.create(CreateRequest {
-        machine_id: id.clone(),
-        ..Default::default()
-    })
-    .await
-    .expect("Create");
+    let id = common::create_speculative(&mut c).await;
     wait_state(&mut c, &id, MachineState::Idle, LIFECYCLE_DEADLINE).await;
 
     let (_, exp) = scrape(&p);

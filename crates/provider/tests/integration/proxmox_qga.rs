@@ -6,9 +6,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use bigfleet_proto::v1alpha1::{
-    ConfigureRequest, CreateRequest, DeleteRequest, DrainRequest, MachineState,
-};
+use bigfleet_proto::v1alpha1::{ConfigureRequest, DeleteRequest, DrainRequest, MachineState};
 use provider_testkit::host::{alive, or_skip};
 use provider_testkit::wait::until;
 use proxmox_backend::substrate::VmRef;
@@ -59,14 +57,7 @@ async fn full_lifecycle_with_real_qemu_ga() {
     let provider = Provider::start(&args);
     let mut c = provider.client().await;
 
-    let id = common::speculative_id(&mut c).await;
-
-    c.create(CreateRequest {
-        machine_id: id.clone(),
-        ..Default::default()
-    })
-    .await
-    .expect("Create");
+    let id = common::create_speculative(&mut c).await;
     let idle = wait_state(&mut c, &id, MachineState::Idle, DEADLINE).await;
     let host_ref = idle.host.expect("IDLE machine has a host").r#ref;
     let vm = VmRef::parse(&host_ref).expect("host ref");

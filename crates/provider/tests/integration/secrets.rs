@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use bigfleet_proto::v1alpha1::{ConfigureRequest, CreateRequest, ListFilter, MachineState};
+use bigfleet_proto::v1alpha1::{ConfigureRequest, ListFilter, MachineState};
 use pve_sim::{PveSim, SimConfig};
 
 use crate::common::{
@@ -41,13 +41,7 @@ async fn a_failing_bootstrap_that_echoes_the_blob_leaks_nothing() {
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let provider = Provider::start(&args);
     let mut c = provider.client().await;
-    let id = common::speculative_id(&mut c).await;
-    c.create(CreateRequest {
-        machine_id: id.clone(),
-        ..Default::default()
-    })
-    .await
-    .expect("Create");
+    let id = common::create_speculative(&mut c).await;
     wait_state(&mut c, &id, MachineState::Idle, DEADLINE).await;
 
     // Line 1 is the bare token (not a command: "not found"); line 2 prints

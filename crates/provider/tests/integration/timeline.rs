@@ -8,11 +8,11 @@
 use std::time::Duration;
 
 use bigfleet_proto::admin::admin_client::AdminClient;
-use bigfleet_proto::admin::TimelineRequest;
-use bigfleet_proto::v1alpha1::{
-    ConfigureRequest, CreateRequest, DeleteRequest, DrainRequest, MachineState,
-};
+use bigfleet_proto::admin::{TimelineRequest, TimelineStep};
+use bigfleet_proto::v1alpha1::capacity_provider_client::CapacityProviderClient;
+use bigfleet_proto::v1alpha1::{ConfigureRequest, DeleteRequest, DrainRequest, MachineState};
 use pve_sim::{PveSim, SimConfig};
+use tonic::transport::Channel;
 use tonic::Code;
 
 use crate::common::{self, http_get, sim_backend_args, sim_ca_file, wait_state};
@@ -35,6 +35,64 @@ fn sum_of(body: &str, family: &str, labels: &[&str]) -> f64 {
         .sum()
 }
 
+/// The provider on `sim` (pve1, one machine seeded, a 50 ms poll, no
+/// background pass: it would read PVE between the counts below), with
+/// `more` flags; a Create sent for its machine. The CA file's directory
+/// (kept while the provider runs), the provider, its client and the id.
+async fn creating(
+    sim: &PveSim,
+    more: &[&str],
+) -> (
+    tempfile::TempDir,
+    common::Provider,
+    CapacityProviderClient<Channel>,
+    String,
+) {
+    let (dir, ca) = sim_ca_file(sim);
+    let mut flags = vec![
+        "--seed-count",
+        "1",
+        "--proxmox-poll-interval",
+        "50ms",
+        "--reconcile-interval",
+        "0s",
+    ];
+    flags.extend_from_slice(more);
+    let p = common::start_blocking(sim_backend_args(sim, &ca, "pve1", &flags)).await;
+    let mut c = p.client().await;
+    let id = common::create_speculative(&mut c).await;
+    (dir, p, c, id)
+}
+
+/// The Admin service's Timeline of `id`.
+async fn timeline(admin: &AdminClient<Channel>, id: &str) -> Vec<TimelineStep> {
+    admin
+        .clone()
+        .timeline(TimelineRequest {
+            machine_id: id.to_string(),
+        })
+        .await
+        .expect("Timeline")
+        .into_inner()
+        .steps
+}
+
+/// `ctl get <id>` against the provider at `target`, with `more` flags:
+/// its standard output, after it succeeded.
+fn ctl_get(target: &str, id: &str, more: &[&str]) -> Vec<u8> {
+    let out = std::process::Command::new(BIN)
+        .args(["ctl", "get", id, "--target", target])
+        .args(more)
+        .output()
+        .expect("ctl get");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    out.stdout
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lifecycle_is_accounted_for_step_by_step() {
     let sim = PveSim::start(SimConfig {
@@ -45,34 +103,11 @@ async fn a_lifecycle_is_accounted_for_step_by_step() {
     })
     .await
     .expect("simulator");
-    let (_dir, ca) = sim_ca_file(&sim);
-    let args = sim_backend_args(
+    let (_dir, p, mut c, id) = creating(
         &sim,
-        &ca,
-        "pve1",
-        &[
-            "--seed-count",
-            "1",
-            "--proxmox-poll-interval",
-            "50ms",
-            "--readiness-command",
-            "true",
-            "--drain-command",
-            "true",
-            // No background pass (it would read PVE between the counts below).
-            "--reconcile-interval",
-            "0s",
-        ],
-    );
-    let p = common::start_blocking(args).await;
-    let mut c = p.client().await;
-    let id = common::speculative_id(&mut c).await;
-    c.create(CreateRequest {
-        machine_id: id.clone(),
-        ..Default::default()
-    })
-    .await
-    .expect("Create");
+        &["--readiness-command", "true", "--drain-command", "true"],
+    )
+    .await;
     wait_state(&mut c, &id, MachineState::Idle, DEADLINE).await;
     c.configure(ConfigureRequest {
         machine_id: id.clone(),
@@ -99,14 +134,7 @@ async fn a_lifecycle_is_accounted_for_step_by_step() {
     wait_state(&mut c, &id, MachineState::Speculative, DEADLINE).await;
 
     let mut admin = AdminClient::new(common::plain_channel(p.grpc).await);
-    let steps = admin
-        .timeline(TimelineRequest {
-            machine_id: id.clone(),
-        })
-        .await
-        .expect("Timeline")
-        .into_inner()
-        .steps;
+    let steps = timeline(&admin, &id).await;
     let names: Vec<&str> = steps.iter().map(|s| s.step.as_str()).collect();
     assert_eq!(
         names,
@@ -157,12 +185,8 @@ async fn a_lifecycle_is_accounted_for_step_by_step() {
 
     // `ctl get`: a table below the details, and JSON.
     let target = p.grpc.to_string();
-    let out = std::process::Command::new(BIN)
-        .args(["ctl", "get", &id, "--target", &target])
-        .output()
-        .expect("ctl get");
-    let table = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{table}");
+    let out = ctl_get(&target, &id, &[]);
+    let table = String::from_utf8_lossy(&out);
     assert!(table.contains("timeline:"), "{table}");
     assert!(
         table
@@ -170,11 +194,8 @@ async fn a_lifecycle_is_accounted_for_step_by_step() {
             .any(|l| l.contains(" clone ") && l.contains("UPID:pve1:")),
         "{table}"
     );
-    let out = std::process::Command::new(BIN)
-        .args(["ctl", "get", &id, "--target", &target, "--output", "json"])
-        .output()
-        .expect("ctl get --output json");
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    let out = ctl_get(&target, &id, &["--output", "json"]);
+    let v: serde_json::Value = serde_json::from_slice(&out).expect("JSON");
     assert_eq!(v["id"], id.as_str());
     assert_eq!(v["timeline"].as_array().map(Vec::len), Some(steps.len()));
     assert_eq!(v["timeline"][1]["step"], "clone");
@@ -234,42 +255,9 @@ async fn a_step_under_way_is_shown_while_it_runs() {
     })
     .await
     .expect("simulator");
-    let (_dir, ca) = sim_ca_file(&sim);
-    let args = sim_backend_args(
-        &sim,
-        &ca,
-        "pve1",
-        &[
-            "--seed-count",
-            "1",
-            "--proxmox-poll-interval",
-            "50ms",
-            "--reconcile-interval",
-            "0s",
-        ],
-    );
-    let p = common::start_blocking(args).await;
-    let mut c = p.client().await;
-    let id = common::speculative_id(&mut c).await;
-    c.create(CreateRequest {
-        machine_id: id.clone(),
-        ..Default::default()
-    })
-    .await
-    .expect("Create");
+    let (_dir, p, mut c, id) = creating(&sim, &[]).await;
     let admin = AdminClient::new(common::plain_channel(p.grpc).await);
-    let read = || {
-        let mut admin = admin.clone();
-        let id = id.clone();
-        async move {
-            admin
-                .timeline(TimelineRequest { machine_id: id })
-                .await
-                .expect("Timeline")
-                .into_inner()
-                .steps
-        }
-    };
+    let read = || timeline(&admin, &id);
     // Until the clone's task is known (its POST answered) and its copy
     // has begun (after the volume's allocation).
     let deadline = tokio::time::Instant::now() + CLONE;
@@ -317,23 +305,16 @@ async fn a_step_under_way_is_shown_while_it_runs() {
     );
 
     let target = p.grpc.to_string();
-    let out = std::process::Command::new(BIN)
-        .args(["ctl", "get", &id, "--target", &target])
-        .output()
-        .expect("ctl get");
-    let table = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{table}");
+    let out = ctl_get(&target, &id, &[]);
+    let table = String::from_utf8_lossy(&out);
     assert!(
         table.lines().any(|l| l.contains(" clone ")
             && l.contains("running (so far), ")
             && l.contains(" % copied; UPID:pve1:")),
         "{table}"
     );
-    let out = std::process::Command::new(BIN)
-        .args(["ctl", "get", &id, "--target", &target, "--output", "json"])
-        .output()
-        .expect("ctl get --output json");
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    let out = ctl_get(&target, &id, &["--output", "json"]);
+    let v: serde_json::Value = serde_json::from_slice(&out).expect("JSON");
     assert_eq!(v["timeline"][1]["step"], "clone");
     assert_eq!(v["timeline"][1]["running"], true, "{v}");
     assert!(v["timeline"][1]["copied_percent"].is_f64(), "{v}");
